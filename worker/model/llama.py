@@ -1,0 +1,52 @@
+"""The Llama-family decoder forward (Llama, Qwen2 with q/k/v bias, SmolLM2) over a ragged token batch.
+
+No nn.Module: the weights are plain tensors and a step is one straight pass, so the per-layer
+Python overhead stays small. Attention (and the KV writes) go through the backend given to
+`forward`; logits are computed only for the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention.base import AttentionBackend
+from worker.model.config import ModelConfig
+from worker.model.rope import RotaryEmbedding, apply_rotary
+from worker.model.weights import ModelWeights
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self.rope = RotaryEmbedding(config, dtype=dtype, device=device)
+        c = config
+        self._qkv_split = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
+        """Final-normed hidden states [tokens, hidden]; writes every layer's KV for these tokens."""
+        c = self.config
+        eps = c.rms_norm_eps
+        tokens = input_ids.shape[0]
+        cos, sin = self.rope.tables(positions)
+        x = F.embedding(input_ids, self.weights.embed)
+        for index, layer in enumerate(self.weights.layers):
+            h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, eps)
+            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split(self._qkv_split, dim=-1)
+            q = apply_rotary(q.view(tokens, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rotary(k.view(tokens, c.num_kv_heads, c.head_dim), cos, sin)
+            attended = attention.forward(index, q, k, v.view(tokens, c.num_kv_heads, c.head_dim))
+            x = x + F.linear(attended.view(tokens, -1), layer.o_proj)
+            h = F.rms_norm(x, (c.hidden_size,), layer.post_attention_norm, eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        return F.rms_norm(x, (c.hidden_size,), self.weights.final_norm, eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab] for the hidden states of the sampled positions only."""
+        return F.linear(hidden, self.weights.lm_head).float()

@@ -1,0 +1,56 @@
+"""Resolve a model spec (preset name, HF directory, or .gguf file) to config, weights and tokenizer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.model.config import ModelConfig
+from worker.model.presets import SHAPES, TINY_SEED, random_weights, smollm2_gguf_path, tiny_tokenizer
+from worker.model.weights import ModelWeights
+from worker.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PRESET = "smollm2-135m"
+PRESETS = (*SHAPES, SMOLLM2_PRESET)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    weights: ModelWeights
+    tokenizer: Tokenizer | None
+
+
+def load_model(spec: str, *, device: torch.device, dtype: torch.dtype, seed: int = TINY_SEED) -> LoadedModel:
+    started = time.perf_counter()
+    if spec in SHAPES:
+        config = SHAPES[spec]
+        loaded = LoadedModel(config, random_weights(config, seed=seed, device=device, dtype=dtype), tiny_tokenizer(config))
+    elif spec == SMOLLM2_PRESET:
+        loaded = _load_gguf(smollm2_gguf_path(), device=device, dtype=dtype, name=SMOLLM2_PRESET)
+    else:
+        path = Path(spec)
+        if path.is_dir():
+            from worker.model.loader_hf import load_hf_directory
+
+            loaded = LoadedModel(*load_hf_directory(path, device=device, dtype=dtype))
+        elif path.suffix == ".gguf" and path.is_file():
+            loaded = _load_gguf(path, device=device, dtype=dtype, name=path.stem)
+        else:
+            raise FileNotFoundError(
+                f"model {spec!r} is neither a preset ({', '.join(PRESETS)}), an HF directory, nor a .gguf file"
+            )
+    logger.info("model %s ready on %s in %.2f s", loaded.config.name, device, time.perf_counter() - started)
+    return loaded
+
+
+def _load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype, name: str) -> LoadedModel:
+    from worker.model.loader_gguf import load_gguf
+
+    return LoadedModel(*load_gguf(path, device=device, dtype=dtype, name=name))
