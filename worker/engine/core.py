@@ -1,0 +1,401 @@
+"""The engine's state machine: sessions, admission, one step, postprocess. Runs on the engine thread only.
+
+Every public method either raises a typed error having changed nothing, or applies its change in
+full. Turn lifecycle: `submit` validates and queues it; `_activate` reserves the pages for its
+whole turn (input plus outputs), appends its input and makes it the session's active turn; steps
+feed its tokens and sample; `_finish` resolves its future. Consecutive queued no-output chunks are
+folded into the next activation, so a session that fell behind catches up in one append.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shared.errors import (
+    Backpressure,
+    BadSequence,
+    CapacityExhausted,
+    ContextFull,
+    InternalError,
+    InvalidMessage,
+    MicroturnError,
+    SessionNotFound,
+)
+from worker.engine.config import EngineConfig, SessionConfig
+from worker.engine.page_allocator import PageAllocator
+from worker.engine.scheduler import ScheduledBatch, Scheduler
+from worker.engine.session import Session
+from worker.engine.turn import FinishReason, TokenDelta, Turn, TurnResult
+from worker.model_runner import ForwardRow, ModelRunner
+from worker.sampling import SamplingParams
+from worker.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CloseListener = Callable[[str, str], None]
+# A client told to retry after capacity ran out waits about this long before its next try.
+CAPACITY_RETRY_MS = 500
+# A session over its queue bound has a turn or more ahead of it: about one turn's time.
+BACKPRESSURE_RETRY_MS = 200
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    sessions: int
+    active_sessions: int
+    queued_turns: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    page_size: int
+    kv_tokens_total: int
+    kv_tokens_free: int
+    steps: int
+    turns_completed: int
+    tokens_forwarded: int
+    kv_evictions: int
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tokenizer: Tokenizer | None,
+        *,
+        eos_token_ids: tuple[int, ...],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.clock = clock
+        self.vocab_size = runner.config.vocab_size
+        self.page_size = runner.page_size
+        self.allocator = PageAllocator(runner.kv_pool.num_pages)
+        self.scheduler = Scheduler(max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows)
+        # The longest sequence a session may reach: the model's context, and never more than the pool.
+        self.context_limit = min(runner.config.max_position_embeddings, self.allocator.num_pages * self.page_size)
+        self.sessions: dict[str, Session] = {}
+        self.running: dict[str, Session] = {}  # sessions with an active turn, in activation order
+        self.waiting: dict[str, Session] = {}  # sessions with pending turns and no active one
+        self.close_listeners: list[CloseListener] = []
+        self.steps = 0
+        self.turns_completed = 0
+        self.tokens_forwarded = 0
+        self.kv_evictions = 0
+
+    # ---- intake -------------------------------------------------------------------------------
+
+    def open_session(self, session_id: str, config: SessionConfig, history: list[int]) -> None:
+        if session_id in self.sessions:
+            raise InvalidMessage(f"session {session_id} already exists")
+        if len(self.sessions) >= self.config.max_sessions:
+            raise CapacityExhausted(
+                f"worker carries its maximum of {self.config.max_sessions} sessions", retry_after_ms=CAPACITY_RETRY_MS
+            )
+        limit = self._context_limit(config)
+        if config.keep_prefix_tokens >= limit:
+            raise InvalidMessage(f"keep_prefix_tokens {config.keep_prefix_tokens} leaves no room in a context of {limit}")
+        if len(history) > limit:
+            if config.context_policy == "error":
+                raise ContextFull(f"history of {len(history)} tokens exceeds the context of {limit}")
+            history = history[: config.keep_prefix_tokens] + history[len(history) - (limit - config.keep_prefix_tokens) :]
+        seed = config.seed if config.seed is not None else int.from_bytes(session_id.encode()[:8].ljust(8, b"\0"), "little")
+        self.sessions[session_id] = Session(session_id, config, history=history, now=self.clock(), seed=seed)
+
+    def submit(self, session_id: str, turn: Turn) -> None:
+        session = self._get(session_id)
+        if turn.seq <= session.last_seq:
+            raise BadSequence(f"seq {turn.seq} is not above the last accepted seq {session.last_seq}")
+        if len(session.pending) >= self.config.max_queued_turns:
+            raise Backpressure(
+                f"{len(session.pending)} chunks already wait for this session", retry_after_ms=BACKPRESSURE_RETRY_MS
+            )
+        projected = session.projected_length()
+        if not turn.input_tokens and turn.max_output_tokens > 0 and projected == 0:
+            raise InvalidMessage("an empty chunk cannot ask for output before the session has any tokens")
+        grows_by = len(turn.input_tokens) + turn.max_output_tokens
+        limit = self._context_limit(session.config)
+        if session.config.context_policy == "error":
+            if projected + grows_by > limit:
+                raise ContextFull(f"the session would reach {projected + grows_by} tokens; its context holds {limit}")
+        elif session.config.keep_prefix_tokens + grows_by > limit:
+            raise ContextFull(f"one chunk and its output ({grows_by} tokens) do not fit a context of {limit}")
+        session.last_seq = turn.seq
+        session.last_activity = self.clock()
+        session.pending.append(turn)
+        if session.active is None:
+            self.waiting[session_id] = session
+
+    def next_seq(self, session_id: str) -> int:
+        return self._get(session_id).last_seq + 1
+
+    def cancel(self, session_id: str, seq: int | None) -> None:
+        session = self._get(session_id)
+        turns = ([session.active] if session.active else []) + list(session.pending)
+        for turn in turns:
+            if seq is None or turn.seq == seq:
+                turn.cancelled = True
+        active = session.active
+        # A turn between two decode steps stops now; one still appending stops once its input is in.
+        if active is not None and active.cancelled and session.uncached <= 1 and active.output_tokens:
+            self._finish(session, "cancelled")
+
+    def close(self, session_id: str, reason: str) -> None:
+        session = self._get(session_id)
+        del self.sessions[session_id]
+        self.running.pop(session_id, None)
+        self.waiting.pop(session_id, None)
+        for turn in ([session.active] if session.active else []) + list(session.pending):
+            turn.cancelled = True
+            self._resolve(session, turn, "cancelled")
+        session.active = None
+        session.pending.clear()
+        self.allocator.free(session.drop_kv())
+        logger.debug("session %s closed (%s)", session_id, reason)
+        for listener in self.close_listeners:
+            try:
+                listener(session_id, reason)
+            except Exception:
+                logger.exception("close listener failed for session %s", session_id)
+
+    def expire_idle(self) -> float | None:
+        """Close sessions idle past their timeout; returns seconds until the next one could expire."""
+        now = self.clock()
+        soonest: float | None = None
+        for session in list(self.sessions.values()):
+            timeout = session.config.idle_timeout_s
+            if timeout is None or session.is_busy:
+                continue
+            left = session.last_activity + timeout - now
+            if left <= 0:
+                self.close(session.session_id, "idle_timeout")
+            elif soonest is None or left < soonest:
+                soonest = left
+        return soonest
+
+    def stats(self) -> EngineStats:
+        free = self.allocator.num_free
+        return EngineStats(
+            sessions=len(self.sessions),
+            active_sessions=len(self.running),
+            queued_turns=sum(len(s.pending) for s in self.sessions.values()),
+            pages_total=self.allocator.num_pages,
+            pages_used=self.allocator.num_used,
+            pages_free=free,
+            page_size=self.page_size,
+            kv_tokens_total=self.allocator.num_pages * self.page_size,
+            kv_tokens_free=free * self.page_size,
+            steps=self.steps,
+            turns_completed=self.turns_completed,
+            tokens_forwarded=self.tokens_forwarded,
+            kv_evictions=self.kv_evictions,
+        )
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def step(self) -> bool:
+        """Activate waiting turns, run one forward over every session with work; False if idle."""
+        for session in list(self.waiting.values()):
+            del self.waiting[session.session_id]
+            self._activate(session)
+        batch = self.scheduler.schedule(self.running.values())
+        if batch is None:
+            return False
+        rows = [
+            ForwardRow(
+                token_ids=row.session.tokens[row.start : row.start + row.count],
+                start=row.start,
+                pages=row.session.pages,
+                sampling=self._sampling(row.session) if row.sample else None,
+                generator=row.session.generator if row.sample else None,
+            )
+            for row in batch.rows
+        ]
+        try:
+            sampled = self.runner.step(rows)
+        except Exception:
+            logger.exception("forward step failed; failing the %d turns in it", len(batch.rows))
+            self._fail_batch(batch)
+            return True
+        self.steps += 1
+        self.tokens_forwarded += batch.num_tokens
+        for row, result in zip(batch.rows, sampled, strict=True):
+            session = row.session
+            session.num_cached += row.count
+            turn = session.active
+            assert turn is not None
+            if result is not None:
+                session.tokens.append(result.token)
+                turn.output_tokens.append(result.token)
+                if result.logprob is not None:
+                    turn.output_logprobs.append(result.logprob)
+                self._notify_token(session, turn, result.token, result.logprob)
+                if result.token in self._stop_ids(session):
+                    self._finish(session, "stop")
+                elif len(turn.output_tokens) >= turn.max_output_tokens:
+                    self._finish(session, "length")
+                elif turn.cancelled:
+                    self._finish(session, "cancelled")
+            elif session.uncached == 0:
+                self._finish(session, "cancelled" if turn.cancelled else "length")
+        return True
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _activate(self, session: Session) -> None:
+        turns = [session.pending.popleft()]
+        while not turns[-1].wants_output and session.pending:
+            turns.append(session.pending.popleft())
+        owner = turns[-1]
+        owner.absorbed = turns[:-1]
+        inputs = [t for turn in turns for t in turn.input_tokens]
+        outputs = owner.max_output_tokens if owner.wants_output else 0
+        history = self._window(session, len(inputs) + outputs)
+        truncating = history is not session.tokens
+        # A truncated window is re-prefilled into fresh pages; the session's old pages come back first.
+        held = 0 if truncating else len(session.pages)
+        reusable = len(session.pages) if truncating else 0
+        pages_needed = max(-(-(len(history) + len(inputs) + outputs) // self.page_size) - held, 0)
+        if pages_needed > self.allocator.num_free + reusable:
+            self._evict_idle_kv(pages_needed - reusable, keep=session)
+        if pages_needed > self.allocator.num_free + reusable:
+            error = CapacityExhausted(
+                f"KV pool full: {pages_needed} pages needed, {self.allocator.num_free + reusable} free",
+                retry_after_ms=CAPACITY_RETRY_MS,
+            )
+            # Later chunks were sent assuming this one lands: refuse them too rather than reorder input.
+            for turn in [*turns, *session.pending]:
+                self._reject(turn, error)
+            session.pending.clear()
+            return
+        if truncating:
+            self.allocator.free(session.drop_kv())
+            session.tokens = history
+        session.pages.extend(self.allocator.allocate(pages_needed))
+        now = self.clock()
+        for turn in turns:
+            turn.started_at = now
+        session.tokens.extend(inputs)
+        session.active = owner
+        if outputs and session.uncached == 0:
+            # Logits need one fed position: re-feed the last token (its KV slot is rewritten as-is).
+            session.num_cached -= 1
+        if session.uncached == 0:
+            self._finish(session, "cancelled" if owner.cancelled else "length")
+        else:
+            self.running[session.session_id] = session
+
+    def _window(self, session: Session, grows_by: int) -> list[int]:
+        """The history to keep under `truncate` so that `grows_by` more tokens fit; the same list if all fit."""
+        limit = self._context_limit(session.config)
+        tokens = session.tokens
+        if len(tokens) + grows_by <= limit:
+            return tokens
+        keep = session.config.keep_prefix_tokens
+        recent = limit - keep - grows_by
+        return tokens[:keep] + (tokens[len(tokens) - recent :] if recent > 0 else [])
+
+    def _evict_idle_kv(self, pages_needed: int, *, keep: Session) -> None:
+        idle = sorted(
+            (s for s in self.sessions.values() if s is not keep and not s.is_busy and s.pages),
+            key=lambda s: s.last_activity,
+        )
+        for session in idle:
+            if self.allocator.num_free >= pages_needed:
+                return
+            self.allocator.free(session.drop_kv())
+            self.kv_evictions += 1
+            logger.info("dropped the KV of idle session %s; its next chunk recomputes it", session.session_id)
+
+    def _finish(self, session: Session, reason: FinishReason) -> None:
+        owner = session.active
+        assert owner is not None
+        session.active = None
+        self.running.pop(session.session_id, None)
+        for turn in owner.absorbed:
+            self._resolve(session, turn, "cancelled" if turn.cancelled else "length")
+        self._resolve(session, owner, reason)
+        # Give back pages reserved for outputs the turn did not produce (early stop or cancel).
+        needed = -(-len(session.tokens) // self.page_size)
+        if len(session.pages) > needed:
+            self.allocator.free(session.pages[needed:])
+            del session.pages[needed:]
+        session.last_activity = self.clock()
+        if session.pending:
+            self.waiting[session.session_id] = session
+
+    def _resolve(self, session: Session, turn: Turn, reason: FinishReason) -> None:
+        now = self.clock()
+        started = turn.started_at if turn.started_at is not None else now
+        self.turns_completed += 1
+        result = TurnResult(
+            session_id=session.session_id,
+            seq=turn.seq,
+            tokens=tuple(turn.output_tokens),
+            logprobs=tuple(turn.output_logprobs) if turn.logprobs else None,
+            text=self.tokenizer.decode(turn.output_tokens) if self.tokenizer is not None else None,
+            finish=reason,
+            queue_ms=(started - turn.submitted_at) * 1000.0,
+            compute_ms=(now - started) * 1000.0,
+            length=len(session.tokens),
+        )
+        if not turn.future.done():
+            turn.future.set_result(result)
+
+    def _reject(self, turn: Turn, error: MicroturnError) -> None:
+        if not turn.future.done():
+            turn.future.set_exception(error)
+
+    def _fail_batch(self, batch: ScheduledBatch) -> None:
+        for row in batch.rows:
+            session = row.session
+            turn = session.active
+            if turn is None:
+                continue
+            error = InternalError("the forward step failed; the turn was not applied")
+            for failed in [*turn.absorbed, turn, *session.pending]:
+                self._reject(failed, error)
+            session.pending.clear()
+            session.active = None
+            self.running.pop(session.session_id, None)
+            # The KV of this step's tokens may be half written: recompute the whole history next time.
+            self.allocator.free(session.drop_kv())
+
+    def _notify_token(self, session: Session, turn: Turn, token: int, logprob: float | None) -> None:
+        if turn.on_token is None:
+            return
+        delta = TokenDelta(session.session_id, turn.seq, len(turn.output_tokens) - 1, token, logprob)
+        try:
+            turn.on_token(delta)
+        except Exception:
+            logger.exception("token listener failed for session %s", session.session_id)
+
+    def _sampling(self, session: Session) -> SamplingParams:
+        c = session.config
+        turn = session.active
+        return SamplingParams(c.temperature, c.top_k, c.top_p, logprobs=turn is not None and turn.logprobs)
+
+    def _stop_ids(self, session: Session) -> tuple[int, ...]:
+        configured = session.config.stop_token_ids
+        return self.eos_token_ids if configured is None else configured
+
+    def _context_limit(self, config: SessionConfig) -> int:
+        if config.max_context_tokens is None:
+            return self.context_limit
+        return min(config.max_context_tokens, self.context_limit)
+
+    def _get(self, session_id: str) -> Session:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise SessionNotFound(f"no session {session_id} on this worker") from None

@@ -1,0 +1,281 @@
+"""The engine's public API: thread-safe, non-blocking submission into one engine thread.
+
+Callers on any thread enqueue commands; the engine thread drains them between forward steps, so
+`EngineCore` never needs a lock. Results come back as `concurrent.futures.Future`s (asyncio code
+wraps them with `asyncio.wrap_future`) and per-token callbacks, both invoked on the engine thread:
+listeners must only hand the value over, never block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import fields
+from typing import Any, TypeVar
+
+import torch
+
+from shared.errors import ChunkTooLarge, InvalidMessage, MicroturnError, TokenOutOfRange
+from worker.engine.config import EngineConfig, SessionConfig
+from worker.engine.core import CloseListener, EngineCore, EngineStats
+from worker.engine.turn import TokenListener, Turn, TurnResult
+from worker.model.config import ModelConfig
+from worker.model.loader import LoadedModel, load_model
+from worker.model_runner import ModelRunner
+from worker.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# CPU pools are sized by bytes: the pool is touched at start so its memory is resident, not lazy.
+CPU_KV_BYTES = 512 * 2**20
+CPU_KV_TOKENS_CAP = 131072
+_SESSION_FIELDS = {f.name for f in fields(SessionConfig)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    try:
+        return dtypes[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(dtypes)}") from None
+
+
+def _kv_pages(config: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
+    bytes_per_token = model.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    if config.kv_tokens is not None:
+        tokens = config.kv_tokens
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        tokens = int(free * config.kv_memory_fraction) // bytes_per_token
+    else:
+        tokens = min(CPU_KV_BYTES // bytes_per_token, CPU_KV_TOKENS_CAP)
+    return max(tokens // config.page_size, 1)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.model_config = loaded.config
+        self.tokenizer: Tokenizer | None = loaded.tokenizer
+        device = torch.device(config.device)
+        dtype = _dtype(config.dtype)
+        runner = ModelRunner(
+            loaded,
+            device=device,
+            dtype=dtype,
+            num_pages=_kv_pages(config, loaded.config, device, dtype),
+            page_size=config.page_size,
+            attention=config.attention,
+        )
+        eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer and loaded.tokenizer.eos_token_ids else ()
+        self._core = EngineCore(config, runner, loaded.tokenizer, eos_token_ids=eos or loaded.config.eos_token_ids)
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="microturn-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(
+        cls,
+        model: str = "tiny",
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        kv_tokens: int | None = None,
+        page_size: int = 16,
+        **options: Any,
+    ) -> Engine:
+        config = EngineConfig(model=model, device=device, dtype=dtype, kv_tokens=kv_tokens, page_size=page_size, **options)
+        torch_device = torch.device(device)
+        return cls(config, load_model(model, device=torch_device, dtype=_dtype(dtype), seed=config.seed))
+
+    @property
+    def attention_backend(self) -> str:
+        return self._core.runner.attention_name
+
+    @property
+    def context_limit(self) -> int:
+        return self._core.context_limit
+
+    # ---- sessions -----------------------------------------------------------------------------
+
+    def open_session_async(
+        self, *, session_id: str | None = None, history: Sequence[int] = (), **config: Any
+    ) -> tuple[str, Future[str]]:
+        unknown = set(config) - _SESSION_FIELDS
+        if unknown:
+            raise InvalidMessage(f"unknown session option(s): {', '.join(sorted(unknown))}")
+        if "stop_token_ids" in config and config["stop_token_ids"] is not None:
+            config["stop_token_ids"] = tuple(self._check_tokens(config["stop_token_ids"]))
+        session_config = SessionConfig(**config)
+        history_tokens = self._check_tokens(history)
+        sid = session_id or uuid.uuid4().hex
+        future = self._call(lambda: (self._core.open_session(sid, session_config, history_tokens), sid)[1])
+        return sid, future
+
+    def open_session(self, *, session_id: str | None = None, history: Sequence[int] = (), **config: Any) -> str:
+        """Open a session (optionally rebuilt from a token history) and return its id."""
+        _sid, future = self.open_session_async(session_id=session_id, history=history, **config)
+        return future.result()
+
+    def submit(
+        self,
+        session_id: str,
+        *,
+        tokens: Sequence[int] | None = None,
+        text: str | None = None,
+        seq: int | None = None,
+        max_output_tokens: int | None = None,
+        logprobs: bool | None = None,
+        on_token: TokenListener | None = None,
+    ) -> Future[TurnResult]:
+        """Queue one chunk; never blocks. Typed errors come back through the future.
+
+        Stateless checks (token range, chunk size) raise here at once; the checks that need the
+        session (seq, backpressure, context) run on the engine thread, before anything is appended.
+        """
+        chunk = self._chunk_tokens(tokens, text)
+        if max_output_tokens is not None and not 0 <= max_output_tokens <= self.config.max_output_tokens_limit:
+            raise InvalidMessage(f"max_output_tokens must be within 0..{self.config.max_output_tokens_limit}")
+        if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool)):
+            raise InvalidMessage("seq must be an integer")
+        future: Future[TurnResult] = Future()
+        future.set_running_or_notify_cancel()  # a turn in flight cannot be withdrawn; use cancel()
+
+        def accept() -> None:
+            session = self._core.sessions.get(session_id)
+            session_config = session.config if session is not None else SessionConfig()
+            turn = Turn(
+                seq=seq if seq is not None else self._core.next_seq(session_id),
+                input_tokens=chunk,
+                max_output_tokens=session_config.max_output_tokens if max_output_tokens is None else max_output_tokens,
+                logprobs=session_config.logprobs if logprobs is None else logprobs,
+                future=future,
+                on_token=on_token,
+                submitted_at=time.monotonic(),
+            )
+            self._core.submit(session_id, turn)
+
+        self._enqueue(accept, future)
+        return future
+
+    def run_turn(self, session_id: str, *, timeout: float | None = None, **chunk: Any) -> TurnResult:
+        """Submit one chunk and wait for its result (see `submit` for the arguments)."""
+        return self.submit(session_id, **chunk).result(timeout)
+
+    def cancel(self, session_id: str, seq: int | None = None) -> Future[None]:
+        """Stop the turn `seq` (or every turn of the session): its result has finish='cancelled'."""
+        return self._call(lambda: self._core.cancel(session_id, seq))
+
+    def close_session(self, session_id: str, reason: str = "closed") -> None:
+        self._call(lambda: self._core.close(session_id, reason)).result()
+
+    def close_session_async(self, session_id: str, reason: str = "closed") -> Future[None]:
+        return self._call(lambda: self._core.close(session_id, reason))
+
+    def add_close_listener(self, listener: CloseListener) -> None:
+        """`listener(session_id, reason)` runs on the engine thread whenever a session ends."""
+        self._call(lambda: self._core.close_listeners.append(listener)).result()
+
+    def stats(self) -> EngineStats:
+        return self._call(self._core.stats).result()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _chunk_tokens(self, tokens: Sequence[int] | None, text: str | None) -> list[int]:
+        if (tokens is None) == (text is None):
+            raise InvalidMessage("a chunk carries exactly one of `tokens` or `text`")
+        if text is not None:
+            if not isinstance(text, str):
+                raise InvalidMessage("text must be a string")
+            if self.tokenizer is None:
+                raise InvalidMessage("this model has no tokenizer: send tokens")
+            chunk = self.tokenizer.encode(text)
+        else:
+            assert tokens is not None
+            chunk = self._check_tokens(tokens)
+        if len(chunk) > self.config.max_chunk_tokens:
+            raise ChunkTooLarge(f"chunk of {len(chunk)} tokens exceeds the limit of {self.config.max_chunk_tokens}")
+        return chunk
+
+    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
+        if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
+            raise InvalidMessage("tokens must be a list of integers")
+        vocab = self.model_config.vocab_size
+        for token in tokens:
+            if not isinstance(token, int) or isinstance(token, bool):
+                raise InvalidMessage("tokens must be a list of integers")
+            if not 0 <= token < vocab:
+                raise TokenOutOfRange(f"token {token} is outside the vocabulary [0, {vocab})")
+        return list(tokens)
+
+    def _call(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        future.set_running_or_notify_cancel()
+
+        def run() -> None:
+            future.set_result(fn())
+
+        self._enqueue(run, future)
+        return future
+
+    def _enqueue(self, command: Callable[[], None], future: Future[Any]) -> None:
+        if self._stopping:
+            raise RuntimeError("the engine is shut down")
+
+        def guarded() -> None:
+            try:
+                command()
+            except MicroturnError as error:
+                future.set_exception(error)
+            except Exception as error:
+                logger.exception("engine command failed")
+                future.set_exception(error)
+
+        self._inbox.append(guarded)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        core = self._core
+        next_expiry = 0.0
+        while not self._stopping:
+            while self._inbox:
+                self._inbox.popleft()()
+            now = time.monotonic()
+            if now >= next_expiry:
+                soonest = core.expire_idle()
+                # Checking every few tens of ms bounds the lateness of an expiry without a per-step scan.
+                next_expiry = now + min(max(soonest if soonest is not None else 1.0, 0.02), 1.0)
+            try:
+                ran = core.step()
+            except Exception:
+                logger.exception("engine step crashed; the loop carries on")
+                ran = False
+            if not ran and not self._inbox:
+                self._wakeup.wait(max(next_expiry - time.monotonic(), 0.001))
+                self._wakeup.clear()
+        while self._inbox:
+            self._inbox.popleft()()
+        # Nothing is left hanging: every open session ends, resolving its turns as cancelled.
+        for session_id in list(core.sessions):
+            core.close(session_id, "closed")
+        logger.info("engine thread stopped")

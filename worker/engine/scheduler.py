@@ -1,0 +1,54 @@
+"""Builds one step's ragged batch from the sessions that have tokens to feed. Pure Python, no torch.
+
+Policy, for realtime latency: rows that decode one token go first (a turn in progress waits on
+each), then appends shortest-first, so a long restore or re-prefill only takes the budget the
+micro-turns leave; an append that does not fit is split and continues in the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from worker.engine.session import Session
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    session: Session
+    start: int  # the first fed token's position: the session's num_cached
+    count: int
+    # Whether this row's last position is sampled: it completes the pending tokens of a turn that wants output.
+    sample: bool
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    rows: tuple[ScheduledRow, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(row.count for row in self.rows)
+
+
+class Scheduler:
+    def __init__(self, *, max_batch_tokens: int, max_batch_rows: int) -> None:
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_rows = max_batch_rows
+
+    def schedule(self, running: Iterable[Session]) -> ScheduledBatch | None:
+        """`running`: sessions with an active turn, in activation order."""
+        with_work = [s for s in running if s.uncached > 0]
+        decodes = [s for s in with_work if s.uncached == 1]
+        appends = sorted((s for s in with_work if s.uncached > 1), key=lambda s: s.uncached)
+        rows: list[ScheduledRow] = []
+        budget = self.max_batch_tokens
+        for session in decodes + appends:
+            if budget == 0 or len(rows) == self.max_batch_rows:
+                break
+            count = min(session.uncached, budget)
+            turn = session.active
+            completes = count == session.uncached
+            rows.append(ScheduledRow(session, session.num_cached, count, completes and turn is not None and turn.wants_output))
+            budget -= count
+        return ScheduledBatch(tuple(rows)) if rows else None

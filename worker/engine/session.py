@@ -1,0 +1,56 @@
+"""A streaming session: its whole token sequence, which prefix of it has KV, and its page table.
+
+Invariants (the engine thread is the only writer):
+- `tokens[:num_cached]` have their KV in `pages`, at position p in page `pages[p // page_size]`.
+- `len(pages) * page_size >= num_cached`; pages beyond that are reserved for the active turn.
+- Tokens past `num_cached` are fed by the next forward: the rest of an append that did not fit
+  one step, or the last sampled token, which gets its KV at the start of the next append.
+- At most one turn is `active`; `pending` turns wait in `seq` order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from worker.engine.config import SessionConfig
+from worker.engine.turn import Turn
+
+
+class Session:
+    def __init__(self, session_id: str, config: SessionConfig, *, history: list[int], now: float, seed: int) -> None:
+        self.session_id = session_id
+        self.config = config
+        self.tokens: list[int] = history
+        self.num_cached = 0
+        self.pages: list[int] = []
+        self.active: Turn | None = None
+        self.pending: deque[Turn] = deque()
+        self.last_seq = 0
+        self.last_activity = now
+        self.created_at = now
+        # Per-session sampling stream: a session samples the same whatever it is batched with.
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def uncached(self) -> int:
+        return len(self.tokens) - self.num_cached
+
+    @property
+    def is_busy(self) -> bool:
+        return self.active is not None or bool(self.pending)
+
+    def projected_length(self) -> int:
+        """The longest the sequence can get once every accepted turn is done."""
+        length = len(self.tokens)
+        if self.active is not None:
+            length += self.active.outstanding_tokens
+        for turn in self.pending:
+            length += len(turn.input_tokens) + turn.max_output_tokens
+        return length
+
+    def drop_kv(self) -> list[int]:
+        """Forget the KV (its token history stays, so the next append recomputes it); returns the pages."""
+        released, self.pages, self.num_cached = self.pages, [], 0
+        return released

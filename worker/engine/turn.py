@@ -1,0 +1,66 @@
+"""One micro-turn: a chunk of input tokens and up to k tokens generated after it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["length", "stop", "cancelled"]
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One generated token, delivered as soon as it is sampled (for `stream`)."""
+
+    session_id: str
+    seq: int
+    index: int
+    token: int
+    logprob: float | None
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    session_id: str
+    seq: int
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    text: str | None
+    finish: FinishReason
+    queue_ms: float
+    compute_ms: float
+    # Length of the session's sequence once this turn is done (inputs and outputs so far).
+    length: int
+
+
+TokenListener = Callable[[TokenDelta], None]
+
+
+@dataclass(eq=False)
+class Turn:
+    """Engine-thread state of one submitted chunk. Only the engine thread touches it after submit."""
+
+    seq: int
+    input_tokens: list[int]
+    max_output_tokens: int
+    logprobs: bool
+    future: Future[TurnResult]
+    on_token: TokenListener | None
+    submitted_at: float
+    started_at: float | None = None
+    output_tokens: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    cancelled: bool = False
+    # Earlier no-output chunks folded into this turn's append; each completes when the append does.
+    absorbed: list[Turn] = field(default_factory=list)
+
+    @property
+    def wants_output(self) -> bool:
+        return self.max_output_tokens > 0 and not self.cancelled
+
+    @property
+    def outstanding_tokens(self) -> int:
+        """Tokens this turn may still add to the sequence (its input is already counted once active)."""
+        return 0 if self.cancelled else self.max_output_tokens - len(self.output_tokens)

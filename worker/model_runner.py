@@ -1,0 +1,115 @@
+"""Turns a scheduled batch into tensors, runs one forward, and samples the rows that need it.
+
+The only engine module that touches the device. Per step it builds the attention metadata once
+(every layer reuses it) and computes logits only at the sampled positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from worker.attention import backend_class, resolve_backend_name
+from worker.attention.base import AttentionMetadata
+from worker.kv_pool import KVPool
+from worker.model.llama import LlamaModel
+from worker.model.loader import LoadedModel
+from worker.sampling import SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ForwardRow:
+    token_ids: Sequence[int]  # the tokens fed this step
+    start: int  # position of the first of them (= tokens already cached)
+    pages: Sequence[int]  # the session's page table, covering start + len(token_ids)
+    sampling: SamplingParams | None  # None: no token is sampled after this row
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token: int
+    logprob: float | None
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, *, device: torch.device, dtype: torch.dtype, num_pages: int, page_size: int, attention: str) -> None:
+        config = loaded.config
+        self.config = config
+        self.device = device
+        self.page_size = page_size
+        self.model = LlamaModel(config, loaded.weights, device=device, dtype=dtype)
+        self.kv_pool = KVPool(
+            num_layers=config.num_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.attention_name = resolve_backend_name(attention, device)
+        self.attention = backend_class(self.attention_name)(
+            self.kv_pool, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
+        )
+        logger.info(
+            "KV pool: %d pages x %d tokens (%.1f MiB), attention backend %s",
+            num_pages,
+            page_size,
+            self.kv_pool.num_bytes / 2**20,
+            self.attention_name,
+        )
+
+    def metadata(self, rows: Sequence[ForwardRow]) -> AttentionMetadata:
+        page_size = self.page_size
+        q_lens = tuple(len(row.token_ids) for row in rows)
+        kv_lens = tuple(row.start + n for row, n in zip(rows, q_lens, strict=True))
+        qo_indptr = [0]
+        page_indptr = [0]
+        page_indices: list[int] = []
+        last_page_len = []
+        positions: list[int] = []
+        for row, q_len, kv_len in zip(rows, q_lens, kv_lens, strict=True):
+            num_pages = (kv_len + page_size - 1) // page_size
+            if num_pages > len(row.pages):
+                raise RuntimeError(f"row needs {num_pages} pages but its table has {len(row.pages)}")
+            qo_indptr.append(qo_indptr[-1] + q_len)
+            page_indices.extend(row.pages[:num_pages])
+            page_indptr.append(len(page_indices))
+            last_page_len.append(kv_len - (num_pages - 1) * page_size)
+            positions.extend(range(row.start, kv_len))
+        return AttentionMetadata(
+            qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),
+            kv_page_indptr=torch.tensor(page_indptr, dtype=torch.int32),
+            kv_page_indices=torch.tensor(page_indices, dtype=torch.int32, device=self.device),
+            kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            q_lens=q_lens,
+            kv_lens=kv_lens,
+        )
+
+    @torch.inference_mode()
+    def step(self, rows: Sequence[ForwardRow]) -> list[SampledToken | None]:
+        """One forward over `rows`; writes their KV and returns a token for every sampling row."""
+        meta = self.metadata(rows)
+        input_ids = torch.tensor([t for row in rows for t in row.token_ids], dtype=torch.int64, device=self.device)
+        self.attention.plan(meta)
+        hidden = self.model.forward(input_ids, meta.positions, self.attention)
+
+        sampled_rows = [i for i, row in enumerate(rows) if row.sampling is not None]
+        results: list[SampledToken | None] = [None] * len(rows)
+        if not sampled_rows:
+            return results
+        last_token = torch.tensor([int(meta.qo_indptr[i + 1]) - 1 for i in sampled_rows], device=self.device)
+        logits = self.model.logits(hidden[last_token])
+        params = [rows[i].sampling for i in sampled_rows]
+        generators = [rows[i].generator for i in sampled_rows]
+        tokens, logprobs = sample(logits, params, generators)  # type: ignore[arg-type]
+        for i, token, logprob in zip(sampled_rows, tokens, logprobs, strict=True):
+            results[i] = SampledToken(token, logprob)
+        return results
