@@ -23,7 +23,9 @@ class KVPool:
         device: torch.device,
     ) -> None:
         if num_pages < 1 or page_size < 1:
-            raise ValueError(f"KV pool needs at least one page of at least one token (got {num_pages} x {page_size})")
+            raise ValueError(
+                f"KV pool needs at least one page of at least one token (got {num_pages} x {page_size})"
+            )
         self.num_pages = num_pages
         self.page_size = page_size
         self.buffer = torch.zeros(
@@ -44,4 +46,6 @@ class KVPool:
     def bytes_per_page(
         *, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return (
+            2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )

@@ -38,7 +38,16 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, *, device: torch.device, dtype: torch.dtype, num_pages: int, page_size: int, attention: str) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_pages: int,
+        page_size: int,
+        attention: str,
+    ) -> None:
         config = loaded.config
         self.config = config
         self.device = device
@@ -55,7 +64,10 @@ class ModelRunner:
         )
         self.attention_name = resolve_backend_name(attention, device)
         self.attention = backend_class(self.attention_name)(
-            self.kv_pool, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
+            self.kv_pool,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
         )
         logger.info(
             "KV pool: %d pages x %d tokens (%.1f MiB), attention backend %s",
@@ -97,7 +109,9 @@ class ModelRunner:
     def step(self, rows: Sequence[ForwardRow]) -> list[SampledToken | None]:
         """One forward over `rows`; writes their KV and returns a token for every sampling row."""
         meta = self.metadata(rows)
-        input_ids = torch.tensor([t for row in rows for t in row.token_ids], dtype=torch.int64, device=self.device)
+        input_ids = torch.tensor(
+            [t for row in rows for t in row.token_ids], dtype=torch.int64, device=self.device
+        )
         self.attention.plan(meta)
         hidden = self.model.forward(input_ids, meta.positions, self.attention)
 
@@ -107,9 +121,9 @@ class ModelRunner:
             return results
         last_token = torch.tensor([int(meta.qo_indptr[i + 1]) - 1 for i in sampled_rows], device=self.device)
         logits = self.model.logits(hidden[last_token])
-        params = [rows[i].sampling for i in sampled_rows]
-        generators = [rows[i].generator for i in sampled_rows]
-        tokens, logprobs = sample(logits, params, generators)  # type: ignore[arg-type]
+        params = [p for p in (rows[i].sampling for i in sampled_rows) if p is not None]
+        generators = [g for g in (rows[i].generator for i in sampled_rows) if g is not None]
+        tokens, logprobs = sample(logits, params, generators)
         for i, token, logprob in zip(sampled_rows, tokens, logprobs, strict=True):
             results[i] = SampledToken(token, logprob)
         return results

@@ -35,7 +35,9 @@ def sample(
     wanted = [row for row, p in enumerate(params) if p.logprobs]
     if wanted:
         index = torch.tensor(wanted)
-        picked = torch.log_softmax(logits[index], dim=-1).gather(1, chosen[index].unsqueeze(1)).squeeze(1).tolist()
+        picked = (
+            torch.log_softmax(logits[index], dim=-1).gather(1, chosen[index].unsqueeze(1)).squeeze(1).tolist()
+        )
         for row, value in zip(wanted, picked, strict=True):
             logprobs[row] = value
     return tokens, logprobs

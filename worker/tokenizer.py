@@ -24,12 +24,18 @@ class Tokenizer:
         self.chat_template = chat_template
 
     @classmethod
-    def from_file(cls, path: str | Path, *, eos_token_ids: Sequence[int] = (), bos_token_id: int | None = None) -> Tokenizer:
-        return cls(tokenizers.Tokenizer.from_file(str(path)), eos_token_ids=eos_token_ids, bos_token_id=bos_token_id)
+    def from_file(
+        cls, path: str | Path, *, eos_token_ids: Sequence[int] = (), bos_token_id: int | None = None
+    ) -> Tokenizer:
+        return cls(
+            tokenizers.Tokenizer.from_file(str(path)), eos_token_ids=eos_token_ids, bos_token_id=bos_token_id
+        )
 
     @classmethod
-    def byte_level(cls, vocab_size: int, special_tokens: Sequence[str] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")) -> Tokenizer:
-        """A merge-free byte-level BPE: 256 byte tokens, then the special tokens. Used by random-weight presets."""
+    def byte_level(
+        cls, vocab_size: int, special_tokens: Sequence[str] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    ) -> Tokenizer:
+        """A merge-free byte-level BPE: 256 byte tokens, then the special tokens (random-weight presets)."""
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         byte_tokens = sorted(alphabet, key=lambda ch: _BYTE_OF_CHAR[ch])
         vocab = {token: i for i, token in enumerate(byte_tokens)}
@@ -40,7 +46,8 @@ class Tokenizer:
         backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens(list(special_tokens))
         eos = backend.token_to_id(special_tokens[0])
-        return cls(backend, eos_token_ids=(eos,))
+        assert eos is not None
+        return cls(backend, eos_token_ids=(int(eos),))
 
     @property
     def vocab_size(self) -> int:
@@ -67,7 +74,11 @@ class Tokenizer:
 
 def _bytes_to_unicode() -> dict[str, int]:
     """GPT-2's byte <-> printable character table, as the ByteLevel pre-tokenizer uses it."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):

@@ -36,8 +36,14 @@ def write_checkpoint(kind: str, directory: Path, seed: int = 0) -> PreTrainedMod
     torch.manual_seed(seed)
     model: PreTrainedModel
     if kind == "llama":
-        llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+        llama3 = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        }
         model = LlamaForCausalLM(LlamaConfig(**COMMON, rope_scaling=llama3, rope_theta=500000.0))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**COMMON))

@@ -15,7 +15,9 @@ from worker.engine import Engine
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
+def checkpoint(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, PreTrainedModel]:
     directory = tmp_path_factory.mktemp(request.param)
     return directory, write_checkpoint(request.param, directory)
 
@@ -75,7 +77,9 @@ def test_eight_interleaved_sessions_equal_each_alone(engine: Engine) -> None:
         for _ in range(8)
     ]
 
-    def run_alone(plan: list[tuple[list[int], int]]) -> list[tuple[tuple[int, ...], tuple[float, ...] | None]]:
+    def run_alone(
+        plan: list[tuple[list[int], int]],
+    ) -> list[tuple[tuple[int, ...], tuple[float, ...] | None]]:
         sid = engine.open_session(stop_token_ids=(), logprobs=True)
         results = [engine.run_turn(sid, tokens=chunk, max_output_tokens=k, timeout=60) for chunk, k in plan]
         engine.close_session(sid)
@@ -85,7 +89,10 @@ def test_eight_interleaved_sessions_equal_each_alone(engine: Engine) -> None:
     steps_alone = engine.stats().steps
 
     sids = [engine.open_session(stop_token_ids=(), logprobs=True) for _ in plans]
-    futures = [[engine.submit(sid, tokens=chunk, max_output_tokens=k) for chunk, k in plan] for sid, plan in zip(sids, plans, strict=True)]
+    futures = [
+        [engine.submit(sid, tokens=chunk, max_output_tokens=k) for chunk, k in plan]
+        for sid, plan in zip(sids, plans, strict=True)
+    ]
     together = [[(f.result(60).tokens, f.result(60).logprobs) for f in fs] for fs in futures]
     steps_together = engine.stats().steps - steps_alone
     for sid in sids:

@@ -57,4 +57,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Write this step's k, v ([tokens, kv_heads, dim]) into the pool, attend, return [tokens, heads, dim]."""
+        """Write this step's k, v ([tokens, kv_heads, dim]) into the pool and attend.
+
+        Returns [tokens, heads, dim].
+        """

@@ -36,9 +36,13 @@ class _Plan:
     appends: tuple[_AppendRow, ...]
 
 
-def _slots_of(meta: AttentionMetadata, rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+def _slots_of(
+    meta: AttentionMetadata, rows: torch.Tensor, positions: torch.Tensor, page_size: int
+) -> torch.Tensor:
     page_starts = meta.kv_page_indptr.to(positions.device, torch.int64)[rows]
-    pages = meta.kv_page_indices.to(torch.int64)[page_starts + torch.div(positions, page_size, rounding_mode="floor")]
+    pages = meta.kv_page_indices.to(torch.int64)[
+        page_starts + torch.div(positions, page_size, rounding_mode="floor")
+    ]
     return pages * page_size + positions % page_size
 
 
@@ -64,7 +68,9 @@ class TorchAttention(AttentionBackend):
             clamped = torch.minimum(cols, kv_lens.unsqueeze(1) - 1)
             slots = _slots_of(meta, rows.unsqueeze(1).expand_as(clamped), clamped, page_size)
             token_index = torch.tensor([int(meta.qo_indptr[i]) for i in decode_rows], device=device)
-            decode = _DecodeGroup(token_index, slots, (cols < kv_lens.unsqueeze(1)).view(len(decode_rows), 1, 1, max_kv))
+            decode = _DecodeGroup(
+                token_index, slots, (cols < kv_lens.unsqueeze(1)).view(len(decode_rows), 1, 1, max_kv)
+            )
 
         appends = []
         for i, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True)):
@@ -94,7 +100,9 @@ class TorchAttention(AttentionBackend):
             query = q[group.token_index].unsqueeze(2)  # [rows, heads, 1, dim]
             key = keys[group.kv_slots].transpose(1, 2)  # [rows, kv_heads, max_kv, dim]
             value = values[group.kv_slots].transpose(1, 2)
-            attended = F.scaled_dot_product_attention(query, key, value, attn_mask=group.mask, enable_gqa=True)
+            attended = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=group.mask, enable_gqa=True
+            )
             out[group.token_index] = attended.squeeze(2)
         for row in plan.appends:
             query = q[row.tokens].transpose(0, 1)  # [heads, q_len, dim]

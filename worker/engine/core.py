@@ -77,9 +77,13 @@ class EngineCore:
         self.vocab_size = runner.config.vocab_size
         self.page_size = runner.page_size
         self.allocator = PageAllocator(runner.kv_pool.num_pages)
-        self.scheduler = Scheduler(max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows)
+        self.scheduler = Scheduler(
+            max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows
+        )
         # The longest sequence a session may reach: the model's context, and never more than the pool.
-        self.context_limit = min(runner.config.max_position_embeddings, self.allocator.num_pages * self.page_size)
+        self.context_limit = min(
+            runner.config.max_position_embeddings, self.allocator.num_pages * self.page_size
+        )
         self.sessions: dict[str, Session] = {}
         self.running: dict[str, Session] = {}  # sessions with an active turn, in activation order
         self.waiting: dict[str, Session] = {}  # sessions with pending turns and no active one
@@ -96,16 +100,26 @@ class EngineCore:
             raise InvalidMessage(f"session {session_id} already exists")
         if len(self.sessions) >= self.config.max_sessions:
             raise CapacityExhausted(
-                f"worker carries its maximum of {self.config.max_sessions} sessions", retry_after_ms=CAPACITY_RETRY_MS
+                f"worker carries its maximum of {self.config.max_sessions} sessions",
+                retry_after_ms=CAPACITY_RETRY_MS,
             )
         limit = self._context_limit(config)
         if config.keep_prefix_tokens >= limit:
-            raise InvalidMessage(f"keep_prefix_tokens {config.keep_prefix_tokens} leaves no room in a context of {limit}")
+            raise InvalidMessage(
+                f"keep_prefix_tokens {config.keep_prefix_tokens} leaves no room in a context of {limit}"
+            )
         if len(history) > limit:
             if config.context_policy == "error":
                 raise ContextFull(f"history of {len(history)} tokens exceeds the context of {limit}")
-            history = history[: config.keep_prefix_tokens] + history[len(history) - (limit - config.keep_prefix_tokens) :]
-        seed = config.seed if config.seed is not None else int.from_bytes(session_id.encode()[:8].ljust(8, b"\0"), "little")
+            history = (
+                history[: config.keep_prefix_tokens]
+                + history[len(history) - (limit - config.keep_prefix_tokens) :]
+            )
+        seed = (
+            config.seed
+            if config.seed is not None
+            else int.from_bytes(session_id.encode()[:8].ljust(8, b"\0"), "little")
+        )
         self.sessions[session_id] = Session(session_id, config, history=history, now=self.clock(), seed=seed)
 
     def submit(self, session_id: str, turn: Turn) -> None:
@@ -114,7 +128,8 @@ class EngineCore:
             raise BadSequence(f"seq {turn.seq} is not above the last accepted seq {session.last_seq}")
         if len(session.pending) >= self.config.max_queued_turns:
             raise Backpressure(
-                f"{len(session.pending)} chunks already wait for this session", retry_after_ms=BACKPRESSURE_RETRY_MS
+                f"{len(session.pending)} chunks already wait for this session",
+                retry_after_ms=BACKPRESSURE_RETRY_MS,
             )
         projected = session.projected_length()
         if not turn.input_tokens and turn.max_output_tokens > 0 and projected == 0:
@@ -123,7 +138,9 @@ class EngineCore:
         limit = self._context_limit(session.config)
         if session.config.context_policy == "error":
             if projected + grows_by > limit:
-                raise ContextFull(f"the session would reach {projected + grows_by} tokens; its context holds {limit}")
+                raise ContextFull(
+                    f"the session would reach {projected + grows_by} tokens; its context holds {limit}"
+                )
         elif session.config.keep_prefix_tokens + grows_by > limit:
             raise ContextFull(f"one chunk and its output ({grows_by} tokens) do not fit a context of {limit}")
         session.last_seq = turn.seq
@@ -296,7 +313,7 @@ class EngineCore:
             self.running[session.session_id] = session
 
     def _window(self, session: Session, grows_by: int) -> list[int]:
-        """The history to keep under `truncate` so that `grows_by` more tokens fit; the same list if all fit."""
+        """The history to keep under `truncate` so `grows_by` more tokens fit; the same list if all fit."""
         limit = self._context_limit(session.config)
         tokens = session.tokens
         if len(tokens) + grows_by <= limit:

@@ -75,7 +75,9 @@ class Engine:
             attention=config.attention,
         )
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer and loaded.tokenizer.eos_token_ids else ()
-        self._core = EngineCore(config, runner, loaded.tokenizer, eos_token_ids=eos or loaded.config.eos_token_ids)
+        self._core = EngineCore(
+            config, runner, loaded.tokenizer, eos_token_ids=eos or loaded.config.eos_token_ids
+        )
         self._inbox: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Event()
         self._stopping = False
@@ -93,7 +95,9 @@ class Engine:
         page_size: int = 16,
         **options: Any,
     ) -> Engine:
-        config = EngineConfig(model=model, device=device, dtype=dtype, kv_tokens=kv_tokens, page_size=page_size, **options)
+        config = EngineConfig(
+            model=model, device=device, dtype=dtype, kv_tokens=kv_tokens, page_size=page_size, **options
+        )
         torch_device = torch.device(device)
         return cls(config, load_model(model, device=torch_device, dtype=_dtype(dtype), seed=config.seed))
 
@@ -118,10 +122,15 @@ class Engine:
         session_config = SessionConfig(**config)
         history_tokens = self._check_tokens(history)
         sid = session_id or uuid.uuid4().hex
-        future = self._call(lambda: (self._core.open_session(sid, session_config, history_tokens), sid)[1])
-        return sid, future
+        def open_it() -> str:
+            self._core.open_session(sid, session_config, history_tokens)
+            return sid
 
-    def open_session(self, *, session_id: str | None = None, history: Sequence[int] = (), **config: Any) -> str:
+        return sid, self._call(open_it)
+
+    def open_session(
+        self, *, session_id: str | None = None, history: Sequence[int] = (), **config: Any
+    ) -> str:
         """Open a session (optionally rebuilt from a token history) and return its id."""
         _sid, future = self.open_session_async(session_id=session_id, history=history, **config)
         return future.result()
@@ -143,7 +152,10 @@ class Engine:
         session (seq, backpressure, context) run on the engine thread, before anything is appended.
         """
         chunk = self._chunk_tokens(tokens, text)
-        if max_output_tokens is not None and not 0 <= max_output_tokens <= self.config.max_output_tokens_limit:
+        if (
+            max_output_tokens is not None
+            and not 0 <= max_output_tokens <= self.config.max_output_tokens_limit
+        ):
             raise InvalidMessage(f"max_output_tokens must be within 0..{self.config.max_output_tokens_limit}")
         if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool)):
             raise InvalidMessage("seq must be an integer")
@@ -156,7 +168,9 @@ class Engine:
             turn = Turn(
                 seq=seq if seq is not None else self._core.next_seq(session_id),
                 input_tokens=chunk,
-                max_output_tokens=session_config.max_output_tokens if max_output_tokens is None else max_output_tokens,
+                max_output_tokens=session_config.max_output_tokens
+                if max_output_tokens is None
+                else max_output_tokens,
                 logprobs=session_config.logprobs if logprobs is None else logprobs,
                 future=future,
                 on_token=on_token,
@@ -214,7 +228,9 @@ class Engine:
             assert tokens is not None
             chunk = self._check_tokens(tokens)
         if len(chunk) > self.config.max_chunk_tokens:
-            raise ChunkTooLarge(f"chunk of {len(chunk)} tokens exceeds the limit of {self.config.max_chunk_tokens}")
+            raise ChunkTooLarge(
+                f"chunk of {len(chunk)} tokens exceeds the limit of {self.config.max_chunk_tokens}"
+            )
         return chunk
 
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:

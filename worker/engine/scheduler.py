@@ -18,7 +18,8 @@ class ScheduledRow:
     session: Session
     start: int  # the first fed token's position: the session's num_cached
     count: int
-    # Whether this row's last position is sampled: it completes the pending tokens of a turn that wants output.
+    # Whether this row's last position is sampled: it completes the pending tokens of a turn
+    # that wants output.
     sample: bool
 
 
@@ -49,6 +50,10 @@ class Scheduler:
             count = min(session.uncached, budget)
             turn = session.active
             completes = count == session.uncached
-            rows.append(ScheduledRow(session, session.num_cached, count, completes and turn is not None and turn.wants_output))
+            rows.append(
+                ScheduledRow(
+                    session, session.num_cached, count, completes and turn is not None and turn.wants_output
+                )
+            )
             budget -= count
         return ScheduledBatch(tuple(rows)) if rows else None

@@ -19,7 +19,9 @@ from worker.engine.turn import Turn
 
 
 class Session:
-    def __init__(self, session_id: str, config: SessionConfig, *, history: list[int], now: float, seed: int) -> None:
+    def __init__(
+        self, session_id: str, config: SessionConfig, *, history: list[int], now: float, seed: int
+    ) -> None:
         self.session_id = session_id
         self.config = config
         self.tokens: list[int] = history

@@ -43,7 +43,10 @@ def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
 def _digits_then_gpt2_pre() -> pre_tokenizers.PreTokenizer:
     # llama.cpp: `\p{N}` then the GPT-2 regex; HF: Digits(individual) then ByteLevel's GPT-2 regex.
     return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
 
 
@@ -111,9 +114,12 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
         raise ValueError(f"{len(token_types)} token types for {len(tokens)} tokens")
 
     # Byte-level spelling never contains a plain space, so each merge splits at exactly one space.
-    merges = [tuple(merge.split(" ", 1)) for merge in merges_text]
-    if any(len(pair) != 2 for pair in merges):
-        raise ValueError("malformed entry in tokenizer.ggml.merges")
+    merges: list[tuple[str, str]] = []
+    for merge in merges_text:
+        left, space, right = merge.partition(" ")
+        if not space:
+            raise ValueError(f"malformed entry {merge!r} in tokenizer.ggml.merges")
+        merges.append((left, right))
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         logger.warning("GGUF vocabulary has %d duplicate token strings", len(tokens) - len(vocab))

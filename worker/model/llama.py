@@ -17,17 +17,21 @@ from worker.model.weights import ModelWeights
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, *, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: ModelWeights, *, device: torch.device, dtype: torch.dtype
+    ) -> None:
         self.config = config
         self.weights = weights
         self.device = device
         self.dtype = dtype
         self.rope = RotaryEmbedding(config, dtype=dtype, device=device)
         c = config
-        self._qkv_split = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+        self._qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
         """Final-normed hidden states [tokens, hidden]; writes every layer's KV for these tokens."""
         c = self.config
         eps = c.rms_norm_eps
@@ -36,7 +40,7 @@ class LlamaModel:
         x = F.embedding(input_ids, self.weights.embed)
         for index, layer in enumerate(self.weights.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, eps)
-            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split(self._qkv_split, dim=-1)
+            q, k, v = torch.split(F.linear(h, layer.qkv, layer.qkv_bias), self._qkv_split, dim=-1)
             q = apply_rotary(q.view(tokens, c.num_heads, c.head_dim), cos, sin)
             k = apply_rotary(k.view(tokens, c.num_kv_heads, c.head_dim), cos, sin)
             attended = attention.forward(index, q, k, v.view(tokens, c.num_kv_heads, c.head_dim))

@@ -31,7 +31,9 @@ def load_model(spec: str, *, device: torch.device, dtype: torch.dtype, seed: int
     started = time.perf_counter()
     if spec in SHAPES:
         config = SHAPES[spec]
-        loaded = LoadedModel(config, random_weights(config, seed=seed, device=device, dtype=dtype), tiny_tokenizer(config))
+        loaded = LoadedModel(
+            config, random_weights(config, seed=seed, device=device, dtype=dtype), tiny_tokenizer(config)
+        )
     elif spec == SMOLLM2_PRESET:
         loaded = _load_gguf(smollm2_gguf_path(), device=device, dtype=dtype, name=SMOLLM2_PRESET)
     else:
@@ -44,7 +46,8 @@ def load_model(spec: str, *, device: torch.device, dtype: torch.dtype, seed: int
             loaded = _load_gguf(path, device=device, dtype=dtype, name=path.stem)
         else:
             raise FileNotFoundError(
-                f"model {spec!r} is neither a preset ({', '.join(PRESETS)}), an HF directory, nor a .gguf file"
+                f"model {spec!r} is neither a preset ({', '.join(PRESETS)}), "
+                "an HF directory, nor a .gguf file"
             )
     logger.info("model %s ready on %s in %.2f s", loaded.config.name, device, time.perf_counter() - started)
     return loaded

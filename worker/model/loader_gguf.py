@@ -66,11 +66,17 @@ def load_gguf(
     config = config_from_gguf(reader, tensors, name=name)
     tokenizer = tokenizer_from_gguf(reader)
     if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")
+        raise ValueError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}"
+        )
     state = _hf_state(config, tensors, permuted_qk=_architecture(reader) in _PERMUTED_QK_ARCHS, dtype=dtype)
     weights = ModelWeights.from_hf_state(config, state, dtype=dtype, device=device)
     logger.info(
-        "loaded %s from %s: %d tensors in %.2f s", config.name, path.name, len(tensors), time.perf_counter() - started
+        "loaded %s from %s: %d tensors in %.2f s",
+        config.name,
+        path.name,
+        len(tensors),
+        time.perf_counter() - started,
     )
     return config, weights, tokenizer
 
@@ -78,7 +84,9 @@ def load_gguf(
 def _architecture(reader: gguf.GGUFReader) -> str:
     arch = field_value(reader, "general.architecture")
     if arch not in _SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_SUPPORTED_ARCHS))}")
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_SUPPORTED_ARCHS))}"
+        )
     return str(arch)
 
 
@@ -95,7 +103,9 @@ def config_from_gguf(reader: gguf.GGUFReader, tensors: dict[str, Any], *, name: 
 
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", 0)) or int(get("rope.dimension_count", 0)) or hidden // num_heads
+    head_dim = (
+        int(get("attention.key_length", 0)) or int(get("rope.dimension_count", 0)) or hidden // num_heads
+    )
     rotary_dim = int(get("rope.dimension_count", head_dim))
     if rotary_dim != head_dim:
         raise ValueError(f"partial rotary embedding ({rotary_dim} of {head_dim} dims) is not supported")
@@ -139,8 +149,12 @@ def _rope_scaling(
         return None
     # llama.cpp's converter writes Llama 3.1's scaling only as per-frequency divisors (rope_freqs).
     divisors = _dequantize(freqs).reshape(-1).astype(np.float64)
-    original = field_value(reader, f"{arch}.rope.scaling.original_context_length") or _DEFAULT_ORIGINAL_CONTEXT
-    return llama3_scaling_from_divisors(divisors, head_dim=head_dim, theta=theta, original_context=int(original))
+    original = (
+        field_value(reader, f"{arch}.rope.scaling.original_context_length") or _DEFAULT_ORIGINAL_CONTEXT
+    )
+    return llama3_scaling_from_divisors(
+        divisors, head_dim=head_dim, theta=theta, original_context=int(original)
+    )
 
 
 def llama3_scaling_from_divisors(
@@ -160,7 +174,9 @@ def llama3_scaling_from_divisors(
     factor = float(divisors.max())
     between = (divisors > 1.0 + 1e-6) & (divisors < factor * (1.0 - 1e-6))
     if between.sum() < 2:
-        raise ValueError(f"cannot infer Llama-3 rope scaling from {_ROPE_FREQS}: too few interpolated frequencies")
+        raise ValueError(
+            f"cannot infer Llama-3 rope scaling from {_ROPE_FREQS}: too few interpolated frequencies"
+        )
     smooth = (1.0 / divisors[between] - 1.0 / factor) / (1.0 - 1.0 / factor)
     slope, intercept = np.polyfit(base[between], smooth, 1)
     # smooth = original_context / (2π (high - low)) * inv_freq - low / (high - low)

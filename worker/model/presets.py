@@ -82,7 +82,9 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def random_weights(config: ModelConfig, *, seed: int, device: torch.device, dtype: torch.dtype) -> ModelWeights:
+def random_weights(
+    config: ModelConfig, *, seed: int, device: torch.device, dtype: torch.dtype
+) -> ModelWeights:
     """Deterministic random weights in HF naming, scaled so activations stay O(1) through the layers."""
     generator = torch.Generator().manual_seed(seed)
     c = config
@@ -91,7 +93,10 @@ def random_weights(config: ModelConfig, *, seed: int, device: torch.device, dtyp
         return torch.randn(*shape, generator=generator) * std
 
     h, d = c.hidden_size, c.head_dim
-    state = {"model.embed_tokens.weight": normal(c.vocab_size, h, std=1.0), "model.norm.weight": torch.ones(h)}
+    state = {
+        "model.embed_tokens.weight": normal(c.vocab_size, h, std=1.0),
+        "model.norm.weight": torch.ones(h),
+    }
     if not c.tie_word_embeddings:
         state["lm_head.weight"] = normal(c.vocab_size, h, std=4 * h**-0.5)
     for i in range(c.num_layers):

@@ -51,13 +51,20 @@ class ModelWeights:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
-            qkv = torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")])
+            qkv = torch.cat(
+                [take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")]
+            )
             expected_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
             if qkv.shape != (expected_rows, config.hidden_size):
-                raise ValueError(f"layer {i}: fused qkv has shape {tuple(qkv.shape)}, expected {expected_rows}x{config.hidden_size}")
+                raise ValueError(
+                    f"layer {i}: fused qkv has shape {tuple(qkv.shape)}, "
+                    f"expected {expected_rows}x{config.hidden_size}"
+                )
             bias = None
             if config.attention_bias:
-                bias = torch.cat([take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias")])
+                bias = torch.cat(
+                    [take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias")]
+                )
             mlp = p + "mlp."
             layers.append(
                 LayerWeights(
@@ -72,7 +79,9 @@ class ModelWeights:
             )
         embed = take("model.embed_tokens.weight")
         if embed.shape != (config.vocab_size, config.hidden_size):
-            raise ValueError(f"embedding has shape {tuple(embed.shape)}, expected {config.vocab_size}x{config.hidden_size}")
+            raise ValueError(
+                f"embedding has shape {tuple(embed.shape)}, expected {config.vocab_size}x{config.hidden_size}"
+            )
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
         return cls(
             embed=embed,
@@ -86,7 +95,14 @@ class ModelWeights:
         if self.lm_head is not self.embed:
             tensors.append(self.lm_head)
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_attention_norm, layer.gate_up, layer.down]
+            tensors += [
+                layer.input_norm,
+                layer.qkv,
+                layer.o_proj,
+                layer.post_attention_norm,
+                layer.gate_up,
+                layer.down,
+            ]
             if layer.qkv_bias is not None:
                 tensors.append(layer.qkv_bias)
         return sum(t.numel() * t.element_size() for t in tensors)

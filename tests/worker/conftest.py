@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from worker.engine import Engine
+
+
+@pytest.fixture
+def tiny() -> Iterator[Engine]:
+    with Engine.load(
+        "tiny", kv_tokens=4096, page_size=16, max_chunk_tokens=256, max_queued_turns=4
+    ) as engine:
+        yield engine

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from worker.engine.config import SessionConfig
+from worker.engine.scheduler import Scheduler
+from worker.engine.session import Session
+from worker.engine.turn import Turn
+
+
+def session(name: str, total: int, cached: int, wants_output: bool = True) -> Session:
+    s = Session(name, SessionConfig(), history=list(range(total)), now=0.0, seed=0)
+    s.num_cached = cached
+    s.active = Turn(
+        seq=1,
+        input_tokens=[],
+        max_output_tokens=4 if wants_output else 0,
+        logprobs=False,
+        future=Future(),
+        on_token=None,
+        submitted_at=0.0,
+    )
+    return s
+
+
+def test_decodes_first_then_shortest_appends_split_at_the_budget() -> None:
+    long, short, decode = session("long", 500, 0), session("short", 30, 10), session("decode", 50, 49)
+    batch = Scheduler(max_batch_tokens=100, max_batch_rows=8).schedule([long, short, decode])
+    assert batch is not None
+    assert [(r.session.session_id, r.start, r.count, r.sample) for r in batch.rows] == [
+        ("decode", 49, 1, True),
+        ("short", 10, 20, True),
+        ("long", 0, 79, False),  # split: the rest continues next step, nothing sampled yet
+    ]
+    assert batch.num_tokens == 100
+
+
+def test_no_output_turns_are_not_sampled_and_row_limit_holds() -> None:
+    rows = [session(f"s{i}", 10, 0, wants_output=False) for i in range(5)]
+    batch = Scheduler(max_batch_tokens=1000, max_batch_rows=3).schedule(rows)
+    assert batch is not None and len(batch.rows) == 3 and not any(r.sample for r in batch.rows)
+
+
+def test_nothing_to_do() -> None:
+    assert Scheduler(max_batch_tokens=10, max_batch_rows=2).schedule([session("done", 10, 10)]) is None
