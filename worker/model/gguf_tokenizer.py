@@ -98,7 +98,8 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
         raise ValueError(
             f"unsupported GGUF tokenizer model {model_type!r}: only byte-level BPE ('gpt2') is supported"
         )
-    pre_name = field_value(reader, "tokenizer.ggml.pre") or "gpt-2"
+    # No default: llama.cpp falls back to a generic split for a missing name, which mis-tokenizes silently.
+    pre_name = field_value(reader, "tokenizer.ggml.pre")
     if pre_name not in _PRE_TOKENIZERS:
         raise ValueError(
             f"unsupported GGUF pre-tokenizer {pre_name!r}; supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
@@ -122,7 +123,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
         merges.append((left, right))
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
-        logger.warning("GGUF vocabulary has %d duplicate token strings", len(tokens) - len(vocab))
+        raise ValueError(f"GGUF vocabulary has {len(tokens) - len(vocab)} duplicate token strings")
 
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
     if nfc:

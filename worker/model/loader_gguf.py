@@ -63,13 +63,14 @@ def load_gguf(
     started = time.perf_counter()
     reader = gguf.GGUFReader(path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
+    arch = _architecture(reader)
     config = config_from_gguf(reader, tensors, name=name)
     tokenizer = tokenizer_from_gguf(reader)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}"
         )
-    state = _hf_state(config, tensors, permuted_qk=_architecture(reader) in _PERMUTED_QK_ARCHS, dtype=dtype)
+    state = _hf_state(config, tensors, permuted_qk=arch in _PERMUTED_QK_ARCHS, dtype=dtype)
     weights = ModelWeights.from_hf_state(config, state, dtype=dtype, device=device)
     logger.info(
         "loaded %s from %s: %d tensors in %.2f s",
@@ -90,9 +91,12 @@ def _architecture(reader: gguf.GGUFReader) -> str:
     return str(arch)
 
 
-def config_from_gguf(reader: gguf.GGUFReader, tensors: dict[str, Any], *, name: str) -> ModelConfig:
+def config_from_gguf(
+    reader: gguf.GGUFReader, tensors: dict[str, gguf.ReaderTensor], *, name: str
+) -> ModelConfig:
     arch = _architecture(reader)
 
+    # A key with no default is required; per-layer arrays (as in OpenELM) have no place in ModelConfig.
     def get(key: str, default: Any = None) -> Any:
         value = field_value(reader, f"{arch}.{key}")
         if value is None and default is None:
@@ -112,8 +116,8 @@ def config_from_gguf(reader: gguf.GGUFReader, tensors: dict[str, Any], *, name: 
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise ValueError("GGUF file has no token_embd.weight")
-    vocab_size = int(get("vocab_size", 0)) or int(embed.shape[-1])
-    rope_theta = float(get("rope.freq_base", 10000.0))
+    vocab_size = int(get("vocab_size", 0)) or int(embed.shape[-1])  # GGUF shape: [hidden, vocab]
+    rope_theta = _decimal_f32(get("rope.freq_base", 10000.0))
     bos, eos = special_token_ids(reader)
     return ModelConfig(
         name=name,
@@ -124,7 +128,7 @@ def config_from_gguf(reader: gguf.GGUFReader, tensors: dict[str, Any], *, name: 
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rms_norm_eps=_decimal_f32(get("attention.layer_norm_rms_epsilon")),
         rope_theta=rope_theta,
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
@@ -135,8 +139,13 @@ def config_from_gguf(reader: gguf.GGUFReader, tensors: dict[str, Any], *, name: 
     )
 
 
+def _decimal_f32(value: float) -> float:
+    """GGUF stores float32: recover the decimal the converter was given (1e-05, not 9.99999975e-06)."""
+    return float(str(np.float32(value)))
+
+
 def _rope_scaling(
-    reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any], *, head_dim: int, theta: float
+    reader: gguf.GGUFReader, arch: str, tensors: dict[str, gguf.ReaderTensor], *, head_dim: int, theta: float
 ) -> Llama3RopeScaling | None:
     kind = field_value(reader, f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):
@@ -193,7 +202,7 @@ def llama3_scaling_from_divisors(
     return scaling
 
 
-def _dequantize(tensor: Any) -> FloatArray:
+def _dequantize(tensor: gguf.ReaderTensor) -> FloatArray:
     """float32 in the HF (row-major torch) shape: GGUF lists dimensions innermost first."""
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -218,7 +227,7 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _hf_state(
-    config: ModelConfig, tensors: dict[str, Any], *, permuted_qk: bool, dtype: torch.dtype
+    config: ModelConfig, tensors: dict[str, gguf.ReaderTensor], *, permuted_qk: bool, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for gguf_name, tensor in tensors.items():

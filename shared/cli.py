@@ -1,0 +1,45 @@
+"""The `microturn` command: one entry point, one sub-command per process kind."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _up(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="microturn up", description="Run microturn on this machine.")
+    parser.add_argument("--model", default="smollm2-135m", help="preset, HF directory or .gguf file")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-tokens", type=int, default=None)
+    parser.add_argument("--max-reply-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    from worker.console import chat
+    from worker.engine import Engine
+
+    with Engine.load(args.model, device=args.device, dtype=args.dtype, kv_tokens=args.kv_tokens) as engine:
+        chat(engine, max_reply_tokens=args.max_reply_tokens)
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    from loadtest.bench.run import main as bench_main
+
+    return bench_main(argv)
+
+
+COMMANDS = {"up": _up, "bench": _bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
+        sys.stderr.write(f"usage: microturn {{{','.join(COMMANDS)}}} [options]\n")
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return COMMANDS[args[0]](args[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
