@@ -11,16 +11,39 @@ import time
 from typing import TextIO
 
 from worker.engine import Engine, TokenDelta
+from worker.tokenizer import Tokenizer
 
 CHUNK_TOKENS = 4
 
 
-def chat(engine: Engine, *, max_reply_tokens: int, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
+class ReplyPrinter:
+    """Writes a reply as its tokens arrive, holding back a multi-byte character until it is complete."""
+
+    def __init__(self, tokenizer: Tokenizer, stdout: TextIO) -> None:
+        self.tokenizer = tokenizer
+        self.stdout = stdout
+        self.tokens: list[int] = []
+        self.shown = ""
+
+    def __call__(self, delta: TokenDelta) -> None:
+        self.tokens.append(delta.token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self.stdout.write(text[len(self.shown) :])
+            self.stdout.flush()
+            self.shown = text
+
+
+def chat(
+    engine: Engine, *, max_reply_tokens: int, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
+) -> None:
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise SystemExit("this model has no tokenizer: the console needs text")
     sid = engine.open_session(idle_timeout_s=None)
-    stdout.write(f"microturn console: {engine.model_config.name}, session {sid}. Type a message; Ctrl-D quits.\n")
+    stdout.write(
+        f"microturn console: {engine.model_config.name}, session {sid}. Type a message; Ctrl-D quits.\n"
+    )
     first = True
     for line in stdin:
         message = line.strip()
@@ -33,22 +56,13 @@ def chat(engine: Engine, *, max_reply_tokens: int, stdin: TextIO = sys.stdin, st
         chunks = [tokens[i : i + CHUNK_TOKENS] for i in range(0, len(tokens), CHUNK_TOKENS)]
         for chunk in chunks[:-1]:
             engine.submit(sid, tokens=chunk, max_output_tokens=0)
-        reply: list[int] = []
-        shown = ""
-
-        def show(delta: TokenDelta) -> None:
-            nonlocal shown
-            reply.append(delta.token)
-            text = tokenizer.decode(reply, skip_special_tokens=True)
-            # Print only once a multi-byte character is complete.
-            if not text.endswith("\ufffd"):
-                stdout.write(text[len(shown) :])
-                stdout.flush()
-                shown = text
-
-        result = engine.run_turn(sid, tokens=chunks[-1], max_output_tokens=max_reply_tokens, on_token=show)
+        printer = ReplyPrinter(tokenizer, stdout)
+        result = engine.run_turn(sid, tokens=chunks[-1], max_output_tokens=max_reply_tokens, on_token=printer)
         elapsed = (time.perf_counter() - started) * 1000
-        stdout.write(f"\n  [{len(chunks)} chunks, {len(result.tokens)} tokens, {elapsed:.0f} ms, finish={result.finish}]\n")
+        stdout.write(
+            f"\n  [{len(chunks)} chunks, {len(result.tokens)} tokens, "
+            f"{elapsed:.0f} ms, finish={result.finish}]\n"
+        )
         if result.finish == "stop":
             engine.submit(sid, tokens=tokenizer.encode("\n"), max_output_tokens=0)
     engine.close_session(sid)

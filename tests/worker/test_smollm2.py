@@ -37,10 +37,15 @@ def test_capital_of_france_streamed_in_4_token_chunks_matches_transformers(engin
     from transformers import AutoModelForCausalLM
 
     path = smollm2_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         generated = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=tokenizer.eos_token_ids[0]
+            torch.tensor([prompt]),
+            max_new_tokens=40,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_ids[0],
         )
     expected = generated[0, len(prompt) :].tolist()
     assert list(reply.tokens) == expected

@@ -122,6 +122,7 @@ class Engine:
         session_config = SessionConfig(**config)
         history_tokens = self._check_tokens(history)
         sid = session_id or uuid.uuid4().hex
+
         def open_it() -> str:
             self._core.open_session(sid, session_config, history_tokens)
             return sid

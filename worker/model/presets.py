@@ -85,25 +85,29 @@ def smollm2_gguf_path() -> Path:
 def random_weights(
     config: ModelConfig, *, seed: int, device: torch.device, dtype: torch.dtype
 ) -> ModelWeights:
-    """Deterministic random weights in HF naming, scaled so activations stay O(1) through the layers."""
-    generator = torch.Generator().manual_seed(seed)
+    """Deterministic random weights in HF naming, scaled so activations stay O(1) through the layers.
+
+    Drawn on the target device in the target dtype, one tensor at a time: an 8B shape in bf16 never
+    passes through host memory in fp32. (The same seed gives different weights on CPU and CUDA.)
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
     c = config
 
     def normal(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * std
+        return (torch.randn(*shape, generator=generator, device=device) * std).to(dtype)
+
+    def ones(size: int) -> torch.Tensor:
+        return torch.ones(size, device=device, dtype=dtype)
 
     h, d = c.hidden_size, c.head_dim
-    state = {
-        "model.embed_tokens.weight": normal(c.vocab_size, h, std=1.0),
-        "model.norm.weight": torch.ones(h),
-    }
+    state = {"model.embed_tokens.weight": normal(c.vocab_size, h, std=1.0), "model.norm.weight": ones(h)}
     if not c.tie_word_embeddings:
         state["lm_head.weight"] = normal(c.vocab_size, h, std=4 * h**-0.5)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         state |= {
-            p + "input_layernorm.weight": torch.ones(h),
-            p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "input_layernorm.weight": ones(h),
+            p + "post_attention_layernorm.weight": ones(h),
             p + "self_attn.q_proj.weight": normal(c.num_heads * d, h, std=h**-0.5),
             p + "self_attn.k_proj.weight": normal(c.num_kv_heads * d, h, std=h**-0.5),
             p + "self_attn.v_proj.weight": normal(c.num_kv_heads * d, h, std=h**-0.5),
