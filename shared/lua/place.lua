@@ -1,0 +1,53 @@
+-- place.lua: pick the least-loaded live `ready` worker with room, charge it, return {id, url}.
+--
+-- KEYS[1]  the workers ZSET, `{<prefix>}:workers` (worker id -> load score)
+-- ARGV[1]  the worker hash key prefix, `{<prefix>}:worker:` (hash key = ARGV[1] .. id)
+-- ARGV[2]  now, ms since the epoch, from the caller's clock
+-- ARGV[3]  max heartbeat age in ms; 0 turns the check off (hash TTL alone decides liveness)
+--
+-- Returns {id, url}, or nil when no live ready worker has room.
+--
+-- Liveness is the worker hash itself: it carries a TTL of a few heartbeats, so a worker that stops
+-- heartbeating disappears on its own. A ZSET member whose hash is gone is dead and is removed here
+-- (ZREM), which is how the ZSET is kept clean without a sweeper. The walk stops at the first pick, so
+-- a dead member with a high score lingers until a walk reaches it; it costs nothing meanwhile.
+--
+-- Load score = sessions / max_sessions (shared/registry.py `load_score`, computed the same way
+-- here). The pick is charged at once (sessions + 1, score recomputed from it) so that concurrent
+-- opens spread across workers instead of piling onto whichever looked idlest at the last heartbeat;
+-- the worker's next heartbeat replaces the charge with its own true count.
+--
+-- Redis Cluster trade-off: the worker hashes are derived from ARGV[1] instead of being declared in
+-- KEYS. Declaring them would need a round trip to read the ZSET first (and a retry when it changed
+-- in between). Every key derived here starts with the same `{<prefix>}` hash tag as KEYS[1], so it
+-- lives in the same slot and on the same node: Redis/Valkey Cluster runs the script correctly. What
+-- is lost is only the declared-keys contract: a proxy that routed by every declared key, or an ACL
+-- that whitelists keys by declaration, cannot see these reads. Scripts must never be given a prefix
+-- whose tag differs from KEYS[1]'s.
+
+local workers_key = KEYS[1]
+local hash_prefix = ARGV[1]
+local now_ms = tonumber(ARGV[2])
+local max_age_ms = tonumber(ARGV[3]) or 0
+
+local members = redis.call('ZRANGE', workers_key, 0, -1)  -- ascending score: least loaded first
+for _, id in ipairs(members) do
+  local hash_key = hash_prefix .. id
+  local f = redis.call('HMGET', hash_key, 'url', 'state', 'sessions', 'max_sessions', 'heartbeat_ms')
+  local url = f[1]
+  if not url then
+    -- The hash expired (or was never complete: registration always writes `url`): a dead member.
+    redis.call('ZREM', workers_key, id)
+  else
+    local sessions = tonumber(f[3]) or 0
+    local max_sessions = tonumber(f[4]) or 0
+    local heartbeat_ms = tonumber(f[5])
+    local fresh = max_age_ms <= 0 or (heartbeat_ms ~= nil and now_ms - heartbeat_ms <= max_age_ms)
+    if f[2] == 'ready' and max_sessions > 0 and sessions < max_sessions and fresh then
+      redis.call('HINCRBY', hash_key, 'sessions', 1)
+      redis.call('ZADD', workers_key, (sessions + 1) / max_sessions, id)
+      return {id, url}
+    end
+  end
+end
+return nil

@@ -1,0 +1,82 @@
+"""Session placement: one atomic Lua script picks and charges a worker (DESIGN section 5).
+
+Why a script and not read-then-write from Python: between a gateway reading the ZSET and charging
+its pick, other gateways would read the same "least loaded" worker and all pile onto it. Inside the
+script the read, the dead-member cleanup and the charge are one atomic step, so N concurrent opens
+spread over the workers exactly as if they had been made one after another.
+
+The script (shared/lua/place.lua) declares only the workers ZSET in KEYS and derives the worker hash
+keys from a prefix in ARGV; every one of them carries the same `{prefix}` hash tag, so the script is
+single-slot and runs on Redis Cluster. The trade-off is spelled out at the top of the script.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import cache
+from importlib import resources
+from typing import Final
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+
+from shared.errors import CapacityExhausted
+from shared.redis_schema import KeySchema
+from shared.registry import Placement
+
+logger = logging.getLogger(__name__)
+
+# A worker's free slots show up at its next heartbeat, so about one heartbeat interval is the
+# soonest a retry could succeed.
+DEFAULT_RETRY_AFTER_MS: Final = 1000
+
+__all__ = ["DEFAULT_RETRY_AFTER_MS", "Placement", "load_place_script", "place_script_source", "place_session"]
+
+
+@cache
+def place_script_source() -> str:
+    """The script's text, read once from the installed package (it ships as package data)."""
+    return resources.files("shared").joinpath("lua", "place.lua").read_text(encoding="utf-8")
+
+
+def load_place_script(redis: Redis) -> AsyncScript:
+    """Bind the placement script to a client. Cheap (a SHA-1 of the text): the script runs by EVALSHA
+    and is loaded into the server on the first NOSCRIPT, e.g. after a restart or failover."""
+    return redis.register_script(place_script_source())
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, str):
+        return value
+    raise TypeError(f"unexpected reply element from place.lua: {value!r}")
+
+
+async def place_session(
+    redis: Redis,
+    schema: KeySchema,
+    *,
+    retry_after_ms: int = DEFAULT_RETRY_AFTER_MS,
+    max_heartbeat_age_ms: int = 0,
+) -> Placement:
+    """Pick the least-loaded live `ready` worker with a free session slot and charge one slot to it.
+
+    `max_heartbeat_age_ms` > 0 also skips workers whose last heartbeat is older than that (by this
+    host's clock), for deployments whose hash TTL is long; 0 leaves liveness to the TTL alone, which
+    needs no clock agreement between hosts. Raises `CapacityExhausted` with `retry_after_ms` when no
+    worker has room; the caller writes the session hash once the worker has accepted the session.
+    """
+    script = load_place_script(redis)
+    now_ms = time.time_ns() // 1_000_000
+    result = await script(
+        keys=[schema.workers()],
+        args=[schema.worker_prefix(), now_ms, max(0, max_heartbeat_age_ms)],
+    )
+    if result is None:
+        logger.info("no worker with room under prefix %r", schema.prefix)
+        raise CapacityExhausted("no worker has a free session slot", retry_after_ms=retry_after_ms)
+    worker_id, url = (_text(v) for v in result)
+    logger.debug("placed a session on worker %s (%s)", worker_id, url)
+    return Placement(worker_id=worker_id, url=url)

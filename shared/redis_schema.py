@@ -1,0 +1,123 @@
+"""The Redis key schema (DESIGN section 5) and the token-log byte format.
+
+Every key name microturn uses is built here, so the gateway, the worker and the Lua scripts cannot
+drift apart on spelling. Two groups of keys with different placement needs:
+
+- Registry keys (`{mt}:workers`, `{mt}:worker:<id>`) carry the hash tag `{<prefix>}`, so they all
+  map to one Redis Cluster slot and the placement script may touch them together atomically.
+- Session keys (`mt:session:<sid>`, `mt:log:<sid>`) carry no tag, so sessions spread over every slot
+  of a cluster; nothing ever needs two sessions' keys in one command.
+
+The token log is a plain STRING of little-endian uint32 token ids, grown with APPEND once per turn:
+APPEND is O(1) amortised and needs no read-modify-write, and a fixed-width binary layout lets a
+restoring worker decode the whole history with one buffer view.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFIX: Final = "mt"
+
+# Fields of the worker hash `{mt}:worker:<id>`. shared/lua/place.lua spells the first four itself:
+# keep the two in step.
+WORKER_URL: Final = "url"
+WORKER_STATE: Final = "state"
+WORKER_SESSIONS: Final = "sessions"
+WORKER_MAX_SESSIONS: Final = "max_sessions"
+WORKER_KV_TOKENS_FREE: Final = "kv_tokens_free"
+WORKER_KV_TOKENS_TOTAL: Final = "kv_tokens_total"
+WORKER_MODEL: Final = "model"
+WORKER_HEARTBEAT_MS: Final = "heartbeat_ms"
+
+STATE_READY: Final = "ready"
+STATE_DRAINING: Final = "draining"
+
+# Fields of the session hash `mt:session:<sid>`.
+SESSION_WORKER: Final = "worker"
+SESSION_TOKEN_SHA256: Final = "token_sha256"
+SESSION_MODEL: Final = "model"
+SESSION_CREATED_MS: Final = "created_ms"
+SESSION_LAST_SEQ: Final = "last_seq"
+SESSION_CONFIG: Final = "config"
+
+TOKEN_BYTES: Final = 4
+MAX_TOKEN_ID: Final = 2**32 - 1
+_LOG_DTYPE: Final = np.dtype("<u4")  # explicit byte order: the log must read the same on any host
+
+
+@dataclass(frozen=True, slots=True)
+class KeySchema:
+    """Builds every key name from one prefix, so several deployments can share one Redis.
+
+    The prefix also names the registry hash tag: `KeySchema("mt").workers()` is `{mt}:workers`.
+    """
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        # A brace in the prefix would move or break the hash tag, splitting the registry across slots;
+        # whitespace would make keys awkward to address from redis-cli.
+        if not self.prefix or any(c in self.prefix for c in "{} \t\r\n"):
+            raise ValueError(f"invalid key prefix {self.prefix!r}: must be non-empty, no braces or spaces")
+
+    @property
+    def tag(self) -> str:
+        """The hash tag shared by every registry key: `{<prefix>}`."""
+        return "{" + self.prefix + "}"
+
+    def workers(self) -> str:
+        """ZSET: worker id -> load score, ascending = least loaded first."""
+        return f"{self.tag}:workers"
+
+    def worker_prefix(self) -> str:
+        """What a worker id is appended to for its hash key; the placement script gets it as ARGV."""
+        return f"{self.tag}:worker:"
+
+    def worker(self, worker_id: str) -> str:
+        """HASH describing one worker; its TTL is the worker's liveness."""
+        if not worker_id:
+            raise ValueError("empty worker id")
+        return self.worker_prefix() + worker_id
+
+    def session(self, sid: str) -> str:
+        """HASH: the session's affinity (worker), resume-token digest, model, config."""
+        if not sid:
+            raise ValueError("empty session id")
+        return f"{self.prefix}:session:{sid}"
+
+    def log(self, sid: str) -> str:
+        """STRING: the session's token history, little-endian uint32, appended per turn."""
+        if not sid:
+            raise ValueError("empty session id")
+        return f"{self.prefix}:log:{sid}"
+
+
+def encode_tokens(tokens: list[int]) -> bytes:
+    """Token ids -> the log's byte layout (little-endian uint32), refusing ids that would wrap."""
+    if not tokens:
+        return b""
+    # int64 first so negatives and ids >= 2**32 are caught here instead of silently wrapping.
+    try:
+        wide = np.asarray(tokens, dtype=np.int64)
+    except OverflowError as exc:
+        raise ValueError("token id out of uint32 range") from exc
+    if wide.ndim != 1:
+        raise ValueError("tokens must be a flat list of ints")
+    if int(wide.min()) < 0 or int(wide.max()) > MAX_TOKEN_ID:
+        raise ValueError(f"token id out of uint32 range [0, {MAX_TOKEN_ID}]")
+    return wide.astype(_LOG_DTYPE).tobytes()
+
+
+def decode_tokens(data: bytes) -> list[int]:
+    """The log's bytes -> token ids; a length that is not a multiple of 4 means a corrupt log."""
+    if len(data) % TOKEN_BYTES:
+        raise ValueError(f"token log length {len(data)} is not a multiple of {TOKEN_BYTES}")
+    values: list[int] = np.frombuffer(data, dtype=_LOG_DTYPE).tolist()
+    return values
