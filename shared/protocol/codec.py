@@ -1,0 +1,492 @@
+"""Bytes <-> messages for client protocol v1, in JSON or msgpack, with strict validation.
+
+Why so strict: this is the only place where untrusted input becomes typed values. Everything past
+the codec (gateway limits, the worker link, the engine) may rely on the types being exact: an int
+is an `int` (never a bool, never a float), a string is a `str`, token lists hold non-negative
+ints that fit the uint32 token log, numbers are finite, and a map carries no key the protocol
+does not define (a typo such as `max_output_token` fails loudly instead of being ignored).
+Every failure raises `InvalidMessage` naming the message and the field, or `UnknownType`; nothing
+is mutated on the way. Optional fields may be absent or null; the encoders leave `None` out.
+
+No I/O here (websockets' Sans-I/O core is the model): callers hand in the frame they received and
+get back a message, or hand in a message and get back the frame to send. The frame-size limit is
+the caller's (`MAX_FRAME_BYTES` is the default), checked before decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import fields
+from enum import Enum
+from typing import TypeVar, cast
+
+import msgpack
+
+from shared.errors import ErrorCode, InvalidMessage, UnknownType
+from shared.protocol.messages import (
+    CLOSE_REASONS,
+    CONTEXT_POLICIES,
+    FINISH_REASONS,
+    ClientMessage,
+    CloseReason,
+    ContextPolicy,
+    Error,
+    FinishReason,
+    InputChunk,
+    OpenConfig,
+    OutputCancel,
+    OutputDelta,
+    OutputDone,
+    Ping,
+    Pong,
+    ServerMessage,
+    SessionClose,
+    SessionClosed,
+    SessionOpen,
+    SessionOpened,
+    SessionRestored,
+    SessionResume,
+    SessionResumed,
+    Timing,
+)
+
+MAX_FRAME_BYTES = 1 << 20
+# Largest integer a JavaScript client holds exactly: the bound for seq, counts and lengths.
+MAX_INT = 2**53 - 1
+# The token log stores little-endian uint32.
+MAX_TOKEN_ID = 2**32 - 1
+MAX_SEED = 2**64 - 1
+
+
+class Encoding(Enum):
+    """The two wire encodings; the value is the WebSocket subprotocol that selects it."""
+
+    JSON = "microturn.v1.json"
+    MSGPACK = "microturn.v1.msgpack"
+
+    @property
+    def subprotocol(self) -> str:
+        return self.value
+
+
+def choose_encoding(offered: Iterable[str]) -> Encoding | None:
+    """The encoding for a client offering these subprotocols, in its order of preference.
+
+    No subprotocol at all means JSON (and the server then echoes none); offers that name only
+    unknown subprotocols get None: refuse the handshake. Otherwise the server echoes
+    `encoding.subprotocol`.
+    """
+    names = [name.strip() for name in offered if name.strip()]
+    if not names:
+        return Encoding.JSON
+    known = {e.value: e for e in Encoding}
+    for name in names:
+        if name in known:
+            return known[name]
+    return None
+
+
+# ---- typed field reading ------------------------------------------------------------------------
+
+_ERROR_CODES = frozenset(code.value for code in ErrorCode)
+_T = TypeVar("_T")
+_M = TypeVar("_M")
+
+
+def _show(value: object) -> str:
+    """A short description of a bad value for an error message (never a huge repr)."""
+    if value is None or type(value) in (bool, int, float):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value[:40] + ("..." if len(value) > 40 else ""))
+    return type(value).__name__
+
+
+class FieldReader:
+    """Reads typed fields off one decoded map; every error names the map and the field.
+
+    Call `done()` last: it refuses keys that no accessor asked for.
+    """
+
+    __slots__ = ("_map", "_seen", "_where")
+
+    def __init__(self, obj: object, where: str, *, seen: Iterable[str] = (), checked: bool = False) -> None:
+        if type(obj) is not dict:
+            raise InvalidMessage(f"{where} must be a map, got {_show(obj)}")
+        if not checked:  # `checked`: the caller already made a reader over this very map
+            for key in obj:
+                if type(key) is not str:
+                    raise InvalidMessage(f"{where}: map keys must be strings, got {_show(key)}")
+        self._map: dict[str, object] = obj
+        self._where = where
+        self._seen = set(seen)
+
+    def _get(self, key: str, required: bool) -> object:
+        self._seen.add(key)
+        value = self._map.get(key)
+        if value is None:  # absent or null
+            if required:
+                raise InvalidMessage(f"{self._where}: missing field '{key}'")
+            return None
+        return value
+
+    def _bad(self, key: str, want: str, value: object) -> InvalidMessage:
+        return InvalidMessage(f"{self._where}: field '{key}' must be {want}, got {_show(value)}")
+
+    def _int(self, key: str, value: object, lo: int, hi: int) -> int:
+        if type(value) is not int or not lo <= value <= hi:
+            raise self._bad(key, f"an integer in [{lo}, {hi}]", value)
+        return value
+
+    def _float(self, key: str, value: object, lo: float, hi: float, lo_open: bool = False) -> float:
+        if type(value) is not float and type(value) is not int:
+            raise self._bad(key, "a number", value)
+        number = float(value)
+        if not (math.isfinite(number) and (lo < number if lo_open else lo <= number) and number <= hi):
+            low = "" if lo == -math.inf else f"{'>' if lo_open else '>='} {lo}"
+            high = "" if hi == math.inf else f"<= {hi}"
+            raise self._bad(
+                key, " ".join(["a finite number", " and ".join(filter(None, (low, high)))]), value
+            )
+        return number
+
+    def _ints(self, key: str, value: object, lo: int, hi: int) -> tuple[int, ...]:
+        if type(value) is not list and type(value) is not tuple:
+            raise self._bad(key, "a list of integers", value)
+        for item in value:
+            if type(item) is not int or not lo <= item <= hi:
+                raise self._bad(key, f"a list of integers in [{lo}, {hi}]", item)
+        return tuple(value)
+
+    def _floats(self, key: str, value: object) -> tuple[float, ...]:
+        if type(value) is not list and type(value) is not tuple:
+            raise self._bad(key, "a list of numbers", value)
+        return tuple(self._float(key, item, -math.inf, math.inf) for item in value)
+
+    def _opt(self, key: str, convert: Callable[[object], _T]) -> _T | None:
+        value = self._get(key, False)
+        return None if value is None else convert(value)
+
+    def integer(self, key: str, lo: int = 0, hi: int = MAX_INT) -> int:
+        return self._int(key, self._get(key, True), lo, hi)
+
+    def opt_integer(self, key: str, lo: int = 0, hi: int = MAX_INT) -> int | None:
+        return self._opt(key, lambda v: self._int(key, v, lo, hi))
+
+    def number(self, key: str, lo: float = 0.0, hi: float = math.inf, *, lo_open: bool = False) -> float:
+        """A finite int or float, returned as float; ints are accepted where a float is allowed."""
+        return self._float(key, self._get(key, True), lo, hi, lo_open)
+
+    def opt_number(
+        self, key: str, lo: float = 0.0, hi: float = math.inf, *, lo_open: bool = False
+    ) -> float | None:
+        return self._opt(key, lambda v: self._float(key, v, lo, hi, lo_open))
+
+    def number_values(self) -> dict[str, int | float]:
+        """Every value of the map as a number (ints stay ints), e.g. `limits`."""
+        out: dict[str, int | float] = {}
+        for key, value in self._map.items():
+            self._seen.add(key)
+            out[key] = value if type(value) is int else self._float(key, value, -math.inf, math.inf)
+        return out
+
+    def boolean(self, key: str) -> bool:
+        value = self._get(key, True)
+        if type(value) is not bool:
+            raise self._bad(key, "a boolean", value)
+        return value
+
+    def opt_boolean(self, key: str) -> bool | None:
+        return None if self._get(key, False) is None else self.boolean(key)
+
+    def string(self, key: str, *, nonempty: bool = False) -> str:
+        value = self._get(key, True)
+        if type(value) is not str or (nonempty and not value):
+            raise self._bad(key, "a non-empty string" if nonempty else "a string", value)
+        return value
+
+    def opt_string(self, key: str) -> str | None:
+        return None if self._get(key, False) is None else self.string(key)
+
+    def choice(self, key: str, choices: tuple[str, ...]) -> str:
+        value = self._get(key, True)
+        if type(value) is not str or value not in choices:
+            raise self._bad(key, "one of " + ", ".join(choices), value)
+        return value
+
+    def opt_choice(self, key: str, choices: tuple[str, ...]) -> str | None:
+        return None if self._get(key, False) is None else self.choice(key, choices)
+
+    def integers(self, key: str, lo: int = 0, hi: int = MAX_TOKEN_ID) -> tuple[int, ...]:
+        return self._ints(key, self._get(key, True), lo, hi)
+
+    def opt_integers(self, key: str, lo: int = 0, hi: int = MAX_TOKEN_ID) -> tuple[int, ...] | None:
+        return self._opt(key, lambda v: self._ints(key, v, lo, hi))
+
+    def numbers(self, key: str) -> tuple[float, ...]:
+        return self._floats(key, self._get(key, True))
+
+    def opt_numbers(self, key: str) -> tuple[float, ...] | None:
+        return self._opt(key, lambda v: self._floats(key, v))
+
+    def has(self, key: str) -> bool:
+        return key in self._map
+
+    def raw(self, key: str) -> object:
+        """Any value, unchecked (None when absent)."""
+        return self._get(key, False)
+
+    def submap(self, key: str, *, required: bool = True) -> FieldReader | None:
+        value = self._get(key, required)
+        return None if value is None else FieldReader(value, f"{self._where}.{key}")
+
+    def error_code(self, key: str) -> ErrorCode:
+        value = self._get(key, True)
+        if type(value) is str and value in _ERROR_CODES:
+            return ErrorCode(value)
+        raise self._bad(key, "a known error code", value)
+
+    def done(self) -> None:
+        unknown = [key for key in self._map if key not in self._seen]
+        if unknown:
+            raise InvalidMessage(f"{self._where}: unknown field(s) {', '.join(sorted(unknown))}")
+
+
+# ---- config -------------------------------------------------------------------------------------
+
+
+def config_from_reader(r: FieldReader) -> OpenConfig:
+    """Read an `OpenConfig` off `r` (absent and null fields take their defaults) and finish `r`."""
+    default = OpenConfig()
+    policy = r.opt_choice("context_policy", CONTEXT_POLICIES)
+    config = OpenConfig(
+        max_output_tokens=_or(r.opt_integer("max_output_tokens"), default.max_output_tokens),
+        temperature=_or(r.opt_number("temperature"), default.temperature),
+        top_p=r.opt_number("top_p", 0.0, 1.0, lo_open=True),
+        top_k=r.opt_integer("top_k", 1),
+        seed=r.opt_integer("seed", 0, MAX_SEED),
+        stop_token_ids=r.opt_integers("stop_token_ids"),
+        logprobs=_or(r.opt_boolean("logprobs"), default.logprobs),
+        idle_timeout_s=r.opt_number("idle_timeout_s", 0.0, lo_open=True),
+        max_context_tokens=r.opt_integer("max_context_tokens", 1),
+        context_policy=default.context_policy if policy is None else cast(ContextPolicy, policy),
+        keep_prefix_tokens=_or(r.opt_integer("keep_prefix_tokens"), default.keep_prefix_tokens),
+        stream=_or(r.opt_boolean("stream"), default.stream),
+    )
+    r.done()
+    return config
+
+
+def config_from_map(obj: object, where: str = "config") -> OpenConfig:
+    """Validate a `session.open` config map (also the `config` of link `open` / `restore`)."""
+    return config_from_reader(FieldReader(obj, where))
+
+
+def config_to_map(config: OpenConfig) -> dict[str, object]:
+    """The wire map of a config; `None` fields are left out."""
+    return fields_to_map(config, {})
+
+
+def _or(value: _T | None, default: _T) -> _T:
+    return default if value is None else value
+
+
+# ---- parsing frames -----------------------------------------------------------------------------
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key in object")
+    return out
+
+
+def _no_constants(name: str) -> object:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(data: str) -> object:
+    try:
+        return json.loads(data, object_pairs_hook=_unique_keys, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as e:
+        raise InvalidMessage(f"malformed JSON: {e}") from e
+
+
+def parse_msgpack(data: bytes | bytearray | memoryview) -> object:
+    try:
+        obj: object = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
+        raise InvalidMessage(f"malformed msgpack: {str(e) or type(e).__name__}") from e
+    return obj
+
+
+def _parse(data: str | bytes | bytearray | memoryview, encoding: Encoding) -> object:
+    if encoding is Encoding.JSON:
+        if not isinstance(data, str):
+            raise InvalidMessage(f"binary frame on a {encoding.value} session: send text frames")
+        return parse_json(data)
+    if isinstance(data, str):
+        raise InvalidMessage(f"text frame on a {encoding.value} session: send binary frames")
+    return parse_msgpack(data)
+
+
+def _decode(obj: object, decoders: dict[str, Callable[[FieldReader], _M]]) -> _M:
+    head = FieldReader(obj, "message")
+    if not head.has("type"):
+        raise InvalidMessage("missing field 'type'")
+    kind = head.raw("type")
+    if type(kind) is not str:
+        raise InvalidMessage(f"field 'type' must be a string, got {_show(kind)}")
+    decode = decoders.get(kind)
+    if decode is None:
+        raise UnknownType(f"unknown message type {_show(kind)}")
+    r = FieldReader(obj, kind, seen=("type",), checked=True)
+    message = decode(r)
+    r.done()
+    return message
+
+
+# ---- client -> server ---------------------------------------------------------------------------
+
+
+def _session_open(r: FieldReader) -> SessionOpen:
+    sub = r.submap("config", required=False)
+    return SessionOpen(OpenConfig() if sub is None else config_from_reader(sub))
+
+
+def _input_chunk(r: FieldReader) -> InputChunk:
+    seq = r.integer("seq")
+    tokens = r.opt_integers("tokens")
+    text = r.opt_string("text")
+    if (tokens is None) == (text is None):
+        raise InvalidMessage("input.chunk: exactly one of 'tokens' or 'text' is required")
+    return InputChunk(seq, tokens, text, r.opt_integer("max_output_tokens"), r.opt_boolean("logprobs"))
+
+
+_CLIENT: dict[str, Callable[[FieldReader], ClientMessage]] = {
+    SessionOpen.type: _session_open,
+    SessionResume.type: lambda r: SessionResume(
+        r.string("session_id", nonempty=True),
+        r.string("resume_token", nonempty=True),
+        r.opt_integer("last_seq"),
+    ),
+    InputChunk.type: _input_chunk,
+    OutputCancel.type: lambda r: OutputCancel(r.integer("seq")),
+    SessionClose.type: lambda r: SessionClose(),
+    Ping.type: lambda r: Ping(r.raw("data")),
+}
+
+
+def decode_client(data: str | bytes | bytearray | memoryview, encoding: Encoding) -> ClientMessage:
+    """Parse and validate one client frame; raises `InvalidMessage` or `UnknownType`."""
+    return _decode(_parse(data, encoding), _CLIENT)
+
+
+# ---- server -> client ---------------------------------------------------------------------------
+
+
+def _session_opened(r: FieldReader) -> SessionOpened:
+    session_id, token, model = (
+        r.string("session_id", nonempty=True),
+        r.string("resume_token"),
+        r.string("model"),
+    )
+    limits = r.submap("limits", required=False)
+    return SessionOpened(session_id, token, model, {} if limits is None else limits.number_values())
+
+
+def _output_done(r: FieldReader) -> OutputDone:
+    seq, tokens, text = r.integer("seq"), r.integers("tokens"), r.opt_string("text")
+    finish = cast(FinishReason, r.choice("finish", FINISH_REASONS))
+    t = r.submap("timing")
+    assert t is not None
+    timing = Timing(t.number("queue_ms"), t.number("compute_ms"))
+    t.done()
+    logprobs = r.opt_numbers("logprobs")
+    if logprobs is not None and len(logprobs) != len(tokens):
+        raise InvalidMessage(f"output.done: {len(logprobs)} logprobs for {len(tokens)} tokens")
+    return OutputDone(seq, tokens, text, finish, timing, logprobs)
+
+
+_SERVER: dict[str, Callable[[FieldReader], ServerMessage]] = {
+    SessionOpened.type: _session_opened,
+    SessionResumed.type: lambda r: SessionResumed(
+        r.string("session_id", nonempty=True), r.integer("length"), r.opt_integer("last_seq")
+    ),
+    SessionRestored.type: lambda r: SessionRestored(
+        r.string("session_id", nonempty=True), r.integer("length")
+    ),
+    OutputDelta.type: lambda r: OutputDelta(
+        r.integer("seq"),
+        r.integer("index"),
+        r.integer("token", 0, MAX_TOKEN_ID),
+        r.opt_string("text"),
+        r.opt_number("logprob", -math.inf),
+    ),
+    OutputDone.type: _output_done,
+    SessionClosed.type: lambda r: SessionClosed(cast(CloseReason, r.choice("reason", CLOSE_REASONS))),
+    Error.type: lambda r: Error(
+        r.error_code("code"),
+        r.string("message"),
+        r.boolean("fatal"),
+        r.opt_integer("seq"),
+        r.opt_integer("retry_after_ms"),
+    ),
+    Pong.type: lambda r: Pong(r.raw("data")),
+}
+
+
+def decode_server(data: str | bytes | bytearray | memoryview, encoding: Encoding) -> ServerMessage:
+    """Parse and validate one server frame (the Python client's side)."""
+    return _decode(_parse(data, encoding), _SERVER)
+
+
+# ---- encoding -----------------------------------------------------------------------------------
+
+_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
+
+
+def fields_to_map(obj: object, out: dict[str, object]) -> dict[str, object]:
+    """Add `obj`'s dataclass fields to `out`, leaving out None; nested dataclasses become maps."""
+    for name in _field_names(type(obj)):
+        value = getattr(obj, name)
+        if value is None:
+            continue
+        if isinstance(value, OpenConfig | Timing):
+            value = fields_to_map(value, {})
+        elif isinstance(value, Enum):
+            value = value.value
+        out[name] = value
+    return out
+
+
+def _dump(obj: dict[str, object], encoding: Encoding) -> str | bytes:
+    if encoding is Encoding.JSON:
+        return _JSON.encode(obj)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
+
+
+def encode_server(message: ServerMessage, encoding: Encoding) -> str | bytes:
+    """The frame for one server message: `str` (a text frame) for JSON, `bytes` for msgpack.
+
+    Floats must be finite (JSON has no NaN or infinity): a non-finite one raises ValueError.
+    """
+    return _dump(fields_to_map(message, {"type": message.type}), encoding)
+
+
+def encode_client(message: ClientMessage, encoding: Encoding) -> str | bytes:
+    """The frame for one client message (the Python client's side); see `encode_server`."""
+    return _dump(fields_to_map(message, {"type": message.type}), encoding)

@@ -1,0 +1,281 @@
+"""Frames of the gateway <-> worker link (DESIGN section 4): msgpack maps with `op` and `sid`.
+
+Why its own vocabulary: one link carries many sessions, so every frame names its session (`sid`),
+and the worker needs things a client never sends (the config at `open`, the token log at
+`restore`) while the gateway needs things a client never sees (the session length after a turn,
+for the session hash). The fields otherwise mirror the client messages so the gateway's hot path
+is a field-for-field copy (see the `*_to_client` helpers).
+
+The link is internal, but a version skew or a bug must fail loudly and typed, not corrupt a
+session: decoding is as strict as the client codec's, and every failure raises `InvalidMessage`.
+
+Ops: gateway -> worker `open`, `attach` (resume), `restore` (rebuild from the token log), `chunk`,
+`cancel`, `detach` (the client went away; the session stays resumable and becomes the first to
+lose its KV under memory pressure), `close`; worker -> gateway `opened` (the answer to `open`,
+`attach` and `restore`), `delta`, `done`, `error`, `closed`. An `error` with an empty `sid`
+concerns the link itself (e.g. a malformed frame whose session is unknown).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, TypeAlias, cast
+
+import msgpack
+
+from shared.errors import ErrorCode, InvalidMessage, MicroturnError
+from shared.protocol.codec import (
+    MAX_TOKEN_ID,
+    FieldReader,
+    config_from_reader,
+    fields_to_map,
+    parse_msgpack,
+)
+from shared.protocol.messages import (
+    CLOSE_REASONS,
+    FINISH_REASONS,
+    CloseReason,
+    Error,
+    FinishReason,
+    InputChunk,
+    OpenConfig,
+    OutputDelta,
+    OutputDone,
+    Timing,
+)
+
+# ---- gateway -> worker --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LinkOpen:
+    op: ClassVar[str] = "open"
+    sid: str
+    config: OpenConfig = field(default_factory=OpenConfig)
+    # Tokens the session starts with (a prompt); empty for a fresh session.
+    history: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LinkAttach:
+    op: ClassVar[str] = "attach"
+    sid: str
+    # The last output seq the client saw: the worker replays the `done` frames after it.
+    last_seq: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkRestore:
+    op: ClassVar[str] = "restore"
+    sid: str
+    config: OpenConfig
+    # The session's token log; None lets the worker read it from Redis itself.
+    tokens: tuple[int, ...] | None = None
+    # The last seq the session finished, so seq ordering carries on.
+    last_seq: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkChunk:
+    op: ClassVar[str] = "chunk"
+    sid: str
+    seq: int
+    tokens: tuple[int, ...] | None = None
+    text: str | None = None
+    max_output_tokens: int | None = None
+    logprobs: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCancel:
+    op: ClassVar[str] = "cancel"
+    sid: str
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class LinkDetach:
+    op: ClassVar[str] = "detach"
+    sid: str
+
+
+@dataclass(frozen=True, slots=True)
+class LinkClose:
+    op: ClassVar[str] = "close"
+    sid: str
+    reason: CloseReason = "closed"
+
+
+# ---- worker -> gateway --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LinkOpened:
+    op: ClassVar[str] = "opened"
+    sid: str
+    length: int
+    last_seq: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkDelta:
+    op: ClassVar[str] = "delta"
+    sid: str
+    seq: int
+    index: int
+    token: int
+    text: str | None = None
+    logprob: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkDone:
+    op: ClassVar[str] = "done"
+    sid: str
+    seq: int
+    tokens: tuple[int, ...]
+    text: str | None
+    finish: FinishReason
+    queue_ms: float
+    compute_ms: float
+    # The session's sequence length once this turn is done.
+    length: int
+    logprobs: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkError:
+    op: ClassVar[str] = "error"
+    sid: str
+    code: ErrorCode
+    message: str
+    fatal: bool
+    seq: int | None = None
+    retry_after_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkClosed:
+    op: ClassVar[str] = "closed"
+    sid: str
+    reason: CloseReason
+
+
+ToWorker: TypeAlias = LinkOpen | LinkAttach | LinkRestore | LinkChunk | LinkCancel | LinkDetach | LinkClose
+ToGateway: TypeAlias = LinkOpened | LinkDelta | LinkDone | LinkError | LinkClosed
+LinkFrame: TypeAlias = ToWorker | ToGateway
+
+
+# ---- codec --------------------------------------------------------------------------------------
+
+
+def encode_link(frame: LinkFrame) -> bytes:
+    """One binary link frame; `None` fields are left out."""
+    packed: bytes = msgpack.packb(fields_to_map(frame, {"op": frame.op}), use_bin_type=True)
+    return packed
+
+
+def _sid(r: FieldReader) -> str:
+    return r.string("sid", nonempty=True)
+
+
+def _config(r: FieldReader) -> OpenConfig:
+    sub = r.submap("config", required=False)
+    return OpenConfig() if sub is None else config_from_reader(sub)
+
+
+def _chunk(r: FieldReader) -> LinkChunk:
+    sid, seq, tokens, text = _sid(r), r.integer("seq"), r.opt_integers("tokens"), r.opt_string("text")
+    if (tokens is None) == (text is None):
+        raise InvalidMessage("link chunk: exactly one of 'tokens' or 'text' is required")
+    return LinkChunk(sid, seq, tokens, text, r.opt_integer("max_output_tokens"), r.opt_boolean("logprobs"))
+
+
+def _done(r: FieldReader) -> LinkDone:
+    sid, seq, tokens, text = _sid(r), r.integer("seq"), r.integers("tokens"), r.opt_string("text")
+    finish = cast(FinishReason, r.choice("finish", FINISH_REASONS))
+    queue_ms, compute_ms, length = r.number("queue_ms"), r.number("compute_ms"), r.integer("length")
+    logprobs = r.opt_numbers("logprobs")
+    if logprobs is not None and len(logprobs) != len(tokens):
+        raise InvalidMessage(f"link done: {len(logprobs)} logprobs for {len(tokens)} tokens")
+    return LinkDone(sid, seq, tokens, text, finish, queue_ms, compute_ms, length, logprobs)
+
+
+_DECODERS: dict[str, Callable[[FieldReader], LinkFrame]] = {
+    LinkOpen.op: lambda r: LinkOpen(_sid(r), _config(r), r.opt_integers("history") or ()),
+    LinkAttach.op: lambda r: LinkAttach(_sid(r), r.opt_integer("last_seq")),
+    LinkRestore.op: lambda r: LinkRestore(
+        _sid(r), _config(r), r.opt_integers("tokens"), r.opt_integer("last_seq")
+    ),
+    LinkChunk.op: _chunk,
+    LinkCancel.op: lambda r: LinkCancel(_sid(r), r.integer("seq")),
+    LinkDetach.op: lambda r: LinkDetach(_sid(r)),
+    LinkClose.op: lambda r: LinkClose(
+        _sid(r), cast(CloseReason, r.opt_choice("reason", CLOSE_REASONS) or "closed")
+    ),
+    LinkOpened.op: lambda r: LinkOpened(_sid(r), r.integer("length"), r.opt_integer("last_seq")),
+    LinkDelta.op: lambda r: LinkDelta(
+        _sid(r),
+        r.integer("seq"),
+        r.integer("index"),
+        r.integer("token", 0, MAX_TOKEN_ID),
+        r.opt_string("text"),
+        r.opt_number("logprob", float("-inf")),
+    ),
+    LinkDone.op: _done,
+    LinkError.op: lambda r: LinkError(
+        r.string("sid"),
+        r.error_code("code"),
+        r.string("message"),
+        r.boolean("fatal"),
+        r.opt_integer("seq"),
+        r.opt_integer("retry_after_ms"),
+    ),
+    LinkClosed.op: lambda r: LinkClosed(_sid(r), cast(CloseReason, r.choice("reason", CLOSE_REASONS))),
+}
+
+
+def decode_link(data: bytes | bytearray | memoryview | str) -> LinkFrame:
+    """Parse and validate one link frame (either direction); raises `InvalidMessage`."""
+    if isinstance(data, str):
+        raise InvalidMessage("text frame on the worker link: frames are binary msgpack")
+    obj = parse_msgpack(data)
+    op = FieldReader(obj, "link frame").raw("op")
+    if type(op) is not str:
+        raise InvalidMessage("a link frame needs a string field 'op'")
+    decode = _DECODERS.get(op)
+    if decode is None:
+        raise InvalidMessage(f"unknown link op {op[:40]!r}")
+    r = FieldReader(obj, f"link {op}", seen=("op",), checked=True)
+    frame = decode(r)
+    r.done()
+    return frame
+
+
+# ---- translation to and from the client protocol ------------------------------------------------
+
+
+def chunk_to_link(sid: str, chunk: InputChunk) -> LinkChunk:
+    return LinkChunk(sid, chunk.seq, chunk.tokens, chunk.text, chunk.max_output_tokens, chunk.logprobs)
+
+
+def delta_to_client(frame: LinkDelta) -> OutputDelta:
+    return OutputDelta(frame.seq, frame.index, frame.token, frame.text, frame.logprob)
+
+
+def done_to_client(frame: LinkDone) -> OutputDone:
+    timing = Timing(frame.queue_ms, frame.compute_ms)
+    return OutputDone(frame.seq, frame.tokens, frame.text, frame.finish, timing, frame.logprobs)
+
+
+def error_to_client(frame: LinkError) -> Error:
+    return Error(frame.code, frame.message, frame.fatal, frame.seq, frame.retry_after_ms)
+
+
+def link_error_from(
+    sid: str, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None
+) -> LinkError:
+    """The `error` frame for a typed exception raised on the worker (`fatal` as in close_codes)."""
+    fatal = not exc.recoverable if fatal is None else fatal
+    return LinkError(sid, exc.code, exc.message, fatal, seq, exc.retry_after_ms)
