@@ -25,7 +25,8 @@ class _AppendRow:
 @dataclass(frozen=True)
 class _DecodeGroup:
     token_index: torch.Tensor  # [rows] the decode tokens' indices in the step
-    kv_slots: torch.Tensor  # [rows, max_kv] flat slot ids, padded with a valid slot
+    kv_slots: torch.Tensor  # [rows * max_kv] flat slot ids, each row padded with a valid slot
+    max_kv: int
     mask: torch.Tensor  # [rows, 1, 1, max_kv] bool, False on padding
 
 
@@ -68,9 +69,8 @@ class TorchAttention(AttentionBackend):
             clamped = torch.minimum(cols, kv_lens.unsqueeze(1) - 1)
             slots = _slots_of(meta, rows.unsqueeze(1).expand_as(clamped), clamped, page_size)
             token_index = torch.tensor([int(meta.qo_indptr[i]) for i in decode_rows], device=device)
-            decode = _DecodeGroup(
-                token_index, slots, (cols < kv_lens.unsqueeze(1)).view(len(decode_rows), 1, 1, max_kv)
-            )
+            padding = (cols < kv_lens.unsqueeze(1)).view(len(decode_rows), 1, 1, max_kv)
+            decode = _DecodeGroup(token_index, slots.reshape(-1), max_kv, padding)
 
         appends = []
         for i, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True)):
@@ -97,17 +97,19 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         if plan.decode is not None:
             group = plan.decode
-            query = q[group.token_index].unsqueeze(2)  # [rows, heads, 1, dim]
-            key = keys[group.kv_slots].transpose(1, 2)  # [rows, kv_heads, max_kv, dim]
-            value = values[group.kv_slots].transpose(1, 2)
-            attended = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=group.mask, enable_gqa=True
-            )
-            out[group.token_index] = attended.squeeze(2)
+            rows = group.token_index.shape[0]
+            # One query token per row: the query heads sharing a KV head become that head's "query
+            # length", so K/V are read once per KV head and never repeated for GQA.
+            query = q[group.token_index].view(rows, self.num_kv_heads, -1, self.head_dim)
+            shape = (rows, group.max_kv, self.num_kv_heads, self.head_dim)
+            key = keys.index_select(0, group.kv_slots).view(shape).transpose(1, 2)
+            value = values.index_select(0, group.kv_slots).view(shape).transpose(1, 2)
+            attended = F.scaled_dot_product_attention(query, key, value, attn_mask=group.mask)
+            out[group.token_index] = attended.reshape(rows, self.num_heads, self.head_dim)
         for row in plan.appends:
             query = q[row.tokens].transpose(0, 1)  # [heads, q_len, dim]
-            key = keys[row.kv_slots].transpose(0, 1)
-            value = values[row.kv_slots].transpose(0, 1)
+            key = keys.index_select(0, row.kv_slots).transpose(0, 1)
+            value = values.index_select(0, row.kv_slots).transpose(0, 1)
             attended = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=row.mask, is_causal=row.mask is None, enable_gqa=True
             )
