@@ -66,6 +66,7 @@ def test_no_output_chunks_coalesce_into_one_append(tiny: Engine) -> None:
     steps_after_busy = tiny.stats().steps
     assert all(f.result(30).tokens == () and f.result(30).finish == "length" for f in quiet)
     merged = last.result(30)
+    assert [f.result(30).inputs for f in quiet] == [tuple(c) for c in chunks] and merged.inputs == (99,)
     # One append for all four chunks plus one decode step, instead of four appends.
     assert tiny.stats().steps - steps_after_busy <= 2
 

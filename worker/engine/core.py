@@ -358,6 +358,7 @@ class EngineCore:
         result = TurnResult(
             session_id=session.session_id,
             seq=turn.seq,
+            inputs=tuple(turn.input_tokens),
             tokens=tuple(turn.output_tokens),
             logprobs=tuple(turn.output_logprobs) if turn.logprobs else None,
             text=self.tokenizer.decode(turn.output_tokens) if self.tokenizer is not None else None,

@@ -25,6 +25,9 @@ class TokenDelta:
 class TurnResult:
     session_id: str
     seq: int
+    # The chunk's input as it entered the sequence (text is tokenized by the engine): with `tokens`,
+    # exactly what this turn appended, in order, for the session's token log.
+    inputs: tuple[int, ...]
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...] | None
     text: str | None

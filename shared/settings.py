@@ -1,0 +1,125 @@
+"""Every setting of the gateway and the worker, typed, read in one place.
+
+Precedence: a command-line flag, then the `MT_<NAME>` environment variable, then the default.
+Each field's flag is `--<name-with-dashes>`; `add_arguments` and `from_sources` derive both from
+the dataclass, so a new setting is one new field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+S = TypeVar("S")
+
+ENV_PREFIX = "MT_"
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis or Valkey URL"})
+    key_prefix: str = field(default="mt", metadata={"help": "prefix of every Redis key"})
+
+
+@dataclass(frozen=True)
+class WorkerSettings(RedisSettings):
+    model: str = field(default="smollm2-135m", metadata={"help": "preset, HF directory or .gguf file"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    attention: str = field(default="auto", metadata={"help": "auto, torch or flashinfer"})
+    host: str = "127.0.0.1"
+    port: int = 8100
+    advertise_url: str = field(
+        default="", metadata={"help": "ws:// URL gateways dial; default host:port"}
+    )
+    worker_id: str = field(default="", metadata={"help": "stable id in the registry; default random"})
+    kv_tokens: int = field(default=0, metadata={"help": "KV capacity in tokens; 0 sizes it automatically"})
+    kv_memory_fraction: float = 0.85
+    page_size: int = 16
+    max_batch_tokens: int = 2048
+    max_sessions: int = 256
+    max_chunk_tokens: int = 512
+    max_queued_chunks: int = 8
+    max_output_tokens: int = 512
+    idle_timeout_s: float = field(default=300.0, metadata={"help": "default idle timeout of a session"})
+    heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
+    link_secret: str = field(default="", metadata={"help": "shared secret gateways must present"})
+    drain_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class GatewaySettings(RedisSettings):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    link_secret: str = field(default="", metadata={"help": "shared secret presented to workers"})
+    max_frame_bytes: int = 65536
+    max_chunk_tokens: int = 512
+    max_chunks_per_s: float = field(default=20.0, metadata={"help": "per session, token-bucket rate"})
+    chunk_burst: int = field(default=10, metadata={"help": "token-bucket burst per session"})
+    max_queued_chunks: int = field(default=8, metadata={"help": "chunks in flight per session"})
+    session_grace_s: float = field(default=30.0, metadata={"help": "Redis TTL beyond the idle timeout"})
+    link_connect_timeout_s: float = 5.0
+    open_timeout_s: float = 30.0
+
+
+def _field_type(cls: type[Any], name: str) -> type[Any]:
+    hint = get_type_hints(cls)[name]
+    if get_origin(hint) in (Union, types.UnionType):
+        hint = next(arg for arg in get_args(hint) if arg is not type(None))
+    if hint not in (str, int, float, bool):
+        raise TypeError(f"setting {name} has unsupported type {hint}")
+    return hint  # type: ignore[no-any-return]
+
+
+def _parse(kind: type[Any], raw: str, name: str) -> Any:
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{name}: {raw!r} is not a boolean")
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}: {raw!r} is not a valid {kind.__name__}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
+    """One `--flag` per field; unset flags stay None so the environment and defaults can apply."""
+    for f in dataclasses.fields(cls):
+        kind = _field_type(cls, f.name)
+        env = ENV_PREFIX + f.name.upper()
+        help_text = f"{f.metadata.get('help', '')} (env {env}, default {f.default!r})".strip()
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type=str, default=None, help=help_text)
+
+
+def from_sources(
+    cls: type[S], args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None
+) -> S:
+    environ = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        kind = _field_type(cls, f.name)
+        flag_value = getattr(args, f.name, None) if args is not None else None
+        env_value = environ.get(ENV_PREFIX + f.name.upper())
+        if flag_value is not None:
+            values[f.name] = flag_value if isinstance(flag_value, bool) else _parse(kind, flag_value, f.name)
+        elif env_value is not None:
+            values[f.name] = _parse(kind, env_value, ENV_PREFIX + f.name.upper())
+    return cls(**values)
+
+
+def parse_settings(cls: type[S], argv: Sequence[str], prog: str) -> S:
+    parser = argparse.ArgumentParser(prog=prog)
+    add_arguments(parser, cls)
+    return from_sources(cls, parser.parse_args(list(argv)))
