@@ -29,7 +29,19 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
-COMMANDS = {"up": _up, "bench": _bench}
+def _worker(argv: list[str]) -> int:
+    from worker.server.main import main as worker_main
+
+    return worker_main(argv)
+
+
+def _gateway(argv: list[str]) -> int:
+    from gateway.main import main as gateway_main
+
+    return gateway_main(argv)
+
+
+COMMANDS = {"up": _up, "bench": _bench, "worker": _worker, "gateway": _gateway}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ ENV_PREFIX = "MT_"
 class RedisSettings:
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis or Valkey URL"})
     key_prefix: str = field(default="mt", metadata={"help": "prefix of every Redis key"})
+    session_grace_s: float = field(default=30.0, metadata={"help": "session keys' TTL beyond the idle timeout"})
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,6 @@ class GatewaySettings(RedisSettings):
     max_chunks_per_s: float = field(default=20.0, metadata={"help": "per session, token-bucket rate"})
     chunk_burst: int = field(default=10, metadata={"help": "token-bucket burst per session"})
     max_queued_chunks: int = field(default=8, metadata={"help": "chunks in flight per session"})
-    session_grace_s: float = field(default=30.0, metadata={"help": "Redis TTL beyond the idle timeout"})
     link_connect_timeout_s: float = 5.0
     open_timeout_s: float = 30.0
 

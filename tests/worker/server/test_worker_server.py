@@ -1,0 +1,258 @@
+"""The worker as a real process: link protocol, takeover, restore from the token log, idle timeout, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+import websockets
+
+from shared.errors import ErrorCode
+from shared.protocol.link import (
+    LinkAttach,
+    LinkChunk,
+    LinkClose,
+    LinkClosed,
+    LinkDelta,
+    LinkDone,
+    LinkError,
+    LinkFrame,
+    LinkOpen,
+    LinkOpened,
+    LinkRestore,
+    ToWorker,
+    decode_link,
+    encode_link,
+)
+from shared.protocol.messages import OpenConfig
+from shared.redis_schema import KeySchema
+from shared.registry import SessionRecord, read_log, read_worker, write_session
+from tests.processes import Process, microturn, worker_args
+from tests.shared.redis_servers import running_server
+from worker.engine import Engine
+
+CONFIG = OpenConfig(stop_token_ids=(), stream=True, logprobs=True)
+SCHEMA = KeySchema("mt")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("worker-server")
+
+
+@pytest.fixture(scope="module")
+def redis_url(workdir: Path) -> Iterator[str]:
+    with running_server("redis", workdir) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def worker(redis_url: str, workdir: Path) -> Iterator[Process]:
+    with microturn("worker", worker_args(redis_url, "w-main"), workdir) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[Engine]:
+    with Engine.load("tiny", kv_tokens=8192) as engine:
+        yield engine
+
+
+class Link:
+    def __init__(self, connection: websockets.ClientConnection) -> None:
+        self.connection = connection
+
+    async def send(self, frame: ToWorker) -> None:
+        await self.connection.send(encode_link(frame))
+
+    async def recv(self, timeout: float = 20.0) -> LinkFrame:
+        return decode_link(await asyncio.wait_for(self.connection.recv(), timeout))
+
+    async def turn(self, chunk: LinkChunk) -> tuple[list[LinkDelta], LinkDone]:
+        await self.send(chunk)
+        deltas = []
+        while True:
+            frame = await self.recv()
+            if isinstance(frame, LinkDelta):
+                deltas.append(frame)
+            elif isinstance(frame, LinkDone):
+                return deltas, frame
+            else:
+                raise AssertionError(f"unexpected {frame}")
+
+
+def link_to(worker: Process, headers: dict[str, str] | None = None) -> Any:
+    return websockets.connect(worker.ws + "/v1/link", additional_headers=headers)
+
+
+def stats(worker: Process) -> dict[str, Any]:
+    with urllib.request.urlopen(worker.http + "/v1/stats", timeout=5) as response:
+        return json.loads(response.read())  # type: ignore[no-any-return]
+
+
+def chunk(sid: str, seq: int, tokens: tuple[int, ...], k: int = 3) -> LinkChunk:
+    return LinkChunk(sid, seq, tokens, None, k, None)
+
+
+def test_turns_stream_deltas_and_match_the_engine(worker: Process, reference: Engine) -> None:
+    async def run() -> list[tuple[int, ...]]:
+        async with link_to(worker) as connection:
+            link = Link(connection)
+            await link.send(LinkOpen("t1", CONFIG))
+            assert await link.recv() == LinkOpened("t1", 0, None)
+            outputs = []
+            for seq in range(1, 6):
+                deltas, done = await link.turn(chunk("t1", seq, (seq, seq + 1, seq + 2)))
+                assert [d.token for d in deltas] == list(done.tokens) and len(done.tokens) == 3
+                assert "".join(d.text or "" for d in deltas) == done.text
+                outputs.append(done.tokens)
+            await link.send(LinkClose("t1"))
+            assert await link.recv() == LinkClosed("t1", "closed")
+            return outputs
+
+    got = asyncio.run(run())
+    sid = reference.open_session(stop_token_ids=())
+    want = [
+        reference.run_turn(sid, tokens=[s, s + 1, s + 2], max_output_tokens=3).tokens for s in range(1, 6)
+    ]
+    assert got == want
+    assert stats(worker)["sessions"] == 0 and stats(worker)["pages_used"] == 0
+
+
+def test_a_second_link_takes_over_and_gets_missed_outputs(worker: Process) -> None:
+    async def run() -> None:
+        async with link_to(worker) as first, link_to(worker) as second:
+            a, b = Link(first), Link(second)
+            await a.send(LinkOpen("t2", CONFIG))
+            assert isinstance(await a.recv(), LinkOpened)
+            _, done1 = await a.turn(chunk("t2", 1, (9, 9)))
+            _, done2 = await a.turn(chunk("t2", 2, (8, 8)))
+            await b.send(LinkAttach("t2", last_seq=1))
+            assert await b.recv() == LinkOpened("t2", done2.length, 2)
+            assert await b.recv() == done2  # the output after last_seq is replayed
+            assert await a.recv() == LinkClosed("t2", "taken_over")
+            _, done3 = await b.turn(chunk("t2", 3, (7,)))
+            assert done3.length == done2.length + 1 + 3
+            await b.send(LinkClose("t2"))
+            assert isinstance(await b.recv(), LinkClosed)
+
+    asyncio.run(run())
+
+
+def test_restore_rebuilds_from_the_token_log_on_another_worker(
+    worker: Process, redis_url: str, workdir: Path
+) -> None:
+    async def run(other: Process) -> None:
+        client = redis.from_url(redis_url, decode_responses=False)
+        async with link_to(worker) as first, link_to(other) as second:
+            a, b = Link(first), Link(second)
+            await a.send(LinkOpen("t3", CONFIG))
+            await a.recv()
+            sequence: list[int] = []
+            for seq in range(1, 5):
+                _, done = await a.turn(chunk("t3", seq, (seq * 3, seq * 5)))
+                sequence += [seq * 3, seq * 5, *done.tokens]
+            await asyncio.sleep(0.2)  # appends are batched after the reply
+            assert await read_log(client, SCHEMA, "t3") == sequence
+            await b.send(LinkRestore("t3", CONFIG, None, last_seq=4))
+            assert await b.recv() == LinkOpened("t3", len(sequence), 4)
+            _, original = await a.turn(chunk("t3", 5, (1, 2)))
+            _, rebuilt = await b.turn(chunk("t3", 5, (1, 2)))
+            assert rebuilt.tokens == original.tokens and rebuilt.length == original.length
+            for link in (a, b):
+                await link.send(LinkClose("t3"))
+                assert isinstance(await link.recv(), LinkClosed)
+            assert await client.exists(SCHEMA.log("t3")) == 0
+        await client.aclose()
+
+    with microturn("worker", worker_args(redis_url, "w-other"), workdir) as other:
+        asyncio.run(run(other))
+
+
+def test_idle_session_is_closed_its_keys_deleted_and_its_pages_freed(worker: Process, redis_url: str) -> None:
+    async def run() -> None:
+        client = redis.from_url(redis_url, decode_responses=False)
+        record = SessionRecord(worker="w-main", token_sha256="0" * 64, model="tiny", created_ms=0)
+        await write_session(client, SCHEMA, "t4", record, 60)
+        async with link_to(worker) as connection:
+            link = Link(connection)
+            await link.send(LinkOpen("t4", OpenConfig(idle_timeout_s=0.5)))
+            await link.recv()
+            await link.turn(chunk("t4", 1, (1, 2, 3)))
+            assert stats(worker)["pages_used"] > 0
+            assert await link.recv(timeout=10) == LinkClosed("t4", "idle_timeout")
+        assert stats(worker)["sessions"] == 0 and stats(worker)["pages_used"] == 0
+        assert await client.exists(SCHEMA.session("t4"), SCHEMA.log("t4")) == 0
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_bad_frames_get_typed_errors_and_the_link_stays_usable(worker: Process) -> None:
+    async def run() -> None:
+        async with link_to(worker) as connection:
+            link = Link(connection)
+            await connection.send(b"\xc1 not msgpack")
+            error = await link.recv()
+            assert (
+                isinstance(error, LinkError) and error.code == ErrorCode.INVALID_MESSAGE and error.sid == ""
+            )
+            await link.send(LinkOpen("t5", CONFIG))
+            await link.recv()
+            await link.send(chunk("t5", 1, (10**6,)))
+            error = await link.recv()
+            assert (
+                isinstance(error, LinkError)
+                and error.code == ErrorCode.TOKEN_OUT_OF_RANGE
+                and not error.fatal
+            )
+            await link.send(LinkAttach("no-such-session"))
+            error = await link.recv()
+            assert isinstance(error, LinkError) and error.code == ErrorCode.SESSION_NOT_FOUND
+            _, done = await link.turn(chunk("t5", 2, (1,)))
+            assert done.length == 4
+            await link.send(LinkClose("t5"))
+            await link.recv()
+
+    asyncio.run(run())
+
+
+def test_link_secret_is_required_when_set(redis_url: str, workdir: Path) -> None:
+    async def run(worker: Process) -> None:
+        with pytest.raises(websockets.InvalidStatus):
+            async with link_to(worker, {"x-microturn-link-secret": "wrong"}):
+                pass
+        async with link_to(worker, {"x-microturn-link-secret": "s3cret"}) as connection:
+            await connection.send(encode_link(LinkOpen("t6", CONFIG)))
+            assert isinstance(decode_link(await connection.recv()), LinkOpened)
+
+    args = worker_args(redis_url, "w-secret", "--link-secret", "s3cret")
+    with microturn("worker", args, workdir) as worker:
+        asyncio.run(run(worker))
+
+
+def test_sigterm_drains_tells_sessions_and_leaves_the_registry(redis_url: str, workdir: Path) -> None:
+    async def run(worker: Process) -> None:
+        client = redis.from_url(redis_url, decode_responses=False)
+        assert await read_worker(client, SCHEMA, "w-drain") is not None
+        async with link_to(worker) as connection:
+            link = Link(connection)
+            await link.send(LinkOpen("t7", CONFIG))
+            await link.recv()
+            await link.turn(chunk("t7", 1, (1, 2)))
+            worker.signal(signal.SIGTERM)
+            assert await link.recv() == LinkClosed("t7", "evicted")
+        assert worker.proc.wait(20) == 0
+        assert await read_worker(client, SCHEMA, "w-drain") is None
+        assert await client.zscore(SCHEMA.workers(), "w-drain") is None
+        await client.aclose()
+
+    with microturn("worker", worker_args(redis_url, "w-drain"), workdir) as worker:
+        asyncio.run(run(worker))

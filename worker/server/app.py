@@ -1,0 +1,142 @@
+"""The worker's Starlette app: `/v1/link`, health, readiness, metrics; registry lifecycle in the lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import redis.asyncio as redis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from shared.redis_schema import KeySchema
+from shared.registry import WorkerInfo, deregister, mark_draining, register_worker
+from shared.settings import WorkerSettings
+from worker.engine import Engine
+from worker.server.heartbeat import HEARTBEATS_PER_TTL, heartbeat_loop, worker_info
+from worker.server.link import LinkConnection
+from worker.server.service import WorkerService
+
+logger = logging.getLogger(__name__)
+
+LINK_SECRET_HEADER = "x-microturn-link-secret"
+
+
+class WorkerRuntime:
+    """What the app's routes share: the engine, the service once started, and the registry identity."""
+
+    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.worker_id = settings.worker_id or f"worker-{uuid.uuid4().hex[:12]}"
+        self.url = settings.advertise_url or f"ws://{settings.host}:{settings.port}"
+        self.schema = KeySchema(settings.key_prefix)
+        self.identity = WorkerInfo(
+            worker_id=self.worker_id,
+            url=self.url,
+            model=engine.model_config.name,
+            max_sessions=settings.max_sessions,
+        )
+        self.service: WorkerService | None = None
+        self.redis: redis.Redis | None = None
+        self.draining = asyncio.Event()
+        self.registered = False
+
+    async def drain(self) -> None:
+        """SIGTERM: leave placement, end every session with a reason, leave the registry."""
+        if self.draining.is_set() or self.service is None or self.redis is None:
+            return
+        self.draining.set()
+        logger.info("draining worker %s", self.worker_id)
+        await mark_draining(self.redis, self.schema, self.worker_id)
+        await self.service.drain()
+        await self.service.token_log.flush()
+        await deregister(self.redis, self.schema, self.worker_id)
+        self.registered = False
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        client = redis.from_url(self.settings.redis_url, decode_responses=False)
+        self.redis = client
+        self.service = WorkerService(
+            self.engine, self.settings, client, self.schema, asyncio.get_running_loop()
+        )
+        period = self.settings.heartbeat_s
+        info = await asyncio.to_thread(worker_info, self.identity, self.engine, draining=False)
+        await register_worker(client, self.schema, info, period * HEARTBEATS_PER_TTL)
+        self.registered = True
+        logger.info("worker %s registered at %s", self.worker_id, self.url)
+        tasks = [
+            asyncio.create_task(self.service.token_log.run()),
+            asyncio.create_task(
+                heartbeat_loop(
+                    client,
+                    self.schema,
+                    self.identity,
+                    self.engine,
+                    self.service.directory,
+                    period_s=period,
+                    grace_s=self.settings.session_grace_s,
+                    draining=self.draining,
+                )
+            ),
+        ]
+        try:
+            yield
+        finally:
+            await self.drain()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await client.aclose()
+
+    async def link(self, websocket: WebSocket) -> None:
+        secret = self.settings.link_secret
+        offered = websocket.headers.get(LINK_SECRET_HEADER, "")
+        if secret and not hmac.compare_digest(offered.encode(), secret.encode()):
+            await websocket.close(code=1008)
+            return
+        if self.service is None or self.draining.is_set():
+            await websocket.close(code=1013)
+            return
+        await websocket.accept()
+        await LinkConnection(websocket, self.service).serve()
+
+    async def healthz(self, _request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def readyz(self, _request: Request) -> Response:
+        ready = self.registered and not self.draining.is_set()
+        return PlainTextResponse("ready" if ready else "not ready", status_code=200 if ready else 503)
+
+    async def metrics(self, _request: Request) -> Response:
+        stats = await asyncio.to_thread(self.engine.stats)
+        assert self.service is not None
+        return PlainTextResponse(self.service.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    async def stats(self, _request: Request) -> Response:
+        stats = await asyncio.to_thread(self.engine.stats)
+        body = {"worker_id": self.worker_id, "url": self.url, **dataclasses.asdict(stats)}
+        return JSONResponse(json.loads(json.dumps(body)))
+
+
+def create_worker_app(runtime: WorkerRuntime) -> Starlette:
+    return Starlette(
+        routes=[
+            WebSocketRoute("/v1/link", runtime.link),
+            Route("/healthz", runtime.healthz),
+            Route("/readyz", runtime.readyz),
+            Route("/metrics", runtime.metrics),
+            Route("/v1/stats", runtime.stats),
+        ],
+        lifespan=runtime.lifespan,
+    )

@@ -1,0 +1,80 @@
+"""Which link each session on this worker answers to, and what a resuming client may have missed.
+
+Invariant: a session is bound to at most one link, the last one that opened, attached or restored
+it. Its outputs go there and nowhere else; with no link bound (the client went away) outputs are
+kept only in the replay buffer, for an `attach` to send again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from shared.protocol.link import LinkChunk, LinkDone, ToGateway
+
+REPLAY_DONES = 32
+
+
+class LinkPeer(Protocol):
+    """The sending half of one gateway's link; `send` never blocks."""
+
+    def send(self, frame: ToGateway) -> None: ...
+
+
+@dataclass(eq=False)
+class SessionBinding:
+    sid: str
+    stream: bool
+    idle_timeout_s: float
+    link: LinkPeer | None
+    length: int = 0
+    last_seq: int | None = None
+    # False while the session is being opened or rebuilt; chunks that arrive meanwhile wait here.
+    ready: bool = False
+    waiting: list[LinkChunk] = field(default_factory=list)
+    replay: deque[LinkDone] = field(default_factory=lambda: deque(maxlen=REPLAY_DONES))
+
+    def send(self, frame: ToGateway) -> None:
+        if self.link is not None:
+            self.link.send(frame)
+
+    def record(self, done: LinkDone) -> None:
+        self.replay.append(done)
+        self.length = done.length
+        self.last_seq = done.seq
+
+    def missed(self, last_seq: int | None) -> list[LinkDone]:
+        return [d for d in self.replay if last_seq is None or d.seq > last_seq]
+
+
+class SessionDirectory:
+    def __init__(self) -> None:
+        self.bindings: dict[str, SessionBinding] = {}
+        # Sessions with traffic since the last heartbeat: their Redis TTLs get refreshed then.
+        self.touched: set[str] = set()
+
+    def get(self, sid: str) -> SessionBinding | None:
+        return self.bindings.get(sid)
+
+    def add(self, binding: SessionBinding) -> None:
+        self.bindings[binding.sid] = binding
+        self.touched.add(binding.sid)
+
+    def remove(self, sid: str) -> SessionBinding | None:
+        self.touched.discard(sid)
+        return self.bindings.pop(sid, None)
+
+    def unbind_link(self, link: LinkPeer) -> int:
+        count = 0
+        for binding in self.bindings.values():
+            if binding.link is link:
+                binding.link = None
+                count += 1
+        return count
+
+    def take_touched(self) -> dict[str, float]:
+        """The touched sessions and their idle timeouts, clearing the set."""
+        touched = {sid: self.bindings[sid].idle_timeout_s for sid in self.touched if sid in self.bindings}
+        self.touched.clear()
+        return touched

@@ -1,0 +1,313 @@
+"""The worker's side of the link protocol (docs/link.md): frames in, engine calls, frames out.
+
+Runs on the asyncio loop. Engine callbacks arrive on the engine thread and are handed over with
+`call_soon_threadsafe`, which keeps each session's deltas and its done in order. Nothing here
+blocks on the engine: submissions are queued, and their results come back as callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+import redis.asyncio as redis
+
+from shared.errors import InternalError, InvalidMessage, MicroturnError, SessionNotFound, WorkerUnavailable
+from shared.protocol.link import (
+    LinkAttach,
+    LinkCancel,
+    LinkChunk,
+    LinkClose,
+    LinkClosed,
+    LinkDelta,
+    LinkDetach,
+    LinkDone,
+    LinkOpen,
+    LinkOpened,
+    LinkRestore,
+    ToWorker,
+    link_error_from,
+)
+from shared.protocol.messages import CloseReason, OpenConfig
+from shared.redis_schema import KeySchema
+from shared.registry import read_log
+from shared.settings import WorkerSettings
+from worker.engine import Engine, TokenDelta, TurnResult
+from worker.server.detokenize import IncrementalDecoder
+from worker.server.directory import LinkPeer, SessionBinding, SessionDirectory
+from worker.server.metrics import WorkerMetrics
+from worker.server.token_log import TokenLogWriter
+
+logger = logging.getLogger(__name__)
+
+
+def engine_options(config: OpenConfig, default_idle_timeout_s: float) -> dict[str, Any]:
+    return {
+        "max_output_tokens": config.max_output_tokens,
+        "temperature": config.temperature,
+        "top_k": config.top_k,
+        "top_p": config.top_p,
+        "seed": config.seed,
+        "logprobs": config.logprobs,
+        "idle_timeout_s": config.idle_timeout_s or default_idle_timeout_s,
+        "max_context_tokens": config.max_context_tokens,
+        "context_policy": config.context_policy,
+        "keep_prefix_tokens": config.keep_prefix_tokens,
+        "stop_token_ids": None if config.stop_token_ids is None else tuple(config.stop_token_ids),
+    }
+
+
+class WorkerService:
+    def __init__(
+        self,
+        engine: Engine,
+        settings: WorkerSettings,
+        client: redis.Redis,
+        schema: KeySchema,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.redis = client
+        self.schema = schema
+        self.loop = loop
+        self.directory = SessionDirectory()
+        self.token_log = TokenLogWriter(client, schema, grace_s=settings.session_grace_s)
+        self.metrics = WorkerMetrics()
+        self.draining = False
+        engine.add_close_listener(self._engine_closed_threadsafe)
+
+    # ---- frames from a link -------------------------------------------------------------------
+
+    def dispatch(self, link: LinkPeer, frame: ToWorker) -> None:
+        if isinstance(frame, LinkChunk):
+            self._chunk(frame)
+        elif isinstance(frame, LinkOpen):
+            self._open(link, frame.sid, frame.config, list(frame.history), last_seq=None)
+        elif isinstance(frame, LinkAttach):
+            self._attach(link, frame)
+        elif isinstance(frame, LinkRestore):
+            self._restore(link, frame)
+        elif isinstance(frame, LinkCancel):
+            self._guard(frame.sid, None, lambda: self.engine.cancel(frame.sid, frame.seq))
+        elif isinstance(frame, LinkDetach):
+            binding = self.directory.get(frame.sid)
+            if binding is not None and binding.link is link:
+                binding.link = None
+        elif isinstance(frame, LinkClose):
+            self._close(link, frame.sid)
+        else:  # pragma: no cover - decode_link only yields the frames above
+            raise InvalidMessage(f"unexpected frame {frame!r}")
+
+    def link_gone(self, link: LinkPeer) -> None:
+        detached = self.directory.unbind_link(link)
+        if detached:
+            logger.info("a link closed; %d sessions wait detached for a resume", detached)
+
+    # ---- open, attach, restore, close ---------------------------------------------------------
+
+    def _open(
+        self, link: LinkPeer, sid: str, config: OpenConfig, history: list[int], *, last_seq: int | None
+    ) -> None:
+        if self.draining:
+            self._send_error(link, sid, WorkerUnavailable("worker is draining"), fatal=True)
+            return
+        if self.directory.get(sid) is not None:
+            self._send_error(link, sid, InvalidMessage(f"session {sid} is already open here"), fatal=True)
+            return
+        idle = config.idle_timeout_s or self.settings.idle_timeout_s
+        binding = SessionBinding(sid, config.stream, idle, link, length=len(history), last_seq=last_seq)
+        self.directory.add(binding)
+        try:
+            _sid, future = self.engine.open_session_async(
+                session_id=sid, history=history, **engine_options(config, self.settings.idle_timeout_s)
+            )
+        except MicroturnError as error:
+            self.directory.remove(sid)
+            self._send_error(link, sid, error, fatal=True)
+            return
+        future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._opened, binding, f))
+
+    def _opened(self, binding: SessionBinding, future: Future[str]) -> None:
+        error = future.exception()
+        if error is not None:
+            self.directory.remove(binding.sid)
+            self._send_error(binding.link, binding.sid, error, fatal=True)
+            for chunk in binding.waiting:
+                self._send_error(
+                    binding.link, chunk.sid, SessionNotFound("the session failed to open"), seq=chunk.seq
+                )
+            return
+        binding.ready = True
+        binding.send(LinkOpened(binding.sid, binding.length, binding.last_seq))
+        waiting, binding.waiting = binding.waiting, []
+        for chunk in waiting:
+            self._chunk(chunk)
+
+    def _attach(self, link: LinkPeer, frame: LinkAttach) -> None:
+        binding = self.directory.get(frame.sid)
+        if binding is None:
+            self._send_error(
+                link, frame.sid, SessionNotFound(f"no session {frame.sid} on this worker"), fatal=True
+            )
+            return
+        self._bind(binding, link)
+        if binding.ready:
+            link.send(LinkOpened(binding.sid, binding.length, binding.last_seq))
+            for done in binding.missed(frame.last_seq):
+                link.send(done)
+
+    def _bind(self, binding: SessionBinding, link: LinkPeer) -> None:
+        previous = binding.link
+        if previous is not None and previous is not link:
+            previous.send(LinkClosed(binding.sid, "taken_over"))
+        binding.link = link
+        self.directory.touched.add(binding.sid)
+
+    def _restore(self, link: LinkPeer, frame: LinkRestore) -> None:
+        existing = self.directory.get(frame.sid)
+        if existing is not None:  # the gateway thought this worker lost, but the session lives
+            self._attach(link, LinkAttach(frame.sid, frame.last_seq))
+            return
+        if frame.tokens is not None:
+            self._open(link, frame.sid, frame.config, list(frame.tokens), last_seq=frame.last_seq)
+            return
+        self.loop.create_task(self._restore_from_log(link, frame))
+
+    async def _restore_from_log(self, link: LinkPeer, frame: LinkRestore) -> None:
+        try:
+            tokens = await read_log(self.redis, self.schema, frame.sid)
+        except redis.RedisError:
+            logger.warning("reading the token log of %s failed", frame.sid, exc_info=True)
+            self._send_error(
+                link, frame.sid, WorkerUnavailable("the token log could not be read"), fatal=True
+            )
+            return
+        logger.info("restoring session %s from its log of %d tokens", frame.sid, len(tokens))
+        self._open(link, frame.sid, frame.config, tokens, last_seq=frame.last_seq)
+
+    def _close(self, link: LinkPeer, sid: str) -> None:
+        binding = self.directory.remove(sid)
+        if binding is None:
+            link.send(LinkClosed(sid, "closed"))
+            return
+        future = self.engine.close_session_async(sid, "closed")
+        future.add_done_callback(lambda _f: self.loop.call_soon_threadsafe(self._closed, link, sid))
+
+    def _closed(self, link: LinkPeer, sid: str) -> None:
+        link.send(LinkClosed(sid, "closed"))
+        self.loop.create_task(self.token_log.forget(sid))
+
+    def _engine_closed_threadsafe(self, sid: str, reason: str) -> None:
+        if reason != "closed":  # an explicit close is answered by `_closed`
+            self.loop.call_soon_threadsafe(self._engine_closed, sid, reason)
+
+    def _engine_closed(self, sid: str, reason: str) -> None:
+        binding = self.directory.remove(sid)
+        if binding is not None:
+            wire_reason: CloseReason = "idle_timeout" if reason == "idle_timeout" else "evicted"
+            binding.send(LinkClosed(sid, wire_reason))
+        self.loop.create_task(self.token_log.forget(sid))
+
+    # ---- the hot path -------------------------------------------------------------------------
+
+    def _chunk(self, frame: LinkChunk) -> None:
+        binding = self.directory.get(frame.sid)
+        if binding is None:
+            self.metrics.error("session_not_found")
+            return
+        if not binding.ready:
+            binding.waiting.append(frame)
+            return
+        decoder = IncrementalDecoder(self.engine.tokenizer) if binding.stream else None
+        on_token = None
+        if decoder is not None:
+
+            def on_token(delta: TokenDelta) -> None:
+                self.loop.call_soon_threadsafe(self._delta, binding, decoder, delta)
+
+        def submit() -> None:
+            future = self.engine.submit(
+                frame.sid,
+                tokens=frame.tokens,
+                text=frame.text,
+                seq=frame.seq,
+                max_output_tokens=frame.max_output_tokens,
+                logprobs=frame.logprobs,
+                on_token=on_token,
+            )
+            future.add_done_callback(
+                lambda f: self.loop.call_soon_threadsafe(self._done, binding, frame.seq, f)
+            )
+
+        self._guard(frame.sid, frame.seq, submit)
+
+    def _delta(self, binding: SessionBinding, decoder: IncrementalDecoder, delta: TokenDelta) -> None:
+        text = decoder.feed(delta.token)
+        binding.send(LinkDelta(binding.sid, delta.seq, delta.index, delta.token, text, delta.logprob))
+
+    def _done(self, binding: SessionBinding, seq: int, future: Future[TurnResult]) -> None:
+        error = future.exception()
+        if error is not None:
+            self._send_error(binding.link, binding.sid, error, seq=seq)
+            return
+        result = future.result()
+        done = LinkDone(
+            sid=binding.sid,
+            seq=result.seq,
+            tokens=result.tokens,
+            text=result.text,
+            finish=result.finish,
+            queue_ms=result.queue_ms,
+            compute_ms=result.compute_ms,
+            length=result.length,
+            logprobs=result.logprobs,
+        )
+        binding.record(done)
+        binding.send(done)
+        self.metrics.turns += 1
+        self.metrics.turn_ms.observe(result.queue_ms + result.compute_ms)
+        self.directory.touched.add(binding.sid)
+        # Only once the reply is out: the log is for rebuilding, never on the client's critical path.
+        self.token_log.append(binding.sid, result.inputs + result.tokens, binding.idle_timeout_s)
+
+    # ---- errors -------------------------------------------------------------------------------
+
+    def _guard(self, sid: str, seq: int | None, action: Any) -> None:
+        try:
+            action()
+        except MicroturnError as error:
+            binding = self.directory.get(sid)
+            self._send_error(binding.link if binding else None, sid, error, seq=seq)
+
+    def _send_error(
+        self,
+        link: LinkPeer | None,
+        sid: str,
+        error: BaseException,
+        *,
+        seq: int | None = None,
+        fatal: bool | None = None,
+    ) -> None:
+        if not isinstance(error, MicroturnError):
+            logger.error("internal error in session %s", sid, exc_info=error)
+            error = InternalError("internal error")
+        self.metrics.error(str(error.code))
+        if link is not None:
+            link.send(link_error_from(sid, error, seq, fatal=fatal))
+
+    # ---- draining -----------------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Stop taking sessions and end every one, telling its client (`evicted`)."""
+        self.draining = True
+        sids = list(self.directory.bindings)
+        for sid in sids:
+            binding = self.directory.remove(sid)
+            await asyncio.wrap_future(self.engine.close_session_async(sid, "closed"))
+            if binding is not None:
+                binding.send(LinkClosed(sid, "evicted"))
+            await self.token_log.forget(sid)
+        logger.info("drained %d sessions", len(sids))
