@@ -132,7 +132,7 @@ def test_a_second_link_takes_over_and_gets_missed_outputs(worker: Process) -> No
             a, b = Link(first), Link(second)
             await a.send(LinkOpen("t2", CONFIG))
             assert isinstance(await a.recv(), LinkOpened)
-            _, done1 = await a.turn(chunk("t2", 1, (9, 9)))
+            await a.turn(chunk("t2", 1, (9, 9)))
             _, done2 = await a.turn(chunk("t2", 2, (8, 8)))
             await b.send(LinkAttach("t2", last_seq=1))
             assert await b.recv() == LinkOpened("t2", done2.length, 2)
