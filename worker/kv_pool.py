@@ -1,13 +1,21 @@
 """The KV tensor pool: every layer's keys and values in fixed pages, allocated once at start.
 
-Page ids come from `worker.engine.page_allocator`; this module only owns the memory. Layout per
-layer is NHD, [num_pages, page_size, num_kv_heads, head_dim], separately for K and V: the layout
-both attention backends read (flashinfer takes the (k, v) pair as its paged cache).
+Page ids come from `worker.engine.page_allocator`; this module only owns the memory. Page p holds
+slots p * page_size ... (p + 1) * page_size - 1 in either layout; each attention backend picks the
+layout it reads best:
+- `nhd`: per layer [num_pages, page_size, num_kv_heads, head_dim] for K and for V, the paged layout
+  flashinfer takes as its (k, v) cache;
+- `head_major`: per layer [num_kv_heads, num_pages * page_size, head_dim]: a session on consecutive
+  pages is one contiguous matrix per head, which plain torch matmuls read in place.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+
+KVLayout = Literal["nhd", "head_major"]
 
 
 class KVPool:
@@ -21,16 +29,21 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        layout: KVLayout = "nhd",
     ) -> None:
         if num_pages < 1 or page_size < 1:
-            raise ValueError(
-                f"KV pool needs at least one page of at least one token (got {num_pages} x {page_size})"
-            )
+            raise ValueError(f"the KV pool needs at least one page of one token ({num_pages} x {page_size})")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.buffer = torch.zeros(
-            (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        self.layout = layout
+        per_layer = (
+            (num_pages, page_size, num_kv_heads, head_dim)
+            if layout == "nhd"
+            else (num_kv_heads, num_pages * page_size, head_dim)
         )
+        # zeros, not empty: every page is written now, so the pool is resident from the start and
+        # the process's memory does not creep up as sessions first touch their pages.
+        self.buffer = torch.zeros((num_layers, 2, *per_layer), dtype=dtype, device=device)
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 0]
@@ -41,11 +54,3 @@ class KVPool:
     @property
     def num_bytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
-
-    @staticmethod
-    def bytes_per_page(
-        *, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        return (
-            2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        )

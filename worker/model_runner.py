@@ -53,6 +53,8 @@ class ModelRunner:
         self.device = device
         self.page_size = page_size
         self.model = LlamaModel(config, loaded.weights, device=device, dtype=dtype)
+        self.attention_name = resolve_backend_name(attention, device)
+        backend = backend_class(self.attention_name)
         self.kv_pool = KVPool(
             num_layers=config.num_layers,
             num_pages=num_pages,
@@ -61,9 +63,9 @@ class ModelRunner:
             head_dim=config.head_dim,
             dtype=dtype,
             device=device,
+            layout=backend.kv_layout,
         )
-        self.attention_name = resolve_backend_name(attention, device)
-        self.attention = backend_class(self.attention_name)(
+        self.attention = backend(
             self.kv_pool,
             num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads,

@@ -154,7 +154,7 @@ def _our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     pages = (n + page - 1) // page
     pool = KVPool(
         num_layers=c.num_layers, num_pages=pages, page_size=page, num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim, dtype=torch.float32, device=CPU,
+        head_dim=c.head_dim, dtype=torch.float32, device=CPU, layout=TorchAttention.kv_layout,
     )  # fmt: skip
     attention = TorchAttention(pool, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
     attention.plan(

@@ -29,3 +29,22 @@ def test_double_free_is_refused() -> None:
     with pytest.raises(ValueError, match="freed twice"):
         pool.free(pages[:1])
     assert pool.num_free == 4
+
+
+def test_sessions_grow_contiguously_and_new_runs_leave_room() -> None:
+    pool = PageAllocator(100)
+    a = pool.allocate(2)
+    b = pool.allocate(2)
+    assert a == [0, 1]
+    assert b[0] > 40, "a new run starts mid-gap, leaving room for the session before it"
+    a += pool.allocate(3, after=a[-1])
+    b += pool.allocate(3, after=b[-1])
+    assert a == list(range(0, 5)) and b == list(range(b[0], b[0] + 5))
+
+
+def test_fragmented_pool_still_serves_any_free_pages() -> None:
+    pool = PageAllocator(6)
+    pages = pool.allocate(6)
+    pool.free(pages[::2])  # free pages 0, 2, 4: no two adjacent
+    got = pool.allocate(3, after=5)
+    assert sorted(got) == [0, 2, 4] and pool.num_free == 0

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from worker.kv_pool import KVPool
+from worker.kv_pool import KVLayout, KVPool
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
+    # The KV pool layout this backend reads; the model runner allocates the pool in it.
+    kv_layout: ClassVar[KVLayout]
 
     def __init__(self, kv_pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.kv_pool = kv_pool

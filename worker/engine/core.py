@@ -298,7 +298,8 @@ class EngineCore:
         if truncating:
             self.allocator.free(session.drop_kv())
             session.tokens = history
-        session.pages.extend(self.allocator.allocate(pages_needed))
+        last_page = session.pages[-1] if session.pages else None
+        session.pages.extend(self.allocator.allocate(pages_needed, after=last_page))
         now = self.clock()
         for turn in turns:
             turn.started_at = now

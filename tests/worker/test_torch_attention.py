@@ -1,0 +1,86 @@
+"""The torch backend on contiguous and on scattered page tables, against dense attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from worker.attention import AttentionMetadata, TorchAttention
+from worker.kv_pool import KVPool
+
+HEADS, KV_HEADS, DIM, PAGE = 4, 2, 16, 4
+# (tokens already in the session, tokens fed this step): decode rows and appends, crossing pages.
+ROWS = [(9, 1), (0, 7), (13, 5), (3, 1), (6, 6)]
+
+
+def metadata(tables: list[list[int]], rows: list[tuple[int, int]]) -> AttentionMetadata:
+    q_lens = tuple(n for _, n in rows)
+    kv_lens = tuple(start + n for start, n in rows)
+    used = [table[: -(-kv // PAGE)] for table, kv in zip(tables, kv_lens, strict=True)]
+    indptr = [0]
+    for pages in used:
+        indptr.append(indptr[-1] + len(pages))
+    return AttentionMetadata(
+        qo_indptr=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        kv_page_indptr=torch.tensor(indptr, dtype=torch.int32),
+        kv_page_indices=torch.tensor([p for pages in used for p in pages], dtype=torch.int32),
+        kv_last_page_len=torch.tensor(
+            [kv - (len(p) - 1) * PAGE for kv, p in zip(kv_lens, used, strict=True)]
+        ),
+        positions=torch.tensor([p for start, n in rows for p in range(start, start + n)]),
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+    )
+
+
+def run(tables: list[list[int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    pool = KVPool(
+        num_layers=1,
+        num_pages=32,
+        page_size=PAGE,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        dtype=torch.float64,
+        device=torch.device("cpu"),
+        layout=TorchAttention.kv_layout,
+    )
+    attention = TorchAttention(pool, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    history = [(0, start) for start, _ in ROWS]
+    hist_rows = [r for r in history if r[1] > 0]
+    hist_tables = [t for t, r in zip(tables, history, strict=True) if r[1] > 0]
+    hist_k = torch.cat([k[i][:start] for i, (start, _) in enumerate(ROWS) if start > 0])
+    hist_v = torch.cat([v[i][:start] for i, (start, _) in enumerate(ROWS) if start > 0])
+    attention.plan(metadata(hist_tables, hist_rows))
+    attention.forward(0, torch.zeros(len(hist_k), HEADS, DIM, dtype=torch.float64), hist_k, hist_v)
+    attention.plan(metadata(tables, ROWS))
+    new_k = torch.cat([k[i][start : start + n] for i, (start, n) in enumerate(ROWS)])
+    new_v = torch.cat([v[i][start : start + n] for i, (start, n) in enumerate(ROWS)])
+    return attention.forward(0, q, new_k, new_v)
+
+
+def dense(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
+    outputs, token = [], 0
+    for i, (start, n) in enumerate(ROWS):
+        keys = k[i][: start + n].repeat_interleave(HEADS // KV_HEADS, dim=1)
+        values = v[i][: start + n].repeat_interleave(HEADS // KV_HEADS, dim=1)
+        for j in range(n):
+            query = q[token + j]
+            scores = torch.einsum("hd,khd->hk", query, keys[: start + j + 1]) / math.sqrt(DIM)
+            outputs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), values[: start + j + 1]))
+        token += n
+    return torch.stack(outputs)
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_ragged_step_matches_dense_attention(scattered: bool) -> None:
+    generator = torch.Generator().manual_seed(0)
+    k = [torch.randn(start + n, KV_HEADS, DIM, generator=generator, dtype=torch.float64) for start, n in ROWS]
+    v = [torch.randn(start + n, KV_HEADS, DIM, generator=generator, dtype=torch.float64) for start, n in ROWS]
+    q = torch.randn(sum(n for _, n in ROWS), HEADS, DIM, generator=generator, dtype=torch.float64)
+    if scattered:  # every session's pages out of order and interleaved with the others'
+        tables = [[31 - 5 * j - i for j in range(6)] for i in range(len(ROWS))]
+    else:
+        tables = [list(range(6 * i, 6 * i + 6)) for i in range(len(ROWS))]
+    assert torch.allclose(run(tables, q, k, v), dense(q, k, v), atol=1e-10)
