@@ -95,7 +95,9 @@ class EngineCore:
 
     # ---- intake -------------------------------------------------------------------------------
 
-    def open_session(self, session_id: str, config: SessionConfig, history: list[int]) -> None:
+    def open_session(
+        self, session_id: str, config: SessionConfig, history: list[int], last_seq: int | None = None
+    ) -> None:
         if session_id in self.sessions:
             raise InvalidMessage(f"session {session_id} already exists")
         if len(self.sessions) >= self.config.max_sessions:
@@ -120,7 +122,14 @@ class EngineCore:
             if config.seed is not None
             else int.from_bytes(session_id.encode()[:8].ljust(8, b"\0"), "little")
         )
-        self.sessions[session_id] = Session(session_id, config, history=history, now=self.clock(), seed=seed)
+        self.sessions[session_id] = Session(
+            session_id,
+            config,
+            history=history,
+            now=self.clock(),
+            seed=seed,
+            last_seq=-1 if last_seq is None else last_seq,
+        )
 
     def submit(self, session_id: str, turn: Turn) -> None:
         session = self._get(session_id)

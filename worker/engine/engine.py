@@ -112,7 +112,12 @@ class Engine:
     # ---- sessions -----------------------------------------------------------------------------
 
     def open_session_async(
-        self, *, session_id: str | None = None, history: Sequence[int] = (), **config: Any
+        self,
+        *,
+        session_id: str | None = None,
+        history: Sequence[int] = (),
+        last_seq: int | None = None,
+        **config: Any,
     ) -> tuple[str, Future[str]]:
         unknown = set(config) - _SESSION_FIELDS
         if unknown:
@@ -124,7 +129,7 @@ class Engine:
         sid = session_id or uuid.uuid4().hex
 
         def open_it() -> str:
-            self._core.open_session(sid, session_config, history_tokens)
+            self._core.open_session(sid, session_config, history_tokens, last_seq)
             return sid
 
         return sid, self._call(open_it)

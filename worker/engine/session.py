@@ -20,7 +20,14 @@ from worker.engine.turn import Turn
 
 class Session:
     def __init__(
-        self, session_id: str, config: SessionConfig, *, history: list[int], now: float, seed: int
+        self,
+        session_id: str,
+        config: SessionConfig,
+        *,
+        history: list[int],
+        now: float,
+        seed: int,
+        last_seq: int = -1,
     ) -> None:
         self.session_id = session_id
         self.config = config
@@ -29,7 +36,8 @@ class Session:
         self.pages: list[int] = []
         self.active: Turn | None = None
         self.pending: deque[Turn] = deque()
-        self.last_seq = 0
+        # Seqs only increase; -1 lets a session start at 0. A restored session keeps its client's.
+        self.last_seq = last_seq
         self.last_activity = now
         self.created_at = now
         # Per-session sampling stream: a session samples the same whatever it is batched with.

@@ -68,7 +68,12 @@ class WorkerRuntime:
         client = redis.from_url(self.settings.redis_url, decode_responses=False)
         self.redis = client
         self.service = WorkerService(
-            self.engine, self.settings, client, self.schema, asyncio.get_running_loop()
+            self.engine,
+            self.settings,
+            client,
+            self.schema,
+            asyncio.get_running_loop(),
+            worker_id=self.worker_id,
         )
         period = self.settings.heartbeat_s
         info = await asyncio.to_thread(worker_info, self.identity, self.engine, draining=False)

@@ -67,6 +67,8 @@ class WorkerService:
         client: redis.Redis,
         schema: KeySchema,
         loop: asyncio.AbstractEventLoop,
+        *,
+        worker_id: str,
     ) -> None:
         self.engine = engine
         self.settings = settings
@@ -74,7 +76,7 @@ class WorkerService:
         self.schema = schema
         self.loop = loop
         self.directory = SessionDirectory()
-        self.token_log = TokenLogWriter(client, schema, grace_s=settings.session_grace_s)
+        self.token_log = TokenLogWriter(client, schema, grace_s=settings.session_grace_s, worker_id=worker_id)
         self.metrics = WorkerMetrics()
         self.draining = False
         engine.add_close_listener(self._engine_closed_threadsafe)
@@ -83,7 +85,7 @@ class WorkerService:
 
     def dispatch(self, link: LinkPeer, frame: ToWorker) -> None:
         if isinstance(frame, LinkChunk):
-            self._chunk(frame)
+            self._chunk(frame, link)
         elif isinstance(frame, LinkOpen):
             self._open(link, frame.sid, frame.config, list(frame.history), last_seq=None)
         elif isinstance(frame, LinkAttach):
@@ -122,7 +124,10 @@ class WorkerService:
         self.directory.add(binding)
         try:
             _sid, future = self.engine.open_session_async(
-                session_id=sid, history=history, **engine_options(config, self.settings.idle_timeout_s)
+                session_id=sid,
+                history=history,
+                last_seq=last_seq,
+                **engine_options(config, self.settings.idle_timeout_s),
             )
         except MicroturnError as error:
             self.directory.remove(sid)
@@ -144,7 +149,7 @@ class WorkerService:
         binding.send(LinkOpened(binding.sid, binding.length, binding.last_seq))
         waiting, binding.waiting = binding.waiting, []
         for chunk in waiting:
-            self._chunk(chunk)
+            self._chunk(chunk, binding.link)
 
     def _attach(self, link: LinkPeer, frame: LinkAttach) -> None:
         binding = self.directory.get(frame.sid)
@@ -213,10 +218,11 @@ class WorkerService:
 
     # ---- the hot path -------------------------------------------------------------------------
 
-    def _chunk(self, frame: LinkChunk) -> None:
+    def _chunk(self, frame: LinkChunk, link: LinkPeer | None) -> None:
         binding = self.directory.get(frame.sid)
         if binding is None:
-            self.metrics.error("session_not_found")
+            missing = SessionNotFound(f"no session {frame.sid} on this worker")
+            self._send_error(link, frame.sid, missing, seq=frame.seq, fatal=True)
             return
         if not binding.ready:
             binding.waiting.append(frame)

@@ -18,12 +18,25 @@ logger = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_S = 0.02
 
+# Deletes a session record that names this worker (or none is left); says whether the log may go.
+# One key, so it runs on Redis Cluster; the log key lives in another slot and is deleted after.
+DELETE_IF_OWNED = """
+local owner = redis.call('HGET', KEYS[1], 'worker')
+if owner == false or owner == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
 
 class TokenLogWriter:
-    def __init__(self, client: redis.Redis, schema: KeySchema, *, grace_s: float) -> None:
+    def __init__(self, client: redis.Redis, schema: KeySchema, *, grace_s: float, worker_id: str) -> None:
         self.client = client
         self.schema = schema
         self.grace_s = grace_s
+        self.worker_id = worker_id
+        self._delete_if_owned = client.register_script(DELETE_IF_OWNED)
         self._pending: dict[str, tuple[list[int], float]] = {}
         self._wakeup = asyncio.Event()
         self.flushes = 0
@@ -38,10 +51,16 @@ class TokenLogWriter:
         self._wakeup.set()
 
     async def forget(self, sid: str) -> None:
-        """The session ended: drop its queued appends and delete both of its keys."""
+        """The session ended here: drop its queued appends and, if it is still ours, its keys.
+
+        A session this worker lost track of (its link broke) may live on another worker by now,
+        restored under the same id: its record names that worker, and then nothing is deleted.
+        """
         self._pending.pop(sid, None)
         try:
-            await self.client.delete(self.schema.session(sid), self.schema.log(sid))
+            owned = await self._delete_if_owned(keys=[self.schema.session(sid)], args=[self.worker_id])
+            if owned:
+                await self.client.delete(self.schema.log(sid))
         except redis.RedisError:
             logger.warning("could not delete the Redis keys of session %s", sid, exc_info=True)
 

@@ -216,6 +216,10 @@ def test_bad_frames_get_typed_errors_and_the_link_stays_usable(worker: Process) 
             await link.send(LinkAttach("no-such-session"))
             error = await link.recv()
             assert isinstance(error, LinkError) and error.code == ErrorCode.SESSION_NOT_FOUND
+            await link.send(chunk("no-such-session", 3, (1,)))  # answered, never dropped silently
+            error = await link.recv()
+            assert isinstance(error, LinkError) and error.code == ErrorCode.SESSION_NOT_FOUND
+            assert error.seq == 3 and error.fatal
             _, done = await link.turn(chunk("t5", 2, (1,)))
             assert done.length == 4
             await link.send(LinkClose("t5"))
@@ -256,3 +260,25 @@ def test_sigterm_drains_tells_sessions_and_leaves_the_registry(redis_url: str, w
 
     with microturn("worker", worker_args(redis_url, "w-drain"), workdir) as worker:
         asyncio.run(run(worker))
+
+
+def test_a_session_restored_elsewhere_keeps_its_keys_when_this_worker_lets_go(
+    worker: Process, redis_url: str
+) -> None:
+    """The record names another worker (the session was restored there): expiring here deletes nothing."""
+
+    async def run() -> None:
+        client = redis.from_url(redis_url, decode_responses=False)
+        record = SessionRecord(worker="w-elsewhere", token_sha256="0" * 64, model="tiny", created_ms=0)
+        await write_session(client, SCHEMA, "t8", record, 60)
+        async with link_to(worker) as connection:
+            link = Link(connection)
+            await link.send(LinkOpen("t8", OpenConfig(idle_timeout_s=0.5)))
+            await link.recv()
+            await link.turn(chunk("t8", 1, (1, 2, 3)))
+            assert await link.recv(timeout=10) == LinkClosed("t8", "idle_timeout")
+        await asyncio.sleep(0.2)
+        assert await client.exists(SCHEMA.session("t8"), SCHEMA.log("t8")) == 2
+        await client.aclose()
+
+    asyncio.run(run())
