@@ -21,23 +21,24 @@ ENV_PREFIX = "MT_"
 
 
 @dataclass(frozen=True)
-class RedisSettings:
+class CommonSettings:
+    """What the gateway and the worker must agree on."""
+
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis or Valkey URL"})
     key_prefix: str = field(default="mt", metadata={"help": "prefix of every Redis key"})
-    session_grace_s: float = field(default=30.0, metadata={"help": "session keys' TTL beyond the idle timeout"})
+    idle_timeout_s: float = field(default=300.0, metadata={"help": "idle timeout of sessions that set none"})
+    session_grace_s: float = field(default=30.0, metadata={"help": "session keys live this long past idle"})
 
 
 @dataclass(frozen=True)
-class WorkerSettings(RedisSettings):
+class WorkerSettings(CommonSettings):
     model: str = field(default="smollm2-135m", metadata={"help": "preset, HF directory or .gguf file"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     attention: str = field(default="auto", metadata={"help": "auto, torch or flashinfer"})
     host: str = "127.0.0.1"
     port: int = 8100
-    advertise_url: str = field(
-        default="", metadata={"help": "ws:// URL gateways dial; default host:port"}
-    )
+    advertise_url: str = field(default="", metadata={"help": "ws:// URL gateways dial; default host:port"})
     worker_id: str = field(default="", metadata={"help": "stable id in the registry; default random"})
     kv_tokens: int = field(default=0, metadata={"help": "KV capacity in tokens; 0 sizes it automatically"})
     kv_memory_fraction: float = 0.85
@@ -47,14 +48,13 @@ class WorkerSettings(RedisSettings):
     max_chunk_tokens: int = 512
     max_queued_chunks: int = 8
     max_output_tokens: int = 512
-    idle_timeout_s: float = field(default=300.0, metadata={"help": "default idle timeout of a session"})
     heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
     link_secret: str = field(default="", metadata={"help": "shared secret gateways must present"})
     drain_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
-class GatewaySettings(RedisSettings):
+class GatewaySettings(CommonSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     link_secret: str = field(default="", metadata={"help": "shared secret presented to workers"})

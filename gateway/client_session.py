@@ -1,0 +1,553 @@
+"""One client socket on `/v1/realtime`: its messages, its session's link, its worker's frames.
+
+Why this shape: the gateway keeps no session state beyond live sockets, so everything a session
+needs on this gateway lives in one `ClientSession` and dies with the socket. Three things drive it,
+all on the event loop, none blocking the others:
+
+- the receive loop, which handles one client message at a time (`session.open` and
+  `session.resume` await Redis and the worker's `opened`; chunks only await the link write);
+- the link reader, which calls `on_frame` / `on_link_lost` / `on_taken_over` synchronously;
+  those only update state and queue messages in the `Outbox`, never await;
+- a restore task, started when the worker link breaks (DESIGN section 5 "Worker loss").
+
+Invariants:
+- Redis is touched only at open, resume, close and restore, all through `SessionStore`
+  (session_store.py); never per chunk.
+- Every chunk forwarded to the worker is in `_in_flight` until its `done` or its `error` arrives,
+  or the link is lost, in which case the client gets a `worker_unavailable` error for it: no
+  chunk is ever dropped without an answer.
+- Every check that can refuse a chunk runs before the chunk is forwarded; a refused chunk leaves the
+  session untouched (recoverable error, socket stays open).
+- The session (`sid`) is bound in the link pool before open/attach/restore is sent, so the answer
+  cannot arrive unrouted; `detach` is sent on disconnect only while this socket is still the
+  bound listener and the session has not ended (closed, taken over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Final
+
+from redis.exceptions import RedisError
+from starlette.websockets import WebSocket
+
+from gateway.limits import SessionLimits, check_frame_size
+from gateway.links import Link
+from gateway.outbox import Outbox
+from gateway.services import GatewayServices
+from shared.errors import (
+    BadSequence,
+    CapacityExhausted,
+    InternalError,
+    InvalidMessage,
+    MicroturnError,
+    SessionNotFound,
+    WorkerUnavailable,
+    error_from_code,
+)
+from shared.protocol import (
+    CLOSE_NORMAL,
+    ClientMessage,
+    CloseReason,
+    Encoding,
+    InputChunk,
+    LinkAttach,
+    LinkCancel,
+    LinkClose,
+    LinkClosed,
+    LinkDelta,
+    LinkDetach,
+    LinkDone,
+    LinkError,
+    LinkOpen,
+    LinkOpened,
+    LinkRestore,
+    OpenConfig,
+    OutputCancel,
+    Ping,
+    Pong,
+    ServerMessage,
+    SessionClose,
+    SessionClosed,
+    SessionOpen,
+    SessionOpened,
+    SessionRestored,
+    SessionResume,
+    SessionResumed,
+    ToGateway,
+    ToWorker,
+    chunk_to_link,
+    close_code_for,
+    decode_client,
+    delta_to_client,
+    done_to_client,
+    error_message_from,
+    error_to_client,
+)
+from shared.registry import SessionRecord, new_resume_token
+
+logger = logging.getLogger(__name__)
+
+# Workers tried for one open or restore before giving up (placement charges each pick, so a dead
+# worker that is still registered loses the next pick to a live one).
+PLACEMENT_ATTEMPTS: Final = 3
+RESTORE_BACKOFF_S: Final = (0.0, 0.25, 0.5, 1.0)
+# What a client is told to wait before resending a chunk refused because its session is moving.
+MOVING_RETRY_MS: Final = 250
+# How long a fatal error and its close may take to go out once the receive loop has stopped.
+CLOSE_FLUSH_S: Final = 5.0
+
+
+def _frame_bytes(data: str | bytes, limit: int) -> int:
+    """The frame's size in bytes; a text frame is only encoded when its length could exceed `limit`."""
+    if isinstance(data, bytes) or len(data) * 4 <= limit:  # UTF-8 is at most 4 bytes per character
+        return len(data)
+    return len(data.encode())
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # no session yet: open or resume
+    OPENING = "opening"  # open or resume in progress
+    ACTIVE = "active"
+    RESTORING = "restoring"  # the worker was lost; moving to another one
+    CLOSING = "closing"  # session.close sent to the worker
+    ENDED = "ended"  # the socket is closing
+
+
+class SessionEnded(Exception):
+    """The session ended (closed, taken over) while a request for it was in flight: already told."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    """An open/attach/restore awaiting `opened`; `reply` builds the client's answer from it."""
+
+    future: asyncio.Future[LinkOpened]
+    reply: Callable[[LinkOpened], list[ServerMessage]]
+
+
+class ClientSession:
+    def __init__(self, ws: WebSocket, encoding: Encoding, services: GatewayServices) -> None:
+        self._ws = ws
+        self._encoding = encoding
+        self._s = services
+        self._limits = SessionLimits(services.limits)
+        self.outbox = Outbox(ws, encoding, services.metrics, self._limits.observe_turn)
+        self.phase = Phase.IDLE
+        self.sid: str | None = None
+        self._config = OpenConfig()
+        self._record: SessionRecord | None = None
+        self._link: Link | None = None
+        self._pending: _Pending | None = None
+        self._closed_future: asyncio.Future[CloseReason | None] | None = None
+        self._restore_task: asyncio.Task[None] | None = None
+        # seq -> monotonic arrival time, for every chunk forwarded and not yet answered.
+        self._in_flight: dict[int, float] = {}
+        self._last_done_seq: int | None = None
+        # True once the worker side is over for this socket: no detach, no close to send.
+        self._session_gone = False
+
+    # ---- socket lifecycle ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve the accepted socket until it closes; then let the session go (detach)."""
+        reader = asyncio.create_task(self._read_loop(), name="client-reader")
+        writer = asyncio.create_task(self.outbox.run(), name="client-writer")
+        try:
+            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            if writer not in done and self.outbox.closing:
+                # The receive loop stopped after a fatal error: let the error and the close go out.
+                await asyncio.wait({writer}, timeout=CLOSE_FLUSH_S)
+        finally:
+            for task in (reader, writer):
+                task.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+            await self._release()
+
+    async def _read_loop(self) -> None:
+        try:
+            while not self.outbox.closing:
+                message = await self._ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                received = time.monotonic()
+                text: str | None = message.get("text")
+                data: str | bytes | None = text if text is not None else message.get("bytes")
+                if data is not None:
+                    await self._handle_frame(data, received)
+        except Exception:  # _handle_frame answers every error itself: this is the socket failing
+            logger.exception("receive loop of session %s failed", self.sid)
+
+    async def _handle_frame(self, data: str | bytes, received: float) -> None:
+        seq: int | None = None
+        try:
+            limit = self._s.limits.max_frame_bytes
+            check_frame_size(_frame_bytes(data, limit), limit)
+            msg = decode_client(data, self._encoding)
+            if isinstance(msg, InputChunk | OutputCancel):
+                seq = msg.seq
+            await self._dispatch(msg, received)
+        except SessionEnded:
+            pass
+        except MicroturnError as exc:
+            self._error(exc, seq)
+        except RedisError as exc:
+            logger.warning("session store error: %r", exc)
+            self._error(WorkerUnavailable("the session store is unavailable", retry_after_ms=1000), seq)
+        except Exception:
+            logger.exception("client message handling failed (session %s)", self.sid)
+            self._error(InternalError("internal gateway error"), seq, fatal=True)
+
+    def _error(self, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None) -> None:
+        message = error_message_from(exc, seq, fatal=fatal)
+        self.outbox.put(message)
+        if message.fatal:
+            self._end(close_code_for(exc.code))
+
+    def _end(self, code: int) -> None:
+        self.phase = Phase.ENDED
+        self.outbox.close(code)
+
+    async def _release(self) -> None:
+        """The socket is gone: stop restoring, and detach the session if it is still ours."""
+        self.phase = Phase.ENDED
+        if self._restore_task is not None:
+            self._restore_task.cancel()
+            await asyncio.gather(self._restore_task, return_exceptions=True)
+        self._fail_pending(SessionEnded())
+        sid = self.sid
+        if sid is None:
+            return
+        link = self._s.pool.bound_link(sid, self)
+        self._s.pool.unbind(sid, self)
+        if link is not None and not self._session_gone:
+            # A worker that cannot be reached is gone, and its loss ends the session there anyway.
+            with contextlib.suppress(WorkerUnavailable):
+                await link.send(LinkDetach(sid))
+
+    # ---- client messages ----------------------------------------------------------------------
+
+    async def _dispatch(self, msg: ClientMessage, received: float) -> None:
+        if isinstance(msg, InputChunk):
+            await self._chunk(msg, received)
+        elif isinstance(msg, Ping):
+            self.outbox.put(Pong(msg.data))
+        elif isinstance(msg, OutputCancel):
+            await self._cancel(msg)
+        elif isinstance(msg, SessionOpen):
+            await self._start(self._open(msg.config))
+        elif isinstance(msg, SessionResume):
+            await self._start(self._resume(msg))
+        elif isinstance(msg, SessionClose):
+            await self._close()
+
+    async def _start(self, flow: Coroutine[Any, Any, None]) -> None:
+        """Run an open or resume flow; on a recoverable failure the socket is back to IDLE."""
+        if self.phase is not Phase.IDLE:
+            flow.close()
+            raise InvalidMessage(f"this socket already has a session ({self.phase.value})")
+        self.phase = Phase.OPENING
+        try:
+            await flow
+        except BaseException:
+            if self.phase is Phase.OPENING:
+                self._forget_session()
+            raise
+
+    def _forget_session(self) -> None:
+        if self.sid is not None:
+            self._s.pool.unbind(self.sid, self)
+        self.phase = Phase.IDLE
+        self.sid = None
+        self._record = None
+        self._link = None
+
+    async def _chunk(self, msg: InputChunk, received: float) -> None:
+        if self.phase is Phase.RESTORING:
+            raise WorkerUnavailable("the session is moving to another worker", retry_after_ms=MOVING_RETRY_MS)
+        link, sid = self._link, self.sid
+        if self.phase is not Phase.ACTIVE or link is None or sid is None:
+            raise InvalidMessage(
+                f"no active session ({self.phase.value}): send session.open or session.resume first"
+            )
+        if msg.seq in self._in_flight:
+            raise BadSequence(f"seq {msg.seq} is already running")
+        self._limits.admit_chunk(None if msg.tokens is None else len(msg.tokens), len(self._in_flight))
+        # In flight before the write: the done can arrive while the write is still draining.
+        self._in_flight[msg.seq] = received
+        try:
+            await link.send(chunk_to_link(sid, msg))
+        except WorkerUnavailable:
+            # If the link loss was already handled, the client got its error for this seq then.
+            if self._in_flight.pop(msg.seq, None) is not None:
+                raise
+            return
+        self._s.metrics.chunks_forwarded += 1
+
+    async def _cancel(self, msg: OutputCancel) -> None:
+        if self.phase is Phase.RESTORING:
+            raise WorkerUnavailable("the session is moving to another worker", retry_after_ms=MOVING_RETRY_MS)
+        if self.phase is not Phase.ACTIVE or self._link is None or self.sid is None:
+            raise InvalidMessage(f"no active session ({self.phase.value})")
+        await self._link.send(LinkCancel(self.sid, msg.seq))
+
+    async def _close(self) -> None:
+        if self.phase is Phase.RESTORING and self._restore_task is not None:
+            await asyncio.gather(self._restore_task, return_exceptions=True)
+        if self.phase is not Phase.ACTIVE or self._link is None or self.sid is None:
+            if self.phase is Phase.IDLE:  # nothing to close: say so politely and hang up
+                self.outbox.put(SessionClosed("closed"))
+                self._end(CLOSE_NORMAL)
+                return
+            raise InvalidMessage(f"no active session to close ({self.phase.value})")
+        sid, link = self.sid, self._link
+        self.phase = Phase.CLOSING
+        self._closed_future = asyncio.get_running_loop().create_future()
+        try:
+            await link.send(LinkClose(sid))
+            reason = await asyncio.wait_for(self._closed_future, self._s.settings.open_timeout_s)
+        except (WorkerUnavailable, TimeoutError):
+            reason = None
+        if reason is None and not self._session_gone:
+            # The worker could not confirm: end the session here, so it cannot be resumed.
+            logger.warning("worker did not confirm close of %s; deleting its keys", sid)
+            self._s.pool.unbind(sid, self)
+            self._session_gone = True
+            await self._s.store.delete(sid)
+            self.outbox.put(SessionClosed("closed"))
+            self._end(CLOSE_NORMAL)
+
+    # ---- open, resume, restore ----------------------------------------------------------------
+
+    async def _request(
+        self, sid: str, link: Link, frame: ToWorker, reply: Callable[[LinkOpened], list[ServerMessage]]
+    ) -> LinkOpened:
+        """Send open/attach/restore on `link` and await `opened`; `reply` is queued when it arrives."""
+        future: asyncio.Future[LinkOpened] = asyncio.get_running_loop().create_future()
+        self._pending = _Pending(future, reply)
+        self._s.pool.bind(sid, self, link)
+        answered = False
+        try:
+            await link.send(frame)
+            opened = await asyncio.wait_for(future, self._s.settings.open_timeout_s)
+            answered = True
+            return opened
+        except TimeoutError:
+            raise WorkerUnavailable(f"worker at {link.url} did not answer {frame.op} in time") from None
+        finally:
+            if self._pending is not None and self._pending.future is future:
+                self._pending = None
+            if not answered:  # whatever the worker says later for this request is not ours to route
+                self._s.pool.unbind(sid, self)
+
+    def _activate(self, link: Link, record: SessionRecord, opened: LinkOpened) -> None:
+        self._link = link
+        self._record = record
+        self._last_done_seq = opened.last_seq
+        self.phase = Phase.ACTIVE
+
+    async def _open(self, config: OpenConfig) -> None:
+        s = self._s
+        sid = uuid.uuid4().hex
+        token = new_resume_token()
+        self.sid, self._config = sid, config
+        limits = s.limits.as_map()
+        last: MicroturnError | None = None
+        for _ in range(PLACEMENT_ATTEMPTS):
+            placed = await s.store.place_new(sid, token, config)
+            link = s.pool.link(placed.url)
+            model = placed.record.model
+
+            def reply(opened: LinkOpened, model: str = model) -> list[ServerMessage]:
+                return [SessionOpened(sid, token, model, limits)]
+
+            try:
+                opened = await self._request(sid, link, LinkOpen(sid, config), reply)
+            except (WorkerUnavailable, CapacityExhausted) as exc:
+                logger.warning("open on worker %s failed (%s); trying another", placed.record.worker, exc)
+                await s.store.delete(sid)
+                last = exc
+                continue
+            except MicroturnError:
+                await s.store.delete(sid)
+                raise
+            self._activate(link, placed.record, opened)
+            s.metrics.sessions_opened += 1
+            logger.info("session %s opened on worker %s", sid, placed.record.worker)
+            return
+        assert last is not None
+        raise last
+
+    async def _resume(self, msg: SessionResume) -> None:
+        s = self._s
+        sid = msg.session_id
+        record, config = await s.store.lookup(sid, msg.resume_token)
+        self.sid, self._config, self._record = sid, config, record
+
+        def resumed(opened: LinkOpened) -> list[ServerMessage]:
+            return [SessionResumed(sid, opened.length, opened.last_seq)]
+
+        url = await s.store.worker_url(record.worker)
+        if url is not None:
+            link = s.pool.link(url)
+            try:
+                opened = await self._request(sid, link, LinkAttach(sid, msg.last_seq), resumed)
+            except (WorkerUnavailable, SessionNotFound, CapacityExhausted) as exc:
+                logger.warning("attach of %s on worker %s failed (%s); restoring", sid, record.worker, exc)
+            else:
+                self._activate(link, record, opened)
+                s.metrics.sessions_resumed += 1
+                return
+
+        def resumed_elsewhere(opened: LinkOpened) -> list[ServerMessage]:
+            return [*resumed(opened), SessionRestored(sid, opened.length)]
+
+        await self._restore(sid, record, resumed_elsewhere, msg.last_seq)
+        s.metrics.sessions_resumed += 1
+
+    async def _restore(
+        self,
+        sid: str,
+        record: SessionRecord,
+        reply: Callable[[LinkOpened], list[ServerMessage]],
+        last_seq: int | None,
+    ) -> None:
+        """Place the session on a live worker and rebuild it there from its token log."""
+        s = self._s
+        last: MicroturnError = WorkerUnavailable("no worker could take the session")
+        for delay in RESTORE_BACKOFF_S:
+            if delay:
+                await asyncio.sleep(delay)
+            try:
+                placed = await s.store.move(sid, record, self._config)
+            except CapacityExhausted as exc:
+                last = exc
+                continue
+            link = s.pool.link(placed.url)
+            frame = LinkRestore(sid, self._config, None, last_seq)
+            try:
+                opened = await self._request(sid, link, frame, reply)
+            except (WorkerUnavailable, CapacityExhausted) as exc:
+                logger.warning("restore of %s on %s failed (%s)", sid, placed.record.worker, exc)
+                last = exc
+                continue
+            self._activate(link, placed.record, opened)
+            s.metrics.sessions_restored += 1
+            logger.info("session %s restored on %s (length %d)", sid, placed.record.worker, opened.length)
+            return
+        raise last
+
+    async def _restore_after_loss(self, sid: str, record: SessionRecord) -> None:
+        def restored(opened: LinkOpened) -> list[ServerMessage]:
+            return [SessionRestored(sid, opened.length)]
+
+        try:
+            await self._restore(sid, record, restored, self._last_done_seq)
+        except SessionEnded:
+            pass
+        except MicroturnError as exc:
+            # Fatal for this socket, not for the session: its record and log stay, so a later
+            # session.resume (when a worker has room again) restores it.
+            logger.warning("could not restore session %s: %s", sid, exc)
+            self._s.pool.unbind(sid, self)
+            self._session_gone = True
+            self._error(exc, fatal=True)
+        except RedisError as exc:
+            logger.warning("session store error while restoring %s: %r", sid, exc)
+            self._session_gone = True
+            self._error(
+                WorkerUnavailable("the session store is unavailable", retry_after_ms=1000), fatal=True
+            )
+        except Exception:
+            logger.exception("restore of session %s crashed", sid)
+            self._session_gone = True
+            self._error(InternalError("internal gateway error"), fatal=True)
+
+    # ---- worker frames (called by the link reader: no awaiting here) --------------------------
+
+    def on_frame(self, frame: ToGateway) -> None:
+        if isinstance(frame, LinkOpened):
+            pending = self._pending
+            if pending is None or pending.future.done():
+                logger.warning("unexpected opened for session %s", frame.sid)
+                return
+            for message in pending.reply(frame):  # queued before any frame that follows `opened`
+                self.outbox.put(message)
+            # Cleared here, not when the awaiting coroutine resumes: the replayed dones that follow
+            # `opened` on the link are dispatched before it does, and must be forwarded.
+            self._pending = None
+            pending.future.set_result(frame)
+        elif isinstance(frame, LinkClosed):
+            self._on_closed(frame.reason)
+        elif isinstance(frame, LinkError) and frame.seq is None and self._pending is not None:
+            if not self._pending.future.done():
+                exc = error_from_code(frame.code, frame.message, retry_after_ms=frame.retry_after_ms)
+                self._pending.future.set_exception(exc)
+        elif self._pending is not None:
+            # A delta/done of an earlier binding racing our attach: the worker replays the dones
+            # after `opened`, so forwarding this one too would deliver it twice.
+            logger.debug("session %s: dropping %s before opened", frame.sid, frame.op)
+        elif isinstance(frame, LinkDelta):
+            self.outbox.put(delta_to_client(frame))
+        elif isinstance(frame, LinkDone):
+            started = self._in_flight.pop(frame.seq, None)
+            if self._last_done_seq is None or frame.seq > self._last_done_seq:
+                self._last_done_seq = frame.seq
+            self.outbox.put(done_to_client(frame), started)
+        elif isinstance(frame, LinkError):
+            if frame.seq is not None:
+                self._in_flight.pop(frame.seq, None)
+            self.outbox.put(error_to_client(frame))
+            if frame.fatal:
+                self._session_gone = True
+                if self.sid is not None:
+                    self._s.pool.unbind(self.sid, self)
+                self._end(close_code_for(frame.code))
+
+    def _on_closed(self, reason: CloseReason) -> None:
+        self._session_gone = True
+        if self.sid is not None:
+            self._s.pool.unbind(self.sid, self)
+        self._fail_pending(SessionEnded())
+        if self._closed_future is not None and not self._closed_future.done():
+            self._closed_future.set_result(reason)
+        self.outbox.put(SessionClosed(reason))
+        self._end(CLOSE_NORMAL)
+
+    def on_taken_over(self) -> None:
+        # Another socket on this gateway resumed the session; the worker will not tell us (the
+        # binding stays on the same link), so this is the same as its closed(taken_over).
+        logger.info("session %s taken over by another socket", self.sid)
+        self._on_closed("taken_over")
+
+    def on_link_lost(self, link: Link) -> None:
+        self._fail_pending(WorkerUnavailable(f"link to {link.url} broke"))
+        if self._closed_future is not None and not self._closed_future.done():
+            self._closed_future.set_result(None)  # _close ends the session itself
+        if self.phase is not Phase.ACTIVE or self.sid is None or self._record is None:
+            return
+        logger.warning("session %s lost its worker at %s; restoring", self.sid, link.url)
+        self.phase = Phase.RESTORING
+        for seq in sorted(self._in_flight):
+            self.outbox.put(
+                error_message_from(
+                    WorkerUnavailable("the worker was lost before this chunk finished; send it again"),
+                    seq,
+                    fatal=False,
+                )
+            )
+        self._in_flight.clear()
+        self._restore_task = asyncio.create_task(
+            self._restore_after_loss(self.sid, self._record), name=f"restore {self.sid}"
+        )
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        if self._pending is not None and not self._pending.future.done():
+            self._pending.future.set_exception(exc)

@@ -1,0 +1,149 @@
+"""Per-session admission limits of the gateway (DESIGN section 7), pure and clock-injected.
+
+Why at the gateway: a chunk the gateway refuses never reaches the link, so a client that floods or
+sends oversized frames costs its own socket some CPU and nothing else; the worker's engine queue and
+every other session on that worker stay untouched. The worker repeats the checks that need the
+session (sequence, context), the gateway only does the ones it can decide alone.
+
+Every check here raises a typed, recoverable `MicroturnError` *before* the session state changes:
+`Limits.admit_chunk` either mutates nothing and raises, or charges the token bucket and returns.
+No I/O and no global clock: the clock is a parameter so the tests drive time by hand.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shared.errors import Backpressure, ChunkTooLarge, RateLimited
+from shared.settings import GatewaySettings
+
+Clock = Callable[[], float]
+
+# A retry hint is a promise about the future: never advise less than this, or clients spin.
+MIN_RETRY_AFTER_MS = 10
+# Backpressure clears when a turn finishes; without a measured turn time, advise this much.
+DEFAULT_TURN_MS = 100.0
+
+
+def check_frame_size(size: int, max_frame_bytes: int) -> None:
+    """Refuse a frame larger than the limit before it is parsed (parsing is the cost being bounded).
+
+    The code is `chunk_too_large`: chunks are the only client message that grows with the input, so
+    that is what an oversized frame nearly always is, and it tells the client what to change.
+    """
+    if size > max_frame_bytes:
+        raise ChunkTooLarge(f"frame of {size} bytes exceeds the limit of {max_frame_bytes} bytes")
+
+
+def check_chunk_tokens(count: int, max_chunk_tokens: int) -> None:
+    if count > max_chunk_tokens:
+        raise ChunkTooLarge(f"chunk of {count} tokens exceeds the limit of {max_chunk_tokens} tokens")
+
+
+class TokenBucket:
+    """The classic token bucket: `rate` tokens per second, at most `burst` saved up.
+
+    `try_take` either takes one token and returns None, or takes nothing and returns how many
+    milliseconds until one token is there (the `retry_after_ms` of `rate_limited`).
+    """
+
+    __slots__ = ("_burst", "_clock", "_level", "_rate", "_stamp")
+
+    def __init__(self, rate: float, burst: int, clock: Clock = time.monotonic) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError(f"need rate > 0 and burst >= 1, got rate={rate} burst={burst}")
+        self._rate = rate
+        self._burst = float(burst)
+        self._clock = clock
+        self._level = float(burst)  # a new session may burst at once
+        self._stamp = clock()
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._level = min(self._burst, self._level + (now - self._stamp) * self._rate)
+        self._stamp = now
+
+    def wait_ms(self) -> int | None:
+        """Milliseconds until a token is available, or None when one is available now."""
+        self._refill()
+        if self._level >= 1.0:
+            return None
+        return max(MIN_RETRY_AFTER_MS, math.ceil((1.0 - self._level) / self._rate * 1000))
+
+    def try_take(self) -> int | None:
+        wait = self.wait_ms()
+        if wait is None:
+            self._level -= 1.0
+        return wait
+
+
+@dataclass(frozen=True, slots=True)
+class LimitValues:
+    """The limits a session runs under; also what `session.opened` reports as `limits`."""
+
+    max_frame_bytes: int
+    max_chunk_tokens: int
+    max_chunks_per_s: float
+    chunk_burst: int
+    max_queued_chunks: int
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> LimitValues:
+        return cls(
+            max_frame_bytes=settings.max_frame_bytes,
+            max_chunk_tokens=settings.max_chunk_tokens,
+            max_chunks_per_s=settings.max_chunks_per_s,
+            chunk_burst=settings.chunk_burst,
+            max_queued_chunks=settings.max_queued_chunks,
+        )
+
+    def as_map(self) -> dict[str, int | float]:
+        return {
+            "max_frame_bytes": self.max_frame_bytes,
+            "max_chunk_tokens": self.max_chunk_tokens,
+            "max_chunks_per_s": self.max_chunks_per_s,
+            "chunk_burst": self.chunk_burst,
+            "max_queued_chunks": self.max_queued_chunks,
+        }
+
+
+class SessionLimits:
+    """The mutable limit state of one client session: its token bucket and its turn-time estimate."""
+
+    __slots__ = ("_bucket", "_turn_ms", "values")
+
+    def __init__(self, values: LimitValues, clock: Clock = time.monotonic) -> None:
+        self.values = values
+        self._bucket = TokenBucket(values.max_chunks_per_s, values.chunk_burst, clock)
+        self._turn_ms = DEFAULT_TURN_MS
+
+    def observe_turn(self, elapsed_ms: float) -> None:
+        """Feed a finished turn's time (exponential average): it sizes the backpressure retry hint."""
+        self._turn_ms = 0.8 * self._turn_ms + 0.2 * max(elapsed_ms, 0.0)
+
+    def admit_chunk(self, tokens: int | None, in_flight: int) -> None:
+        """Admit one chunk or raise; on success exactly one bucket token is charged.
+
+        `tokens` is the chunk's token count (None for a text chunk: the worker counts its tokens after
+        tokenising), `in_flight` the session's chunks sent to the worker whose `output.done` has not
+        been delivered yet. Order: size, then queue, then rate, so a refused chunk never costs the
+        client a rate token it could not use.
+        """
+        if tokens is not None:
+            check_chunk_tokens(tokens, self.values.max_chunk_tokens)
+        if in_flight >= self.values.max_queued_chunks:
+            retry = max(MIN_RETRY_AFTER_MS, math.ceil(self._turn_ms))
+            raise Backpressure(
+                f"{in_flight} chunks are still running (limit {self.values.max_queued_chunks})",
+                retry_after_ms=retry,
+            )
+        wait = self._bucket.try_take()
+        if wait is not None:
+            raise RateLimited(
+                f"more than {self.values.max_chunks_per_s:g} chunks per second "
+                f"(burst {self.values.chunk_burst})",
+                retry_after_ms=wait,
+            )

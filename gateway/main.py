@@ -1,0 +1,55 @@
+"""`microturn gateway`: run the gateway app under uvicorn with settings from flags and `MT_*`.
+
+Why uvicorn is configured here and not left to its defaults: the WebSocket frame limit must sit
+above `max_frame_bytes`, or uvicorn would drop an oversized frame with a bare 1009 close instead of
+letting the gateway answer it with a typed, recoverable `chunk_too_large`; and per-message deflate
+is off because micro-turn frames are a few hundred bytes, where compression costs more than it saves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Final
+
+import uvicorn
+
+from gateway.app import create_app
+from shared.settings import GatewaySettings, parse_settings
+
+logger = logging.getLogger(__name__)
+
+# Frames up to this multiple of max_frame_bytes are read and refused politely; beyond it the
+# transport closes with 1009 (message too big) without buffering them.
+_TRANSPORT_FRAME_FACTOR: Final = 4
+_MIN_TRANSPORT_FRAME_BYTES: Final = 1 << 20
+
+
+def uvicorn_config(settings: GatewaySettings) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        lifespan="on",
+        ws_max_size=max(settings.max_frame_bytes * _TRANSPORT_FRAME_FACTOR, _MIN_TRANSPORT_FRAME_BYTES),
+        ws_per_message_deflate=False,
+        log_config=None,  # keep the process's logging setup (shared/cli.py configures it)
+        access_log=False,
+    )
+
+
+def main(argv: Sequence[str]) -> int:
+    settings = parse_settings(GatewaySettings, argv, "microturn gateway")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = uvicorn.Server(uvicorn_config(settings))
+    logger.info("gateway listening on %s:%d", settings.host, settings.port)
+    server.run()
+    # uvicorn reports a failed start (port taken, lifespan error) by exiting the serve loop early.
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

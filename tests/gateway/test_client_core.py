@@ -1,0 +1,91 @@
+"""The Python client's Sans-I/O part: which message answers which request, and nothing is lost."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.client import ClientCore, ReplyWaiter, SessionClosedError, TurnWaiter, open_config
+from shared.errors import BadSequence, ErrorCode, InvalidMessage, SessionNotFound
+from shared.protocol import (
+    Encoding,
+    Error,
+    OutputDelta,
+    OutputDone,
+    Pong,
+    ServerMessage,
+    SessionClosed,
+    SessionOpened,
+    SessionRestored,
+    Timing,
+    encode_server,
+)
+
+
+def done(seq: int) -> OutputDone:
+    return OutputDone(seq, (seq,), None, "length", Timing(0.0, 1.0))
+
+
+def test_turn_waiter_collects_its_deltas_and_buffers_the_rest() -> None:
+    core = ClientCore(Encoding.JSON)
+    waiter = TurnWaiter(2)
+    stream: list[ServerMessage] = [
+        done(1),  # an earlier turn (e.g. a replay): someone else's
+        OutputDelta(2, 0, 7),
+        SessionRestored("s", 10),
+        OutputDelta(2, 1, 8),
+        done(2),
+    ]
+    finished = [core.offer(waiter, msg) for msg in stream]
+    assert finished == [False, False, False, False, True]
+    assert waiter.result == done(2)
+    assert [d.token for d in waiter.deltas] == [7, 8]
+    assert list(core.buffer) == [done(1), SessionRestored("s", 10)]
+
+
+def test_scan_takes_the_answer_from_the_buffer_and_keeps_the_order_of_the_rest() -> None:
+    core = ClientCore(Encoding.MSGPACK)
+    core.buffer.extend([done(1), Pong("x"), done(2), Pong("y")])
+    waiter = ReplyWaiter(Pong)
+    assert core.scan(waiter)
+    assert waiter.result == Pong("x")
+    assert list(core.buffer) == [done(1), done(2), Pong("y")]
+    turn = TurnWaiter(3)
+    assert not core.scan(turn)
+    assert list(core.buffer) == [done(1), done(2), Pong("y")]
+
+
+def test_errors_raise_for_the_request_they_answer() -> None:
+    core = ClientCore(Encoding.JSON)
+    turn = TurnWaiter(5)
+    other = Error(ErrorCode.RATE_LIMITED, "slow down", fatal=False, seq=4, retry_after_ms=50)
+    assert not core.offer(turn, other)  # another chunk's error: buffered
+    with pytest.raises(BadSequence):
+        core.offer(turn, Error(ErrorCode.BAD_SEQUENCE, "no", fatal=False, seq=5))
+    with pytest.raises(SessionNotFound):  # fatal: whatever the seq
+        core.offer(turn, Error(ErrorCode.SESSION_NOT_FOUND, "gone", fatal=True))
+    with pytest.raises(SessionClosedError) as closed:
+        core.offer(turn, SessionClosed("idle_timeout"))
+    assert closed.value.reason == "idle_timeout"
+    opening = ReplyWaiter(SessionOpened)
+    with pytest.raises(InvalidMessage):  # no seq: it answers the open
+        core.offer(opening, Error(ErrorCode.INVALID_MESSAGE, "bad config", fatal=False))
+    assert list(core.buffer) == [other]
+
+
+def test_close_waiter_takes_session_closed_as_its_answer() -> None:
+    waiter = ReplyWaiter(SessionClosed)
+    assert ClientCore(Encoding.JSON).offer(waiter, SessionClosed("closed"))
+
+
+@pytest.mark.parametrize("encoding", list(Encoding))
+def test_decode_round_trip(encoding: Encoding) -> None:
+    core = ClientCore(encoding)
+    msg = done(3)
+    assert core.decode(encode_server(msg, encoding)) == msg
+
+
+def test_open_config_accepts_lists() -> None:
+    config = open_config(max_output_tokens=2, stop_token_ids=[1, 2])
+    assert config.stop_token_ids == (1, 2) and config.max_output_tokens == 2
+    with pytest.raises(TypeError):
+        open_config(max_output_token=2)

@@ -1,0 +1,62 @@
+"""Subprotocol negotiation and the Prometheus text of the gateway metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.handshake import Negotiated, negotiate
+from gateway.links import link_endpoint
+from gateway.metrics import GatewayMetrics, Histogram
+from shared.protocol import Encoding
+
+
+@pytest.mark.parametrize(
+    ("offered", "expected"),
+    [
+        ([], Negotiated(Encoding.JSON, None)),  # nothing offered: JSON, nothing echoed
+        (["microturn.v1.msgpack"], Negotiated(Encoding.MSGPACK, "microturn.v1.msgpack")),
+        (["x.v9", " microturn.v1.json "], Negotiated(Encoding.JSON, "microturn.v1.json")),
+        (["microturn.v1.msgpack", "microturn.v1.json"], Negotiated(Encoding.MSGPACK, "microturn.v1.msgpack")),
+        (["microturn.v2.xml"], None),  # only unknown ones: refuse
+    ],
+)
+def test_negotiate(offered: list[str], expected: Negotiated | None) -> None:
+    assert negotiate(offered) == expected
+
+
+def test_link_endpoint_appends_the_link_path_once() -> None:
+    assert link_endpoint("ws://10.0.0.1:8100") == "ws://10.0.0.1:8100/v1/link"
+    assert link_endpoint("ws://10.0.0.1:8100/") == "ws://10.0.0.1:8100/v1/link"
+    assert link_endpoint("wss://w.example/v1/link") == "wss://w.example/v1/link"
+
+
+def test_histogram_buckets_are_cumulative() -> None:
+    histogram = Histogram([0.01, 0.1])
+    for value in (0.005, 0.01, 0.05, 3.0):
+        histogram.observe(value)
+    assert histogram.render("h") == [
+        'h_bucket{le="0.01"} 2',
+        'h_bucket{le="0.1"} 3',
+        'h_bucket{le="+Inf"} 4',
+        "h_sum 3.065000",
+        "h_count 4",
+    ]
+    with pytest.raises(ValueError):
+        Histogram([0.1, 0.01])
+
+
+def test_metrics_text_has_every_family_once() -> None:
+    metrics = GatewayMetrics()
+    metrics.sockets_open = 3
+    metrics.chunks_forwarded = 7
+    metrics.error("rate_limited")
+    metrics.error("rate_limited")
+    metrics.turn_latency.observe(0.02)
+    text = metrics.render()
+    assert "microturn_gateway_sockets_open 3\n" in text
+    assert "microturn_gateway_chunks_forwarded_total 7\n" in text
+    assert 'microturn_gateway_errors_total{code="rate_limited"} 2\n' in text
+    assert 'microturn_gateway_turn_latency_seconds_bucket{le="0.025"} 1\n' in text
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(types) == len(set(types))
+    assert text.endswith("\n")
