@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test lint typecheck pytest bench clean
+.PHONY: install up test lint typecheck pytest bench chromium clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,7 +27,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP)
+# Debian's Chromium for the browser test (which skips, saying why, without it); never `playwright install`.
+chromium:
+	@test -x /usr/bin/chromium || { test "$$(id -u)" = 0 && apt-get install -y -q chromium; } \
+		|| echo "chromium missing: the browser test will skip (sudo apt-get install -y chromium)"
+
+pytest: $(STAMP) chromium
 	$(PY) -m pytest
 
 test: lint typecheck pytest

@@ -8,7 +8,18 @@ import sys
 
 
 def _up(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="microturn up", description="Run microturn on this machine.")
+    from shared.stack import main as stack_main
+
+    def announce(url: str) -> None:
+        print(f"microturn is up: open {url}  (Ctrl-C stops everything)", flush=True)
+
+    return stack_main(argv, announce=announce)
+
+
+def _chat(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="microturn chat", description="Chat with the engine in the terminal."
+    )
     parser.add_argument("--model", default="smollm2-135m", help="preset, HF directory or .gguf file")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
@@ -24,6 +35,10 @@ def _up(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    if "--gateway-overhead" in argv:
+        from loadtest.overhead import main as overhead_main
+
+        return overhead_main([arg for arg in argv if arg != "--gateway-overhead"])
     from loadtest.bench.run import main as bench_main
 
     return bench_main(argv)
@@ -41,7 +56,7 @@ def _gateway(argv: list[str]) -> int:
     return gateway_main(argv)
 
 
-COMMANDS = {"up": _up, "bench": _bench, "worker": _worker, "gateway": _gateway}
+COMMANDS = {"up": _up, "chat": _chat, "bench": _bench, "worker": _worker, "gateway": _gateway}
 
 
 def main(argv: list[str] | None = None) -> int:

