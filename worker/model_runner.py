@@ -21,6 +21,10 @@ from worker.sampling import SamplingParams, sample
 
 logger = logging.getLogger(__name__)
 
+# On CPU a step this small (decode rows, micro-turn appends) is faster on one intra-op thread: waking the
+# OpenMP team costs more than splitting a few small matmuls saves. Bigger appends use every core.
+CPU_SINGLE_THREAD_MAX_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class ForwardRow:
@@ -52,6 +56,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.page_size = page_size
+        self.cpu_threads = torch.get_num_threads()
         self.model = LlamaModel(config, loaded.weights, device=device, dtype=dtype)
         self.attention_name = resolve_backend_name(attention, device)
         backend = backend_class(self.attention_name)
@@ -107,10 +112,18 @@ class ModelRunner:
             kv_lens=kv_lens,
         )
 
+    def close(self) -> None:
+        """Give torch back the thread count it had: the per-step choice is process-global."""
+        torch.set_num_threads(self.cpu_threads)
+
     @torch.inference_mode()
     def step(self, rows: Sequence[ForwardRow]) -> list[SampledToken | None]:
         """One forward over `rows`; writes their KV and returns a token for every sampling row."""
         meta = self.metadata(rows)
+        if self.device.type == "cpu":
+            wanted = 1 if len(meta.positions) <= CPU_SINGLE_THREAD_MAX_TOKENS else self.cpu_threads
+            if torch.get_num_threads() != wanted:
+                torch.set_num_threads(wanted)
         input_ids = torch.tensor(
             [t for row in rows for t in row.token_ids], dtype=torch.int64, device=self.device
         )

@@ -212,6 +212,7 @@ class Engine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join()
+        self._core.runner.close()
 
     def __enter__(self) -> Engine:
         return self
