@@ -21,9 +21,11 @@ from worker.sampling import SamplingParams, sample
 
 logger = logging.getLogger(__name__)
 
-# On CPU a step this small (decode rows, micro-turn appends) is faster on one intra-op thread: waking the
-# OpenMP team costs more than splitting a few small matmuls saves. Bigger appends use every core.
+# On CPU a small step (few tokens, short contexts) is faster on one intra-op thread: waking the
+# OpenMP team costs more than splitting a few small matmuls saves. Long appends, and decode over
+# long contexts (bound by reading the KV), use every core. Measured on 2 cores with `tiny`.
 CPU_SINGLE_THREAD_MAX_TOKENS = 256
+CPU_SINGLE_THREAD_MAX_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,9 @@ class ModelRunner:
         """One forward over `rows`; writes their KV and returns a token for every sampling row."""
         meta = self.metadata(rows)
         if self.device.type == "cpu":
-            wanted = 1 if len(meta.positions) <= CPU_SINGLE_THREAD_MAX_TOKENS else self.cpu_threads
+            small = len(meta.positions) <= CPU_SINGLE_THREAD_MAX_TOKENS
+            small = small and sum(meta.kv_lens) <= CPU_SINGLE_THREAD_MAX_CONTEXT
+            wanted = 1 if small else self.cpu_threads
             if torch.get_num_threads() != wanted:
                 torch.set_num_threads(wanted)
         input_ids = torch.tensor(

@@ -11,8 +11,11 @@ from worker.attention import AttentionMetadata, TorchAttention
 from worker.kv_pool import KVPool
 
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 16, 4
-# (tokens already in the session, tokens fed this step): decode rows and appends, crossing pages.
-ROWS = [(9, 1), (0, 7), (13, 5), (3, 1), (6, 6)]
+# (tokens already in the session, tokens fed this step): decode rows, short appends (the folded
+# path) and long ones (SDPA; a fresh prefill and an append onto history), crossing pages.
+ROWS = [(9, 1), (0, 7), (13, 5), (3, 1), (6, 6), (0, 70), (5, 70)]
+PAGES_PER_ROW = 20
+POOL_PAGES = 160
 
 
 def metadata(tables: list[list[int]], rows: list[tuple[int, int]]) -> AttentionMetadata:
@@ -38,7 +41,7 @@ def metadata(tables: list[list[int]], rows: list[tuple[int, int]]) -> AttentionM
 def run(tables: list[list[int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     pool = KVPool(
         num_layers=1,
-        num_pages=32,
+        num_pages=POOL_PAGES,
         page_size=PAGE,
         num_kv_heads=KV_HEADS,
         head_dim=DIM,
@@ -79,8 +82,9 @@ def test_ragged_step_matches_dense_attention(scattered: bool) -> None:
     k = [torch.randn(start + n, KV_HEADS, DIM, generator=generator, dtype=torch.float64) for start, n in ROWS]
     v = [torch.randn(start + n, KV_HEADS, DIM, generator=generator, dtype=torch.float64) for start, n in ROWS]
     q = torch.randn(sum(n for _, n in ROWS), HEADS, DIM, generator=generator, dtype=torch.float64)
+    n = len(ROWS)
     if scattered:  # every session's pages out of order and interleaved with the others'
-        tables = [[31 - 5 * j - i for j in range(6)] for i in range(len(ROWS))]
+        tables = [[POOL_PAGES - 1 - n * j - i for j in range(PAGES_PER_ROW)] for i in range(n)]
     else:
-        tables = [list(range(6 * i, 6 * i + 6)) for i in range(len(ROWS))]
+        tables = [list(range(PAGES_PER_ROW * i, PAGES_PER_ROW * (i + 1))) for i in range(n)]
     assert torch.allclose(run(tables, q, k, v), dense(q, k, v), atol=1e-10)

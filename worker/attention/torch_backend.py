@@ -5,8 +5,10 @@ consecutive reads its keys as a view of the pool, one contiguous matrix per head
 the page allocator keeps sessions contiguous where it can, and decode attention then costs one
 read of the session's KV. Rows on scattered pages gather their slots first (correct, slower).
 
-Decode rows (one query token) run as two matmuls with the query heads of a KV head folded
-together, so GQA never repeats K/V; appends run SDPA with a bottom-right-aligned causal mask.
+Short rows (decode, micro-turn appends) run as two matmuls with the query heads of a KV head
+folded into the query axis, so GQA never repeats K/V and strided views are read in place; long
+appends (restores, re-prefills) run SDPA, whose kernels bound the score memory. Both apply the
+bottom-right-aligned causal mask.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import torch.nn.functional as F
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
 
+# Rows with at most this many query tokens take the folded-matmul path; its scores are
+# [kv_heads, group * q_len, kv_len], small for micro-turns at any context length.
+FOLDED_MAX_QUERY = 64
+
 
 @dataclass(frozen=True)
 class _Row:
@@ -26,7 +32,9 @@ class _Row:
     q_len: int
     # The row's KV slots: a contiguous slice of the pool, or gathered slot ids.
     kv: slice | torch.Tensor
-    mask: torch.Tensor | None  # appends only: [q_len, kv_len] bool; None when plain causal (q == kv)
+    # Folded rows: [group * q_len, kv_len] True where a key is hidden (None for one query token).
+    # SDPA rows: [q_len, kv_len] True where a key is visible (None when plain causal, q == kv).
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -67,9 +75,13 @@ class TorchAttention(AttentionBackend):
                     + positions % page_size
                 )
             mask = None
-            if 1 < q_len < kv_len:
+            if q_len > 1:
                 queries = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
-                mask = torch.arange(kv_len, device=device).unsqueeze(0) <= queries
+                visible = torch.arange(kv_len, device=device).unsqueeze(0) <= queries
+                if q_len <= FOLDED_MAX_QUERY:
+                    mask = ~visible.repeat(self.num_heads // self.num_kv_heads, 1)
+                elif q_len < kv_len:
+                    mask = visible
             rows.append(_Row(int(meta.qo_indptr[i]), q_len, kv, mask))
         self._plan = _Plan(write_slots, tuple(rows))
 
@@ -82,20 +94,15 @@ class TorchAttention(AttentionBackend):
         values.index_copy_(1, plan.write_slots, v.transpose(0, 1))
 
         out = torch.empty_like(q)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        group = self.num_heads // self.num_kv_heads
         for row in plan.rows:
             if isinstance(row.kv, slice):
                 key, value = keys[:, row.kv], values[:, row.kv]
             else:
                 key, value = keys.index_select(1, row.kv), values.index_select(1, row.kv)
-            if row.q_len == 1:
-                query = q[row.first_token].view(self.num_kv_heads, group, self.head_dim)
-                scores = torch.matmul(query, key.transpose(1, 2)).mul_(scale)
-                attended = torch.matmul(torch.softmax(scores, dim=-1), value)
-                out[row.first_token] = attended.view(self.num_heads, self.head_dim)
+            tokens = slice(row.first_token, row.first_token + row.q_len)
+            if row.q_len <= FOLDED_MAX_QUERY:
+                out[tokens] = self._folded(q[tokens], key, value, row.mask)
             else:
-                tokens = slice(row.first_token, row.first_token + row.q_len)
                 attended = F.scaled_dot_product_attention(
                     q[tokens].transpose(0, 1),
                     key,
@@ -106,3 +113,19 @@ class TorchAttention(AttentionBackend):
                 )
                 out[tokens] = attended.transpose(0, 1)
         return out
+
+    def _folded(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """query [q, heads, dim] against key/value [kv_heads, kv, dim] -> [q, heads, dim]."""
+        q_len = query.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        # [q, kv_heads, group, dim] -> [kv_heads, group * q, dim]: rows ordered (group, query).
+        folded = query.view(q_len, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
+        folded = folded.reshape(self.num_kv_heads, group * q_len, self.head_dim)
+        scores = torch.matmul(folded, key.transpose(1, 2)).mul_(1.0 / math.sqrt(self.head_dim))
+        if hidden is not None:
+            scores.masked_fill_(hidden, float("-inf"))
+        attended = torch.matmul(torch.softmax(scores, dim=-1), value)
+        attended = attended.view(self.num_kv_heads, group, q_len, self.head_dim).permute(2, 0, 1, 3)
+        return attended.reshape(q_len, self.num_heads, self.head_dim)
