@@ -29,7 +29,7 @@ typecheck: $(STAMP)
 
 # Debian's Chromium for the browser test (which skips, saying why, without it); never `playwright install`.
 chromium:
-	@test -x /usr/bin/chromium || { test "$$(id -u)" = 0 && apt-get install -y -q chromium; } \
+	@test -x /usr/bin/chromium || { test "$$(id -u)" = 0 && apt-get update -q && apt-get install -y -q chromium; } \
 		|| echo "chromium missing: the browser test will skip (sudo apt-get install -y chromium)"
 
 pytest: $(STAMP) chromium
