@@ -202,8 +202,13 @@ class WorkerService:
         future.add_done_callback(lambda _f: self.loop.call_soon_threadsafe(self._closed, link, sid))
 
     def _closed(self, link: LinkPeer, sid: str) -> None:
-        link.send(LinkClosed(sid, "closed"))
-        self.loop.create_task(self.token_log.forget(sid))
+        self.loop.create_task(self._forget_then_tell(link, sid, "closed"))
+
+    async def _forget_then_tell(self, link: LinkPeer | None, sid: str, reason: CloseReason) -> None:
+        """`closed` goes out only once the session's keys are gone: it means cleaned up."""
+        await self.token_log.forget(sid)
+        if link is not None:
+            link.send(LinkClosed(sid, reason))
 
     def _engine_closed_threadsafe(self, sid: str, reason: str) -> None:
         if reason != "closed":  # an explicit close is answered by `_closed`
@@ -211,10 +216,8 @@ class WorkerService:
 
     def _engine_closed(self, sid: str, reason: str) -> None:
         binding = self.directory.remove(sid)
-        if binding is not None:
-            wire_reason: CloseReason = "idle_timeout" if reason == "idle_timeout" else "evicted"
-            binding.send(LinkClosed(sid, wire_reason))
-        self.loop.create_task(self.token_log.forget(sid))
+        wire_reason: CloseReason = "idle_timeout" if reason == "idle_timeout" else "evicted"
+        self.loop.create_task(self._forget_then_tell(binding.link if binding else None, sid, wire_reason))
 
     # ---- the hot path -------------------------------------------------------------------------
 
@@ -275,6 +278,8 @@ class WorkerService:
         binding.send(done)
         self.metrics.turns += 1
         self.metrics.turn_ms.observe(result.queue_ms + result.compute_ms)
+        if self.directory.get(binding.sid) is not binding:
+            return  # a turn the session's end cancelled: the session and its log are gone
         self.directory.touched.add(binding.sid)
         # Only once the reply is out: the log is for rebuilding, never on the client's critical path.
         self.token_log.append(binding.sid, result.inputs + result.tokens, binding.idle_timeout_s)
@@ -313,7 +318,5 @@ class WorkerService:
         for sid in sids:
             binding = self.directory.remove(sid)
             await asyncio.wrap_future(self.engine.close_session_async(sid, "closed"))
-            if binding is not None:
-                binding.send(LinkClosed(sid, "evicted"))
-            await self.token_log.forget(sid)
+            await self._forget_then_tell(binding.link if binding else None, sid, "evicted")
         logger.info("drained %d sessions", len(sids))

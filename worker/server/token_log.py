@@ -37,6 +37,9 @@ class TokenLogWriter:
         self.grace_s = grace_s
         self.worker_id = worker_id
         self._delete_if_owned = client.register_script(DELETE_IF_OWNED)
+        # Held while a flush or a delete talks to Redis: a delete never lands before an append
+        # already on its way, which would re-create a closed session's log.
+        self._redis_turn = asyncio.Lock()
         self._pending: dict[str, tuple[list[int], float]] = {}
         self._wakeup = asyncio.Event()
         self.flushes = 0
@@ -58,9 +61,10 @@ class TokenLogWriter:
         """
         self._pending.pop(sid, None)
         try:
-            owned = await self._delete_if_owned(keys=[self.schema.session(sid)], args=[self.worker_id])
-            if owned:
-                await self.client.delete(self.schema.log(sid))
+            async with self._redis_turn:
+                owned = await self._delete_if_owned(keys=[self.schema.session(sid)], args=[self.worker_id])
+                if owned:
+                    await self.client.delete(self.schema.log(sid))
         except redis.RedisError:
             logger.warning("could not delete the Redis keys of session %s", sid, exc_info=True)
 
@@ -74,7 +78,8 @@ class TokenLogWriter:
             pipe.append(key, encode_tokens(tokens))
             pipe.pexpire(key, int((idle_timeout_s + self.grace_s) * 1000))
         try:
-            await pipe.execute()
+            async with self._redis_turn:
+                await pipe.execute()
             self.flushes += 1
         except redis.RedisError:
             # Put them back in front of anything queued since, so the log keeps its order.
