@@ -1,29 +1,42 @@
-"""Real microturn processes for integration tests: started on free ports, stopped at teardown."""
+"""Real microturn processes for integration tests: started on free ports, stopped at teardown.
+
+Every process gets a free port and a log file and is waited for on its `/readyz`; a start that
+fails is retried on another port, and `stop` sends the signal, then SIGKILL, so nothing leaks.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from tests.shared.redis_servers import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+logger = logging.getLogger(__name__)
+
+REPO: Final = Path(__file__).resolve().parents[1]
+_READY_TIMEOUT_S: Final = 60.0
+_STOP_TIMEOUT_S: Final = 10.0
+_PORT_ATTEMPTS: Final = 3
 
 
 @dataclass
-class Process:
+class Proc:
     name: str
     port: int
-    proc: subprocess.Popen[bytes]
-    log: Path
+    args: list[str]
+    log_path: Path
+    popen: subprocess.Popen[bytes]
 
     @property
     def http(self) -> str:
@@ -33,72 +46,87 @@ class Process:
     def ws(self) -> str:
         return f"ws://127.0.0.1:{self.port}"
 
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
+    def alive(self) -> bool:
+        return self.popen.poll() is None
 
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def wait_ready(process: Process, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.proc.poll() is not None:
-            raise RuntimeError(
-                f"{process.name} exited with {process.proc.returncode}:\n{process.output()[-3000:]}"
-            )
+    def log_tail(self, lines: int = 40) -> str:
         try:
-            with urllib.request.urlopen(process.http + "/readyz", timeout=1) as response:
-                if response.status == 200:
-                    return
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
-            pass
+            return "(no log)"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Four servers and the tests share a couple of cores: one torch thread per worker avoids
+    # oversubscription (and is how the engine runs best on a small CPU anyway).
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def _wait_ready(proc: Proc, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            return False
+        with contextlib.suppress(OSError):
+            if http_get(proc.http + "/readyz", timeout=1.0)[0] == 200:
+                return True
         time.sleep(0.1)
-    raise TimeoutError(f"{process.name} not ready after {timeout_s} s:\n{process.output()[-3000:]}")
+    return False
 
 
-def stop(process: Process, timeout_s: float = 15.0) -> None:
-    if process.proc.poll() is None:
-        process.proc.send_signal(signal.SIGTERM)
+def stop(proc: Proc, sig: int = signal.SIGTERM) -> None:
+    if proc.popen.poll() is None:
+        proc.popen.send_signal(sig)
         try:
-            process.proc.wait(timeout_s)
+            proc.popen.wait(timeout=_STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            process.proc.kill()
-            process.proc.wait()
+            proc.popen.kill()
+            proc.popen.wait(timeout=_STOP_TIMEOUT_S)
+
+
+def start(name: str, command: str, flags: list[str], log_dir: Path) -> Proc:
+    """Start `python -m shared.cli <command> --host 127.0.0.1 --port <free> <flags>`, wait for /readyz."""
+    for attempt in range(_PORT_ATTEMPTS):
+        port = free_port()
+        args = [sys.executable, "-m", "shared.cli", command, "--host", "127.0.0.1", "--port", str(port)]
+        args += flags
+        log_path = log_dir / f"{name}-{port}.log"
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+        proc = Proc(name, port, args, log_path, popen)
+        try:
+            if _wait_ready(proc, _READY_TIMEOUT_S):
+                logger.info("%s up on port %d", name, port)
+                return proc
+        except BaseException:
+            stop(proc, signal.SIGKILL)
+            raise
+        logger.warning("%s failed on port %d (attempt %d):\n%s", name, port, attempt + 1, proc.log_tail())
+        stop(proc, signal.SIGKILL)
+    raise RuntimeError(f"{name} did not become ready; logs in {log_dir}")
 
 
 @contextlib.contextmanager
-def microturn(kind: str, args: list[str], workdir: Path, name: str | None = None) -> Iterator[Process]:
+def microturn(kind: str, args: list[str], workdir: Path, name: str | None = None) -> Iterator[Proc]:
     """`python -m shared.cli <kind> --port <free> <args>`, ready when `/readyz` answers 200."""
-    port = free_port()
-    label = name or f"{kind}-{port}"
-    log = workdir / f"{label}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", kind, "--port", str(port), *args],
-            cwd=ROOT,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    process = Process(label, port, proc, log)
+    process = start(name or kind, kind, args, workdir)
     try:
-        wait_ready(process)
         yield process
     finally:
         stop(process)
 
 
 def worker_args(redis_url: str, worker_id: str, *extra: str) -> list[str]:
-    return [
-        "--model",
-        "tiny",
-        "--redis-url",
-        redis_url,
-        "--worker-id",
-        worker_id,
-        "--kv-tokens",
-        "8192",
-        *extra,
-    ]
+    base = ["--model", "tiny", "--redis-url", redis_url, "--worker-id", worker_id, "--kv-tokens", "8192"]
+    return [*base, *extra]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.processes import ROOT
+from tests.processes import REPO as ROOT
 from tests.shared.redis_servers import free_port
 
 # Loading SmolLM2 on a busy CPU runner can take a while; the stack reports its own failures sooner.

@@ -11,109 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
 
-from tests.shared.redis_servers import free_port
+from tests.processes import Proc, http_get, start, stop
+
+__all__ = ["Proc", "Stack", "http_get", "running_stack", "start", "stop"]
 
 logger = logging.getLogger(__name__)
-
-REPO: Final = Path(__file__).resolve().parents[2]
-_READY_TIMEOUT_S: Final = 60.0
-_STOP_TIMEOUT_S: Final = 10.0
-_PORT_ATTEMPTS: Final = 3
-
-
-@dataclass
-class Proc:
-    name: str
-    port: int
-    args: list[str]
-    log_path: Path
-    popen: subprocess.Popen[bytes]
-
-    @property
-    def http(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    # Four servers and the tests share a couple of cores: one torch thread per worker avoids
-    # oversubscription (and is how the engine runs best on a small CPU anyway).
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-
-
-def _wait_ready(proc: Proc, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            return False
-        with contextlib.suppress(OSError):
-            if http_get(proc.http + "/readyz", timeout=1.0)[0] == 200:
-                return True
-        time.sleep(0.1)
-    return False
-
-
-def stop(proc: Proc, sig: int = signal.SIGTERM) -> None:
-    if proc.popen.poll() is None:
-        proc.popen.send_signal(sig)
-        try:
-            proc.popen.wait(timeout=_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            proc.popen.wait(timeout=_STOP_TIMEOUT_S)
-
-
-def start(name: str, command: str, flags: list[str], log_dir: Path) -> Proc:
-    """Start `python -m shared.cli <command> --host 127.0.0.1 --port <free> <flags>`, wait for /readyz."""
-    for attempt in range(_PORT_ATTEMPTS):
-        port = free_port()
-        args = [sys.executable, "-m", "shared.cli", command, "--host", "127.0.0.1", "--port", str(port)]
-        args += flags
-        log_path = log_dir / f"{name}-{port}.log"
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
-        proc = Proc(name, port, args, log_path, popen)
-        try:
-            if _wait_ready(proc, _READY_TIMEOUT_S):
-                logger.info("%s up on port %d", name, port)
-                return proc
-        except BaseException:
-            stop(proc, signal.SIGKILL)
-            raise
-        logger.warning("%s failed on port %d (attempt %d):\n%s", name, port, attempt + 1, proc.log_tail())
-        stop(proc, signal.SIGKILL)
-    raise RuntimeError(f"{name} did not become ready; logs in {log_dir}")
 
 
 @dataclass

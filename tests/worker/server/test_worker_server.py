@@ -34,7 +34,7 @@ from shared.protocol.link import (
 from shared.protocol.messages import OpenConfig
 from shared.redis_schema import KeySchema
 from shared.registry import SessionRecord, read_log, read_worker, write_session
-from tests.processes import Process, microturn, worker_args
+from tests.processes import Proc, microturn, worker_args
 from tests.shared.redis_servers import running_server
 from worker.engine import Engine
 
@@ -54,7 +54,7 @@ def redis_url(workdir: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def worker(redis_url: str, workdir: Path) -> Iterator[Process]:
+def worker(redis_url: str, workdir: Path) -> Iterator[Proc]:
     with microturn("worker", worker_args(redis_url, "w-main"), workdir) as process:
         yield process
 
@@ -88,11 +88,11 @@ class Link:
                 raise AssertionError(f"unexpected {frame}")
 
 
-def link_to(worker: Process, headers: dict[str, str] | None = None) -> Any:
+def link_to(worker: Proc, headers: dict[str, str] | None = None) -> Any:
     return websockets.connect(worker.ws + "/v1/link", additional_headers=headers)
 
 
-def stats(worker: Process) -> dict[str, Any]:
+def stats(worker: Proc) -> dict[str, Any]:
     with urllib.request.urlopen(worker.http + "/v1/stats", timeout=5) as response:
         return json.loads(response.read())  # type: ignore[no-any-return]
 
@@ -101,13 +101,13 @@ def chunk(sid: str, seq: int, tokens: tuple[int, ...], k: int = 3) -> LinkChunk:
     return LinkChunk(sid, seq, tokens, None, k, None)
 
 
-def test_turns_stream_deltas_and_match_the_engine(worker: Process, reference: Engine) -> None:
+def test_turns_stream_deltas_and_match_the_engine(worker: Proc, reference: Engine) -> None:
     async def run() -> list[tuple[int, ...]]:
         async with link_to(worker) as connection:
             link = Link(connection)
             await link.send(LinkOpen("t1", CONFIG))
             assert await link.recv() == LinkOpened("t1", 0, None)
-            outputs = []
+            outputs: list[tuple[int, ...]] = []
             for seq in range(1, 6):
                 deltas, done = await link.turn(chunk("t1", seq, (seq, seq + 1, seq + 2)))
                 assert [d.token for d in deltas] == list(done.tokens) and len(done.tokens) == 3
@@ -126,7 +126,7 @@ def test_turns_stream_deltas_and_match_the_engine(worker: Process, reference: En
     assert stats(worker)["sessions"] == 0 and stats(worker)["pages_used"] == 0
 
 
-def test_a_second_link_takes_over_and_gets_missed_outputs(worker: Process) -> None:
+def test_a_second_link_takes_over_and_gets_missed_outputs(worker: Proc) -> None:
     async def run() -> None:
         async with link_to(worker) as first, link_to(worker) as second:
             a, b = Link(first), Link(second)
@@ -147,9 +147,9 @@ def test_a_second_link_takes_over_and_gets_missed_outputs(worker: Process) -> No
 
 
 def test_restore_rebuilds_from_the_token_log_on_another_worker(
-    worker: Process, redis_url: str, workdir: Path
+    worker: Proc, redis_url: str, workdir: Path
 ) -> None:
-    async def run(other: Process) -> None:
+    async def run(other: Proc) -> None:
         client = redis.from_url(redis_url, decode_responses=False)
         async with link_to(worker) as first, link_to(other) as second:
             a, b = Link(first), Link(second)
@@ -176,7 +176,7 @@ def test_restore_rebuilds_from_the_token_log_on_another_worker(
         asyncio.run(run(other))
 
 
-def test_idle_session_is_closed_its_keys_deleted_and_its_pages_freed(worker: Process, redis_url: str) -> None:
+def test_idle_session_is_closed_its_keys_deleted_and_its_pages_freed(worker: Proc, redis_url: str) -> None:
     async def run() -> None:
         client = redis.from_url(redis_url, decode_responses=False)
         record = SessionRecord(worker="w-main", token_sha256="0" * 64, model="tiny", created_ms=0)
@@ -195,7 +195,7 @@ def test_idle_session_is_closed_its_keys_deleted_and_its_pages_freed(worker: Pro
     asyncio.run(run())
 
 
-def test_bad_frames_get_typed_errors_and_the_link_stays_usable(worker: Process) -> None:
+def test_bad_frames_get_typed_errors_and_the_link_stays_usable(worker: Proc) -> None:
     async def run() -> None:
         async with link_to(worker) as connection:
             link = Link(connection)
@@ -229,7 +229,7 @@ def test_bad_frames_get_typed_errors_and_the_link_stays_usable(worker: Process) 
 
 
 def test_link_secret_is_required_when_set(redis_url: str, workdir: Path) -> None:
-    async def run(worker: Process) -> None:
+    async def run(worker: Proc) -> None:
         with pytest.raises(websockets.InvalidStatus):
             async with link_to(worker, {"x-microturn-link-secret": "wrong"}):
                 pass
@@ -243,7 +243,7 @@ def test_link_secret_is_required_when_set(redis_url: str, workdir: Path) -> None
 
 
 def test_sigterm_drains_tells_sessions_and_leaves_the_registry(redis_url: str, workdir: Path) -> None:
-    async def run(worker: Process) -> None:
+    async def run(worker: Proc) -> None:
         client = redis.from_url(redis_url, decode_responses=False)
         assert await read_worker(client, SCHEMA, "w-drain") is not None
         async with link_to(worker) as connection:
@@ -251,9 +251,9 @@ def test_sigterm_drains_tells_sessions_and_leaves_the_registry(redis_url: str, w
             await link.send(LinkOpen("t7", CONFIG))
             await link.recv()
             await link.turn(chunk("t7", 1, (1, 2)))
-            worker.signal(signal.SIGTERM)
+            worker.popen.send_signal(signal.SIGTERM)
             assert await link.recv() == LinkClosed("t7", "evicted")
-        assert worker.proc.wait(20) == 0
+        assert worker.popen.wait(20) == 0
         assert await read_worker(client, SCHEMA, "w-drain") is None
         assert await client.zscore(SCHEMA.workers(), "w-drain") is None
         await client.aclose()
@@ -263,7 +263,7 @@ def test_sigterm_drains_tells_sessions_and_leaves_the_registry(redis_url: str, w
 
 
 def test_a_session_restored_elsewhere_keeps_its_keys_when_this_worker_lets_go(
-    worker: Process, redis_url: str
+    worker: Proc, redis_url: str
 ) -> None:
     """The record names another worker (the session was restored there): expiring here deletes nothing."""
 
