@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -286,7 +287,7 @@ class WorkerService:
 
     # ---- errors -------------------------------------------------------------------------------
 
-    def _guard(self, sid: str, seq: int | None, action: Any) -> None:
+    def _guard(self, sid: str, seq: int | None, action: Callable[[], object]) -> None:
         try:
             action()
         except MicroturnError as error:
