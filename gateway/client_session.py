@@ -13,6 +13,8 @@ all on the event loop, none blocking the others:
 Invariants:
 - Redis is touched only at open, resume, close and restore, all through `SessionStore`
   (session_store.py); never per chunk.
+- With auth on, `SessionAuth` (session_auth.py) holds the session's slot among its key's sessions
+  from open/resume until the socket ends, whatever ends it; per chunk it only compares two numbers.
 - Every chunk forwarded to the worker is in `_in_flight` until its `done` or its `error` arrives,
   or the link is lost, in which case the client gets a `worker_unavailable` error for it: no
   chunk is ever dropped without an answer.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import time
@@ -42,12 +45,14 @@ from gateway.limits import SessionLimits, check_frame_size
 from gateway.links import Link
 from gateway.outbox import Outbox
 from gateway.services import GatewayServices
+from gateway.session_auth import Principal, SessionAuth
 from shared.errors import (
     BadSequence,
     CapacityExhausted,
     InternalError,
     InvalidMessage,
     MicroturnError,
+    SessionExpired,
     SessionNotFound,
     WorkerUnavailable,
     error_from_code,
@@ -76,6 +81,7 @@ from shared.protocol import (
     ServerMessage,
     SessionClose,
     SessionClosed,
+    SessionExpiring,
     SessionOpen,
     SessionOpened,
     SessionRestored,
@@ -134,11 +140,19 @@ class _Pending:
 
 
 class ClientSession:
-    def __init__(self, ws: WebSocket, encoding: Encoding, services: GatewayServices) -> None:
+    def __init__(
+        self, ws: WebSocket, encoding: Encoding, services: GatewayServices, principal: Principal | None = None
+    ) -> None:
         self._ws = ws
         self._encoding = encoding
         self._s = services
-        self._limits = SessionLimits(services.limits)
+        self._auth: SessionAuth | None = None
+        limits = services.limits
+        if principal is not None and services.auth is not None:
+            self._auth = SessionAuth(principal, services.auth, self._warn_expiring, self._expire)
+            if 0 < self._auth.chunks_per_s < limits.max_chunks_per_s:  # the key's rate caps the gateway's
+                limits = dataclasses.replace(limits, max_chunks_per_s=self._auth.chunks_per_s)
+        self._limits = SessionLimits(limits)
         self.outbox = Outbox(ws, encoding, services.metrics, self._limits.observe_turn)
         self.phase = Phase.IDLE
         self.sid: str | None = None
@@ -153,6 +167,8 @@ class ClientSession:
         self._last_done_seq: int | None = None
         # True once the worker side is over for this socket: no detach, no close to send.
         self._session_gone = False
+        self._length = 0  # the session's length after its last done: a turn's tokens are the growth
+        self._expire_task: asyncio.Task[None] | None = None
 
     # ---- socket lifecycle ---------------------------------------------------------------------
 
@@ -222,6 +238,8 @@ class ClientSession:
             self._restore_task.cancel()
             await asyncio.gather(self._restore_task, return_exceptions=True)
         self._fail_pending(SessionEnded())
+        if self._auth is not None:
+            await self._auth.release()
         sid = self.sid
         if sid is None:
             return
@@ -259,7 +277,11 @@ class ClientSession:
         except BaseException:
             if self.phase is Phase.OPENING:
                 self._forget_session()
+                if self._auth is not None:
+                    await self._auth.release()
             raise
+        if self._auth is not None and self.phase is Phase.ACTIVE:
+            self._auth.start()
 
     def _forget_session(self) -> None:
         if self.sid is not None:
@@ -279,6 +301,8 @@ class ClientSession:
             )
         if msg.seq in self._in_flight:
             raise BadSequence(f"seq {msg.seq} is already running")
+        if self._auth is not None:
+            self._auth.check_chunk()
         self._limits.admit_chunk(None if msg.tokens is None else len(msg.tokens), len(self._in_flight))
         # In flight before the write: the done can arrive while the write is still draining.
         self._in_flight[msg.seq] = received
@@ -351,6 +375,7 @@ class ClientSession:
         self._link = link
         self._record = record
         self._last_done_seq = opened.last_seq
+        self._length = opened.length
         self.phase = Phase.ACTIVE
 
     async def _open(self, config: OpenConfig) -> None:
@@ -358,7 +383,10 @@ class ClientSession:
         sid = uuid.uuid4().hex
         token = new_resume_token()
         self.sid, self._config = sid, config
-        limits = s.limits.as_map()
+        limits = self._limits.values.as_map()
+        if self._auth is not None:
+            await self._auth.admit_open(sid)
+            limits.update(self._auth.limits_map())
         last: MicroturnError | None = None
         for _ in range(PLACEMENT_ATTEMPTS):
             placed = await s.store.place_new(sid, token, config)
@@ -378,6 +406,8 @@ class ClientSession:
             except MicroturnError:
                 await s.store.delete(sid)
                 raise
+            if self._auth is not None:
+                await self._auth.record_open(sid)
             self._activate(link, placed.record, opened)
             s.metrics.sessions_opened += 1
             logger.info("session %s opened on worker %s", sid, placed.record.worker)
@@ -389,6 +419,8 @@ class ClientSession:
         s = self._s
         sid = msg.session_id
         record, config = await s.store.lookup(sid, msg.resume_token)
+        if self._auth is not None:
+            await self._auth.admit_resume(sid, record.created_ms)
         self.sid, self._config, self._record = sid, config, record
 
         def resumed(opened: LinkOpened) -> list[ServerMessage]:
@@ -501,6 +533,10 @@ class ClientSession:
             if self._last_done_seq is None or frame.seq > self._last_done_seq:
                 self._last_done_seq = frame.seq
             self.outbox.put(done_to_client(frame), started)
+            # In + out: the growth of the session (at least its outputs, should truncation shrink it).
+            grown, self._length = max(frame.length - self._length, len(frame.tokens)), frame.length
+            if self._auth is not None:
+                self._auth.on_done(grown)
         elif isinstance(frame, LinkError):
             if frame.seq is not None:
                 self._in_flight.pop(frame.seq, None)
@@ -547,6 +583,33 @@ class ClientSession:
         self._restore_task = asyncio.create_task(
             self._restore_after_loss(self.sid, self._record), name=f"restore {self.sid}"
         )
+
+    # ---- credential limits (called by SessionAuth's timers and on_done: no awaiting here) ----------
+
+    def _warn_expiring(self, warning: SessionExpiring) -> None:
+        if self.phase is not Phase.ENDED:
+            self.outbox.put(warning)
+
+    def _expire(self, why: str) -> None:
+        """The session reached a limit of its credential: it ends on the worker, the client is told."""
+        sid, link = self.sid, self._link
+        if self.phase is Phase.ENDED or sid is None:
+            return
+        logger.info("session %s expired: %s", sid, why)
+        self._fail_pending(SessionEnded())
+        self._s.pool.unbind(sid, self)
+        if not self._session_gone and link is not None:
+            self._expire_task = asyncio.create_task(self._close_on_worker(link, sid), name=f"expire {sid}")
+        self._session_gone = True
+        self._error(SessionExpired(why), fatal=True)
+
+    async def _close_on_worker(self, link: Link, sid: str) -> None:
+        try:
+            await link.send(LinkClose(sid))
+        except WorkerUnavailable:
+            # No worker to tell: end the session in Redis so it cannot be resumed or restored.
+            with contextlib.suppress(RedisError, OSError):
+                await self._s.store.delete(sid)
 
     def _fail_pending(self, exc: BaseException) -> None:
         if self._pending is not None and not self._pending.future.done():
