@@ -39,7 +39,7 @@ from shared.protocol import (
     decode_server,
     encode_client,
 )
-from shared.protocol.messages import SessionOpen
+from shared.protocol.messages import SessionOpen, SessionResume
 from shared.redis_schema import KeySchema
 from tests.gateway.stack import Proc, Stack, running_stack, stop
 from tests.processes import REPO
@@ -439,6 +439,72 @@ def test_browser_token_limits_are_capped_by_the_key_and_its_token_budget_is_enfo
             assert isinstance(seen[-1], Error) and seen[-1].code == ErrorCode.SESSION_EXPIRED, kinds
             await asyncio.wait_for(ws.wait_closed(), 10)
             assert ws.close_code == 4010
+        finally:
+            await ws.close()
+
+    run(stack, body)
+
+
+def test_racing_opens_through_both_gateways_admit_exactly_the_limit(stack: Stack) -> None:
+    async def body(keys: KeyStore) -> None:
+        secret, _ = await keys.create(new_name(), KeyLimits(max_sessions=3))
+        clients = [await RealtimeClient.connect(stack.realtime_url(i % 2), api_key=secret) for i in range(10)]
+        try:
+            for client in clients:
+                await client.send(SessionOpen())
+            answers = [await client.recv() for client in clients]
+            opened = [a for a in answers if a.type == "session.opened"]
+            refused = [a for a in answers if isinstance(a, Error)]
+            assert len(opened) == 3, answers
+            assert len(refused) == 7 and {a.code for a in refused} == {ErrorCode.RATE_LIMITED}
+        finally:
+            for client in clients:
+                await client.disconnect()
+
+    run(stack, body)
+
+
+def test_resume_needs_the_same_key_and_keeps_the_session_clock(stack: Stack) -> None:
+    async def body(keys: KeyStore) -> None:
+        secret, _ = await keys.create(new_name(), KeyLimits(max_sessions=1, max_session_s=600))
+        other, _ = await keys.create(new_name(), KeyLimits())
+        first = await RealtimeClient.connect(stack.realtime_url(0), api_key=secret)
+        opened = await first.open()
+        await turn(first, 0)
+        await first.disconnect()  # the session stays resumable; its slot goes with the socket
+        async with await RealtimeClient.connect(stack.realtime_url(1), api_key=other) as thief:
+            with contextlib.suppress(ConnectionLost):
+                await thief.send(SessionResume(opened.session_id, opened.resume_token, 0))
+            refused = await thief.recv()
+            assert isinstance(refused, Error) and refused.code == ErrorCode.UNAUTHORIZED
+        async with await RealtimeClient.connect(stack.realtime_url(1), api_key=secret) as again:
+            resumed = await again.resume(opened.session_id, opened.resume_token, 0)
+            assert resumed.last_seq == 0
+            await turn(again, 1)
+            # Resumed, it holds the key's only slot again.
+            await expect_refusal(stack.realtime_url(0), ErrorCode.RATE_LIMITED, api_key=secret)
+            await again.close()
+
+    run(stack, body)
+
+
+def test_a_browser_token_resumes_its_own_session_only(stack: Stack) -> None:
+    async def body(keys: KeyStore) -> None:
+        secret, _ = await keys.create(new_name(), KeyLimits())
+        token = mint(stack.gateways[0], secret, max_session_s=600)
+        ws, _, opened = await open_with_token(stack.realtime_url(0), token)
+        assert opened.type == "session.opened", opened
+        await ws.close()
+        resume = SessionResume(opened.session_id, opened.resume_token)
+        ws = await connect(
+            stack.realtime_url(1),
+            subprotocols=[BEARER_SUBPROTOCOL_PREFIX + token],  # type: ignore[list-item]
+        )
+        try:
+            assert ws.subprotocol is None  # only the bearer offered: JSON, nothing echoed
+            await ws.send(encode_client(resume, Encoding.JSON))
+            reply = decode_server(await asyncio.wait_for(ws.recv(), 30), Encoding.JSON)
+            assert reply.type == "session.resumed", reply
         finally:
             await ws.close()
 
