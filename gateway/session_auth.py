@@ -20,11 +20,14 @@ whichever gateway a client resumes through applies the same ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
+
+from redis.exceptions import RedisError
 
 from gateway.key_ledger import REFRESH_S, KeyLedger
 from shared.api_keys import ApiKey, ms_until_next_day, text_map
@@ -95,6 +98,8 @@ class SessionAuth:
         self._warn = warn
         self._expire = expire
         self._sid: str | None = None
+        self._claimed: str | None = None  # the sid this socket's browser token was claimed for
+        self._started = False
         self._deadline_s: float | None = None  # wall clock (time.time), from the session's creation
         self._limit_s = 0.0  # the session's allowed duration (0: none)
         self._max_tokens = 0
@@ -142,6 +147,7 @@ class SessionAuth:
             if not await self._d.tokens.claim(token, sid, hold_s):
                 await self.release()
                 raise Unauthorized(UNAUTHORIZED_MESSAGE)
+            self._claimed = sid
         self._max_tokens, self._used, self._limit_s = (
             self.principal.max_tokens,
             0,
@@ -182,6 +188,7 @@ class SessionAuth:
 
     def start(self) -> None:
         """The session is active on this socket: arm the duration timers."""
+        self._started = True
         self._cancel_timers()
         if self._deadline_s is None or self._sid is None:
             return
@@ -234,5 +241,10 @@ class SessionAuth:
         """The session is over on this socket (or never started): timers off, slot back."""
         self._cancel_timers()
         sid, self._sid = self._sid, None
+        claimed, self._claimed = self._claimed, None
+        token = self.principal.token
+        if claimed is not None and token is not None and not self._started:
+            with contextlib.suppress(RedisError, OSError):
+                await self._d.tokens.unclaim(token, claimed)
         if sid is not None:
             await self._d.ledger.release(self.principal.key.digest, sid)

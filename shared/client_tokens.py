@@ -8,7 +8,8 @@ key, as `mt:clienttoken:<sha256>` (a HASH with a TTL: the start window). Its lif
 2. claimed by the first `session.open` that presents it (`claim`, one Lua step: only one session can
    win, however many gateways race), which records the session id and stretches the TTL to cover
    that session, so the same token can *resume* its own session (a reconnecting page) but never
-   open a second one;
+   open a second one. An open that fails after the claim (no worker had room) gives it back
+   (`unclaim`): a token is spent by a session, not by an attempt;
 3. gone with its TTL.
 
 The session's limits (duration, token budget) are not enforced here but by the gateway that holds
@@ -46,6 +47,15 @@ if owner then
 end
 redis.call('HSET', KEYS[1], 'sid', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# Gives the token back when the session it was claimed for never opened (no worker had room):
+# only the claimant may, and the token gets its original start window back (gone if it is over).
+_UNCLAIM_LUA: Final = """
+if redis.call('HGET', KEYS[1], 'sid') ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[1], 'sid')
+redis.call('PEXPIREAT', KEYS[1], ARGV[2])
 return 1
 """
 
@@ -90,6 +100,7 @@ class ClientTokenStore:
         self.redis = redis
         self.schema = schema
         self._claim = redis.register_script(_CLAIM_LUA)
+        self._unclaim = redis.register_script(_UNCLAIM_LUA)
 
     async def mint(self, key: ApiKey, limits: TokenLimits, ttl_s: float) -> tuple[str, ClientToken]:
         """A new token for `key` (its limits already capped); the secret is returned once."""
@@ -125,3 +136,7 @@ class ClientTokenStore:
         hold_ms = max(1, int(hold_s * 1000))
         won = await self._claim(keys=[self.schema.client_token(token.digest)], args=[sid, hold_ms])
         return int(won) == 1
+
+    async def unclaim(self, token: ClientToken, sid: str) -> None:
+        """Undo `claim` for a session that never opened, so the token can still start one."""
+        await self._unclaim(keys=[self.schema.client_token(token.digest)], args=[sid, token.expires_at_ms])

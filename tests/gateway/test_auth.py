@@ -509,3 +509,22 @@ def test_a_browser_token_resumes_its_own_session_only(stack: Stack) -> None:
             await ws.close()
 
     run(stack, body)
+
+
+def test_a_token_is_claimed_by_one_session_and_given_back_only_by_it(stack: Stack) -> None:
+    async def body(keys: KeyStore) -> None:
+        from shared.client_tokens import ClientTokenStore, TokenLimits
+
+        _, key = await keys.create(new_name(), KeyLimits())
+        tokens = ClientTokenStore(keys.redis, keys.schema)
+        secret, token = await tokens.mint(key, TokenLimits(), ttl_s=60)
+        assert await tokens.claim(token, "s1", 120) and await tokens.claim(token, "s1", 120)
+        assert not await tokens.claim(token, "s2", 120)
+        await tokens.unclaim(token, "s2")  # not the claimant: no effect
+        assert not await tokens.claim(token, "s2", 120)
+        await tokens.unclaim(token, "s1")  # s1 never opened: the token can start a session again
+        back = await tokens.by_secret(secret)
+        assert back is not None and back.sid is None
+        assert await tokens.claim(token, "s2", 120)
+
+    run(stack, body)
