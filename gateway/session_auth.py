@@ -187,22 +187,26 @@ class SessionAuth:
     # ---- the session's life (no Redis) ------------------------------------------------------------
 
     def start(self) -> None:
-        """The session is active on this socket: arm the duration timers."""
+        """The session is active on this socket: arm the duration timers (and warn a resumed session
+        that is already near its token budget)."""
         self._started = True
         self._cancel_timers()
+        if self._sid is not None and self._max_tokens:
+            self._check_budget(self._sid)
         if self._deadline_s is None or self._sid is None:
             return
         loop = asyncio.get_running_loop()
         left = self._deadline_s - time.time()
         lead = min(WARN_LEAD_MAX_S, WARN_LEAD_FRACTION * self._limit_s)
         sid, limit = self._sid, self._limit_s
-        if left > lead:
-            self._timers.append(
-                loop.call_later(
-                    left - lead,
-                    lambda: self._warn(SessionExpiring(sid, "max_duration", expires_in_ms=int(lead * 1000))),
-                )
+        # A session resumed inside the warning window is warned at once: every socket that will see
+        # `session_expired` sees the warning first.
+        warn_in, warn_ms = max(0.0, left - lead), int(min(lead, max(left, 0.0)) * 1000)
+        self._timers.append(
+            loop.call_later(
+                warn_in, lambda: self._warn(SessionExpiring(sid, "max_duration", expires_in_ms=warn_ms))
             )
+        )
         self._timers.append(
             loop.call_later(
                 max(0.0, left),
@@ -226,11 +230,14 @@ class SessionAuth:
         if not budgeted or self._sid is None:
             return
         self._used += tokens
+        self._check_budget(self._sid)
+
+    def _check_budget(self, sid: str) -> None:
         if self._used >= self._max_tokens:
             self._expire(f"the session spent its budget of {self._max_tokens} tokens")
         elif not self._token_warned and self._used >= TOKEN_WARN_FRACTION * self._max_tokens:
             self._token_warned = True
-            self._warn(SessionExpiring(self._sid, "token_budget", tokens_left=self._max_tokens - self._used))
+            self._warn(SessionExpiring(sid, "token_budget", tokens_left=self._max_tokens - self._used))
 
     def _cancel_timers(self) -> None:
         for timer in self._timers:

@@ -528,3 +528,21 @@ def test_a_token_is_claimed_by_one_session_and_given_back_only_by_it(stack: Stac
         assert await tokens.claim(token, "s2", 120)
 
     run(stack, body)
+
+
+def test_a_session_resumed_near_its_end_is_warned_at_once_then_expires(stack: Stack) -> None:
+    async def body(keys: KeyStore) -> None:
+        secret, _ = await keys.create(new_name(), KeyLimits(max_session_s=3.0))
+        first = await RealtimeClient.connect(stack.realtime_url(0), api_key=secret)
+        opened = await first.open()
+        await first.disconnect()
+        await asyncio.sleep(2.6)  # inside the last 20 % of its 3 s: past the point of the warning
+        async with await RealtimeClient.connect(stack.realtime_url(1), api_key=secret) as again:
+            await again.resume(opened.session_id, opened.resume_token)
+            warning = await again.recv(timeout=30)
+            assert isinstance(warning, SessionExpiring) and warning.reason == "max_duration", warning
+            assert warning.expires_in_ms is not None and warning.expires_in_ms <= 600
+            expired = await again.recv(timeout=30)
+            assert isinstance(expired, Error) and expired.code == ErrorCode.SESSION_EXPIRED, expired
+
+    run(stack, body)
