@@ -77,6 +77,11 @@ return redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
 """
 
 
+def _merge(into: dict[str, int], counts: dict[str, int]) -> None:
+    for name, count in counts.items():
+        into[name] = into.get(name, 0) + count
+
+
 class KeyLedger:
     """One per gateway: the slots its sockets hold and the tokens they spent, kept in Redis."""
 
@@ -142,7 +147,7 @@ class KeyLedger:
 
     async def session_used(self, sid: str) -> int:
         raw = await self.redis.hget(self.schema.session(sid), SESSION_USED_FIELD)
-        return int(raw) + self._session_pending.get(sid, 0) if raw is not None else 0
+        return (int(raw) if raw is not None else 0) + self._session_pending.get(sid, 0)
 
     async def _flush_session(self, sid: str) -> None:
         used = self._session_pending.pop(sid, 0)
@@ -153,38 +158,38 @@ class KeyLedger:
     # ---- the periodic batch ------------------------------------------------------------------------
 
     async def tick(self) -> None:
-        """Renew every held lease, settle usage, persist budgeted sessions' counts: one round trip."""
-        spent = {d: self._pending.get(d, 0) for d in {*self._held, *self._pending}}
-        sessions = dict(self._session_pending)
+        """Renew every held lease, persist budgeted sessions' counts, settle usage: two round trips.
+
+        Counts are taken out of the pending maps *before* they are sent (and put back if sending
+        fails), so a charge or a release that runs while a round trip is in flight is neither lost
+        nor sent twice.
+        """
         held = {d: list(sids) for d, sids in self._held.items() if sids}
-        if not spent and not sessions:
-            return
+        sessions, self._session_pending = self._session_pending, defaultdict(int)
         lease_ms = int(LEASE_S * 1000)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key_digest, sids in held.items():
-                await self._renew(
-                    keys=[self.schema.key_sessions(key_digest)], args=[lease_ms, *sids], client=pipe
-                )
-            for sid, used in sessions.items():
-                await self._add_used(
-                    keys=[self.schema.session(sid)], args=[SESSION_USED_FIELD, used], client=pipe
-                )
-            await pipe.execute()
-        # Only what was sent is subtracted: charges that arrived meanwhile stay pending.
-        for sid, used in sessions.items():
-            left = self._session_pending.get(sid, 0) - used
-            if left > 0:
-                self._session_pending[sid] = left
-            else:
-                self._session_pending.pop(sid, None)
-        totals = await self.keys.settle_usage(spent)
-        for key_digest, sent in spent.items():
-            left = self._pending.get(key_digest, 0) - sent
-            if left > 0:
-                self._pending[key_digest] = left
-            else:
-                self._pending.pop(key_digest, None)
-        self._totals = {d: t for d, t in totals.items() if d in self._held or d in self._pending}
+        if held or sessions:
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for key_digest, sids in held.items():
+                        zset = self.schema.key_sessions(key_digest)
+                        await self._renew(keys=[zset], args=[lease_ms, *sids], client=pipe)
+                    for sid, used in sessions.items():
+                        session = self.schema.session(sid)
+                        await self._add_used(keys=[session], args=[SESSION_USED_FIELD, used], client=pipe)
+                    await pipe.execute()
+            except BaseException:
+                _merge(self._session_pending, sessions)
+                raise
+        pending, self._pending = self._pending, defaultdict(int)
+        spent = {d: pending.get(d, 0) for d in {*self._held, *pending}}
+        try:
+            totals = await self.keys.settle_usage(spent)
+        except BaseException:
+            _merge(self._pending, pending)
+            raise
+        self._totals.update(totals)
+        for key_digest in [d for d in self._totals if d not in self._held and d not in self._pending]:
+            del self._totals[key_digest]
 
     async def _run(self) -> None:
         while True:

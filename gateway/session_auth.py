@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -125,7 +126,12 @@ class SessionAuth:
     # ---- open and resume (Redis) ------------------------------------------------------------------
 
     async def _admit(self, sid: str) -> None:
-        key = self.principal.key
+        # Read again at every open and resume: a key revoked (or re-limited) since the handshake is
+        # refused (or limited) at its next open, not only on its next socket.
+        key = await self._d.ledger.keys.by_digest(self.principal.key.digest)
+        if key is None:
+            raise Unauthorized(UNAUTHORIZED_MESSAGE)
+        self.principal = dataclasses.replace(self.principal, key=key)
         budget = key.limits.max_tokens_per_day
         if budget and await self._d.ledger.load_usage(key.digest) >= budget:
             raise _budget_spent(budget)

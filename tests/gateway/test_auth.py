@@ -546,3 +546,49 @@ def test_a_session_resumed_near_its_end_is_warned_at_once_then_expires(stack: St
             assert isinstance(expired, Error) and expired.code == ErrorCode.SESSION_EXPIRED, expired
 
     run(stack, body)
+
+
+def test_a_live_session_keeps_its_slot_past_the_lease(stack: Stack) -> None:
+    from gateway.key_ledger import LEASE_S
+
+    async def body(keys: KeyStore) -> None:
+        secret, key = await keys.create(new_name(), KeyLimits(max_sessions=1))
+        async with await RealtimeClient.connect(stack.realtime_url(0), api_key=secret) as client:
+            opened = await client.open()
+            await asyncio.sleep(LEASE_S + 1.5)  # only the gateway's batched renewals keep it now
+            await turn(client, 0)
+            members = await keys.redis.zrange(keys.schema.key_sessions(key.digest), 0, -1)
+            assert members == [opened.session_id.encode()]
+            await expect_refusal(stack.realtime_url(1), ErrorCode.RATE_LIMITED, api_key=secret)
+            zset = keys.schema.key_sessions(key.digest)
+            await client.close()
+            lease_end_ms = await keys.redis.zscore(zset, opened.session_id)
+
+        async def released() -> bool:
+            return await keys.redis.zcard(zset) == 0
+
+        assert await poll(released)
+        # Removed by the close, not lapsed: the Redis clock had not reached the lease's end yet.
+        seconds, micros = await keys.redis.time()
+        assert lease_end_ms is None or seconds * 1000 + micros // 1000 < lease_end_ms
+
+    run(stack, body)
+
+
+def test_revoking_refuses_the_next_open_even_on_a_socket_already_in(stack: Stack) -> None:
+    async def body(keys: KeyStore) -> None:
+        name = new_name()
+        secret, _ = await keys.create(name, KeyLimits(max_sessions=1))
+        async with await RealtimeClient.connect(stack.realtime_url(0), api_key=secret) as first:
+            await first.open()
+            async with await RealtimeClient.connect(stack.realtime_url(1), api_key=secret) as second:
+                with pytest.raises(RateLimited):
+                    await second.open()
+                assert await keys.revoke(name)
+                refused = await open_answer(second)
+                assert isinstance(refused, Error) and refused.code == ErrorCode.UNAUTHORIZED and refused.fatal
+            # The session opened before the revocation runs on until it ends.
+            await turn(first, 0)
+            await first.close()
+
+    run(stack, body)
