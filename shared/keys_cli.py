@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from shared.api_keys import KeyExists, KeyLimits, KeyStore
 from shared.redis_schema import KeySchema
@@ -106,4 +107,7 @@ def main(argv: Sequence[str]) -> int:
         return asyncio.run(_run(args))
     except ValueError as exc:
         sys.stderr.write(f"microturn keys: {exc}\n")
+        return 2
+    except (RedisError, OSError) as exc:
+        sys.stderr.write(f"microturn keys: cannot use Redis: {exc}\n")
         return 2
