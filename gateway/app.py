@@ -4,9 +4,13 @@ Why so thin: the gateway is stateless by design (any replica can serve any sessi
 only owns what is shared by all sockets of this process: one Redis client, one pool of worker
 links, the metrics. Each `/v1/realtime` socket gets its own `ClientSession`.
 
-Routes: `/v1/realtime` (the client protocol), `/healthz` (the process runs), `/readyz` (Redis
-answers PING: without it no session can be opened or resumed), `/metrics` (Prometheus text) and
-`/` (the demo page).
+Routes: `/v1/realtime` (the client protocol), `POST /v1/client_tokens` (browser tokens, with auth
+on), `/healthz` (the process runs), `/readyz` (Redis answers PING: without it no session can be
+opened or resumed), `/metrics` (Prometheus text) and `/` (the demo page).
+
+With auth on (the default) a socket is accepted, then its credential checked before anything else:
+a bad one gets a fatal `unauthorized` and close code 4011, before any session state exists. The
+close comes after the accept, not as an HTTP 401, because a browser only ever sees close codes.
 """
 
 from __future__ import annotations
@@ -21,16 +25,20 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from gateway.auth import bearer_credential
 from gateway.client_session import ClientSession
 from gateway.handshake import negotiate
 from gateway.links import LinkPool
 from gateway.metrics import GatewayMetrics
 from gateway.services import GatewayServices
-from shared.settings import GatewaySettings
+from gateway.session_auth import UNAUTHORIZED_MESSAGE, Principal
+from shared.errors import ErrorCode, MicroturnError, Unauthorized, WorkerUnavailable
+from shared.protocol import Encoding, close_code_for, encode_server, error_message_from
+from shared.settings import GatewaySettings, is_loopback_host
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +53,61 @@ def _services(holder: Starlette | Request | WebSocket) -> GatewayServices:
     return services
 
 
+async def _refuse(ws: WebSocket, encoding: Encoding, exc: MicroturnError) -> None:
+    """A fatal error as the socket's only message, then its close code."""
+    frame = encode_server(error_message_from(exc, fatal=True), encoding)
+    with contextlib.suppress(Exception):  # the client may already be gone
+        if isinstance(frame, str):
+            await ws.send_text(frame)
+        else:
+            await ws.send_bytes(frame)
+        await ws.close(close_code_for(exc.code))
+
+
+async def _authenticate(ws: WebSocket, services: GatewayServices, encoding: Encoding) -> Principal | None:
+    """The socket's principal; None after refusing it (the caller then just returns)."""
+    assert services.authenticator is not None
+    credential = bearer_credential(ws.headers, ws.scope.get("subprotocols", []))
+    try:
+        principal = await services.authenticator.authenticate(credential)
+    except (RedisError, OSError) as exc:
+        logger.warning("key store error at handshake: %r", exc)
+        await _refuse(ws, encoding, WorkerUnavailable("the key store is unavailable", retry_after_ms=1000))
+        return None
+    if principal is None:
+        services.metrics.error(ErrorCode.UNAUTHORIZED)
+        await _refuse(ws, encoding, Unauthorized(UNAUTHORIZED_MESSAGE))
+    return principal
+
+
 async def realtime(ws: WebSocket) -> None:
     services = _services(ws)
     negotiated = negotiate(ws.scope.get("subprotocols", []))
     if negotiated is None:
-        logger.info("refusing a client offering only %s", ws.scope.get("subprotocols"))
+        logger.info("refusing a client offering only unknown subprotocols")  # never log a bearer one
         await ws.close(_REFUSE_HANDSHAKE)
         return
     await ws.accept(subprotocol=negotiated.subprotocol)
+    principal = None
+    if services.authenticator is not None:
+        principal = await _authenticate(ws, services, negotiated.encoding)
+        if principal is None:
+            return
     services.metrics.sockets_open += 1
     try:
-        await ClientSession(ws, negotiated.encoding, services).run()
+        await ClientSession(ws, negotiated.encoding, services, principal).run()
     finally:
         services.metrics.sockets_open -= 1
+
+
+async def client_tokens(request: Request) -> Response:
+    services = _services(request)
+    if services.authenticator is None:
+        body = {
+            "error": {"code": "invalid_message", "message": "auth is off on this gateway: no token needed"}
+        }
+        return JSONResponse(body, status_code=404)
+    return await services.authenticator.mint(request)
 
 
 async def healthz(request: Request) -> Response:
@@ -93,6 +143,16 @@ def _redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def _warn_if_open(settings: GatewaySettings) -> None:
+    if not settings.auth_required and not is_loopback_host(settings.host):
+        logger.warning(
+            "!!! AUTH IS OFF on %s: anyone who reaches port %d can open sessions without a key. "
+            "Use --auth on (the default) on any address other than loopback. !!!",
+            settings.host,
+            settings.port,
+        )
+
+
 def create_app(settings: GatewaySettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -109,11 +169,22 @@ def create_app(settings: GatewaySettings) -> Starlette:
             link_secret=settings.link_secret,
             connect_timeout_s=settings.link_connect_timeout_s,
         )
-        app.state.services = GatewayServices(settings, redis, pool, gateway_metrics)
-        logger.info("gateway up (redis %s, prefix %r)", _redacted(settings.redis_url), settings.key_prefix)
+        services = GatewayServices(settings, redis, pool, gateway_metrics)
+        app.state.services = services
+        if services.auth is not None:
+            services.auth.ledger.start()
+        _warn_if_open(settings)
+        logger.info(
+            "gateway up (redis %s, prefix %r, auth %s)",
+            _redacted(settings.redis_url),
+            settings.key_prefix,
+            settings.auth,
+        )
         try:
             yield
         finally:
+            if services.auth is not None:
+                await services.auth.ledger.stop()
             await pool.close()
             await redis.aclose()
             logger.info("gateway stopped")
@@ -121,6 +192,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
     return Starlette(
         routes=[
             WebSocketRoute("/v1/realtime", realtime),
+            Route("/v1/client_tokens", client_tokens, methods=["POST"]),
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/metrics", metrics),

@@ -10,9 +10,14 @@ all on the event loop, none blocking the others:
   those only update state and queue messages in the `Outbox`, never await;
 - a restore task, started when the worker link breaks (DESIGN section 5 "Worker loss").
 
+Open, resume and restore (the flows that place the session on a worker) live in the base class,
+`SessionFlows` (session_flows.py); this module is the socket, the chunks and the worker's frames.
+
 Invariants:
 - Redis is touched only at open, resume, close and restore, all through `SessionStore`
   (session_store.py); never per chunk.
+- With auth on, `SessionAuth` (session_auth.py) holds the session's slot among its key's sessions
+  from open/resume until the socket ends, whatever ends it; per chunk it only compares two numbers.
 - Every chunk forwarded to the worker is in `_in_flight` until its `done` or its `error` arrives,
   or the link is lost, in which case the client gets a `worker_unavailable` error for it: no
   chunk is ever dropped without an answer.
@@ -27,12 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
+import dataclasses
 import logging
 import time
-import uuid
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Coroutine
 from typing import Any, Final
 
 from redis.exceptions import RedisError
@@ -42,13 +45,14 @@ from gateway.limits import SessionLimits, check_frame_size
 from gateway.links import Link
 from gateway.outbox import Outbox
 from gateway.services import GatewayServices
+from gateway.session_auth import Principal, SessionAuth
+from gateway.session_flows import PendingOpen, Phase, SessionEnded, SessionFlows
 from shared.errors import (
     BadSequence,
-    CapacityExhausted,
     InternalError,
     InvalidMessage,
     MicroturnError,
-    SessionNotFound,
+    SessionExpired,
     WorkerUnavailable,
     error_from_code,
 )
@@ -58,7 +62,6 @@ from shared.protocol import (
     CloseReason,
     Encoding,
     InputChunk,
-    LinkAttach,
     LinkCancel,
     LinkClose,
     LinkClosed,
@@ -66,23 +69,17 @@ from shared.protocol import (
     LinkDetach,
     LinkDone,
     LinkError,
-    LinkOpen,
     LinkOpened,
-    LinkRestore,
     OpenConfig,
     OutputCancel,
     Ping,
     Pong,
-    ServerMessage,
     SessionClose,
     SessionClosed,
+    SessionExpiring,
     SessionOpen,
-    SessionOpened,
-    SessionRestored,
     SessionResume,
-    SessionResumed,
     ToGateway,
-    ToWorker,
     chunk_to_link,
     close_code_for,
     decode_client,
@@ -91,14 +88,10 @@ from shared.protocol import (
     error_message_from,
     error_to_client,
 )
-from shared.registry import SessionRecord, new_resume_token
+from shared.registry import SessionRecord
 
 logger = logging.getLogger(__name__)
 
-# Workers tried for one open or restore before giving up (placement charges each pick, so a dead
-# worker that is still registered loses the next pick to a live one).
-PLACEMENT_ATTEMPTS: Final = 3
-RESTORE_BACKOFF_S: Final = (0.0, 0.25, 0.5, 1.0)
 # What a client is told to wait before resending a chunk refused because its session is moving.
 MOVING_RETRY_MS: Final = 250
 # How long a fatal error and its close may take to go out once the receive loop has stopped.
@@ -112,40 +105,27 @@ def _frame_bytes(data: str | bytes, limit: int) -> int:
     return len(data.encode())
 
 
-class Phase(enum.Enum):
-    IDLE = "idle"  # no session yet: open or resume
-    OPENING = "opening"  # open or resume in progress
-    ACTIVE = "active"
-    RESTORING = "restoring"  # the worker was lost; moving to another one
-    CLOSING = "closing"  # session.close sent to the worker
-    ENDED = "ended"  # the socket is closing
-
-
-class SessionEnded(Exception):
-    """The session ended (closed, taken over) while a request for it was in flight: already told."""
-
-
-@dataclass(slots=True)
-class _Pending:
-    """An open/attach/restore awaiting `opened`; `reply` builds the client's answer from it."""
-
-    future: asyncio.Future[LinkOpened]
-    reply: Callable[[LinkOpened], list[ServerMessage]]
-
-
-class ClientSession:
-    def __init__(self, ws: WebSocket, encoding: Encoding, services: GatewayServices) -> None:
+class ClientSession(SessionFlows):
+    def __init__(
+        self, ws: WebSocket, encoding: Encoding, services: GatewayServices, principal: Principal | None = None
+    ) -> None:
         self._ws = ws
         self._encoding = encoding
         self._s = services
-        self._limits = SessionLimits(services.limits)
+        self._auth: SessionAuth | None = None
+        limits = services.limits
+        if principal is not None and services.auth is not None:
+            self._auth = SessionAuth(principal, services.auth, self._warn_expiring, self._expire)
+            if 0 < self._auth.chunks_per_s < limits.max_chunks_per_s:  # the key's rate caps the gateway's
+                limits = dataclasses.replace(limits, max_chunks_per_s=self._auth.chunks_per_s)
+        self._limits = SessionLimits(limits)
         self.outbox = Outbox(ws, encoding, services.metrics, self._limits.observe_turn)
         self.phase = Phase.IDLE
         self.sid: str | None = None
         self._config = OpenConfig()
         self._record: SessionRecord | None = None
         self._link: Link | None = None
-        self._pending: _Pending | None = None
+        self._pending: PendingOpen | None = None
         self._closed_future: asyncio.Future[CloseReason | None] | None = None
         self._restore_task: asyncio.Task[None] | None = None
         # seq -> monotonic arrival time, for every chunk forwarded and not yet answered.
@@ -153,6 +133,8 @@ class ClientSession:
         self._last_done_seq: int | None = None
         # True once the worker side is over for this socket: no detach, no close to send.
         self._session_gone = False
+        self._length = 0  # the session's length after its last done: a turn's tokens are the growth
+        self._expire_task: asyncio.Task[None] | None = None
 
     # ---- socket lifecycle ---------------------------------------------------------------------
 
@@ -205,16 +187,6 @@ class ClientSession:
             logger.exception("client message handling failed (session %s)", self.sid)
             self._error(InternalError("internal gateway error"), seq, fatal=True)
 
-    def _error(self, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None) -> None:
-        message = error_message_from(exc, seq, fatal=fatal)
-        self.outbox.put(message)
-        if message.fatal:
-            self._end(close_code_for(exc.code))
-
-    def _end(self, code: int) -> None:
-        self.phase = Phase.ENDED
-        self.outbox.close(code)
-
     async def _release(self) -> None:
         """The socket is gone: stop restoring, and detach the session if it is still ours."""
         self.phase = Phase.ENDED
@@ -222,6 +194,8 @@ class ClientSession:
             self._restore_task.cancel()
             await asyncio.gather(self._restore_task, return_exceptions=True)
         self._fail_pending(SessionEnded())
+        if self._auth is not None:
+            await self._auth.release()
         sid = self.sid
         if sid is None:
             return
@@ -259,7 +233,11 @@ class ClientSession:
         except BaseException:
             if self.phase is Phase.OPENING:
                 self._forget_session()
+                if self._auth is not None:
+                    await self._auth.release()
             raise
+        if self._auth is not None and self.phase is Phase.ACTIVE:
+            self._auth.start()
 
     def _forget_session(self) -> None:
         if self.sid is not None:
@@ -279,6 +257,8 @@ class ClientSession:
             )
         if msg.seq in self._in_flight:
             raise BadSequence(f"seq {msg.seq} is already running")
+        if self._auth is not None:
+            self._auth.check_chunk()
         self._limits.admit_chunk(None if msg.tokens is None else len(msg.tokens), len(self._in_flight))
         # In flight before the write: the done can arrive while the write is still draining.
         self._in_flight[msg.seq] = received
@@ -324,152 +304,6 @@ class ClientSession:
             self.outbox.put(SessionClosed("closed"))
             self._end(CLOSE_NORMAL)
 
-    # ---- open, resume, restore ----------------------------------------------------------------
-
-    async def _request(
-        self, sid: str, link: Link, frame: ToWorker, reply: Callable[[LinkOpened], list[ServerMessage]]
-    ) -> LinkOpened:
-        """Send open/attach/restore on `link` and await `opened`; `reply` is queued when it arrives."""
-        future: asyncio.Future[LinkOpened] = asyncio.get_running_loop().create_future()
-        self._pending = _Pending(future, reply)
-        self._s.pool.bind(sid, self, link)
-        answered = False
-        try:
-            await link.send(frame)
-            opened = await asyncio.wait_for(future, self._s.settings.open_timeout_s)
-            answered = True
-            return opened
-        except TimeoutError:
-            raise WorkerUnavailable(f"worker at {link.url} did not answer {frame.op} in time") from None
-        finally:
-            if self._pending is not None and self._pending.future is future:
-                self._pending = None
-            if not answered:  # whatever the worker says later for this request is not ours to route
-                self._s.pool.unbind(sid, self)
-
-    def _activate(self, link: Link, record: SessionRecord, opened: LinkOpened) -> None:
-        self._link = link
-        self._record = record
-        self._last_done_seq = opened.last_seq
-        self.phase = Phase.ACTIVE
-
-    async def _open(self, config: OpenConfig) -> None:
-        s = self._s
-        sid = uuid.uuid4().hex
-        token = new_resume_token()
-        self.sid, self._config = sid, config
-        limits = s.limits.as_map()
-        last: MicroturnError | None = None
-        for _ in range(PLACEMENT_ATTEMPTS):
-            placed = await s.store.place_new(sid, token, config)
-            link = s.pool.link(placed.url)
-            model = placed.record.model
-
-            def reply(opened: LinkOpened, model: str = model) -> list[ServerMessage]:
-                return [SessionOpened(sid, token, model, limits)]
-
-            try:
-                opened = await self._request(sid, link, LinkOpen(sid, config), reply)
-            except (WorkerUnavailable, CapacityExhausted) as exc:
-                logger.warning("open on worker %s failed (%s); trying another", placed.record.worker, exc)
-                await s.store.delete(sid)
-                last = exc
-                continue
-            except MicroturnError:
-                await s.store.delete(sid)
-                raise
-            self._activate(link, placed.record, opened)
-            s.metrics.sessions_opened += 1
-            logger.info("session %s opened on worker %s", sid, placed.record.worker)
-            return
-        assert last is not None
-        raise last
-
-    async def _resume(self, msg: SessionResume) -> None:
-        s = self._s
-        sid = msg.session_id
-        record, config = await s.store.lookup(sid, msg.resume_token)
-        self.sid, self._config, self._record = sid, config, record
-
-        def resumed(opened: LinkOpened) -> list[ServerMessage]:
-            return [SessionResumed(sid, opened.length, opened.last_seq)]
-
-        url = await s.store.worker_url(record.worker)
-        if url is not None:
-            link = s.pool.link(url)
-            try:
-                opened = await self._request(sid, link, LinkAttach(sid, msg.last_seq), resumed)
-            except (WorkerUnavailable, SessionNotFound, CapacityExhausted) as exc:
-                logger.warning("attach of %s on worker %s failed (%s); restoring", sid, record.worker, exc)
-            else:
-                self._activate(link, record, opened)
-                s.metrics.sessions_resumed += 1
-                return
-
-        def resumed_elsewhere(opened: LinkOpened) -> list[ServerMessage]:
-            return [*resumed(opened), SessionRestored(sid, opened.length)]
-
-        await self._restore(sid, record, resumed_elsewhere, msg.last_seq)
-        s.metrics.sessions_resumed += 1
-
-    async def _restore(
-        self,
-        sid: str,
-        record: SessionRecord,
-        reply: Callable[[LinkOpened], list[ServerMessage]],
-        last_seq: int | None,
-    ) -> None:
-        """Place the session on a live worker and rebuild it there from its token log."""
-        s = self._s
-        last: MicroturnError = WorkerUnavailable("no worker could take the session")
-        for delay in RESTORE_BACKOFF_S:
-            if delay:
-                await asyncio.sleep(delay)
-            try:
-                placed = await s.store.move(sid, record, self._config)
-            except CapacityExhausted as exc:
-                last = exc
-                continue
-            link = s.pool.link(placed.url)
-            frame = LinkRestore(sid, self._config, None, last_seq)
-            try:
-                opened = await self._request(sid, link, frame, reply)
-            except (WorkerUnavailable, CapacityExhausted) as exc:
-                logger.warning("restore of %s on %s failed (%s)", sid, placed.record.worker, exc)
-                last = exc
-                continue
-            self._activate(link, placed.record, opened)
-            s.metrics.sessions_restored += 1
-            logger.info("session %s restored on %s (length %d)", sid, placed.record.worker, opened.length)
-            return
-        raise last
-
-    async def _restore_after_loss(self, sid: str, record: SessionRecord) -> None:
-        def restored(opened: LinkOpened) -> list[ServerMessage]:
-            return [SessionRestored(sid, opened.length)]
-
-        try:
-            await self._restore(sid, record, restored, self._last_done_seq)
-        except SessionEnded:
-            pass
-        except MicroturnError as exc:
-            # Fatal for this socket, not for the session: its record and log stay, so a later
-            # session.resume (when a worker has room again) restores it.
-            logger.warning("could not restore session %s: %s", sid, exc)
-            self._s.pool.unbind(sid, self)
-            self._session_gone = True
-            self._error(exc, fatal=True)
-        except RedisError as exc:
-            logger.warning("session store error while restoring %s: %r", sid, exc)
-            self._session_gone = True
-            self._error(
-                WorkerUnavailable("the session store is unavailable", retry_after_ms=1000), fatal=True
-            )
-        except Exception:
-            logger.exception("restore of session %s crashed", sid)
-            self._session_gone = True
-            self._error(InternalError("internal gateway error"), fatal=True)
-
     # ---- worker frames (called by the link reader: no awaiting here) --------------------------
 
     def on_frame(self, frame: ToGateway) -> None:
@@ -501,6 +335,10 @@ class ClientSession:
             if self._last_done_seq is None or frame.seq > self._last_done_seq:
                 self._last_done_seq = frame.seq
             self.outbox.put(done_to_client(frame), started)
+            # In + out: the growth of the session (at least its outputs, should truncation shrink it).
+            grown, self._length = max(frame.length - self._length, len(frame.tokens)), frame.length
+            if self._auth is not None:
+                self._auth.on_done(grown)
         elif isinstance(frame, LinkError):
             if frame.seq is not None:
                 self._in_flight.pop(frame.seq, None)
@@ -548,6 +386,29 @@ class ClientSession:
             self._restore_after_loss(self.sid, self._record), name=f"restore {self.sid}"
         )
 
-    def _fail_pending(self, exc: BaseException) -> None:
-        if self._pending is not None and not self._pending.future.done():
-            self._pending.future.set_exception(exc)
+    # ---- credential limits (called by SessionAuth's timers and on_done: no awaiting here) ----------
+
+    def _warn_expiring(self, warning: SessionExpiring) -> None:
+        if self.phase is not Phase.ENDED:
+            self.outbox.put(warning)
+
+    def _expire(self, why: str) -> None:
+        """The session reached a limit of its credential: it ends on the worker, the client is told."""
+        sid, link = self.sid, self._link
+        if self.phase is Phase.ENDED or sid is None:
+            return
+        logger.info("session %s expired: %s", sid, why)
+        self._fail_pending(SessionEnded())
+        self._s.pool.unbind(sid, self)
+        if not self._session_gone and link is not None:
+            self._expire_task = asyncio.create_task(self._close_on_worker(link, sid), name=f"expire {sid}")
+        self._session_gone = True
+        self._error(SessionExpired(why), fatal=True)
+
+    async def _close_on_worker(self, link: Link, sid: str) -> None:
+        try:
+            await link.send(LinkClose(sid))
+        except WorkerUnavailable:
+            # No worker to tell: end the session in Redis so it cannot be resumed or restored.
+            with contextlib.suppress(RedisError, OSError):
+                await self._s.store.delete(sid)

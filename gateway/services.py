@@ -11,10 +11,15 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
+from gateway.auth import Authenticator
+from gateway.key_ledger import KeyLedger
 from gateway.limits import LimitValues
 from gateway.links import LinkPool
 from gateway.metrics import GatewayMetrics
+from gateway.session_auth import AuthDeps
 from gateway.session_store import SessionStore
+from shared.api_keys import KeyStore
+from shared.client_tokens import ClientTokenStore
 from shared.redis_schema import KeySchema
 from shared.settings import GatewaySettings
 
@@ -28,6 +33,9 @@ class GatewayServices:
     schema: KeySchema = field(init=False)
     store: SessionStore = field(init=False)
     limits: LimitValues = field(init=False)
+    # Both None when auth is off (`--auth off`): every socket is let in, nothing is counted.
+    authenticator: Authenticator | None = field(init=False, default=None)
+    auth: AuthDeps | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.schema = KeySchema(self.settings.key_prefix)
@@ -35,3 +43,11 @@ class GatewayServices:
             self.redis, self.schema, self.settings.session_grace_s, self.settings.idle_timeout_s
         )
         self.limits = LimitValues.from_settings(self.settings)
+        if self.settings.auth_required:
+            keys = KeyStore(self.redis, self.schema)
+            tokens = ClientTokenStore(self.redis, self.schema)
+            self.authenticator = Authenticator(keys, tokens, self.settings.client_token_ttl_s)
+            ledger = KeyLedger(self.redis, self.schema, keys)
+            self.auth = AuthDeps(
+                self.schema, ledger, tokens, self.settings.idle_timeout_s + self.settings.session_grace_s
+            )

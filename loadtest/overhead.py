@@ -11,7 +11,9 @@ outputs: every round trip is checked, and a wrong frame fails the run rather tha
 
 It starts what it measures (an embedded Valkey, one `tiny` worker, one gateway; separate processes
 via `shared.stack`) with the gateway's per-session rate limit lifted: back-to-back chunks are the
-point here, not a misbehaving client.
+point here, not a misbehaving client. Auth is on, as in production (`--auth off` to compare): the
+client presents an API key with a session limit and a daily token budget, so every chunk goes
+through the per-key budget check and every `done` through the usage count.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from typing import Any, Final, Literal
 
 import numpy as np
 import websockets
+from redis.asyncio import Redis
 from websockets.asyncio.client import ClientConnection
 
+from shared.api_keys import KeyLimits, KeyStore
 from shared.client import RealtimeClient
 from shared.protocol.link import (
     LinkChunk,
@@ -43,6 +47,7 @@ from shared.protocol.link import (
     encode_link,
 )
 from shared.protocol.messages import OpenConfig
+from shared.redis_schema import KeySchema
 from shared.stack import Stack, StackError, StackOptions, free_port
 
 logger = logging.getLogger(__name__)
@@ -67,6 +72,7 @@ class OverheadConfig:
     device: str = "cpu"
     encoding: Literal["json", "msgpack"] = "json"
     kv_tokens: int = 0  # 0: enough for every token both sessions will hold
+    auth: bool = True
 
 
 @dataclass(frozen=True)
@@ -126,8 +132,8 @@ class GatewayPath:
         self.output_tokens = output_tokens
 
     @classmethod
-    async def open(cls, url: str, config: OverheadConfig) -> GatewayPath:
-        client = await RealtimeClient.connect(url, config.encoding)
+    async def open(cls, url: str, config: OverheadConfig, api_key: str | None) -> GatewayPath:
+        client = await RealtimeClient.connect(url, config.encoding, api_key=api_key)
         await client.open(stop_token_ids=[], max_output_tokens=0, timeout=_TIMEOUT_S)
         return cls(client, config.output_tokens)
 
@@ -186,9 +192,23 @@ class DirectPath:
 # ---- the measurement -----------------------------------------------------------------------------
 
 
-async def measure(gateway_url: str, link_url: str, config: OverheadConfig) -> OverheadReport:
+async def create_key(redis_url: str) -> str:
+    """An API key whose limits are checked on every chunk but never reached by the run."""
+    redis = Redis.from_url(redis_url)
+    try:
+        limits = KeyLimits(max_sessions=4, max_tokens_per_day=10**12)
+        secret, _ = await KeyStore(redis, KeySchema()).create(f"overhead-{uuid.uuid4().hex[:8]}", limits)
+        return secret
+    finally:
+        await redis.aclose()
+
+
+async def measure(
+    gateway_url: str, link_url: str, config: OverheadConfig, redis_url: str | None = None
+) -> OverheadReport:
     """Interleaved round trips on both paths; raises `RoundTripError` on any wrong frame."""
-    gateway = await GatewayPath.open(gateway_url, config)
+    api_key = await create_key(redis_url) if config.auth and redis_url else None
+    gateway = await GatewayPath.open(gateway_url, config, api_key)
     try:
         direct = await DirectPath.open(link_url, config)
         try:
@@ -239,6 +259,7 @@ def run_overhead(config: OverheadConfig, log_dir: Path) -> OverheadReport:
         kv_tokens=kv_tokens,
         ready_timeout_s=300.0,
         gateway_args=_NO_RATE_LIMIT,
+        auth="on" if config.auth else "off",
         log_path=log_dir / "overhead-stack.log",
     )
     stack = Stack(options)
@@ -247,7 +268,7 @@ def run_overhead(config: OverheadConfig, log_dir: Path) -> OverheadReport:
         gateway_url = f"ws://127.0.0.1:{options.port}/v1/realtime"
         link_url = f"ws://127.0.0.1:{options.worker_port}/v1/link"
         logger.info("measuring %d round trips (+%d warm-up) on each path", config.round_trips, config.warmup)
-        return asyncio.run(measure(gateway_url, link_url, config))
+        return asyncio.run(measure(gateway_url, link_url, config, stack.redis_url))
     finally:
         stack.stop()
 
@@ -256,7 +277,8 @@ def format_report(report: OverheadReport) -> str:
     c = report.config
     lines = [
         f"gateway overhead: {report.round_trips_ok} round trips of {c.input_tokens} tokens in, "
-        f"{c.output_tokens} out ({c.model} on {c.device}, client encoding {c.encoding}), interleaved",
+        f"{c.output_tokens} out ({c.model} on {c.device}, client encoding {c.encoding}, "
+        f"auth {'on' if c.auth else 'off'}), interleaved",
         f"{'':<18}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}{'min ms':>10}",
     ]
     for name, stats in (
@@ -294,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--encoding", choices=("json", "msgpack"), default="json")
     parser.add_argument("--kv-tokens", type=int, default=0)
+    parser.add_argument("--auth", choices=("on", "off"), default="on", help="the gateway's API-key auth")
     parser.add_argument("--json", type=Path, default=None, help="also write the report (with samples) here")
     parser.add_argument("--log-dir", type=Path, default=None, help="children's logs; default a temp dir")
     return parser
@@ -313,6 +336,7 @@ def main(argv: Sequence[str]) -> int:
         model=args.model,
         device=args.device,
         encoding=args.encoding,
+        auth=args.auth == "on",
         kv_tokens=args.kv_tokens,
     )
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="microturn-overhead-"))

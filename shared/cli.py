@@ -56,7 +56,20 @@ def _gateway(argv: list[str]) -> int:
     return gateway_main(argv)
 
 
-COMMANDS = {"up": _up, "chat": _chat, "bench": _bench, "worker": _worker, "gateway": _gateway}
+def _keys(argv: list[str]) -> int:
+    from shared.keys_cli import main as keys_main
+
+    return keys_main(argv)
+
+
+COMMANDS = {
+    "up": _up,
+    "chat": _chat,
+    "bench": _bench,
+    "worker": _worker,
+    "gateway": _gateway,
+    "keys": _keys,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

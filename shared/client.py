@@ -105,6 +105,14 @@ def open_config(**config: Any) -> OpenConfig:
     return OpenConfig(**config)
 
 
+def _headers(headers: Mapping[str, str] | None, api_key: str | None) -> dict[str, str] | None:
+    """The handshake's extra headers; an API key travels as `Authorization: Bearer <key>`."""
+    out = dict(headers or {})
+    if api_key is not None:
+        out["Authorization"] = f"Bearer {api_key}"
+    return out or None
+
+
 def _lost(exc: ConnectionClosed) -> ConnectionLost:
     frame = exc.rcvd or exc.sent
     return ConnectionLost(frame.code if frame else None, frame.reason if frame else str(exc))
@@ -236,13 +244,14 @@ class RealtimeClient:
         *,
         open_timeout: float = 10.0,
         headers: Mapping[str, str] | None = None,
+        api_key: str | None = None,
     ) -> RealtimeClient:
         enc = _encoding(encoding)
         ws = await async_connect(
             url,
             subprotocols=[enc.subprotocol],  # type: ignore[list-item]  # Subprotocol is a NewType of str
             open_timeout=open_timeout,
-            additional_headers=dict(headers) if headers else None,
+            additional_headers=_headers(headers, api_key),
             max_size=MAX_FRAME_BYTES,
             compression=None,
             proxy=None,
@@ -399,13 +408,14 @@ class SyncRealtimeClient:
         *,
         open_timeout: float = 10.0,
         headers: Mapping[str, str] | None = None,
+        api_key: str | None = None,
     ) -> SyncRealtimeClient:
         enc = _encoding(encoding)
         ws = sync_connect(
             url,
             subprotocols=[enc.subprotocol],  # type: ignore[list-item]  # Subprotocol is a NewType of str
             open_timeout=open_timeout,
-            additional_headers=dict(headers) if headers else None,
+            additional_headers=_headers(headers, api_key),
             max_size=MAX_FRAME_BYTES,
             compression=None,
             proxy=None,

@@ -92,6 +92,35 @@ class KeySchema:
             raise ValueError("empty session id")
         return f"{self.prefix}:session:{sid}"
 
+    # API keys (shared/api_keys.py). Each per-key key names one credential digest, so a script
+    # that touches one of them is single-key and runs on Redis Cluster; none needs a hash tag.
+
+    def api_keys(self) -> str:
+        """HASH: key name -> SHA-256 hex of the key (the index `keys list` and `keys revoke` use)."""
+        return f"{self.prefix}:apikeys"
+
+    def api_key(self, digest: str) -> str:
+        """HASH: one API key's name and limits, addressed by the SHA-256 of the key."""
+        return f"{self.prefix}:apikey:{digest}"
+
+    def key_sessions(self, digest: str) -> str:
+        """ZSET: session id -> lease expiry (ms, server clock) of each live session of one key."""
+        return f"{self.prefix}:keysessions:{digest}"
+
+    def key_usage(self, digest: str, day: str) -> str:
+        """STRING: tokens (in + out) one key spent on one UTC day (`YYYYMMDD`)."""
+        return f"{self.prefix}:keyusage:{digest}:{day}"
+
+    def client_token(self, digest: str) -> str:
+        """HASH: a browser token's key and limits, addressed by the SHA-256 of the token."""
+        return f"{self.prefix}:clienttoken:{digest}"
+
+    def session_auth(self, sid: str) -> str:
+        """HASH: who opened a session and the limits it lives under (checked again at resume)."""
+        if not sid:
+            raise ValueError("empty session id")
+        return f"{self.prefix}:sessionauth:{sid}"
+
     def log(self, sid: str) -> str:
         """STRING: the session's token history, little-endian uint32, appended per turn."""
         if not sid:

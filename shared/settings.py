@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import types
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,17 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 S = TypeVar("S")
 
 ENV_PREFIX = "MT_"
+AUTH_MODES = ("on", "off")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a bind address only accepts connections from this machine (auth may be off there)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,16 @@ class GatewaySettings(CommonSettings):
     max_queued_chunks: int = field(default=8, metadata={"help": "chunks in flight per session"})
     link_connect_timeout_s: float = 5.0
     open_timeout_s: float = 30.0
+    auth: str = field(default="on", metadata={"help": "on: every socket needs an API key or browser token"})
+    client_token_ttl_s: float = field(default=600.0, metadata={"help": "how long a browser token may start"})
+
+    def __post_init__(self) -> None:
+        if self.auth not in AUTH_MODES:
+            raise ValueError(f"auth: {self.auth!r} is not one of {', '.join(AUTH_MODES)}")
+
+    @property
+    def auth_required(self) -> bool:
+        return self.auth == "on"
 
 
 def _field_type(cls: type[Any], name: str) -> type[Any]:

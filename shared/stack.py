@@ -16,6 +16,9 @@ What the supervisor guarantees:
   `up` leaves no orphan behind.
 - Stopping is SIGTERM, a bounded wait, then SIGKILL. If any child dies on its own, the rest are
   stopped the same way and `up` exits non-zero.
+- Auth: on loopback (the default host) the gateway runs with `--auth off`, so the demo page works
+  with no key; on any other host it stays on unless `--auth off` is asked for (the gateway then
+  logs a loud warning).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO, Final
+
+from shared.settings import is_loopback_host
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,8 @@ class StackOptions:
     ready_timeout_s: float = 600.0
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
+    # "on", "off", or None: off on a loopback host, on elsewhere.
+    auth: str | None = None
     # Where the children's stdout and stderr go; None shares this process's (the `up` default).
     log_path: Path | None = None
 
@@ -298,11 +305,19 @@ class Stack:
     def start_gateway(self) -> None:
         options = self.options
         argv = [sys.executable, "-m", "shared.cli", "gateway", "--host", options.host]
-        argv += ["--port", str(options.port), "--redis-url", self.redis_url, *options.gateway_args]
+        argv += ["--port", str(options.port), "--redis-url", self.redis_url, "--auth", self.auth]
+        argv += options.gateway_args
         self._spawn("gateway", argv, _GATEWAY_STOP_TIMEOUT_S)
         url = f"{self.local_url}/readyz"
         self._wait_until("gateway", lambda: http_ready(url), options.ready_timeout_s)
         logger.info("gateway ready on %s:%d", options.host, options.port)
+
+    @property
+    def auth(self) -> str:
+        """The gateway's auth mode: what was asked, else off only where nothing else can connect."""
+        if self.options.auth is not None:
+            return self.options.auth
+        return "off" if is_loopback_host(self.options.host) else "on"
 
     @property
     def local_url(self) -> str:
@@ -378,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-port", type=int, default=8100, help="the worker's port (loopback only)")
     parser.add_argument("--kv-tokens", type=int, default=None, help="the worker's KV capacity in tokens")
     parser.add_argument(
+        "--auth",
+        choices=("on", "off"),
+        default=None,
+        help="the gateway's API-key auth (default: off on loopback, on for any other --host)",
+    )
+    parser.add_argument(
         "--ready-timeout", type=float, default=600.0, help="seconds to wait for each process to be ready"
     )
     return parser
@@ -394,6 +415,7 @@ def options_from_args(args: argparse.Namespace, env: dict[str, str] | None = Non
         worker_port=args.worker_port,
         kv_tokens=args.kv_tokens,
         ready_timeout_s=args.ready_timeout,
+        auth=args.auth,
     )
 
 

@@ -19,10 +19,13 @@ from shared.errors import ErrorCode, MicroturnError, error_from_code
 ContextPolicy = Literal["error", "truncate"]
 FinishReason = Literal["length", "stop", "cancelled"]
 CloseReason = Literal["idle_timeout", "evicted", "closed", "taken_over", "worker_lost"]
+# Why a session will end with `session_expired` (the limits of its API key or browser token).
+ExpiryReason = Literal["max_duration", "token_budget"]
 
 CONTEXT_POLICIES: tuple[str, ...] = get_args(ContextPolicy)
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 CLOSE_REASONS: tuple[str, ...] = get_args(CloseReason)
+EXPIRY_REASONS: tuple[str, ...] = get_args(ExpiryReason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +166,20 @@ class OutputDone:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionExpiring:
+    """Unsolicited warning: the session is about to reach a limit of its credential and will then
+    end with a fatal `session_expired` error (close code 4010)."""
+
+    type: ClassVar[str] = "session.expiring"
+    session_id: str
+    reason: ExpiryReason
+    # `max_duration`: milliseconds until the session ends.
+    expires_in_ms: int | None = None
+    # `token_budget`: tokens (in + out) the session may still spend.
+    tokens_left: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SessionClosed:
     type: ClassVar[str] = "session.closed"
     reason: CloseReason
@@ -190,5 +207,13 @@ class Pong:
 
 
 ServerMessage: TypeAlias = (
-    SessionOpened | SessionResumed | SessionRestored | OutputDelta | OutputDone | SessionClosed | Error | Pong
+    SessionOpened
+    | SessionResumed
+    | SessionRestored
+    | SessionExpiring
+    | OutputDelta
+    | OutputDone
+    | SessionClosed
+    | Error
+    | Pong
 )

@@ -21,6 +21,10 @@ __all__ = ["Proc", "Stack", "http_get", "running_stack", "start", "stop"]
 
 logger = logging.getLogger(__name__)
 
+# The suites that do not test auth run their gateways without it; a later `--auth on` in a test's
+# own flags wins (argparse keeps the last value).
+AUTH_OFF = ["--auth", "off"]
+
 
 @dataclass
 class Stack:
@@ -46,7 +50,7 @@ class Stack:
 
     def start_gateway(self, index: int | None = None) -> Proc:
         name = f"gateway-{len(self.gateways) if index is None else index}"
-        proc = start(name, "gateway", [*self.common(), *self.gateway_flags], self.log_dir)
+        proc = start(name, "gateway", [*self.common(), *AUTH_OFF, *self.gateway_flags], self.log_dir)
         if index is None:
             self.gateways.append(proc)
         else:
@@ -55,7 +59,7 @@ class Stack:
 
     def start_extra_gateway(self, name: str, flags: list[str], prefix: str | None = None) -> Proc:
         """A gateway with its own flags (e.g. tight limits), stopped with the stack."""
-        common = ["--redis-url", self.redis_url, "--key-prefix", prefix or self.prefix]
+        common = ["--redis-url", self.redis_url, "--key-prefix", prefix or self.prefix, *AUTH_OFF]
         proc = start(name, "gateway", [*common, *flags], self.log_dir)
         self.extra.append(proc)
         return proc

@@ -1,0 +1,263 @@
+"""What one authenticated socket may do: admit its session, enforce its limits for the session's life.
+
+Why per socket and not per session: the credential comes with the socket (the handshake), and the
+gateway holding the socket is the one that sees every chunk and every `done`, so it can enforce the
+limits without any Redis call on the hot path:
+
+- at `session.open` / `session.resume` (Redis allowed): the key's daily budget, a slot among the
+  key's concurrent sessions (gateway/key_ledger.py), the browser token claimed by its one session,
+  the session's deadline (from its creation time, so a resume does not restart the clock) and its
+  token budget (from what it already spent);
+- per chunk: one comparison of the key's known spend against its daily budget;
+- per `done`: add the turn's tokens (in + out) to the local counts;
+- a timer: a `session.expiring` warning ahead of the deadline, then `on_expired` at it. A token
+  budget warns at `TOKEN_WARN_FRACTION` and expires once spent.
+
+The limits a session lives under are written into its session hash at open (`auth_*` fields), so
+whichever gateway a client resumes through applies the same ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from redis.exceptions import RedisError
+
+from gateway.key_ledger import REFRESH_S, KeyLedger
+from shared.api_keys import ApiKey, ms_until_next_day, text_map
+from shared.client_tokens import ClientToken, ClientTokenStore
+from shared.errors import RateLimited, SessionExpired, Unauthorized
+from shared.protocol import SessionExpiring
+from shared.redis_schema import KeySchema
+
+logger = logging.getLogger(__name__)
+
+# The duration warning comes this share of the session's allowed life ahead of the end, at most
+# WARN_LEAD_MAX_S (Gemini Live's goAway comes ~60 s ahead; a micro-turn client needs less).
+WARN_LEAD_FRACTION: Final = 0.2
+WARN_LEAD_MAX_S: Final = 30.0
+TOKEN_WARN_FRACTION: Final = 0.9
+# Fields of the session hash holding the limits it was opened under.
+AUTH_KEY: Final = "auth_key"
+AUTH_MAX_SESSION_S: Final = "auth_max_session_s"
+AUTH_MAX_TOKENS: Final = "auth_max_tokens"
+UNAUTHORIZED_MESSAGE: Final = "missing, invalid, revoked or expired credential"
+
+
+def _budget_spent(budget: int) -> RateLimited:
+    """Recoverable: the same chunk or open succeeds once the UTC day turns."""
+    return RateLimited(f"this key spent its {budget} tokens for today", retry_after_ms=ms_until_next_day())
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a socket authenticated as: an API key, and the browser token it came through if any."""
+
+    key: ApiKey
+    token: ClientToken | None = None
+
+    @property
+    def max_session_s(self) -> float:
+        if self.token is not None and self.token.limits.max_session_s:
+            return self.token.limits.max_session_s  # already capped by the key's at mint
+        return self.key.limits.max_session_s
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token.limits.max_tokens if self.token is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class AuthDeps:
+    """The gateway-wide pieces a socket's auth uses (built once in the app's lifespan)."""
+
+    schema: KeySchema
+    ledger: KeyLedger
+    tokens: ClientTokenStore
+    session_ttl_s: float
+
+
+class SessionAuth:
+    """One socket's credential and the limits of the session it runs (at most one at a time)."""
+
+    def __init__(
+        self,
+        principal: Principal,
+        deps: AuthDeps,
+        warn: Callable[[SessionExpiring], None],
+        expire: Callable[[str], None],
+    ) -> None:
+        self.principal = principal
+        self._d = deps
+        self._warn = warn
+        self._expire = expire
+        self._sid: str | None = None
+        self._claimed: str | None = None  # the sid this socket's browser token was claimed for
+        self._started = False
+        self._deadline_s: float | None = None  # wall clock (time.time), from the session's creation
+        self._limit_s = 0.0  # the session's allowed duration (0: none)
+        self._max_tokens = 0
+        self._used = 0
+        self._token_warned = False
+        self._timers: list[asyncio.TimerHandle] = []
+
+    @property
+    def chunks_per_s(self) -> float:
+        return self.principal.key.limits.chunks_per_s
+
+    def limits_map(self) -> dict[str, int | float]:
+        """What `session.opened` adds to its `limits` (only the limits that are set)."""
+        limits: dict[str, int | float] = {}
+        if self.principal.max_session_s:
+            limits["max_session_s"] = self.principal.max_session_s
+        if self.principal.max_tokens:
+            limits["max_tokens"] = self.principal.max_tokens
+        if self.principal.key.limits.max_tokens_per_day:
+            limits["max_tokens_per_day"] = self.principal.key.limits.max_tokens_per_day
+        return limits
+
+    # ---- open and resume (Redis) ------------------------------------------------------------------
+
+    async def _admit(self, sid: str) -> None:
+        # Read again at every open and resume: a key revoked (or re-limited) since the handshake is
+        # refused (or limited) at its next open, not only on its next socket.
+        key = await self._d.ledger.keys.by_digest(self.principal.key.digest)
+        if key is None:
+            raise Unauthorized(UNAUTHORIZED_MESSAGE)
+        self.principal = dataclasses.replace(self.principal, key=key)
+        budget = key.limits.max_tokens_per_day
+        if budget and await self._d.ledger.load_usage(key.digest) >= budget:
+            raise _budget_spent(budget)
+        if not await self._d.ledger.admit(key.digest, sid, key.limits.max_sessions):
+            raise RateLimited(
+                f"this key already has {key.limits.max_sessions} sessions open",
+                retry_after_ms=int(REFRESH_S * 1000),
+            )
+        self._sid = sid
+
+    async def admit_open(self, sid: str) -> None:
+        """Budget, slot, then the browser token's one session; raises with nothing held."""
+        token = self.principal.token
+        if token is not None and token.sid is not None:
+            raise Unauthorized(UNAUTHORIZED_MESSAGE)
+        await self._admit(sid)
+        if token is not None:
+            hold_s = self._d.session_ttl_s + self.principal.max_session_s
+            if not await self._d.tokens.claim(token, sid, hold_s):
+                await self.release()
+                raise Unauthorized(UNAUTHORIZED_MESSAGE)
+            self._claimed = sid
+        self._max_tokens, self._used, self._limit_s = (
+            self.principal.max_tokens,
+            0,
+            self.principal.max_session_s,
+        )
+        self._deadline_s = time.time() + self._limit_s if self._limit_s else None
+
+    async def record_open(self, sid: str) -> None:
+        """Write the limits into the session hash (it exists: placement just wrote it)."""
+        fields = {
+            AUTH_KEY: self.principal.key.digest,
+            AUTH_MAX_SESSION_S: repr(self.principal.max_session_s),
+            AUTH_MAX_TOKENS: str(self.principal.max_tokens),
+        }
+        await self._d.ledger.redis.hset(self._d.schema.session(sid), mapping=fields)  # type: ignore[arg-type]
+
+    async def admit_resume(self, sid: str, created_ms: int) -> None:
+        """The session must be this key's (and this token's); its limits carry over, clock included."""
+        raw = await self._d.ledger.redis.hmget(
+            self._d.schema.session(sid), [AUTH_KEY, AUTH_MAX_SESSION_S, AUTH_MAX_TOKENS]
+        )
+        stored = text_map({str(i): v for i, v in enumerate(raw) if v is not None})
+        token = self.principal.token
+        if stored.get("0") != self.principal.key.digest or (token is not None and token.sid != sid):
+            raise Unauthorized(UNAUTHORIZED_MESSAGE)
+        max_session_s, max_tokens = float(stored.get("1", "0")), int(stored.get("2", "0"))
+        deadline = created_ms / 1000 + max_session_s if max_session_s else None
+        if deadline is not None and deadline <= time.time():
+            raise SessionExpired(f"the session reached its maximum duration of {max_session_s:g} s")
+        used = await self._d.ledger.session_used(sid) if max_tokens else 0
+        if max_tokens and used >= max_tokens:
+            raise SessionExpired(f"the session spent its budget of {max_tokens} tokens")
+        await self._admit(sid)
+        self._deadline_s, self._limit_s = deadline, max_session_s
+        self._max_tokens, self._used = max_tokens, used
+
+    # ---- the session's life (no Redis) ------------------------------------------------------------
+
+    def start(self) -> None:
+        """The session is active on this socket: arm the duration timers (and warn a resumed session
+        that is already near its token budget)."""
+        self._started = True
+        self._cancel_timers()
+        if self._sid is not None and self._max_tokens:
+            self._check_budget(self._sid)
+        if self._deadline_s is None or self._sid is None:
+            return
+        loop = asyncio.get_running_loop()
+        left = self._deadline_s - time.time()
+        lead = min(WARN_LEAD_MAX_S, WARN_LEAD_FRACTION * self._limit_s)
+        sid, limit = self._sid, self._limit_s
+        # A session resumed inside the warning window is warned at once: every socket that will see
+        # `session_expired` sees the warning first.
+        warn_in, warn_ms = max(0.0, left - lead), int(min(lead, max(left, 0.0)) * 1000)
+        self._timers.append(
+            loop.call_later(
+                warn_in, lambda: self._warn(SessionExpiring(sid, "max_duration", expires_in_ms=warn_ms))
+            )
+        )
+        self._timers.append(
+            loop.call_later(
+                max(0.0, left),
+                lambda: self._expire(f"the session reached its maximum duration of {limit:g} s"),
+            )
+        )
+
+    def check_chunk(self) -> None:
+        """Per chunk: a spent daily budget refuses it (recoverable, retry when the day turns)."""
+        key = self.principal.key
+        budget = key.limits.max_tokens_per_day
+        if budget and self._d.ledger.spent(key.digest) >= budget:
+            raise _budget_spent(budget)
+
+    def on_done(self, tokens: int) -> None:
+        """Per `done`: count the turn's tokens; warn near the session's budget, expire at it."""
+        if tokens <= 0:
+            return
+        budgeted = self._max_tokens > 0
+        self._d.ledger.charge(self.principal.key.digest, self._sid if budgeted else None, tokens)
+        if not budgeted or self._sid is None:
+            return
+        self._used += tokens
+        self._check_budget(self._sid)
+
+    def _check_budget(self, sid: str) -> None:
+        if self._used >= self._max_tokens:
+            self._expire(f"the session spent its budget of {self._max_tokens} tokens")
+        elif not self._token_warned and self._used >= TOKEN_WARN_FRACTION * self._max_tokens:
+            self._token_warned = True
+            self._warn(SessionExpiring(sid, "token_budget", tokens_left=self._max_tokens - self._used))
+
+    def _cancel_timers(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+
+    async def release(self) -> None:
+        """The session is over on this socket (or never started): timers off, slot back."""
+        self._cancel_timers()
+        sid, self._sid = self._sid, None
+        claimed, self._claimed = self._claimed, None
+        token = self.principal.token
+        if claimed is not None and token is not None and not self._started:
+            with contextlib.suppress(RedisError, OSError):
+                await self._d.tokens.unclaim(token, claimed)
+        if sid is not None:
+            await self._d.ledger.release(self.principal.key.digest, sid)

@@ -1,0 +1,280 @@
+"""Opening, resuming and restoring a client's session: the flows that place it on a worker.
+
+Why apart from client_session.py: these are the only steps of a socket's life that await Redis and
+a worker's `opened` (DESIGN section 5: placement, resume, worker loss); the per-chunk path and the
+worker-frame dispatch never call them. `SessionFlows` is the base of `ClientSession`, which owns the
+state both share (declared below) and answers the link's callbacks.
+
+Invariants (see client_session.py for the whole picture):
+- The session (`sid`) is bound in the link pool before open/attach/restore is sent, so the answer
+  cannot arrive unrouted; a request that got no answer unbinds it again.
+- A flow that fails leaves nothing placed: an open whose worker refused deletes the session keys
+  before trying the next worker.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from redis.exceptions import RedisError
+
+from gateway.limits import SessionLimits
+from gateway.links import Link
+from gateway.outbox import Outbox
+from gateway.services import GatewayServices
+from gateway.session_auth import SessionAuth
+from shared.errors import (
+    CapacityExhausted,
+    InternalError,
+    MicroturnError,
+    SessionNotFound,
+    WorkerUnavailable,
+)
+from shared.protocol import (
+    LinkAttach,
+    LinkOpen,
+    LinkOpened,
+    LinkRestore,
+    OpenConfig,
+    ServerMessage,
+    SessionOpened,
+    SessionRestored,
+    SessionResume,
+    SessionResumed,
+    ToGateway,
+    ToWorker,
+    close_code_for,
+    error_message_from,
+)
+from shared.registry import SessionRecord, new_resume_token
+
+logger = logging.getLogger(__name__)
+
+# Workers tried for one open or restore before giving up (placement charges each pick, so a dead
+# worker that is still registered loses the next pick to a live one).
+PLACEMENT_ATTEMPTS: Final = 3
+RESTORE_BACKOFF_S: Final = (0.0, 0.25, 0.5, 1.0)
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # no session yet: open or resume
+    OPENING = "opening"  # open or resume in progress
+    ACTIVE = "active"
+    RESTORING = "restoring"  # the worker was lost; moving to another one
+    CLOSING = "closing"  # session.close sent to the worker
+    ENDED = "ended"  # the socket is closing
+
+
+class SessionEnded(Exception):
+    """The session ended (closed, taken over) while a request for it was in flight: already told."""
+
+
+@dataclass(slots=True)
+class PendingOpen:
+    """An open/attach/restore awaiting `opened`; `reply` builds the client's answer from it."""
+
+    future: asyncio.Future[LinkOpened]
+    reply: Callable[[LinkOpened], list[ServerMessage]]
+
+
+class SessionFlows(abc.ABC):
+    """Open, resume and restore for one socket; `ClientSession` holds the state and the callbacks."""
+
+    _s: GatewayServices
+    _auth: SessionAuth | None
+    _limits: SessionLimits
+    outbox: Outbox
+    phase: Phase
+    sid: str | None
+    _config: OpenConfig
+    _record: SessionRecord | None
+    _link: Link | None
+    _pending: PendingOpen | None
+    _last_done_seq: int | None
+    _length: int
+    _session_gone: bool
+
+    # The link pool routes the session's frames to these (gateway/links.py `LinkListener`).
+    @abc.abstractmethod
+    def on_frame(self, frame: ToGateway) -> None: ...
+
+    @abc.abstractmethod
+    def on_taken_over(self) -> None: ...
+
+    @abc.abstractmethod
+    def on_link_lost(self, link: Link) -> None: ...
+
+    def _error(self, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None) -> None:
+        message = error_message_from(exc, seq, fatal=fatal)
+        self.outbox.put(message)
+        if message.fatal:
+            self._end(close_code_for(exc.code))
+
+    def _end(self, code: int) -> None:
+        self.phase = Phase.ENDED
+        self.outbox.close(code)
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        if self._pending is not None and not self._pending.future.done():
+            self._pending.future.set_exception(exc)
+
+    # ---- open, resume, restore ----------------------------------------------------------------
+
+    async def _request(
+        self, sid: str, link: Link, frame: ToWorker, reply: Callable[[LinkOpened], list[ServerMessage]]
+    ) -> LinkOpened:
+        """Send open/attach/restore on `link` and await `opened`; `reply` is queued when it arrives."""
+        future: asyncio.Future[LinkOpened] = asyncio.get_running_loop().create_future()
+        self._pending = PendingOpen(future, reply)
+        self._s.pool.bind(sid, self, link)
+        answered = False
+        try:
+            await link.send(frame)
+            opened = await asyncio.wait_for(future, self._s.settings.open_timeout_s)
+            answered = True
+            return opened
+        except TimeoutError:
+            raise WorkerUnavailable(f"worker at {link.url} did not answer {frame.op} in time") from None
+        finally:
+            if self._pending is not None and self._pending.future is future:
+                self._pending = None
+            if not answered:  # whatever the worker says later for this request is not ours to route
+                self._s.pool.unbind(sid, self)
+
+    def _activate(self, link: Link, record: SessionRecord, opened: LinkOpened) -> None:
+        self._link = link
+        self._record = record
+        self._last_done_seq = opened.last_seq
+        self._length = opened.length
+        self.phase = Phase.ACTIVE
+
+    async def _open(self, config: OpenConfig) -> None:
+        s = self._s
+        sid = uuid.uuid4().hex
+        token = new_resume_token()
+        self.sid, self._config = sid, config
+        limits = self._limits.values.as_map()
+        if self._auth is not None:
+            await self._auth.admit_open(sid)
+            limits.update(self._auth.limits_map())
+        last: MicroturnError | None = None
+        for _ in range(PLACEMENT_ATTEMPTS):
+            placed = await s.store.place_new(sid, token, config)
+            link = s.pool.link(placed.url)
+            model = placed.record.model
+
+            def reply(opened: LinkOpened, model: str = model) -> list[ServerMessage]:
+                return [SessionOpened(sid, token, model, limits)]
+
+            try:
+                opened = await self._request(sid, link, LinkOpen(sid, config), reply)
+            except (WorkerUnavailable, CapacityExhausted) as exc:
+                logger.warning("open on worker %s failed (%s); trying another", placed.record.worker, exc)
+                await s.store.delete(sid)
+                last = exc
+                continue
+            except MicroturnError:
+                await s.store.delete(sid)
+                raise
+            if self._auth is not None:
+                await self._auth.record_open(sid)
+            self._activate(link, placed.record, opened)
+            s.metrics.sessions_opened += 1
+            logger.info("session %s opened on worker %s", sid, placed.record.worker)
+            return
+        assert last is not None
+        raise last
+
+    async def _resume(self, msg: SessionResume) -> None:
+        s = self._s
+        sid = msg.session_id
+        record, config = await s.store.lookup(sid, msg.resume_token)
+        if self._auth is not None:
+            await self._auth.admit_resume(sid, record.created_ms)
+        self.sid, self._config, self._record = sid, config, record
+
+        def resumed(opened: LinkOpened) -> list[ServerMessage]:
+            return [SessionResumed(sid, opened.length, opened.last_seq)]
+
+        url = await s.store.worker_url(record.worker)
+        if url is not None:
+            link = s.pool.link(url)
+            try:
+                opened = await self._request(sid, link, LinkAttach(sid, msg.last_seq), resumed)
+            except (WorkerUnavailable, SessionNotFound, CapacityExhausted) as exc:
+                logger.warning("attach of %s on worker %s failed (%s); restoring", sid, record.worker, exc)
+            else:
+                self._activate(link, record, opened)
+                s.metrics.sessions_resumed += 1
+                return
+
+        def resumed_elsewhere(opened: LinkOpened) -> list[ServerMessage]:
+            return [*resumed(opened), SessionRestored(sid, opened.length)]
+
+        await self._restore(sid, record, resumed_elsewhere, msg.last_seq)
+        s.metrics.sessions_resumed += 1
+
+    async def _restore(
+        self,
+        sid: str,
+        record: SessionRecord,
+        reply: Callable[[LinkOpened], list[ServerMessage]],
+        last_seq: int | None,
+    ) -> None:
+        """Place the session on a live worker and rebuild it there from its token log."""
+        s = self._s
+        last: MicroturnError = WorkerUnavailable("no worker could take the session")
+        for delay in RESTORE_BACKOFF_S:
+            if delay:
+                await asyncio.sleep(delay)
+            try:
+                placed = await s.store.move(sid, record, self._config)
+            except CapacityExhausted as exc:
+                last = exc
+                continue
+            link = s.pool.link(placed.url)
+            frame = LinkRestore(sid, self._config, None, last_seq)
+            try:
+                opened = await self._request(sid, link, frame, reply)
+            except (WorkerUnavailable, CapacityExhausted) as exc:
+                logger.warning("restore of %s on %s failed (%s)", sid, placed.record.worker, exc)
+                last = exc
+                continue
+            self._activate(link, placed.record, opened)
+            s.metrics.sessions_restored += 1
+            logger.info("session %s restored on %s (length %d)", sid, placed.record.worker, opened.length)
+            return
+        raise last
+
+    async def _restore_after_loss(self, sid: str, record: SessionRecord) -> None:
+        def restored(opened: LinkOpened) -> list[ServerMessage]:
+            return [SessionRestored(sid, opened.length)]
+
+        try:
+            await self._restore(sid, record, restored, self._last_done_seq)
+        except SessionEnded:
+            pass
+        except MicroturnError as exc:
+            # Fatal for this socket, not for the session: its record and log stay, so a later
+            # session.resume (when a worker has room again) restores it.
+            logger.warning("could not restore session %s: %s", sid, exc)
+            self._s.pool.unbind(sid, self)
+            self._session_gone = True
+            self._error(exc, fatal=True)
+        except RedisError as exc:
+            logger.warning("session store error while restoring %s: %r", sid, exc)
+            self._session_gone = True
+            self._error(
+                WorkerUnavailable("the session store is unavailable", retry_after_ms=1000), fatal=True
+            )
+        except Exception:
+            logger.exception("restore of session %s crashed", sid)
+            self._session_gone = True
+            self._error(InternalError("internal gateway error"), fatal=True)

@@ -1,0 +1,142 @@
+"""Browser tokens (`POST /v1/client_tokens`): short-lived, one session each, limits at most the key's.
+
+Why a token and not the key in the page: a browser can be read by its user, so it gets a credential
+that can start one session within minutes and is worth nothing after. The token is stored like a
+key, as `mt:clienttoken:<sha256>` (a HASH with a TTL: the start window). Its life:
+
+1. minted: fields `key` (the API key's digest), `max_session_s`, `max_tokens`, `expires_at_ms`;
+2. claimed by the first `session.open` that presents it (`claim`, one Lua step: only one session can
+   win, however many gateways race), which records the session id and stretches the TTL to cover
+   that session, so the same token can *resume* its own session (a reconnecting page) but never
+   open a second one. An open that fails after the claim (no worker had room) gives it back
+   (`unclaim`): a token is spent by a session, not by an attempt;
+3. gone with its TTL.
+
+The session's limits (duration, token budget) are not enforced here but by the gateway that holds
+the socket (gateway/session_guard.py), from the limits this record carries.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Final
+
+from redis.asyncio import Redis
+
+from shared.api_keys import CLIENT_TOKEN_PREFIX, ApiKey, digest, new_secret, text_map
+from shared.redis_schema import KeySchema
+
+__all__ = ["ClientToken", "ClientTokenStore", "TokenLimits"]
+
+_KEY: Final = "key"
+_SID: Final = "sid"
+_MAX_SESSION_S: Final = "max_session_s"
+_MAX_TOKENS: Final = "max_tokens"
+_EXPIRES_AT_MS: Final = "expires_at_ms"
+
+# Returns 1 when the token now belongs to ARGV[1] (claimed now or before by the same session), 0
+# when it is gone or belongs to another session. EXISTS first: HSET on an expired token would
+# recreate it as a hash without a TTL.
+_CLAIM_LUA: Final = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local owner = redis.call('HGET', KEYS[1], 'sid')
+if owner then
+  if owner == ARGV[1] then return 1 end
+  return 0
+end
+redis.call('HSET', KEYS[1], 'sid', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# Gives the token back when the session it was claimed for never opened (no worker had room):
+# only the claimant may, and the token gets its original start window back (gone if it is over).
+_UNCLAIM_LUA: Final = """
+if redis.call('HGET', KEYS[1], 'sid') ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[1], 'sid')
+redis.call('PEXPIREAT', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLimits:
+    """What a token's session may use; 0 means "as much as the key allows"."""
+
+    max_session_s: float = 0.0
+    max_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_session_s < 0 or self.max_tokens < 0:
+            raise ValueError("token limits must be >= 0")
+
+    def capped_by(self, key: ApiKey) -> TokenLimits:
+        """These limits, never above the key's (a token cannot outlive what its key allows)."""
+        return TokenLimits(_min_limit(self.max_session_s, key.limits.max_session_s), self.max_tokens)
+
+
+def _min_limit(a: float, b: float) -> float:
+    """The tighter of two limits where 0 means none."""
+    if not a:
+        return b
+    if not b:
+        return a
+    return min(a, b)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientToken:
+    digest: str
+    key_digest: str
+    limits: TokenLimits
+    expires_at_ms: int
+    # The session it opened; None until claimed.
+    sid: str | None
+
+
+class ClientTokenStore:
+    def __init__(self, redis: Redis, schema: KeySchema) -> None:
+        self.redis = redis
+        self.schema = schema
+        self._claim = redis.register_script(_CLAIM_LUA)
+        self._unclaim = redis.register_script(_UNCLAIM_LUA)
+
+    async def mint(self, key: ApiKey, limits: TokenLimits, ttl_s: float) -> tuple[str, ClientToken]:
+        """A new token for `key` (its limits already capped); the secret is returned once."""
+        secret = new_secret(CLIENT_TOKEN_PREFIX)
+        ttl_ms = max(1, int(ttl_s * 1000))
+        token = ClientToken(digest(secret), key.digest, limits, int(time.time() * 1000) + ttl_ms, None)
+        fields = {
+            _KEY: key.digest,
+            _MAX_SESSION_S: repr(limits.max_session_s),
+            _MAX_TOKENS: str(limits.max_tokens),
+            _EXPIRES_AT_MS: str(token.expires_at_ms),
+        }
+        name = self.schema.client_token(token.digest)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(name, mapping=fields)  # type: ignore[arg-type]
+            pipe.pexpire(name, ttl_ms)
+            await pipe.execute()
+        return secret, token
+
+    async def by_secret(self, secret: str) -> ClientToken | None:
+        token_digest = digest(secret)
+        raw = text_map(await self.redis.hgetall(self.schema.client_token(token_digest)))
+        if not raw:
+            return None
+        try:
+            limits = TokenLimits(float(raw[_MAX_SESSION_S]), int(raw[_MAX_TOKENS]))
+            return ClientToken(token_digest, raw[_KEY], limits, int(raw[_EXPIRES_AT_MS]), raw.get(_SID))
+        except (KeyError, ValueError):
+            return None
+
+    async def claim(self, token: ClientToken, sid: str, hold_s: float) -> bool:
+        """Bind the token to `sid` for `hold_s`; False if another session has it or it expired."""
+        hold_ms = max(1, int(hold_s * 1000))
+        won = await self._claim(keys=[self.schema.client_token(token.digest)], args=[sid, hold_ms])
+        return int(won) == 1
+
+    async def unclaim(self, token: ClientToken, sid: str) -> None:
+        """Undo `claim` for a session that never opened, so the token can still start one."""
+        await self._unclaim(keys=[self.schema.client_token(token.digest)], args=[sid, token.expires_at_ms])

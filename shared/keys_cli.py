@@ -1,0 +1,113 @@
+"""`microturn keys create|list|revoke`: manage API keys in the deployment's Redis.
+
+`create` prints the new key as the last line of its output (and only then: it is never stored, only
+its SHA-256 is), so a script can take it with `tail -n 1`. Every sub-command takes `--redis-url` and
+`--key-prefix` (or `MT_REDIS_URL`, `MT_KEY_PREFIX`), the same as the gateway they serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from shared.api_keys import KeyExists, KeyLimits, KeyStore
+from shared.redis_schema import KeySchema
+from shared.settings import CommonSettings
+
+_DEFAULTS = CommonSettings()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="microturn keys", description="Manage API keys.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--redis-url",
+        default=os.environ.get("MT_REDIS_URL", _DEFAULTS.redis_url),
+        help="Redis or Valkey URL (env MT_REDIS_URL)",
+    )
+    common.add_argument(
+        "--key-prefix",
+        default=os.environ.get("MT_KEY_PREFIX", _DEFAULTS.key_prefix),
+        help="prefix of every Redis key (env MT_KEY_PREFIX)",
+    )
+    sub = parser.add_subparsers(dest="action", required=True)
+    create = sub.add_parser("create", parents=[common], help="create a key; prints it as the last line")
+    create.add_argument("--name", required=True, help="a unique name (what list and revoke use)")
+    create.add_argument("--max-sessions", type=int, default=0, help="concurrent sessions (0: no limit)")
+    create.add_argument("--chunks-per-s", type=float, default=0.0, help="chunks per second per session")
+    create.add_argument("--max-session-s", type=float, default=0.0, help="longest session in seconds")
+    create.add_argument("--max-tokens-per-day", type=int, default=0, help="tokens in + out per UTC day")
+    sub.add_parser("list", parents=[common], help="list keys (names and limits, never the keys)")
+    revoke = sub.add_parser("revoke", parents=[common], help="revoke a key: its next open is refused")
+    revoke.add_argument("name")
+    return parser
+
+
+def _limit(value: float) -> str:
+    return "-" if not value else f"{value:g}"
+
+
+async def _run(args: argparse.Namespace) -> int:
+    redis = Redis.from_url(args.redis_url, decode_responses=False)
+    try:
+        store = KeyStore(redis, KeySchema(args.key_prefix))
+        if args.action == "create":
+            limits = KeyLimits(
+                args.max_sessions, args.chunks_per_s, args.max_session_s, args.max_tokens_per_day
+            )
+            try:
+                secret, key = await store.create(args.name, limits)
+            except KeyExists as exc:
+                sys.stderr.write(f"{exc}\n")
+                return 1
+            print(f"created key {key.name!r} (shown once; only its SHA-256 is stored):")
+            print(secret)
+            return 0
+        if args.action == "list":
+            keys = await store.list()
+            header = ("name", "max_sessions", "chunks_per_s", "max_session_s", "tokens_per_day", "used_today")
+            rows = [header]
+            for key in keys:
+                used = await store.usage(key.digest)
+                lim = key.limits
+                rows.append(
+                    (
+                        key.name,
+                        _limit(lim.max_sessions),
+                        _limit(lim.chunks_per_s),
+                        _limit(lim.max_session_s),
+                        _limit(lim.max_tokens_per_day),
+                        str(used),
+                    )
+                )
+            widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+            for row in rows:
+                print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+            if not keys:
+                print("(no keys: create one with `microturn keys create --name NAME`)")
+            return 0
+        if await store.revoke(args.name):
+            print(f"revoked key {args.name!r}")
+            return 0
+        sys.stderr.write(f"no key named {args.name!r}\n")
+        return 1
+    finally:
+        await redis.aclose()
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    try:
+        return asyncio.run(_run(args))
+    except ValueError as exc:
+        sys.stderr.write(f"microturn keys: {exc}\n")
+        return 2
+    except (RedisError, OSError) as exc:
+        sys.stderr.write(f"microturn keys: cannot use Redis: {exc}\n")
+        return 2
