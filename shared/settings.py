@@ -46,7 +46,10 @@ class WorkerSettings(CommonSettings):
     max_batch_tokens: int = 2048
     max_sessions: int = 256
     max_chunk_tokens: int = 512
-    max_queued_chunks: int = 8
+    max_queued_tokens: int = field(default=2048, metadata={"help": "input tokens queued per session"})
+    max_queued_outputs: int = field(
+        default=8, metadata={"help": "turns asking for output queued per session"}
+    )
     max_output_tokens: int = 512
     heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
     link_secret: str = field(default="", metadata={"help": "shared secret gateways must present"})

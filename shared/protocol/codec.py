@@ -2,11 +2,17 @@
 
 Why so strict: this is the only place where untrusted input becomes typed values. Everything past
 the codec (gateway limits, the worker link, the engine) may rely on the types being exact: an int
-is an `int` (never a bool, never a float), a string is a `str`, token lists hold non-negative
-ints that fit the uint32 token log, numbers are finite, and a map carries no key the protocol
-does not define (a typo such as `max_output_token` fails loudly instead of being ignored).
-Every failure raises `InvalidMessage` naming the message and the field, or `UnknownType`; nothing
-is mutated on the way. Optional fields may be absent or null; the encoders leave `None` out.
+is an `int` (never a bool, never a float), a string is a `str` of valid Unicode, token lists hold
+non-negative ints that fit the uint32 token log, numbers are finite, and a map carries no key the
+protocol does not define (a typo such as `max_output_token` fails loudly instead of being ignored).
+Every failure raises `InvalidMessage` naming the message and the field, or `UnknownType` (or
+`TokenOutOfRange` for a token id outside [0, 2**32)); nothing is mutated on the way. Optional
+fields may be absent or null; the encoders leave `None` out.
+
+Lone surrogates: JSON's `"\ud800"` escape decodes to a Python str that no UTF-8 encoder accepts
+(msgpack, Redis, websockets' text frames, our own replies). Every string read here (values, map
+keys, anything nested in a ping's `data`) is checked, so none gets past the codec; msgpack strings
+are decoded with `surrogateescape`, so invalid UTF-8 there is refused the same way, naming the field.
 
 No I/O here (websockets' Sans-I/O core is the model): callers hand in the frame they received and
 get back a message, or hand in a message and get back the frame to send. The frame-size limit is
@@ -24,7 +30,7 @@ from typing import TypeVar, cast
 
 import msgpack
 
-from shared.errors import ErrorCode, InvalidMessage, UnknownType
+from shared.errors import ErrorCode, InvalidMessage, TokenOutOfRange, UnknownType
 from shared.protocol.messages import (
     CLOSE_REASONS,
     CONTEXT_POLICIES,
@@ -95,6 +101,17 @@ _T = TypeVar("_T")
 _M = TypeVar("_M")
 
 
+def is_valid_text(value: str) -> bool:
+    """False for a str holding a lone surrogate (no UTF-8 encoder accepts it)."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _show(value: object) -> str:
     """A short description of a bad value for an error message (never a huge repr)."""
     if value is None or type(value) in (bool, int, float):
@@ -119,6 +136,8 @@ class FieldReader:
             for key in obj:
                 if type(key) is not str:
                     raise InvalidMessage(f"{where}: map keys must be strings, got {_show(key)}")
+                if not is_valid_text(key):
+                    raise InvalidMessage(f"{where}: field {key!r} is not valid Unicode (a lone surrogate)")
         self._map: dict[str, object] = obj
         self._where = where
         self._seen = set(seen)
@@ -151,6 +170,37 @@ class FieldReader:
                 key, " ".join(["a finite number", " and ".join(filter(None, (low, high)))]), value
             )
         return number
+
+    def _text(self, key: str, value: str) -> str:
+        if not is_valid_text(value):
+            raise InvalidMessage(f"{self._where}: field '{key}' is not valid Unicode (a lone surrogate)")
+        return value
+
+    def _plain(self, key: str, value: object) -> object:
+        """Check an arbitrary value (a ping's `data`): valid strings and keys, finite floats."""
+        if type(value) is str:
+            self._text(key, value)
+        elif type(value) is float:
+            if not math.isfinite(value):
+                raise self._bad(key, "free of non-finite numbers", value)
+        elif type(value) is list or type(value) is tuple:
+            for item in value:
+                self._plain(key, item)
+        elif type(value) is dict:
+            for name, item in value.items():
+                self._plain(key, name)
+                self._plain(key, item)
+        return value
+
+    def _tokens(self, key: str, value: object) -> tuple[int, ...]:
+        if type(value) is not list and type(value) is not tuple:
+            raise self._bad(key, "a list of integers", value)
+        for item in value:
+            if type(item) is not int:
+                raise self._bad(key, "a list of integers", item)
+            if not 0 <= item <= MAX_TOKEN_ID:
+                raise TokenOutOfRange(f"{self._where}: token {_show(item)} in '{key}' is not a token id")
+        return tuple(value)
 
     def _ints(self, key: str, value: object, lo: int, hi: int) -> tuple[int, ...]:
         if type(value) is not list and type(value) is not tuple:
@@ -205,7 +255,7 @@ class FieldReader:
         value = self._get(key, True)
         if type(value) is not str or (nonempty and not value):
             raise self._bad(key, "a non-empty string" if nonempty else "a string", value)
-        return value
+        return self._text(key, value)
 
     def opt_string(self, key: str) -> str | None:
         return None if self._get(key, False) is None else self.string(key)
@@ -218,6 +268,15 @@ class FieldReader:
 
     def opt_choice(self, key: str, choices: tuple[str, ...]) -> str | None:
         return None if self._get(key, False) is None else self.choice(key, choices)
+
+    def token_ids(self, key: str) -> tuple[int, ...] | None:
+        """An optional list of token ids: wrong types are `invalid_message`, ids outside [0, 2**32)
+        `token_out_of_range` (as one past the model's vocabulary is, on the worker)."""
+        return self._opt(key, lambda v: self._tokens(key, v))
+
+    def value(self, key: str) -> object:
+        """Any value (None when absent), checked to be encodable again: strings, keys, floats."""
+        return self._plain(key, self._get(key, False))
 
     def integers(self, key: str, lo: int = 0, hi: int = MAX_TOKEN_ID) -> tuple[int, ...]:
         return self._ints(key, self._get(key, True), lo, hi)
@@ -267,7 +326,7 @@ def config_from_reader(r: FieldReader) -> OpenConfig:
         top_p=r.opt_number("top_p", 0.0, 1.0, lo_open=True),
         top_k=r.opt_integer("top_k", 1),
         seed=r.opt_integer("seed", 0, MAX_SEED),
-        stop_token_ids=r.opt_integers("stop_token_ids"),
+        stop_token_ids=r.token_ids("stop_token_ids"),
         logprobs=_or(r.opt_boolean("logprobs"), default.logprobs),
         idle_timeout_s=r.opt_number("idle_timeout_s", 0.0, lo_open=True),
         max_context_tokens=r.opt_integer("max_context_tokens", 1),
@@ -316,7 +375,10 @@ def parse_json(data: str) -> object:
 
 def parse_msgpack(data: bytes | bytearray | memoryview) -> object:
     try:
-        obj: object = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        # surrogateescape: invalid UTF-8 becomes lone surrogates, refused by the field that holds them.
+        obj: object = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True, unicode_errors="surrogateescape"
+        )
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
         raise InvalidMessage(f"malformed msgpack: {str(e) or type(e).__name__}") from e
     return obj
@@ -358,11 +420,18 @@ def _session_open(r: FieldReader) -> SessionOpen:
 
 def _input_chunk(r: FieldReader) -> InputChunk:
     seq = r.integer("seq")
-    tokens = r.opt_integers("tokens")
+    tokens = r.token_ids("tokens")
     text = r.opt_string("text")
     if (tokens is None) == (text is None):
         raise InvalidMessage("input.chunk: exactly one of 'tokens' or 'text' is required")
-    return InputChunk(seq, tokens, text, r.opt_integer("max_output_tokens"), r.opt_boolean("logprobs"))
+    return InputChunk(
+        seq,
+        tokens,
+        text,
+        r.opt_integer("max_output_tokens"),
+        r.opt_boolean("logprobs"),
+        r.opt_boolean("flush"),
+    )
 
 
 _CLIENT: dict[str, Callable[[FieldReader], ClientMessage]] = {
@@ -375,7 +444,7 @@ _CLIENT: dict[str, Callable[[FieldReader], ClientMessage]] = {
     InputChunk.type: _input_chunk,
     OutputCancel.type: lambda r: OutputCancel(r.integer("seq")),
     SessionClose.type: lambda r: SessionClose(),
-    Ping.type: lambda r: Ping(r.raw("data")),
+    Ping.type: lambda r: Ping(r.value("data")),
 }
 
 
@@ -407,7 +476,7 @@ def _output_done(r: FieldReader) -> OutputDone:
     logprobs = r.opt_numbers("logprobs")
     if logprobs is not None and len(logprobs) != len(tokens):
         raise InvalidMessage(f"output.done: {len(logprobs)} logprobs for {len(tokens)} tokens")
-    return OutputDone(seq, tokens, text, finish, timing, logprobs)
+    return OutputDone(seq, tokens, text, finish, timing, logprobs, r.opt_integer("committed_tokens"))
 
 
 _SERVER: dict[str, Callable[[FieldReader], ServerMessage]] = {
@@ -434,7 +503,7 @@ _SERVER: dict[str, Callable[[FieldReader], ServerMessage]] = {
         r.opt_integer("seq"),
         r.opt_integer("retry_after_ms"),
     ),
-    Pong.type: lambda r: Pong(r.raw("data")),
+    Pong.type: lambda r: Pong(r.value("data")),
 }
 
 

@@ -61,8 +61,8 @@ def tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     tmp = tmp_path_factory.mktemp(request.param)
     if request.param == "sentencepiece-json":
         # Llama-2 / Mistral style: spaces become "▁", and only the text's very start gets one prepended.
-        pre = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
-        return _from_json(_trained(pre, decoders.Metaspace(prepend_scheme="first"), False), tmp)
+        metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+        return _from_json(_trained(metaspace, decoders.Metaspace(prepend_scheme="first"), False), tmp)
     if request.param == "bytelevel-json":
         # Llama-3 style: digits and words split by a regex, then byte-level BPE.
         pre = pre_tokenizers.Sequence(
@@ -156,7 +156,7 @@ def test_chatml_in_nine_character_pieces(tokenizer: Tokenizer) -> None:
     cuts = list(range(9, len(prompt), 9))
     tokens, _ = _stream(inc, prompt, cuts, {len(prompt)})
     assert tokens == tokenizer.encode(prompt)
-    assert tokens.count(tokenizer.token_id("<|im_start|>")) == 2  # never cut apart
+    assert tokens.count(tokenizer.token_id("<|im_start|>") or -1) == 2  # never cut apart
 
 
 def test_metaspace_prefix_only_at_the_start(tmp_path: Path) -> None:
