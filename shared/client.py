@@ -10,6 +10,8 @@ Whatever else arrives meanwhile (outputs of other turns, `session.restored`, rec
 other chunks) is buffered in order and handed out by later `recv()` calls: nothing is dropped.
 An `error` that answers the request (no `seq`, or the turn's `seq`), any fatal `error`, and an
 unsolicited `session.closed` raise: the typed `MicroturnError` for the code, or `SessionClosedError`.
+A refused chunk whose error carries `retry_after_ms` is first sent again, as `retry` says
+(shared/client_retry.py); only when the retries run out does its error raise.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection as SyncConnection
 from websockets.sync.client import connect as sync_connect
 
+from shared.client_retry import ChunkRetries, RetryPolicy
 from shared.protocol import (
     ClientMessage,
     CloseReason,
@@ -65,6 +68,7 @@ __all__ = [
     "Feed",
     "RealtimeClient",
     "ReplyWaiter",
+    "RetryPolicy",
     "SessionClosedError",
     "SyncRealtimeClient",
     "TurnWaiter",
@@ -145,12 +149,15 @@ class ReplyWaiter:
 
 
 class TurnWaiter:
-    """Collects the deltas of turn `seq` until its `output.done`; its `error` raises."""
+    """Collects the deltas of turn `seq` until its `output.done`; its `error` raises, unless
+    `retries` says to resend the chunk: then the wait ends with `retry_in` set (seconds)."""
 
-    def __init__(self, seq: int) -> None:
+    def __init__(self, seq: int, retries: ChunkRetries | None = None) -> None:
         self.seq = seq
+        self.retries = retries
         self.deltas: list[OutputDelta] = []
         self.result: OutputDone | None = None
+        self.retry_in: float | None = None
 
     def feed(self, msg: ServerMessage) -> Feed:
         if isinstance(msg, OutputDelta) and msg.seq == self.seq:
@@ -158,8 +165,15 @@ class TurnWaiter:
             return Feed.MORE
         if isinstance(msg, OutputDone) and msg.seq == self.seq:
             self.result = msg
+            if self.retries is not None:
+                self.retries.answered(self.seq)
             return Feed.DONE
         if isinstance(msg, Error) and msg.seq == self.seq:
+            if self.retries is not None:
+                self.retry_in = self.retries.delay_for(msg)
+                if self.retry_in is not None:
+                    return Feed.DONE
+                self.retries.answered(self.seq)
             raise msg.to_exception()
         _raise_if_ending(msg)
         return Feed.NOT_MINE
@@ -171,9 +185,10 @@ Waiter = ReplyWaiter | TurnWaiter
 class ClientCore:
     """Encoding, decoding and the buffer of messages nobody has asked for yet."""
 
-    def __init__(self, encoding: Encoding) -> None:
+    def __init__(self, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
         self.encoding = encoding
         self.buffer: deque[ServerMessage] = deque()
+        self.retries = ChunkRetries(retry or RetryPolicy())
 
     def encode(self, msg: ClientMessage) -> str | bytes:
         return encode_client(msg, self.encoding)
@@ -210,8 +225,11 @@ def _chunk(
     text: str | None,
     max_output_tokens: int | None,
     logprobs: bool | None,
+    *,
+    flush: bool | None = None,
 ) -> InputChunk:
-    return InputChunk(seq, None if tokens is None else tuple(tokens), text, max_output_tokens, logprobs)
+    tokens = None if tokens is None else tuple(tokens)
+    return InputChunk(seq, tokens, text, max_output_tokens, logprobs, flush)
 
 
 # ---- asyncio ------------------------------------------------------------------------------------
@@ -220,9 +238,9 @@ def _chunk(
 class RealtimeClient:
     """One client socket (one session) on asyncio. Use `await RealtimeClient.connect(url)`."""
 
-    def __init__(self, ws: AsyncConnection, encoding: Encoding) -> None:
+    def __init__(self, ws: AsyncConnection, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
         self.ws = ws
-        self._core = ClientCore(encoding)
+        self._core = ClientCore(encoding, retry)
         self.session_id: str | None = None
         self.resume_token: str | None = None
         # The deltas of the last `turn()` (empty unless the session streams).
@@ -236,7 +254,9 @@ class RealtimeClient:
         *,
         open_timeout: float = 10.0,
         headers: Mapping[str, str] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> RealtimeClient:
+        """`retry`: how refused chunks are resent (default `RetryPolicy()`; `NO_RETRY` turns it off)."""
         enc = _encoding(encoding)
         ws = await async_connect(
             url,
@@ -247,7 +267,7 @@ class RealtimeClient:
             compression=None,
             proxy=None,
         )
-        return cls(ws, enc)
+        return cls(ws, enc, retry)
 
     async def __aenter__(self) -> RealtimeClient:
         return self
@@ -324,8 +344,12 @@ class RealtimeClient:
         text: str | None = None,
         max_output_tokens: int | None = None,
         logprobs: bool | None = None,
+        *,
+        flush: bool | None = None,
     ) -> None:
-        await self.send(_chunk(seq, tokens, text, max_output_tokens, logprobs))
+        chunk = _chunk(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
+        self._core.retries.sent(chunk)
+        await self.send(chunk)
 
     async def cancel(self, seq: int) -> None:
         await self.send(OutputCancel(seq))
@@ -345,15 +369,22 @@ class RealtimeClient:
         max_output_tokens: int | None = None,
         logprobs: bool | None = None,
         *,
+        flush: bool | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> OutputDone:
         """Send one chunk and wait for its `output.done` (its deltas end up in `last_deltas`)."""
-        await self.send_chunk(seq, tokens, text, max_output_tokens, logprobs)
+        await self.send_chunk(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
         return await self.wait_done(seq, timeout=timeout)
 
     async def wait_done(self, seq: int, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> OutputDone:
-        waiter = TurnWaiter(seq)
-        await self._wait(waiter, timeout)
+        """Wait for turn `seq`'s `output.done`, resending its chunk after retryable refusals."""
+        while True:
+            waiter = TurnWaiter(seq, self._core.retries)
+            await self._wait(waiter, timeout)
+            if waiter.retry_in is None:
+                break
+            await asyncio.sleep(waiter.retry_in)
+            await self.send(self._core.retries.resend(seq))
         assert waiter.result is not None
         self.last_deltas = waiter.deltas
         return waiter.result
@@ -384,9 +415,9 @@ class RealtimeClient:
 class SyncRealtimeClient:
     """The same client on `websockets.sync` (threads or gevent, no asyncio)."""
 
-    def __init__(self, ws: SyncConnection, encoding: Encoding) -> None:
+    def __init__(self, ws: SyncConnection, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
         self.ws = ws
-        self._core = ClientCore(encoding)
+        self._core = ClientCore(encoding, retry)
         self.session_id: str | None = None
         self.resume_token: str | None = None
         self.last_deltas: list[OutputDelta] = []
@@ -399,6 +430,7 @@ class SyncRealtimeClient:
         *,
         open_timeout: float = 10.0,
         headers: Mapping[str, str] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> SyncRealtimeClient:
         enc = _encoding(encoding)
         ws = sync_connect(
@@ -410,7 +442,7 @@ class SyncRealtimeClient:
             compression=None,
             proxy=None,
         )
-        return cls(ws, enc)
+        return cls(ws, enc, retry)
 
     def __enter__(self) -> SyncRealtimeClient:
         return self
@@ -489,8 +521,12 @@ class SyncRealtimeClient:
         text: str | None = None,
         max_output_tokens: int | None = None,
         logprobs: bool | None = None,
+        *,
+        flush: bool | None = None,
     ) -> None:
-        self.send(_chunk(seq, tokens, text, max_output_tokens, logprobs))
+        chunk = _chunk(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
+        self._core.retries.sent(chunk)
+        self.send(chunk)
 
     def cancel(self, seq: int) -> None:
         self.send(OutputCancel(seq))
@@ -510,14 +546,21 @@ class SyncRealtimeClient:
         max_output_tokens: int | None = None,
         logprobs: bool | None = None,
         *,
+        flush: bool | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> OutputDone:
-        self.send_chunk(seq, tokens, text, max_output_tokens, logprobs)
+        self.send_chunk(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
         return self.wait_done(seq, timeout=timeout)
 
     def wait_done(self, seq: int, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> OutputDone:
-        waiter = TurnWaiter(seq)
-        self._wait(waiter, timeout)
+        """Wait for turn `seq`'s `output.done`, resending its chunk after retryable refusals."""
+        while True:
+            waiter = TurnWaiter(seq, self._core.retries)
+            self._wait(waiter, timeout)
+            if waiter.retry_in is None:
+                break
+            time.sleep(waiter.retry_in)
+            self.send(self._core.retries.resend(seq))
         assert waiter.result is not None
         self.last_deltas = waiter.deltas
         return waiter.result
