@@ -77,7 +77,7 @@ class InputChunk:
     max_output_tokens: int | None = None
     logprobs: bool | None = None
     # Commit the session's held-back text now (as asking for output or a token chunk does), so the
-    # next text starts a new segment; see "Text input" in docs/protocol.md.
+    # next text starts a new segment; see "Text input is exact" in docs/protocol.md.
     flush: bool | None = None
 
 
