@@ -16,9 +16,11 @@ SentencePiece-style tokenizers; tests/worker/test_incremental_tokenizer.py):
   grow or split). So every word but the last is final: its tokens are committed, the last word is
   the new tail. A completed added token at the very end is final too.
 - The tail is re-encoded behind `context`, the text of the last committed word, so the tokenizer
-  sees the tail mid-text, as the whole text would show it: a pre-tokenizer that marks the start of
-  the text (SentencePiece's `prepend_scheme="first"`, ByteLevel's `add_prefix_space`) gives the
-  prefix to the first word only. The context's own tokens are dropped.
+  sees the tail mid-text, as the whole text would show it: SentencePiece's Metaspace with
+  `prepend_scheme="first"` gives its `▁` prefix to the first word only. The context's own tokens
+  are dropped. (ByteLevel's `add_prefix_space=True`, GPT-2/RoBERTa style, prefixes the context
+  itself, which can re-split it when it starts with punctuation: such tokenizers are not exact in
+  every cut. None of the models we ship uses it.)
 - A flush (a chunk asking for output, a token chunk, an explicit `flush`) commits the whole tail
   and starts a new segment: between two flush points the committed tokens equal
   `tokenizer.encode(concatenated text)`.

@@ -16,9 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
+from worker.model.gguf_tokenizer import _LLAMA3_SPLIT, _QWEN2_SPLIT, _split_pre
 from worker.tokenizer import Tokenizer
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<s>", "</s>", "[INST]", "[/INST]"]
@@ -56,7 +57,10 @@ def _from_json(backend: Backend, tmp: Path) -> Tokenizer:
     return Tokenizer.from_file(path)
 
 
-@pytest.fixture(scope="module", params=["sentencepiece-json", "bytelevel-json", "tiny"])
+@pytest.fixture(
+    scope="module",
+    params=["sentencepiece-json", "bytelevel-json", "qwen2-gguf-pre", "llama3-gguf-pre", "tiny"],
+)
 def tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     tmp = tmp_path_factory.mktemp(request.param)
     if request.param == "sentencepiece-json":
@@ -69,6 +73,13 @@ def tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
             [pre_tokenizers.Digits(individual_digits=False), pre_tokenizers.ByteLevel(add_prefix_space=False)]
         )
         return _from_json(_trained(pre, decoders.ByteLevel(), True), tmp)
+    if request.param.endswith("-gguf-pre"):
+        # The split regexes (and Qwen2's NFC normalizer) the GGUF builder maps `tokenizer.ggml.pre` to.
+        qwen2 = request.param.startswith("qwen2")
+        backend = _trained(_split_pre(_QWEN2_SPLIT if qwen2 else _LLAMA3_SPLIT)(), decoders.ByteLevel(), True)
+        if qwen2:
+            backend.normalizer = normalizers.NFC()
+        return _from_json(backend, tmp)
     return Tokenizer.byte_level(512, special_tokens=SPECIALS)
 
 

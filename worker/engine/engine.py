@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from shared.errors import ChunkTooLarge, InvalidMessage, MicroturnError, TokenOutOfRange
+from shared.protocol.codec import is_valid_text
 from worker.engine.config import EngineConfig, SessionConfig
 from worker.engine.core import CloseListener, EngineCore, EngineStats
 from worker.engine.turn import TokenListener, Turn, TurnResult
@@ -238,8 +239,8 @@ class Engine:
         if (tokens is None) == (text is None):
             raise InvalidMessage("a chunk carries exactly one of `tokens` or `text`")
         if text is not None:
-            if not isinstance(text, str):
-                raise InvalidMessage("text must be a string")
+            if not isinstance(text, str) or not is_valid_text(text):
+                raise InvalidMessage("text must be a string of valid Unicode (no lone surrogates)")
             if self.tokenizer is None:
                 raise InvalidMessage("this model has no tokenizer: send tokens")
             if len(text) > self.config.max_chunk_tokens * MAX_CHARS_PER_TOKEN:
