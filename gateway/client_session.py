@@ -549,7 +549,10 @@ class ClientSession:
         for seq in sorted(self._in_flight):
             self.outbox.put(
                 error_message_from(
-                    WorkerUnavailable("the worker was lost before this chunk finished; send it again"),
+                    WorkerUnavailable(
+                        "the worker was lost before this chunk finished; send it again",
+                        retry_after_ms=MOVING_RETRY_MS,
+                    ),
                     seq,
                     fatal=False,
                 )
