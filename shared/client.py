@@ -2,8 +2,8 @@
 
 Why two shells around one core: tests, benchmarks and demo tooling run on asyncio, but Locust runs
 on gevent, where asyncio websockets cannot run; `websockets.sync` can. Everything that is not I/O
-(encoding, decoding, matching replies, buffering) lives in `ClientCore` and the waiters, so the two
-clients behave identically.
+(encoding, decoding, matching replies, buffering, retries) lives in `ClientCore` and the waiters
+(shared/client_core.py), so the two clients behave identically.
 
 Message matching: a request (`open`, `resume`, `ping`, `turn`, `close`) waits for its own answer.
 Whatever else arrives meanwhile (outputs of other turns, `session.restored`, recoverable errors for
@@ -17,12 +17,10 @@ A refused chunk whose error carries `retry_after_ms` is first sent again, as `re
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
-from collections import deque
 from collections.abc import Mapping
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from websockets.asyncio.client import ClientConnection as AsyncConnection
 from websockets.asyncio.client import connect as async_connect
@@ -30,14 +28,24 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection as SyncConnection
 from websockets.sync.client import connect as sync_connect
 
-from shared.client_retry import ChunkRetries, RetryPolicy
+from shared.client_core import (
+    ClientCore,
+    ConnectionLost,
+    EncodingName,
+    Feed,
+    ReplyWaiter,
+    SessionClosedError,
+    TurnWaiter,
+    Waiter,
+    chunk_message,
+    encoding_of,
+    lost,
+    open_config,
+)
+from shared.client_retry import NO_RETRY, RetryPolicy
 from shared.protocol import (
     ClientMessage,
-    CloseReason,
     Encoding,
-    Error,
-    InputChunk,
-    OpenConfig,
     OutputCancel,
     OutputDelta,
     OutputDone,
@@ -50,8 +58,6 @@ from shared.protocol import (
     SessionOpened,
     SessionResume,
     SessionResumed,
-    decode_server,
-    encode_client,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,11 +66,11 @@ DEFAULT_TIMEOUT_S: Final = 30.0
 # Server frames are small; this only bounds a misbehaving server.
 MAX_FRAME_BYTES: Final = 16 * 2**20
 
-EncodingName = Literal["json", "msgpack"]
-
 __all__ = [
+    "NO_RETRY",
     "ClientCore",
     "ConnectionLost",
+    "EncodingName",
     "Feed",
     "RealtimeClient",
     "ReplyWaiter",
@@ -74,162 +80,6 @@ __all__ = [
     "TurnWaiter",
     "open_config",
 ]
-
-
-class SessionClosedError(Exception):
-    """The server ended the session (`session.closed`) while a request was waiting."""
-
-    def __init__(self, reason: CloseReason) -> None:
-        super().__init__(f"session closed: {reason}")
-        self.reason = reason
-
-
-class ConnectionLost(Exception):
-    """The socket closed without a message explaining why (the close code says what it can)."""
-
-    def __init__(self, code: int | None, reason: str) -> None:
-        super().__init__(f"connection closed (code {code}): {reason}")
-        self.code = code
-        self.reason = reason
-
-
-def _encoding(name: EncodingName | Encoding) -> Encoding:
-    if isinstance(name, Encoding):
-        return name
-    try:
-        return {"json": Encoding.JSON, "msgpack": Encoding.MSGPACK}[name]
-    except KeyError:
-        raise ValueError(f"encoding must be 'json' or 'msgpack', got {name!r}") from None
-
-
-def open_config(**config: Any) -> OpenConfig:
-    """An `OpenConfig` from keyword arguments; lists become tuples (`stop_token_ids=[]`)."""
-    if config.get("stop_token_ids") is not None:
-        config["stop_token_ids"] = tuple(config["stop_token_ids"])
-    return OpenConfig(**config)
-
-
-def _lost(exc: ConnectionClosed) -> ConnectionLost:
-    frame = exc.rcvd or exc.sent
-    return ConnectionLost(frame.code if frame else None, frame.reason if frame else str(exc))
-
-
-# ---- waiting for a reply (Sans-I/O) ---------------------------------------------------------------
-
-
-class Feed(enum.Enum):
-    DONE = "done"  # the awaited message: the wait is over
-    MORE = "more"  # consumed by the waiter (a delta of the awaited turn); keep waiting
-    NOT_MINE = "not_mine"  # someone else's: buffer it for recv()
-
-
-def _raise_if_ending(msg: ServerMessage) -> None:
-    if isinstance(msg, Error) and msg.fatal:
-        raise msg.to_exception()
-    if isinstance(msg, SessionClosed):
-        raise SessionClosedError(msg.reason)
-
-
-class ReplyWaiter:
-    """Waits for a message of one type (`session.opened`, `pong`, ...); an `error` without a seq
-    is the request's failure."""
-
-    def __init__(self, want: type[ServerMessage]) -> None:
-        self.want = want
-        self.result: ServerMessage | None = None
-
-    def feed(self, msg: ServerMessage) -> Feed:
-        if isinstance(msg, self.want):
-            self.result = msg
-            return Feed.DONE
-        if isinstance(msg, Error) and msg.seq is None:
-            raise msg.to_exception()
-        _raise_if_ending(msg)
-        return Feed.NOT_MINE
-
-
-class TurnWaiter:
-    """Collects the deltas of turn `seq` until its `output.done`; its `error` raises, unless
-    `retries` says to resend the chunk: then the wait ends with `retry_in` set (seconds)."""
-
-    def __init__(self, seq: int, retries: ChunkRetries | None = None) -> None:
-        self.seq = seq
-        self.retries = retries
-        self.deltas: list[OutputDelta] = []
-        self.result: OutputDone | None = None
-        self.retry_in: float | None = None
-
-    def feed(self, msg: ServerMessage) -> Feed:
-        if isinstance(msg, OutputDelta) and msg.seq == self.seq:
-            self.deltas.append(msg)
-            return Feed.MORE
-        if isinstance(msg, OutputDone) and msg.seq == self.seq:
-            self.result = msg
-            if self.retries is not None:
-                self.retries.answered(self.seq)
-            return Feed.DONE
-        if isinstance(msg, Error) and msg.seq == self.seq:
-            if self.retries is not None:
-                self.retry_in = self.retries.delay_for(msg)
-                if self.retry_in is not None:
-                    return Feed.DONE
-                self.retries.answered(self.seq)
-            raise msg.to_exception()
-        _raise_if_ending(msg)
-        return Feed.NOT_MINE
-
-
-Waiter = ReplyWaiter | TurnWaiter
-
-
-class ClientCore:
-    """Encoding, decoding and the buffer of messages nobody has asked for yet."""
-
-    def __init__(self, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
-        self.encoding = encoding
-        self.buffer: deque[ServerMessage] = deque()
-        self.retries = ChunkRetries(retry or RetryPolicy())
-
-    def encode(self, msg: ClientMessage) -> str | bytes:
-        return encode_client(msg, self.encoding)
-
-    def decode(self, frame: str | bytes) -> ServerMessage:
-        return decode_server(frame, self.encoding)
-
-    def scan(self, waiter: Waiter) -> bool:
-        """Offer the buffered messages to `waiter` in order; True if it finished."""
-        kept: deque[ServerMessage] = deque()
-        try:
-            while self.buffer:
-                msg = self.buffer.popleft()
-                outcome = waiter.feed(msg)
-                if outcome is Feed.DONE:
-                    return True
-                if outcome is Feed.NOT_MINE:
-                    kept.append(msg)
-            return False
-        finally:
-            kept.extend(self.buffer)
-            self.buffer = kept
-
-    def offer(self, waiter: Waiter, msg: ServerMessage) -> bool:
-        outcome = waiter.feed(msg)
-        if outcome is Feed.NOT_MINE:
-            self.buffer.append(msg)
-        return outcome is Feed.DONE
-
-
-def _chunk(
-    seq: int,
-    tokens: list[int] | tuple[int, ...] | None,
-    text: str | None,
-    max_output_tokens: int | None,
-    logprobs: bool | None,
-    *,
-    flush: bool | None = None,
-) -> InputChunk:
-    tokens = None if tokens is None else tuple(tokens)
-    return InputChunk(seq, tokens, text, max_output_tokens, logprobs, flush)
 
 
 # ---- asyncio ------------------------------------------------------------------------------------
@@ -257,7 +107,7 @@ class RealtimeClient:
         retry: RetryPolicy | None = None,
     ) -> RealtimeClient:
         """`retry`: how refused chunks are resent (default `RetryPolicy()`; `NO_RETRY` turns it off)."""
-        enc = _encoding(encoding)
+        enc = encoding_of(encoding)
         ws = await async_connect(
             url,
             subprotocols=[enc.subprotocol],  # type: ignore[list-item]  # Subprotocol is a NewType of str
@@ -288,7 +138,7 @@ class RealtimeClient:
         try:
             await self.ws.send(self._core.encode(msg))
         except ConnectionClosed as exc:
-            raise _lost(exc) from exc
+            raise lost(exc) from exc
 
     async def send_raw(self, frame: str | bytes) -> None:
         """Send a frame as is (tests use it for malformed input)."""
@@ -298,7 +148,7 @@ class RealtimeClient:
         try:
             frame = await asyncio.wait_for(self.ws.recv(), timeout)
         except ConnectionClosed as exc:
-            raise _lost(exc) from exc
+            raise lost(exc) from exc
         return self._core.decode(frame)
 
     async def recv(self, timeout: float | None = DEFAULT_TIMEOUT_S) -> ServerMessage:
@@ -347,7 +197,7 @@ class RealtimeClient:
         *,
         flush: bool | None = None,
     ) -> None:
-        chunk = _chunk(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
+        chunk = chunk_message(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
         self._core.retries.sent(chunk)
         await self.send(chunk)
 
@@ -432,7 +282,7 @@ class SyncRealtimeClient:
         headers: Mapping[str, str] | None = None,
         retry: RetryPolicy | None = None,
     ) -> SyncRealtimeClient:
-        enc = _encoding(encoding)
+        enc = encoding_of(encoding)
         ws = sync_connect(
             url,
             subprotocols=[enc.subprotocol],  # type: ignore[list-item]  # Subprotocol is a NewType of str
@@ -463,7 +313,7 @@ class SyncRealtimeClient:
         try:
             self.ws.send(self._core.encode(msg))
         except ConnectionClosed as exc:
-            raise _lost(exc) from exc
+            raise lost(exc) from exc
 
     def send_raw(self, frame: str | bytes) -> None:
         self.ws.send(frame)
@@ -472,7 +322,7 @@ class SyncRealtimeClient:
         try:
             frame = self.ws.recv(timeout)
         except ConnectionClosed as exc:
-            raise _lost(exc) from exc
+            raise lost(exc) from exc
         return self._core.decode(frame)
 
     def recv(self, timeout: float | None = DEFAULT_TIMEOUT_S) -> ServerMessage:
@@ -524,7 +374,7 @@ class SyncRealtimeClient:
         *,
         flush: bool | None = None,
     ) -> None:
-        chunk = _chunk(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
+        chunk = chunk_message(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
         self._core.retries.sent(chunk)
         self.send(chunk)
 
