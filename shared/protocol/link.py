@@ -25,13 +25,8 @@ from typing import ClassVar, TypeAlias, cast
 import msgpack
 
 from shared.errors import ErrorCode, InvalidMessage, MicroturnError
-from shared.protocol.codec import (
-    MAX_TOKEN_ID,
-    FieldReader,
-    config_from_reader,
-    fields_to_map,
-    parse_msgpack,
-)
+from shared.protocol.codec import config_from_reader, fields_to_map, parse_msgpack
+from shared.protocol.fields import MAX_TOKEN_ID, FieldReader
 from shared.protocol.messages import (
     CLOSE_REASONS,
     FINISH_REASONS,

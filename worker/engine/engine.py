@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from shared.errors import ChunkTooLarge, InvalidMessage, MicroturnError, TokenOutOfRange
-from shared.protocol.codec import is_valid_text
+from shared.protocol.fields import is_valid_text
 from worker.engine.config import EngineConfig, SessionConfig
 from worker.engine.core import CloseListener, EngineCore, EngineStats
 from worker.engine.turn import TokenListener, Turn, TurnResult
