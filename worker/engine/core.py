@@ -15,22 +15,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.errors import (
-    Backpressure,
-    BadSequence,
     CapacityExhausted,
-    ChunkTooLarge,
     ContextFull,
     InternalError,
     InvalidMessage,
     MicroturnError,
     SessionNotFound,
 )
+from worker.engine.admission import admit
 from worker.engine.config import EngineConfig, SessionConfig
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
 from worker.engine.turn import FinishReason, TokenDelta, Turn, TurnResult
-from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
+from worker.incremental_tokenizer import IncrementalTokenizer
 from worker.model_runner import ForwardRow, ModelRunner
 from worker.sampling import SamplingParams
 from worker.tokenizer import Tokenizer
@@ -40,8 +38,6 @@ logger = logging.getLogger(__name__)
 CloseListener = Callable[[str, str], None]
 # A client told to retry after capacity ran out waits about this long before its next try.
 CAPACITY_RETRY_MS = 500
-# A session over its queue bound has a turn or more ahead of it: about one turn's time.
-BACKPRESSURE_RETRY_MS = 200
 
 
 @dataclass(frozen=True)
@@ -137,31 +133,9 @@ class EngineCore:
     def submit(self, session_id: str, turn: Turn) -> None:
         """Validate, tokenize and queue `turn`; raises having changed nothing, or accepts it whole."""
         session = self._get(session_id)
-        if turn.seq <= session.last_seq:
-            raise BadSequence(f"seq {turn.seq} is not above the last accepted seq {session.last_seq}")
-        tokens, tail = self._commit_input(session, turn)
-        queued_tokens, queued_outputs = session.queued_cost()
-        # A chunk with nothing queued ahead of it is always admitted (its size has its own limit).
-        if (session.pending and queued_tokens + max(len(tokens), 1) > self.config.max_queued_tokens) or (
-            turn.max_output_tokens > 0 and queued_outputs >= self.config.max_queued_outputs
-        ):
-            raise Backpressure(
-                f"{queued_tokens} tokens and {queued_outputs} turns asking for output already wait for "
-                f"this session (limits {self.config.max_queued_tokens} and {self.config.max_queued_outputs})",
-                retry_after_ms=BACKPRESSURE_RETRY_MS,
-            )
-        projected = session.projected_length()
-        if not tokens and turn.max_output_tokens > 0 and projected == 0:
-            raise InvalidMessage("an empty chunk cannot ask for output before the session has any tokens")
-        grows_by = len(tokens) + turn.max_output_tokens
-        limit = self._context_limit(session.config)
-        if session.config.context_policy == "error":
-            if projected + grows_by > limit:
-                raise ContextFull(
-                    f"the session would reach {projected + grows_by} tokens; its context holds {limit}"
-                )
-        elif session.config.keep_prefix_tokens + grows_by > limit:
-            raise ContextFull(f"one chunk and its output ({grows_by} tokens) do not fit a context of {limit}")
+        tokens, tail = admit(
+            session, turn, self.text, self.config, context_limit=self._context_limit(session.config)
+        )
         turn.before = (session.last_seq, session.tail)
         turn.input_tokens = tokens
         session.last_seq = turn.seq
@@ -170,24 +144,6 @@ class EngineCore:
         session.pending.append(turn)
         if session.active is None:
             self.waiting[session_id] = session
-
-    def _commit_input(self, session: Session, turn: Turn) -> tuple[list[int], TextTail]:
-        """The tokens `turn` appends and the session's next text tail; mutates nothing.
-
-        A text chunk commits what can no longer change; asking for output or `flush` commits the
-        whole tail. A token chunk first commits the tail (the text before it is complete).
-        """
-        flush = turn.flush or turn.max_output_tokens > 0 or turn.text is None
-        if self.text is None or (turn.text is None and session.tail == EMPTY_TAIL):
-            if turn.text is not None:
-                raise InvalidMessage("this model has no tokenizer: send tokens")
-            return list(turn.input_tokens), EMPTY_TAIL
-        committed, tail = self.text.feed(session.tail, turn.text or "", flush=flush)
-        if turn.text is not None and len(committed) > self.config.max_chunk_tokens:
-            raise ChunkTooLarge(
-                f"the text commits {len(committed)} tokens; the limit is {self.config.max_chunk_tokens}"
-            )
-        return committed + list(turn.input_tokens), tail
 
     def next_seq(self, session_id: str) -> int:
         return self._get(session_id).last_seq + 1
