@@ -27,7 +27,8 @@ from gateway.session_auth import UNAUTHORIZED_MESSAGE, Principal
 from shared.api_keys import API_KEY_PREFIX, CLIENT_TOKEN_PREFIX, KeyStore, digest
 from shared.client_tokens import ClientTokenStore, TokenLimits
 from shared.errors import ErrorCode, InvalidMessage
-from shared.protocol.codec import FieldReader, parse_json
+from shared.protocol.codec import parse_json
+from shared.protocol.fields import FieldReader
 
 logger = logging.getLogger(__name__)
 

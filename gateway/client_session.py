@@ -259,7 +259,15 @@ class ClientSession(SessionFlows):
             raise BadSequence(f"seq {msg.seq} is already running")
         if self._auth is not None:
             self._auth.check_chunk()
-        self._limits.admit_chunk(None if msg.tokens is None else len(msg.tokens), len(self._in_flight))
+        wants_output = (
+            msg.max_output_tokens if msg.max_output_tokens is not None else self._config.max_output_tokens
+        ) > 0
+        self._limits.admit_chunk(
+            msg.seq,
+            tokens=None if msg.tokens is None else len(msg.tokens),
+            text_chars=len(msg.text or ""),
+            wants_output=wants_output,
+        )
         # In flight before the write: the done can arrive while the write is still draining.
         self._in_flight[msg.seq] = received
         try:
@@ -267,6 +275,7 @@ class ClientSession(SessionFlows):
         except WorkerUnavailable:
             # If the link loss was already handled, the client got its error for this seq then.
             if self._in_flight.pop(msg.seq, None) is not None:
+                self._limits.settle(msg.seq)
                 raise
             return
         self._s.metrics.chunks_forwarded += 1
@@ -332,6 +341,7 @@ class ClientSession(SessionFlows):
             self.outbox.put(delta_to_client(frame))
         elif isinstance(frame, LinkDone):
             started = self._in_flight.pop(frame.seq, None)
+            self._limits.settle(frame.seq)
             if self._last_done_seq is None or frame.seq > self._last_done_seq:
                 self._last_done_seq = frame.seq
             self.outbox.put(done_to_client(frame), started)
@@ -342,6 +352,7 @@ class ClientSession(SessionFlows):
         elif isinstance(frame, LinkError):
             if frame.seq is not None:
                 self._in_flight.pop(frame.seq, None)
+                self._limits.settle(frame.seq)
             self.outbox.put(error_to_client(frame))
             if frame.fatal:
                 self._session_gone = True
@@ -376,12 +387,16 @@ class ClientSession(SessionFlows):
         for seq in sorted(self._in_flight):
             self.outbox.put(
                 error_message_from(
-                    WorkerUnavailable("the worker was lost before this chunk finished; send it again"),
+                    WorkerUnavailable(
+                        "the worker was lost before this chunk finished; send it again",
+                        retry_after_ms=MOVING_RETRY_MS,
+                    ),
                     seq,
                     fatal=False,
                 )
             )
         self._in_flight.clear()
+        self._limits.settle_all()
         self._restore_task = asyncio.create_task(
             self._restore_after_loss(self.sid, self._record), name=f"restore {self.sid}"
         )

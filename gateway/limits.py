@@ -6,7 +6,11 @@ every other session on that worker stay untouched. The worker repeats the checks
 session (sequence, context), the gateway only does the ones it can decide alone.
 
 Every check here raises a typed, recoverable `MicroturnError` *before* the session state changes:
-`Limits.admit_chunk` either mutates nothing and raises, or charges the token bucket and returns.
+`SessionLimits.admit_chunk` either mutates nothing and raises, or charges the token bucket, records
+the chunk's cost as in flight and returns. The in-flight queue is bounded by what it costs (input
+tokens, text counted by characters since only the worker tokenizes, and chunks asking for output),
+not by a count of chunks: no-output pieces merge into one append on the worker, so a paste sent as
+twenty small pieces costs about what it would sent whole.
 No I/O and no global clock: the clock is a parameter so the tests drive time by hand.
 """
 
@@ -88,7 +92,8 @@ class LimitValues:
     max_chunk_tokens: int
     max_chunks_per_s: float
     chunk_burst: int
-    max_queued_chunks: int
+    max_queued_tokens: int
+    max_queued_outputs: int
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> LimitValues:
@@ -97,7 +102,8 @@ class LimitValues:
             max_chunk_tokens=settings.max_chunk_tokens,
             max_chunks_per_s=settings.max_chunks_per_s,
             chunk_burst=settings.chunk_burst,
-            max_queued_chunks=settings.max_queued_chunks,
+            max_queued_tokens=settings.max_queued_tokens,
+            max_queued_outputs=settings.max_queued_outputs,
         )
 
     def as_map(self) -> dict[str, int | float]:
@@ -106,38 +112,49 @@ class LimitValues:
             "max_chunk_tokens": self.max_chunk_tokens,
             "max_chunks_per_s": self.max_chunks_per_s,
             "chunk_burst": self.chunk_burst,
-            "max_queued_chunks": self.max_queued_chunks,
+            "max_queued_tokens": self.max_queued_tokens,
+            "max_queued_outputs": self.max_queued_outputs,
         }
 
 
 class SessionLimits:
-    """The mutable limit state of one client session: its token bucket and its turn-time estimate."""
+    """The mutable limit state of one client session: its token bucket, its turn-time estimate, and
+    the cost of its chunks in flight (sent to the worker, not yet answered by a done or an error)."""
 
-    __slots__ = ("_bucket", "_turn_ms", "values")
+    __slots__ = ("_bucket", "_in_flight", "_outputs", "_tokens", "_turn_ms", "values")
 
     def __init__(self, values: LimitValues, clock: Clock = time.monotonic) -> None:
         self.values = values
         self._bucket = TokenBucket(values.max_chunks_per_s, values.chunk_burst, clock)
         self._turn_ms = DEFAULT_TURN_MS
+        # seq -> (cost in tokens, asks for output); `_tokens` and `_outputs` are their sums.
+        self._in_flight: dict[int, tuple[int, bool]] = {}
+        self._tokens = 0
+        self._outputs = 0
 
     def observe_turn(self, elapsed_ms: float) -> None:
         """Feed a finished turn's time (exponential average): it sizes the backpressure retry hint."""
         self._turn_ms = 0.8 * self._turn_ms + 0.2 * max(elapsed_ms, 0.0)
 
-    def admit_chunk(self, tokens: int | None, in_flight: int) -> None:
-        """Admit one chunk or raise; on success exactly one bucket token is charged.
+    def admit_chunk(self, seq: int, *, tokens: int | None, text_chars: int, wants_output: bool) -> None:
+        """Admit one chunk or raise; on success one bucket token is charged and its cost is in flight.
 
-        `tokens` is the chunk's token count (None for a text chunk: the worker counts its tokens after
-        tokenising), `in_flight` the session's chunks sent to the worker whose `output.done` has not
-        been delivered yet. Order: size, then queue, then rate, so a refused chunk never costs the
-        client a rate token it could not use.
+        `tokens` is a token chunk's length (None for text: the worker counts its tokens after
+        tokenizing; `text_chars` stands in for them here). Order: size, then queue, then rate, so a
+        refused chunk never costs the client a rate token it could not use. A chunk with nothing in
+        flight ahead of it is never refused for the queue (its size has its own limit).
         """
         if tokens is not None:
             check_chunk_tokens(tokens, self.values.max_chunk_tokens)
-        if in_flight >= self.values.max_queued_chunks:
+        cost = max(tokens if tokens is not None else text_chars, 1)
+        if self._in_flight and (
+            self._tokens + cost > self.values.max_queued_tokens
+            or (wants_output and self._outputs >= self.values.max_queued_outputs)
+        ):
             retry = max(MIN_RETRY_AFTER_MS, math.ceil(self._turn_ms))
             raise Backpressure(
-                f"{in_flight} chunks are still running (limit {self.values.max_queued_chunks})",
+                f"{self._tokens} input tokens and {self._outputs} turns asking for output are still "
+                f"running (limits {self.values.max_queued_tokens} and {self.values.max_queued_outputs})",
                 retry_after_ms=retry,
             )
         wait = self._bucket.try_take()
@@ -147,3 +164,17 @@ class SessionLimits:
                 f"(burst {self.values.chunk_burst})",
                 retry_after_ms=wait,
             )
+        self._in_flight[seq] = (cost, wants_output)
+        self._tokens += cost
+        self._outputs += wants_output
+
+    def settle(self, seq: int) -> None:
+        """The chunk `seq` was answered (done or error) or lost: its cost is no longer in flight."""
+        cost = self._in_flight.pop(seq, None)
+        if cost is not None:
+            self._tokens -= cost[0]
+            self._outputs -= cost[1]
+
+    def settle_all(self) -> None:
+        self._in_flight.clear()
+        self._tokens = self._outputs = 0

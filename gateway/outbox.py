@@ -6,7 +6,7 @@ delivered by the shared link reader, which must never wait for a client. Everyth
 without awaiting, in the order it happened, and one task sends it; so the client sees messages in
 exactly that order and a slow client only ever delays itself.
 
-Memory stays bounded by the session limits: at most `max_queued_chunks` turns are in flight, each
+Memory stays bounded by the session limits: at most `max_queued_outputs` turns are in flight, each
 with a bounded number of outputs. As a last line of defence, a client that lets `MAX_PENDING`
 messages pile up (it stopped reading) is disconnected with `backpressure`.
 """

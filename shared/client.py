@@ -2,25 +2,25 @@
 
 Why two shells around one core: tests, benchmarks and demo tooling run on asyncio, but Locust runs
 on gevent, where asyncio websockets cannot run; `websockets.sync` can. Everything that is not I/O
-(encoding, decoding, matching replies, buffering) lives in `ClientCore` and the waiters, so the two
-clients behave identically.
+(encoding, decoding, matching replies, buffering, retries) lives in `ClientCore` and the waiters
+(shared/client_core.py), so the two clients behave identically.
 
 Message matching: a request (`open`, `resume`, `ping`, `turn`, `close`) waits for its own answer.
 Whatever else arrives meanwhile (outputs of other turns, `session.restored`, recoverable errors for
 other chunks) is buffered in order and handed out by later `recv()` calls: nothing is dropped.
 An `error` that answers the request (no `seq`, or the turn's `seq`), any fatal `error`, and an
 unsolicited `session.closed` raise: the typed `MicroturnError` for the code, or `SessionClosedError`.
+A refused chunk whose error carries `retry_after_ms` is first sent again, as `retry` says
+(shared/client_retry.py); only when the retries run out does its error raise.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
-from collections import deque
 from collections.abc import Mapping
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from websockets.asyncio.client import ClientConnection as AsyncConnection
 from websockets.asyncio.client import connect as async_connect
@@ -28,13 +28,25 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection as SyncConnection
 from websockets.sync.client import connect as sync_connect
 
+from shared.client_core import (
+    ClientCore,
+    ConnectionLost,
+    EncodingName,
+    Feed,
+    ReplyWaiter,
+    SessionClosedError,
+    TurnWaiter,
+    Waiter,
+    chunk_message,
+    encoding_of,
+    handshake_headers,
+    lost,
+    open_config,
+)
+from shared.client_retry import NO_RETRY, RetryPolicy
 from shared.protocol import (
     ClientMessage,
-    CloseReason,
     Encoding,
-    Error,
-    InputChunk,
-    OpenConfig,
     OutputCancel,
     OutputDelta,
     OutputDone,
@@ -47,8 +59,6 @@ from shared.protocol import (
     SessionOpened,
     SessionResume,
     SessionResumed,
-    decode_server,
-    encode_client,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,169 +67,20 @@ DEFAULT_TIMEOUT_S: Final = 30.0
 # Server frames are small; this only bounds a misbehaving server.
 MAX_FRAME_BYTES: Final = 16 * 2**20
 
-EncodingName = Literal["json", "msgpack"]
-
 __all__ = [
+    "NO_RETRY",
     "ClientCore",
     "ConnectionLost",
+    "EncodingName",
     "Feed",
     "RealtimeClient",
     "ReplyWaiter",
+    "RetryPolicy",
     "SessionClosedError",
     "SyncRealtimeClient",
     "TurnWaiter",
     "open_config",
 ]
-
-
-class SessionClosedError(Exception):
-    """The server ended the session (`session.closed`) while a request was waiting."""
-
-    def __init__(self, reason: CloseReason) -> None:
-        super().__init__(f"session closed: {reason}")
-        self.reason = reason
-
-
-class ConnectionLost(Exception):
-    """The socket closed without a message explaining why (the close code says what it can)."""
-
-    def __init__(self, code: int | None, reason: str) -> None:
-        super().__init__(f"connection closed (code {code}): {reason}")
-        self.code = code
-        self.reason = reason
-
-
-def _encoding(name: EncodingName | Encoding) -> Encoding:
-    if isinstance(name, Encoding):
-        return name
-    try:
-        return {"json": Encoding.JSON, "msgpack": Encoding.MSGPACK}[name]
-    except KeyError:
-        raise ValueError(f"encoding must be 'json' or 'msgpack', got {name!r}") from None
-
-
-def open_config(**config: Any) -> OpenConfig:
-    """An `OpenConfig` from keyword arguments; lists become tuples (`stop_token_ids=[]`)."""
-    if config.get("stop_token_ids") is not None:
-        config["stop_token_ids"] = tuple(config["stop_token_ids"])
-    return OpenConfig(**config)
-
-
-def _headers(headers: Mapping[str, str] | None, api_key: str | None) -> dict[str, str] | None:
-    """The handshake's extra headers; an API key travels as `Authorization: Bearer <key>`."""
-    out = dict(headers or {})
-    if api_key is not None:
-        out["Authorization"] = f"Bearer {api_key}"
-    return out or None
-
-
-def _lost(exc: ConnectionClosed) -> ConnectionLost:
-    frame = exc.rcvd or exc.sent
-    return ConnectionLost(frame.code if frame else None, frame.reason if frame else str(exc))
-
-
-# ---- waiting for a reply (Sans-I/O) ---------------------------------------------------------------
-
-
-class Feed(enum.Enum):
-    DONE = "done"  # the awaited message: the wait is over
-    MORE = "more"  # consumed by the waiter (a delta of the awaited turn); keep waiting
-    NOT_MINE = "not_mine"  # someone else's: buffer it for recv()
-
-
-def _raise_if_ending(msg: ServerMessage) -> None:
-    if isinstance(msg, Error) and msg.fatal:
-        raise msg.to_exception()
-    if isinstance(msg, SessionClosed):
-        raise SessionClosedError(msg.reason)
-
-
-class ReplyWaiter:
-    """Waits for a message of one type (`session.opened`, `pong`, ...); an `error` without a seq
-    is the request's failure."""
-
-    def __init__(self, want: type[ServerMessage]) -> None:
-        self.want = want
-        self.result: ServerMessage | None = None
-
-    def feed(self, msg: ServerMessage) -> Feed:
-        if isinstance(msg, self.want):
-            self.result = msg
-            return Feed.DONE
-        if isinstance(msg, Error) and msg.seq is None:
-            raise msg.to_exception()
-        _raise_if_ending(msg)
-        return Feed.NOT_MINE
-
-
-class TurnWaiter:
-    """Collects the deltas of turn `seq` until its `output.done`; its `error` raises."""
-
-    def __init__(self, seq: int) -> None:
-        self.seq = seq
-        self.deltas: list[OutputDelta] = []
-        self.result: OutputDone | None = None
-
-    def feed(self, msg: ServerMessage) -> Feed:
-        if isinstance(msg, OutputDelta) and msg.seq == self.seq:
-            self.deltas.append(msg)
-            return Feed.MORE
-        if isinstance(msg, OutputDone) and msg.seq == self.seq:
-            self.result = msg
-            return Feed.DONE
-        if isinstance(msg, Error) and msg.seq == self.seq:
-            raise msg.to_exception()
-        _raise_if_ending(msg)
-        return Feed.NOT_MINE
-
-
-Waiter = ReplyWaiter | TurnWaiter
-
-
-class ClientCore:
-    """Encoding, decoding and the buffer of messages nobody has asked for yet."""
-
-    def __init__(self, encoding: Encoding) -> None:
-        self.encoding = encoding
-        self.buffer: deque[ServerMessage] = deque()
-
-    def encode(self, msg: ClientMessage) -> str | bytes:
-        return encode_client(msg, self.encoding)
-
-    def decode(self, frame: str | bytes) -> ServerMessage:
-        return decode_server(frame, self.encoding)
-
-    def scan(self, waiter: Waiter) -> bool:
-        """Offer the buffered messages to `waiter` in order; True if it finished."""
-        kept: deque[ServerMessage] = deque()
-        try:
-            while self.buffer:
-                msg = self.buffer.popleft()
-                outcome = waiter.feed(msg)
-                if outcome is Feed.DONE:
-                    return True
-                if outcome is Feed.NOT_MINE:
-                    kept.append(msg)
-            return False
-        finally:
-            kept.extend(self.buffer)
-            self.buffer = kept
-
-    def offer(self, waiter: Waiter, msg: ServerMessage) -> bool:
-        outcome = waiter.feed(msg)
-        if outcome is Feed.NOT_MINE:
-            self.buffer.append(msg)
-        return outcome is Feed.DONE
-
-
-def _chunk(
-    seq: int,
-    tokens: list[int] | tuple[int, ...] | None,
-    text: str | None,
-    max_output_tokens: int | None,
-    logprobs: bool | None,
-) -> InputChunk:
-    return InputChunk(seq, None if tokens is None else tuple(tokens), text, max_output_tokens, logprobs)
 
 
 # ---- asyncio ------------------------------------------------------------------------------------
@@ -228,9 +89,9 @@ def _chunk(
 class RealtimeClient:
     """One client socket (one session) on asyncio. Use `await RealtimeClient.connect(url)`."""
 
-    def __init__(self, ws: AsyncConnection, encoding: Encoding) -> None:
+    def __init__(self, ws: AsyncConnection, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
         self.ws = ws
-        self._core = ClientCore(encoding)
+        self._core = ClientCore(encoding, retry)
         self.session_id: str | None = None
         self.resume_token: str | None = None
         # The deltas of the last `turn()` (empty unless the session streams).
@@ -245,18 +106,20 @@ class RealtimeClient:
         open_timeout: float = 10.0,
         headers: Mapping[str, str] | None = None,
         api_key: str | None = None,
+        retry: RetryPolicy | None = None,
     ) -> RealtimeClient:
-        enc = _encoding(encoding)
+        """`retry`: how refused chunks are resent (default `RetryPolicy()`; `NO_RETRY` turns it off)."""
+        enc = encoding_of(encoding)
         ws = await async_connect(
             url,
             subprotocols=[enc.subprotocol],  # type: ignore[list-item]  # Subprotocol is a NewType of str
             open_timeout=open_timeout,
-            additional_headers=_headers(headers, api_key),
+            additional_headers=handshake_headers(headers, api_key),
             max_size=MAX_FRAME_BYTES,
             compression=None,
             proxy=None,
         )
-        return cls(ws, enc)
+        return cls(ws, enc, retry)
 
     async def __aenter__(self) -> RealtimeClient:
         return self
@@ -277,7 +140,7 @@ class RealtimeClient:
         try:
             await self.ws.send(self._core.encode(msg))
         except ConnectionClosed as exc:
-            raise _lost(exc) from exc
+            raise lost(exc) from exc
 
     async def send_raw(self, frame: str | bytes) -> None:
         """Send a frame as is (tests use it for malformed input)."""
@@ -287,7 +150,7 @@ class RealtimeClient:
         try:
             frame = await asyncio.wait_for(self.ws.recv(), timeout)
         except ConnectionClosed as exc:
-            raise _lost(exc) from exc
+            raise lost(exc) from exc
         return self._core.decode(frame)
 
     async def recv(self, timeout: float | None = DEFAULT_TIMEOUT_S) -> ServerMessage:
@@ -333,8 +196,12 @@ class RealtimeClient:
         text: str | None = None,
         max_output_tokens: int | None = None,
         logprobs: bool | None = None,
+        *,
+        flush: bool | None = None,
     ) -> None:
-        await self.send(_chunk(seq, tokens, text, max_output_tokens, logprobs))
+        chunk = chunk_message(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
+        self._core.retries.sent(chunk)
+        await self.send(chunk)
 
     async def cancel(self, seq: int) -> None:
         await self.send(OutputCancel(seq))
@@ -354,15 +221,22 @@ class RealtimeClient:
         max_output_tokens: int | None = None,
         logprobs: bool | None = None,
         *,
+        flush: bool | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> OutputDone:
         """Send one chunk and wait for its `output.done` (its deltas end up in `last_deltas`)."""
-        await self.send_chunk(seq, tokens, text, max_output_tokens, logprobs)
+        await self.send_chunk(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
         return await self.wait_done(seq, timeout=timeout)
 
     async def wait_done(self, seq: int, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> OutputDone:
-        waiter = TurnWaiter(seq)
-        await self._wait(waiter, timeout)
+        """Wait for turn `seq`'s `output.done`, resending its chunk after retryable refusals."""
+        while True:
+            waiter = TurnWaiter(seq, self._core.retries)
+            await self._wait(waiter, timeout)
+            if waiter.retry_in is None:
+                break
+            await asyncio.sleep(waiter.retry_in)
+            await self.send(self._core.retries.resend(seq))
         assert waiter.result is not None
         self.last_deltas = waiter.deltas
         return waiter.result
@@ -393,9 +267,9 @@ class RealtimeClient:
 class SyncRealtimeClient:
     """The same client on `websockets.sync` (threads or gevent, no asyncio)."""
 
-    def __init__(self, ws: SyncConnection, encoding: Encoding) -> None:
+    def __init__(self, ws: SyncConnection, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
         self.ws = ws
-        self._core = ClientCore(encoding)
+        self._core = ClientCore(encoding, retry)
         self.session_id: str | None = None
         self.resume_token: str | None = None
         self.last_deltas: list[OutputDelta] = []
@@ -409,18 +283,19 @@ class SyncRealtimeClient:
         open_timeout: float = 10.0,
         headers: Mapping[str, str] | None = None,
         api_key: str | None = None,
+        retry: RetryPolicy | None = None,
     ) -> SyncRealtimeClient:
-        enc = _encoding(encoding)
+        enc = encoding_of(encoding)
         ws = sync_connect(
             url,
             subprotocols=[enc.subprotocol],  # type: ignore[list-item]  # Subprotocol is a NewType of str
             open_timeout=open_timeout,
-            additional_headers=_headers(headers, api_key),
+            additional_headers=handshake_headers(headers, api_key),
             max_size=MAX_FRAME_BYTES,
             compression=None,
             proxy=None,
         )
-        return cls(ws, enc)
+        return cls(ws, enc, retry)
 
     def __enter__(self) -> SyncRealtimeClient:
         return self
@@ -441,7 +316,7 @@ class SyncRealtimeClient:
         try:
             self.ws.send(self._core.encode(msg))
         except ConnectionClosed as exc:
-            raise _lost(exc) from exc
+            raise lost(exc) from exc
 
     def send_raw(self, frame: str | bytes) -> None:
         self.ws.send(frame)
@@ -450,7 +325,7 @@ class SyncRealtimeClient:
         try:
             frame = self.ws.recv(timeout)
         except ConnectionClosed as exc:
-            raise _lost(exc) from exc
+            raise lost(exc) from exc
         return self._core.decode(frame)
 
     def recv(self, timeout: float | None = DEFAULT_TIMEOUT_S) -> ServerMessage:
@@ -499,8 +374,12 @@ class SyncRealtimeClient:
         text: str | None = None,
         max_output_tokens: int | None = None,
         logprobs: bool | None = None,
+        *,
+        flush: bool | None = None,
     ) -> None:
-        self.send(_chunk(seq, tokens, text, max_output_tokens, logprobs))
+        chunk = chunk_message(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
+        self._core.retries.sent(chunk)
+        self.send(chunk)
 
     def cancel(self, seq: int) -> None:
         self.send(OutputCancel(seq))
@@ -520,14 +399,21 @@ class SyncRealtimeClient:
         max_output_tokens: int | None = None,
         logprobs: bool | None = None,
         *,
+        flush: bool | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> OutputDone:
-        self.send_chunk(seq, tokens, text, max_output_tokens, logprobs)
+        self.send_chunk(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
         return self.wait_done(seq, timeout=timeout)
 
     def wait_done(self, seq: int, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> OutputDone:
-        waiter = TurnWaiter(seq)
-        self._wait(waiter, timeout)
+        """Wait for turn `seq`'s `output.done`, resending its chunk after retryable refusals."""
+        while True:
+            waiter = TurnWaiter(seq, self._core.retries)
+            self._wait(waiter, timeout)
+            if waiter.retry_in is None:
+                break
+            time.sleep(waiter.retry_in)
+            self.send(self._core.retries.resend(seq))
         assert waiter.result is not None
         self.last_deltas = waiter.deltas
         return waiter.result

@@ -58,7 +58,10 @@ class WorkerSettings(CommonSettings):
     max_batch_tokens: int = 2048
     max_sessions: int = 256
     max_chunk_tokens: int = 512
-    max_queued_chunks: int = 8
+    max_queued_tokens: int = field(default=2048, metadata={"help": "input tokens queued per session"})
+    max_queued_outputs: int = field(
+        default=8, metadata={"help": "turns asking for output queued per session"}
+    )
     max_output_tokens: int = 512
     heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
     link_secret: str = field(default="", metadata={"help": "shared secret gateways must present"})
@@ -73,8 +76,13 @@ class GatewaySettings(CommonSettings):
     max_frame_bytes: int = 65536
     max_chunk_tokens: int = 512
     max_chunks_per_s: float = field(default=20.0, metadata={"help": "per session, token-bucket rate"})
-    chunk_burst: int = field(default=10, metadata={"help": "token-bucket burst per session"})
-    max_queued_chunks: int = field(default=8, metadata={"help": "chunks in flight per session"})
+    chunk_burst: int = field(default=32, metadata={"help": "token-bucket burst per session"})
+    max_queued_tokens: int = field(
+        default=4096, metadata={"help": "input in flight per session: tokens, text counted by characters"}
+    )
+    max_queued_outputs: int = field(
+        default=8, metadata={"help": "chunks asking for output in flight per session"}
+    )
     link_connect_timeout_s: float = 5.0
     open_timeout_s: float = 30.0
     auth: str = field(default="on", metadata={"help": "on: every socket needs an API key or browser token"})

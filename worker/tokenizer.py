@@ -42,7 +42,9 @@ class Tokenizer:
         if len(vocab) + len(special_tokens) > vocab_size:
             raise ValueError(f"vocab of {vocab_size} is too small for a byte-level tokenizer")
         backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        # Without merges the ids are the text's bytes whatever the split; GPT-2's word split only keeps
+        # the incremental tokenizer's held-back tail (its last word) short.
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens(list(special_tokens))
         eos = backend.token_to_id(special_tokens[0])

@@ -8,8 +8,11 @@ from typing import Any
 STREAMING = "streaming"
 REPREFILL = "reprefill"
 HF = "hf"
+# Streaming sessions fed text cut mid-word (loadtest/bench/text_mode.py); not run by default.
+TEXT = "text"
 # The order they run in: the others replay streaming's outputs, so streaming always comes first.
-MODES = (STREAMING, REPREFILL, HF)
+MODES = (STREAMING, TEXT, REPREFILL, HF)
+DEFAULT_MODES = (STREAMING, REPREFILL, HF)
 
 # Turns after which session 0 samples RSS: early enough to precede most KV growth, late enough to
 # follow warm-up allocations. The second sample is taken after the last turn.
@@ -30,7 +33,7 @@ class BenchConfig:
     turns: int = 300
     input_tokens: int = 16
     output_tokens: int = 8
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     # None lets the engine size its KV pool (a fixed byte budget on CPU, free memory on CUDA).
     kv_tokens: int | None = None
     seed: int = 0

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import torch
 
-from loadtest.bench.config import HF, HF_MISMATCH_FAIL_FRACTION, MODES, REPREFILL, STREAMING, BenchConfig
+from loadtest.bench.config import (
+    HF,
+    HF_MISMATCH_FAIL_FRACTION,
+    MODES,
+    REPREFILL,
+    STREAMING,
+    TEXT,
+    BenchConfig,
+)
 from loadtest.bench.hf import run_hf
 from loadtest.bench.host import HostProbe
 from loadtest.bench.memory import peak_rss_mib
@@ -22,6 +30,7 @@ from loadtest.bench.report import BenchReport, Checks, print_report, write_json,
 from loadtest.bench.reprefill import run_reprefill
 from loadtest.bench.results import ModeRun
 from loadtest.bench.streaming import run_streaming
+from loadtest.bench.text_mode import run_text
 from loadtest.bench.workload import Workload
 from worker.engine import Engine
 from worker.model.loader import load_model
@@ -67,6 +76,9 @@ def run_bench(config: BenchConfig) -> BenchReport:
         )
         logger.info("streaming: %d sessions x %d turns", config.sessions, config.turns)
         runs[STREAMING], rss = run_streaming(engine, workload, config)
+        if TEXT in config.modes:
+            logger.info("text: %d sessions x %d turns of text cut mid-word", config.sessions, config.turns)
+            runs[TEXT] = run_text(engine, config)
         if REPREFILL in config.modes:
             logger.info("reprefill: sampled turns, %d sessions in parallel", config.sessions)
             runs[REPREFILL] = run_reprefill(engine, workload, config)

@@ -15,8 +15,6 @@ from shared.protocol.close_codes import (
 )
 from shared.protocol.codec import (
     MAX_FRAME_BYTES,
-    MAX_INT,
-    MAX_TOKEN_ID,
     Encoding,
     choose_encoding,
     config_from_map,
@@ -26,6 +24,7 @@ from shared.protocol.codec import (
     encode_client,
     encode_server,
 )
+from shared.protocol.fields import MAX_INT, MAX_TOKEN_ID
 from shared.protocol.link import (
     LinkAttach,
     LinkCancel,

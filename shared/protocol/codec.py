@@ -2,11 +2,17 @@
 
 Why so strict: this is the only place where untrusted input becomes typed values. Everything past
 the codec (gateway limits, the worker link, the engine) may rely on the types being exact: an int
-is an `int` (never a bool, never a float), a string is a `str`, token lists hold non-negative
-ints that fit the uint32 token log, numbers are finite, and a map carries no key the protocol
-does not define (a typo such as `max_output_token` fails loudly instead of being ignored).
-Every failure raises `InvalidMessage` naming the message and the field, or `UnknownType`; nothing
-is mutated on the way. Optional fields may be absent or null; the encoders leave `None` out.
+is an `int` (never a bool, never a float), a string is a `str` of valid Unicode, token lists hold
+non-negative ints that fit the uint32 token log, numbers are finite, and a map carries no key the
+protocol does not define (a typo such as `max_output_token` fails loudly instead of being ignored).
+Every failure raises `InvalidMessage` naming the message and the field, or `UnknownType` (or
+`TokenOutOfRange` for a token id outside [0, 2**32)); nothing is mutated on the way. Optional
+fields may be absent or null; the encoders leave `None` out.
+
+Lone surrogates: JSON's `"\ud800"` escape decodes to a Python str that no UTF-8 encoder accepts
+(msgpack, Redis, websockets' text frames, our own replies). Every string read here (values, map
+keys, anything nested in a ping's `data`) is checked, so none gets past the codec; msgpack strings
+are decoded with `surrogateescape`, so invalid UTF-8 there is refused the same way, naming the field.
 
 No I/O here (websockets' Sans-I/O core is the model): callers hand in the frame they received and
 get back a message, or hand in a message and get back the frame to send. The frame-size limit is
@@ -24,7 +30,8 @@ from typing import TypeVar, cast
 
 import msgpack
 
-from shared.errors import ErrorCode, InvalidMessage, UnknownType
+from shared.errors import InvalidMessage, UnknownType
+from shared.protocol.fields import MAX_TOKEN_ID, FieldReader, show
 from shared.protocol.messages import (
     CLOSE_REASONS,
     CONTEXT_POLICIES,
@@ -56,11 +63,9 @@ from shared.protocol.messages import (
 )
 
 MAX_FRAME_BYTES = 1 << 20
-# Largest integer a JavaScript client holds exactly: the bound for seq, counts and lengths.
-MAX_INT = 2**53 - 1
-# The token log stores little-endian uint32.
-MAX_TOKEN_ID = 2**32 - 1
 MAX_SEED = 2**64 - 1
+_T = TypeVar("_T")
+_M = TypeVar("_M")
 
 
 class Encoding(Enum):
@@ -91,172 +96,6 @@ def choose_encoding(offered: Iterable[str]) -> Encoding | None:
     return None
 
 
-# ---- typed field reading ------------------------------------------------------------------------
-
-_ERROR_CODES = frozenset(code.value for code in ErrorCode)
-_T = TypeVar("_T")
-_M = TypeVar("_M")
-
-
-def _show(value: object) -> str:
-    """A short description of a bad value for an error message (never a huge repr)."""
-    if value is None or type(value) in (bool, int, float):
-        return repr(value)
-    if isinstance(value, str):
-        return repr(value[:40] + ("..." if len(value) > 40 else ""))
-    return type(value).__name__
-
-
-class FieldReader:
-    """Reads typed fields off one decoded map; every error names the map and the field.
-
-    Call `done()` last: it refuses keys that no accessor asked for.
-    """
-
-    __slots__ = ("_map", "_seen", "_where")
-
-    def __init__(self, obj: object, where: str, *, seen: Iterable[str] = (), checked: bool = False) -> None:
-        if type(obj) is not dict:
-            raise InvalidMessage(f"{where} must be a map, got {_show(obj)}")
-        if not checked:  # `checked`: the caller already made a reader over this very map
-            for key in obj:
-                if type(key) is not str:
-                    raise InvalidMessage(f"{where}: map keys must be strings, got {_show(key)}")
-        self._map: dict[str, object] = obj
-        self._where = where
-        self._seen = set(seen)
-
-    def _get(self, key: str, required: bool) -> object:
-        self._seen.add(key)
-        value = self._map.get(key)
-        if value is None:  # absent or null
-            if required:
-                raise InvalidMessage(f"{self._where}: missing field '{key}'")
-            return None
-        return value
-
-    def _bad(self, key: str, want: str, value: object) -> InvalidMessage:
-        return InvalidMessage(f"{self._where}: field '{key}' must be {want}, got {_show(value)}")
-
-    def _int(self, key: str, value: object, lo: int, hi: int) -> int:
-        if type(value) is not int or not lo <= value <= hi:
-            raise self._bad(key, f"an integer in [{lo}, {hi}]", value)
-        return value
-
-    def _float(self, key: str, value: object, lo: float, hi: float, lo_open: bool = False) -> float:
-        if type(value) is not float and type(value) is not int:
-            raise self._bad(key, "a number", value)
-        number = float(value)
-        if not (math.isfinite(number) and (lo < number if lo_open else lo <= number) and number <= hi):
-            low = "" if lo == -math.inf else f"{'>' if lo_open else '>='} {lo}"
-            high = "" if hi == math.inf else f"<= {hi}"
-            raise self._bad(
-                key, " ".join(["a finite number", " and ".join(filter(None, (low, high)))]), value
-            )
-        return number
-
-    def _ints(self, key: str, value: object, lo: int, hi: int) -> tuple[int, ...]:
-        if type(value) is not list and type(value) is not tuple:
-            raise self._bad(key, "a list of integers", value)
-        for item in value:
-            if type(item) is not int or not lo <= item <= hi:
-                raise self._bad(key, f"a list of integers in [{lo}, {hi}]", item)
-        return tuple(value)
-
-    def _floats(self, key: str, value: object) -> tuple[float, ...]:
-        if type(value) is not list and type(value) is not tuple:
-            raise self._bad(key, "a list of numbers", value)
-        return tuple(self._float(key, item, -math.inf, math.inf) for item in value)
-
-    def _opt(self, key: str, convert: Callable[[object], _T]) -> _T | None:
-        value = self._get(key, False)
-        return None if value is None else convert(value)
-
-    def integer(self, key: str, lo: int = 0, hi: int = MAX_INT) -> int:
-        return self._int(key, self._get(key, True), lo, hi)
-
-    def opt_integer(self, key: str, lo: int = 0, hi: int = MAX_INT) -> int | None:
-        return self._opt(key, lambda v: self._int(key, v, lo, hi))
-
-    def number(self, key: str, lo: float = 0.0, hi: float = math.inf, *, lo_open: bool = False) -> float:
-        """A finite int or float, returned as float; ints are accepted where a float is allowed."""
-        return self._float(key, self._get(key, True), lo, hi, lo_open)
-
-    def opt_number(
-        self, key: str, lo: float = 0.0, hi: float = math.inf, *, lo_open: bool = False
-    ) -> float | None:
-        return self._opt(key, lambda v: self._float(key, v, lo, hi, lo_open))
-
-    def number_values(self) -> dict[str, int | float]:
-        """Every value of the map as a number (ints stay ints), e.g. `limits`."""
-        out: dict[str, int | float] = {}
-        for key, value in self._map.items():
-            self._seen.add(key)
-            out[key] = value if type(value) is int else self._float(key, value, -math.inf, math.inf)
-        return out
-
-    def boolean(self, key: str) -> bool:
-        value = self._get(key, True)
-        if type(value) is not bool:
-            raise self._bad(key, "a boolean", value)
-        return value
-
-    def opt_boolean(self, key: str) -> bool | None:
-        return None if self._get(key, False) is None else self.boolean(key)
-
-    def string(self, key: str, *, nonempty: bool = False) -> str:
-        value = self._get(key, True)
-        if type(value) is not str or (nonempty and not value):
-            raise self._bad(key, "a non-empty string" if nonempty else "a string", value)
-        return value
-
-    def opt_string(self, key: str) -> str | None:
-        return None if self._get(key, False) is None else self.string(key)
-
-    def choice(self, key: str, choices: tuple[str, ...]) -> str:
-        value = self._get(key, True)
-        if type(value) is not str or value not in choices:
-            raise self._bad(key, "one of " + ", ".join(choices), value)
-        return value
-
-    def opt_choice(self, key: str, choices: tuple[str, ...]) -> str | None:
-        return None if self._get(key, False) is None else self.choice(key, choices)
-
-    def integers(self, key: str, lo: int = 0, hi: int = MAX_TOKEN_ID) -> tuple[int, ...]:
-        return self._ints(key, self._get(key, True), lo, hi)
-
-    def opt_integers(self, key: str, lo: int = 0, hi: int = MAX_TOKEN_ID) -> tuple[int, ...] | None:
-        return self._opt(key, lambda v: self._ints(key, v, lo, hi))
-
-    def numbers(self, key: str) -> tuple[float, ...]:
-        return self._floats(key, self._get(key, True))
-
-    def opt_numbers(self, key: str) -> tuple[float, ...] | None:
-        return self._opt(key, lambda v: self._floats(key, v))
-
-    def has(self, key: str) -> bool:
-        return key in self._map
-
-    def raw(self, key: str) -> object:
-        """Any value, unchecked (None when absent)."""
-        return self._get(key, False)
-
-    def submap(self, key: str, *, required: bool = True) -> FieldReader | None:
-        value = self._get(key, required)
-        return None if value is None else FieldReader(value, f"{self._where}.{key}")
-
-    def error_code(self, key: str) -> ErrorCode:
-        value = self._get(key, True)
-        if type(value) is str and value in _ERROR_CODES:
-            return ErrorCode(value)
-        raise self._bad(key, "a known error code", value)
-
-    def done(self) -> None:
-        unknown = [key for key in self._map if key not in self._seen]
-        if unknown:
-            raise InvalidMessage(f"{self._where}: unknown field(s) {', '.join(sorted(unknown))}")
-
-
 # ---- config -------------------------------------------------------------------------------------
 
 
@@ -270,7 +109,7 @@ def config_from_reader(r: FieldReader) -> OpenConfig:
         top_p=r.opt_number("top_p", 0.0, 1.0, lo_open=True),
         top_k=r.opt_integer("top_k", 1),
         seed=r.opt_integer("seed", 0, MAX_SEED),
-        stop_token_ids=r.opt_integers("stop_token_ids"),
+        stop_token_ids=r.token_ids("stop_token_ids"),
         logprobs=_or(r.opt_boolean("logprobs"), default.logprobs),
         idle_timeout_s=r.opt_number("idle_timeout_s", 0.0, lo_open=True),
         max_context_tokens=r.opt_integer("max_context_tokens", 1),
@@ -319,7 +158,10 @@ def parse_json(data: str) -> object:
 
 def parse_msgpack(data: bytes | bytearray | memoryview) -> object:
     try:
-        obj: object = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        # surrogateescape: invalid UTF-8 becomes lone surrogates, refused by the field that holds them.
+        obj: object = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True, unicode_errors="surrogateescape"
+        )
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
         raise InvalidMessage(f"malformed msgpack: {str(e) or type(e).__name__}") from e
     return obj
@@ -341,10 +183,10 @@ def _decode(obj: object, decoders: dict[str, Callable[[FieldReader], _M]]) -> _M
         raise InvalidMessage("missing field 'type'")
     kind = head.raw("type")
     if type(kind) is not str:
-        raise InvalidMessage(f"field 'type' must be a string, got {_show(kind)}")
+        raise InvalidMessage(f"field 'type' must be a string, got {show(kind)}")
     decode = decoders.get(kind)
     if decode is None:
-        raise UnknownType(f"unknown message type {_show(kind)}")
+        raise UnknownType(f"unknown message type {show(kind)}")
     r = FieldReader(obj, kind, seen=("type",), checked=True)
     message = decode(r)
     r.done()
@@ -361,11 +203,18 @@ def _session_open(r: FieldReader) -> SessionOpen:
 
 def _input_chunk(r: FieldReader) -> InputChunk:
     seq = r.integer("seq")
-    tokens = r.opt_integers("tokens")
+    tokens = r.token_ids("tokens")
     text = r.opt_string("text")
     if (tokens is None) == (text is None):
         raise InvalidMessage("input.chunk: exactly one of 'tokens' or 'text' is required")
-    return InputChunk(seq, tokens, text, r.opt_integer("max_output_tokens"), r.opt_boolean("logprobs"))
+    return InputChunk(
+        seq,
+        tokens,
+        text,
+        r.opt_integer("max_output_tokens"),
+        r.opt_boolean("logprobs"),
+        r.opt_boolean("flush"),
+    )
 
 
 _CLIENT: dict[str, Callable[[FieldReader], ClientMessage]] = {
@@ -378,7 +227,7 @@ _CLIENT: dict[str, Callable[[FieldReader], ClientMessage]] = {
     InputChunk.type: _input_chunk,
     OutputCancel.type: lambda r: OutputCancel(r.integer("seq")),
     SessionClose.type: lambda r: SessionClose(),
-    Ping.type: lambda r: Ping(r.raw("data")),
+    Ping.type: lambda r: Ping(r.value("data")),
 }
 
 
@@ -410,7 +259,7 @@ def _output_done(r: FieldReader) -> OutputDone:
     logprobs = r.opt_numbers("logprobs")
     if logprobs is not None and len(logprobs) != len(tokens):
         raise InvalidMessage(f"output.done: {len(logprobs)} logprobs for {len(tokens)} tokens")
-    return OutputDone(seq, tokens, text, finish, timing, logprobs)
+    return OutputDone(seq, tokens, text, finish, timing, logprobs, r.opt_integer("committed_tokens"))
 
 
 _SERVER: dict[str, Callable[[FieldReader], ServerMessage]] = {
@@ -443,7 +292,7 @@ _SERVER: dict[str, Callable[[FieldReader], ServerMessage]] = {
         r.opt_integer("seq"),
         r.opt_integer("retry_after_ms"),
     ),
-    Pong.type: lambda r: Pong(r.raw("data")),
+    Pong.type: lambda r: Pong(r.value("data")),
 }
 
 

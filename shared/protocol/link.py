@@ -25,13 +25,8 @@ from typing import ClassVar, TypeAlias, cast
 import msgpack
 
 from shared.errors import ErrorCode, InvalidMessage, MicroturnError
-from shared.protocol.codec import (
-    MAX_TOKEN_ID,
-    FieldReader,
-    config_from_reader,
-    fields_to_map,
-    parse_msgpack,
-)
+from shared.protocol.codec import config_from_reader, fields_to_map, parse_msgpack
+from shared.protocol.fields import MAX_TOKEN_ID, FieldReader
 from shared.protocol.messages import (
     CLOSE_REASONS,
     FINISH_REASONS,
@@ -85,6 +80,7 @@ class LinkChunk:
     text: str | None = None
     max_output_tokens: int | None = None
     logprobs: bool | None = None
+    flush: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +138,8 @@ class LinkDone:
     # The session's sequence length once this turn is done.
     length: int
     logprobs: tuple[float, ...] | None = None
+    # As the client's `output.done.committed_tokens`.
+    committed_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,10 +184,18 @@ def _config(r: FieldReader) -> OpenConfig:
 
 
 def _chunk(r: FieldReader) -> LinkChunk:
-    sid, seq, tokens, text = _sid(r), r.integer("seq"), r.opt_integers("tokens"), r.opt_string("text")
+    sid, seq, tokens, text = _sid(r), r.integer("seq"), r.token_ids("tokens"), r.opt_string("text")
     if (tokens is None) == (text is None):
         raise InvalidMessage("link chunk: exactly one of 'tokens' or 'text' is required")
-    return LinkChunk(sid, seq, tokens, text, r.opt_integer("max_output_tokens"), r.opt_boolean("logprobs"))
+    return LinkChunk(
+        sid,
+        seq,
+        tokens,
+        text,
+        r.opt_integer("max_output_tokens"),
+        r.opt_boolean("logprobs"),
+        r.opt_boolean("flush"),
+    )
 
 
 def _done(r: FieldReader) -> LinkDone:
@@ -199,7 +205,8 @@ def _done(r: FieldReader) -> LinkDone:
     logprobs = r.opt_numbers("logprobs")
     if logprobs is not None and len(logprobs) != len(tokens):
         raise InvalidMessage(f"link done: {len(logprobs)} logprobs for {len(tokens)} tokens")
-    return LinkDone(sid, seq, tokens, text, finish, queue_ms, compute_ms, length, logprobs)
+    committed = r.opt_integer("committed_tokens")
+    return LinkDone(sid, seq, tokens, text, finish, queue_ms, compute_ms, length, logprobs, committed)
 
 
 _DECODERS: dict[str, Callable[[FieldReader], LinkFrame]] = {
@@ -257,7 +264,9 @@ def decode_link(data: bytes | bytearray | memoryview | str) -> LinkFrame:
 
 
 def chunk_to_link(sid: str, chunk: InputChunk) -> LinkChunk:
-    return LinkChunk(sid, chunk.seq, chunk.tokens, chunk.text, chunk.max_output_tokens, chunk.logprobs)
+    return LinkChunk(
+        sid, chunk.seq, chunk.tokens, chunk.text, chunk.max_output_tokens, chunk.logprobs, chunk.flush
+    )
 
 
 def delta_to_client(frame: LinkDelta) -> OutputDelta:
@@ -266,7 +275,9 @@ def delta_to_client(frame: LinkDelta) -> OutputDelta:
 
 def done_to_client(frame: LinkDone) -> OutputDone:
     timing = Timing(frame.queue_ms, frame.compute_ms)
-    return OutputDone(frame.seq, frame.tokens, frame.text, frame.finish, timing, frame.logprobs)
+    return OutputDone(
+        frame.seq, frame.tokens, frame.text, frame.finish, timing, frame.logprobs, frame.committed_tokens
+    )
 
 
 def error_to_client(frame: LinkError) -> Error:

@@ -79,6 +79,9 @@ class InputChunk:
     text: str | None = None
     max_output_tokens: int | None = None
     logprobs: bool | None = None
+    # Commit the session's held-back text now (as asking for output or a token chunk does), so the
+    # next text starts a new segment; see "Text input is exact" in docs/protocol.md.
+    flush: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +166,10 @@ class OutputDone:
     timing: Timing
     # One per token when the chunk (or the session) asked for logprobs.
     logprobs: tuple[float, ...] | None = None
+    # Input tokens this chunk appended to the session's sequence. A text chunk commits only the
+    # tokens no later text can change (plus earlier held-back text it completes); the rest waits
+    # for the next chunk, a flush, or a chunk asking for output. None from servers that predate it.
+    committed_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

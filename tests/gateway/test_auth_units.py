@@ -21,7 +21,7 @@ from shared.api_keys import (
     new_secret,
     usage_day,
 )
-from shared.client import _headers
+from shared.client_core import handshake_headers
 from shared.client_tokens import TokenLimits
 from shared.protocol import Encoding, SessionExpiring, decode_server, encode_server
 from shared.settings import GatewaySettings, is_loopback_host, parse_settings
@@ -105,8 +105,8 @@ def test_expiring_event_round_trips_in_both_encodings() -> None:
 
 
 def test_client_sends_the_key_as_a_bearer_header() -> None:
-    assert _headers(None, None) is None
-    assert _headers({"X-A": "1"}, "mt_k") == {"X-A": "1", "Authorization": "Bearer mt_k"}
+    assert handshake_headers(None, None) is None
+    assert handshake_headers({"X-A": "1"}, "mt_k") == {"X-A": "1", "Authorization": "Bearer mt_k"}
 
 
 def test_auth_setting_defaults_on_and_only_takes_on_or_off() -> None:

@@ -139,7 +139,7 @@ def test_http_endpoints_and_the_sync_client(stack: Stack, references: PendingRef
     chunks = stream(seed, 3)
     with SyncRealtimeClient.connect(stack.realtime_url(gateway), "msgpack") as client:
         opened = client.open(**SESSION_CONFIG, stream=True)
-        assert opened.model == "tiny" and opened.limits["max_queued_chunks"] == 8
+        assert opened.model == "tiny" and opened.limits["max_queued_outputs"] == 8
         for seq in (1, 2):
             done = client.turn(seq, tokens=chunks[seq - 1])
             assert list(done.tokens) == expected[seq - 1]
@@ -279,7 +279,7 @@ TIGHT_FLAGS = [
     "0.5",
     "--chunk-burst",
     "4",
-    "--max-queued-chunks",
+    "--max-queued-outputs",
     "2",
 ]
 
@@ -324,7 +324,9 @@ def test_every_error_is_typed_and_recoverable_ones_keep_the_socket(
             await client.send_chunk(1, tokens=[1] * 65)  # small frame, too many tokens
             await expect_error(client, ErrorCode.CHUNK_TOO_LARGE, seq=1)
             await client.send_chunk(1, tokens=[2**32])  # not even a uint32: the codec refuses it
-            await expect_error(client, ErrorCode.INVALID_MESSAGE)
+            await expect_error(client, ErrorCode.TOKEN_OUT_OF_RANGE)
+            await client.send_chunk(1, tokens=[-1])  # negative: out of range as well (issue 8)
+            await expect_error(client, ErrorCode.TOKEN_OUT_OF_RANGE)
             # Chunks the worker refuses, validated before anything is appended:
             await run_turns(client, seed, 1, 1, expected)
             await client.send_chunk(1, tokens=[5])

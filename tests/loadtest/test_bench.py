@@ -22,6 +22,7 @@ from loadtest.bench.hf import HfSession
 from loadtest.bench.hf_model import to_hf_llama
 from loadtest.bench.results import ModeRun, summarize
 from loadtest.bench.run import main
+from loadtest.bench.text_mode import run_text, turn_texts
 from loadtest.bench.workload import Workload, input_tokens, sampled_turns
 from tests.worker.reference import write_checkpoint
 from worker.engine import Engine
@@ -193,3 +194,14 @@ def test_hf_copy_equals_the_original_checkpoint(kind: str, tmp_path: Path) -> No
         expected = original(tokens).logits
         actual = copy(tokens).logits
     assert torch.allclose(actual, expected, atol=1e-4), float((actual - expected).abs().max())
+
+
+def test_text_mode_times_every_turn_and_commits_the_whole_text() -> None:
+    config = BenchConfig(sessions=2, turns=12, modes=("streaming", "text"), kv_tokens=4096)
+    with Engine.load("tiny", kv_tokens=4096) as engine:
+        texts = turn_texts(engine, config)
+        run = run_text(engine, config)
+        assert engine.tokenizer is not None
+        # What a session streams is the prose, unchanged; each turn about `input_tokens` tokens.
+        assert all(len(engine.tokenizer.encode(t)) == config.input_tokens for t in texts[0])
+    assert run.timed_turns == list(range(12)) and run.name == "text"

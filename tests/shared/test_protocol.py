@@ -17,6 +17,7 @@ from shared.errors import (
     MicroturnError,
     RateLimited,
     SessionNotFound,
+    TokenOutOfRange,
     UnknownType,
 )
 from shared.protocol import (
@@ -195,8 +196,28 @@ JSON_FAILURES: list[tuple[str, type[MicroturnError], str]] = [
     ('{"type": "input.chunk", "seq": 1, "tokens": "1 2"}', InvalidMessage, "'tokens'"),
     ('{"type": "input.chunk", "seq": 1, "tokens": [1, true]}', InvalidMessage, "'tokens'"),
     ('{"type": "input.chunk", "seq": 1, "tokens": [1, 2.0]}', InvalidMessage, "'tokens'"),
-    ('{"type": "input.chunk", "seq": 1, "tokens": [1, -3]}', InvalidMessage, "'tokens'"),
-    ('{"type": "input.chunk", "seq": 1, "tokens": [4294967296]}', InvalidMessage, "'tokens'"),
+    # A token id that cannot be one is out of range, negative or past 2**32 alike (issue 8).
+    ('{"type": "input.chunk", "seq": 1, "tokens": [1, -3]}', TokenOutOfRange, "'tokens'"),
+    ('{"type": "input.chunk", "seq": 1, "tokens": [4294967296]}', TokenOutOfRange, "'tokens'"),
+    ('{"type": "input.chunk", "seq": 1, "tokens": [1e400]}', InvalidMessage, "'tokens'"),
+    # Lone surrogates (JSON escapes) are refused where they are read, naming the field.
+    ('{"type": "input.chunk", "seq": 1, "text": "a\\ud800b"}', InvalidMessage, "'text'"),
+    (
+        '{"type": "session.resume", "session_id": "\\udfff", "resume_token": "t"}',
+        InvalidMessage,
+        "'session_id'",
+    ),
+    (
+        '{"type": "session.resume", "session_id": "s", "resume_token": "\\ud800"}',
+        InvalidMessage,
+        "'resume_token'",
+    ),
+    ('{"type": "ping", "data": {"k": ["x", "\\ud83d"]}}', InvalidMessage, "'data'"),
+    ('{"type": "ping", "data": {"\\ud800": 1}}', InvalidMessage, "'data'"),
+    ('{"type": "ping", "data": 1e999}', InvalidMessage, "'data'"),
+    ('{"type": "ping", "\\ud800": 1}', InvalidMessage, "'\\ud800'"),
+    ('{"type": "\\ud800"}', UnknownType, "unknown message type"),
+    ('{"type": "session.open", "config": {"\\udc80x": 1}}', InvalidMessage, "not valid Unicode"),
     ('{"type": "input.chunk", "seq": 1, "tokens": {"0": 1}}', InvalidMessage, "'tokens'"),
     ('{"type": "input.chunk", "seq": 1, "text": 5}', InvalidMessage, "'text'"),
     ('{"type": "input.chunk", "seq": 1, "text": ["a"]}', InvalidMessage, "'text'"),
@@ -278,6 +299,15 @@ MSGPACK_FAILURES: list[tuple[bytes, type[MicroturnError], str]] = [
     (_pack({"type": "input.chunk", "seq": msgpack.ExtType(1, b"x"), "text": "a"}), InvalidMessage, "'seq'"),
     (_pack({"type": "session.open", "config": {"bogus": 1}}), InvalidMessage, "bogus"),
     (_pack({"type": "session.open", "config": {"temperature": math.nan}}), InvalidMessage, "temperature"),
+    (_pack({"type": "input.chunk", "seq": 1, "tokens": [-1]}), TokenOutOfRange, "'tokens'"),
+    # Invalid UTF-8 (here an encoded surrogate) is refused by the field that holds it.
+    (
+        _pack({"type": "input.chunk", "seq": 1, "text": "a"}).replace(b"\xa1a", b"\xa3\xed\xa0\x80"),
+        InvalidMessage,
+        "'text'",
+    ),
+    (_pack({"type": "ping", "data": ["ok", "x"]}).replace(b"\xa1x", b"\xa1\xff"), InvalidMessage, "'data'"),
+    (_pack({"type": "ping", "zz": 1}).replace(b"\xa2zz", b"\xa2\xc3("), InvalidMessage, "not valid Unicode"),
 ]
 
 

@@ -118,7 +118,9 @@ def test_backpressure(tiny: Engine) -> None:
     run(tiny, sid, CHUNKS[0])
     busy = tiny.submit(sid, tokens=[], max_output_tokens=40, on_token=lambda _delta: started.set())
     assert started.wait(30)
-    queued = [tiny.submit(sid, tokens=[], max_output_tokens=0) for _ in range(tiny.config.max_queued_turns)]
+    # The queue is bounded by what it costs: queued input tokens, and turns asking for output.
+    piece = [7] * (tiny.config.max_queued_tokens // 4)
+    queued = [tiny.submit(sid, tokens=piece, max_output_tokens=0) for _ in range(4)]
     with pytest.raises(Backpressure) as refused:
         tiny.submit(sid, tokens=[9, 9], max_output_tokens=0).result(30)
     assert refused.value.retry_after_ms is not None
@@ -126,7 +128,24 @@ def test_backpressure(tiny: Engine) -> None:
     assert len(produced) == 40 and all(f.result(30).tokens == () for f in queued)
     # Same history without the refused chunk: the reference generates the same 40 tokens, then both agree.
     assert tiny.run_turn(reference_sid, tokens=[], max_output_tokens=40, timeout=30).tokens == produced
+    tiny.run_turn(reference_sid, tokens=piece * 4, max_output_tokens=0, timeout=30)
     assert [run(tiny, sid, c) for c in CHUNKS[1:]] == [run(tiny, reference_sid, c) for c in CHUNKS[1:]]
+
+
+def test_queue_bounds_turns_asking_for_output_not_chunks(tiny: Engine) -> None:
+    sid = tiny.open_session(stop_token_ids=())
+    started = threading.Event()
+    busy = tiny.submit(sid, tokens=[1, 2], max_output_tokens=30, on_token=lambda _d: started.set())
+    assert started.wait(30)
+    # Twenty small no-output pieces (a paste, a flushed buffer) all queue: together they cost little.
+    pieces = [tiny.submit(sid, tokens=[3], max_output_tokens=0) for _ in range(20)]
+    bound = tiny.config.max_queued_outputs
+    asking = [tiny.submit(sid, tokens=[4], max_output_tokens=1) for _ in range(bound)]
+    with pytest.raises(Backpressure):
+        tiny.submit(sid, tokens=[5], max_output_tokens=1).result(30)
+    assert busy.result(30).finish == "length"
+    assert [f.result(30).inputs for f in pieces] == [(3,)] * 20
+    assert all(len(f.result(30).tokens) == 1 for f in asking)
 
 
 def test_capacity_exhausted_when_nothing_can_be_dropped() -> None:

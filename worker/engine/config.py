@@ -25,7 +25,10 @@ class EngineConfig:
     max_batch_rows: int = 256
     max_sessions: int = 1024
     max_chunk_tokens: int = 1024
-    max_queued_turns: int = 16
+    # A session's queue (chunks behind its running turn) is bounded by what it costs, not by a
+    # count of chunks: queued no-output chunks merge into one append, so pieces are cheap.
+    max_queued_tokens: int = 2048
+    max_queued_outputs: int = 8
     max_output_tokens_limit: int = 1024
     seed: int = 1234
 
@@ -34,6 +37,8 @@ class EngineConfig:
             raise ValueError("page_size, max_batch_tokens and max_batch_rows must be positive")
         if self.kv_tokens is not None and self.kv_tokens < self.page_size:
             raise ValueError(f"kv_tokens {self.kv_tokens} is below one page of {self.page_size}")
+        if self.max_queued_tokens < 1 or self.max_queued_outputs < 1:
+            raise ValueError("max_queued_tokens and max_queued_outputs must be positive")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError("kv_memory_fraction must be in (0, 1]")
 

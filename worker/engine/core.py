@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.errors import (
-    Backpressure,
-    BadSequence,
     CapacityExhausted,
     ContextFull,
     InternalError,
@@ -24,11 +22,13 @@ from shared.errors import (
     MicroturnError,
     SessionNotFound,
 )
+from worker.engine.admission import admit
 from worker.engine.config import EngineConfig, SessionConfig
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
 from worker.engine.turn import FinishReason, TokenDelta, Turn, TurnResult
+from worker.incremental_tokenizer import IncrementalTokenizer
 from worker.model_runner import ForwardRow, ModelRunner
 from worker.sampling import SamplingParams
 from worker.tokenizer import Tokenizer
@@ -38,8 +38,6 @@ logger = logging.getLogger(__name__)
 CloseListener = Callable[[str, str], None]
 # A client told to retry after capacity ran out waits about this long before its next try.
 CAPACITY_RETRY_MS = 500
-# A session over its queue bound has a turn or more ahead of it: about one turn's time.
-BACKPRESSURE_RETRY_MS = 200
 
 
 @dataclass(frozen=True)
@@ -72,6 +70,7 @@ class EngineCore:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
+        self.text = IncrementalTokenizer(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = eos_token_ids
         self.clock = clock
         self.vocab_size = runner.config.vocab_size
@@ -132,27 +131,15 @@ class EngineCore:
         )
 
     def submit(self, session_id: str, turn: Turn) -> None:
+        """Validate, tokenize and queue `turn`; raises having changed nothing, or accepts it whole."""
         session = self._get(session_id)
-        if turn.seq <= session.last_seq:
-            raise BadSequence(f"seq {turn.seq} is not above the last accepted seq {session.last_seq}")
-        if len(session.pending) >= self.config.max_queued_turns:
-            raise Backpressure(
-                f"{len(session.pending)} chunks already wait for this session",
-                retry_after_ms=BACKPRESSURE_RETRY_MS,
-            )
-        projected = session.projected_length()
-        if not turn.input_tokens and turn.max_output_tokens > 0 and projected == 0:
-            raise InvalidMessage("an empty chunk cannot ask for output before the session has any tokens")
-        grows_by = len(turn.input_tokens) + turn.max_output_tokens
-        limit = self._context_limit(session.config)
-        if session.config.context_policy == "error":
-            if projected + grows_by > limit:
-                raise ContextFull(
-                    f"the session would reach {projected + grows_by} tokens; its context holds {limit}"
-                )
-        elif session.config.keep_prefix_tokens + grows_by > limit:
-            raise ContextFull(f"one chunk and its output ({grows_by} tokens) do not fit a context of {limit}")
+        tokens, tail = admit(
+            session, turn, self.text, self.config, context_limit=self._context_limit(session.config)
+        )
+        turn.before = (session.last_seq, session.tail)
+        turn.input_tokens = tokens
         session.last_seq = turn.seq
+        session.tail = tail
         session.last_activity = self.clock()
         session.pending.append(turn)
         if session.active is None:
@@ -299,7 +286,10 @@ class EngineCore:
                 f"KV pool full: {pages_needed} pages needed, {self.allocator.num_free + reusable} free",
                 retry_after_ms=CAPACITY_RETRY_MS,
             )
-            # Later chunks were sent assuming this one lands: refuse them too rather than reorder input.
+            # Later chunks were sent assuming this one lands: refuse them too rather than reorder input,
+            # and forget all of them (seq and text included), so each may be sent again as it was.
+            assert turns[0].before is not None
+            session.last_seq, session.tail = turns[0].before
             for turn in [*turns, *session.pending]:
                 self._reject(turn, error)
             session.pending.clear()

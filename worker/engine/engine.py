@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from shared.errors import ChunkTooLarge, InvalidMessage, MicroturnError, TokenOutOfRange
+from shared.protocol.fields import is_valid_text
 from worker.engine.config import EngineConfig, SessionConfig
 from worker.engine.core import CloseListener, EngineCore, EngineStats
 from worker.engine.turn import TokenListener, Turn, TurnResult
@@ -37,6 +38,9 @@ T = TypeVar("T")
 CPU_KV_BYTES = 512 * 2**20
 CPU_KV_TOKENS_CAP = 131072
 _SESSION_FIELDS = {f.name for f in fields(SessionConfig)}
+# Text longer than this many characters per allowed token could not fit a chunk: refused before
+# tokenizing (which is the cost being bounded). The exact token count is checked on commit.
+MAX_CHARS_PER_TOKEN = 32
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -150,14 +154,20 @@ class Engine:
         seq: int | None = None,
         max_output_tokens: int | None = None,
         logprobs: bool | None = None,
+        flush: bool = False,
         on_token: TokenListener | None = None,
     ) -> Future[TurnResult]:
         """Queue one chunk; never blocks. Typed errors come back through the future.
 
         Stateless checks (token range, chunk size) raise here at once; the checks that need the
         session (seq, backpressure, context) run on the engine thread, before anything is appended.
+        Text is tokenized there too, against the session's held-back text tail: a text chunk
+        commits only the tokens no later text can change, unless it asks for output or `flush`es
+        (see worker/incremental_tokenizer.py); `TurnResult.inputs` says what it committed.
         """
         chunk = self._chunk_tokens(tokens, text)
+        if not isinstance(flush, bool):
+            raise InvalidMessage("flush must be a boolean")
         if (
             max_output_tokens is not None
             and not 0 <= max_output_tokens <= self.config.max_output_tokens_limit
@@ -181,6 +191,8 @@ class Engine:
                 future=future,
                 on_token=on_token,
                 submitted_at=time.monotonic(),
+                text=text,
+                flush=flush,
             )
             self._core.submit(session_id, turn)
 
@@ -223,17 +235,19 @@ class Engine:
     # ---- internals ----------------------------------------------------------------------------
 
     def _chunk_tokens(self, tokens: Sequence[int] | None, text: str | None) -> list[int]:
+        """A token chunk's checked tokens; [] for text, which the engine thread tokenizes."""
         if (tokens is None) == (text is None):
             raise InvalidMessage("a chunk carries exactly one of `tokens` or `text`")
         if text is not None:
-            if not isinstance(text, str):
-                raise InvalidMessage("text must be a string")
+            if not isinstance(text, str) or not is_valid_text(text):
+                raise InvalidMessage("text must be a string of valid Unicode (no lone surrogates)")
             if self.tokenizer is None:
                 raise InvalidMessage("this model has no tokenizer: send tokens")
-            chunk = self.tokenizer.encode(text)
-        else:
-            assert tokens is not None
-            chunk = self._check_tokens(tokens)
+            if len(text) > self.config.max_chunk_tokens * MAX_CHARS_PER_TOKEN:
+                raise ChunkTooLarge(f"text of {len(text)} characters is too long for one chunk")
+            return []
+        assert tokens is not None
+        chunk = self._check_tokens(tokens)
         if len(chunk) > self.config.max_chunk_tokens:
             raise ChunkTooLarge(
                 f"chunk of {len(chunk)} tokens exceeds the limit of {self.config.max_chunk_tokens}"

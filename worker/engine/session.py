@@ -6,6 +6,7 @@ Invariants (the engine thread is the only writer):
 - Tokens past `num_cached` are fed by the next forward: the rest of an append that did not fit
   one step, or the last sampled token, which gets its KV at the start of the next append.
 - At most one turn is `active`; `pending` turns wait in `seq` order.
+- `tail` holds text whose tokens could still change; none of it is in `tokens`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from worker.engine.config import SessionConfig
 from worker.engine.turn import Turn
+from worker.incremental_tokenizer import EMPTY_TAIL, TextTail
 
 
 class Session:
@@ -38,6 +40,8 @@ class Session:
         self.pending: deque[Turn] = deque()
         # Seqs only increase; -1 lets a session start at 0. A restored session keeps its client's.
         self.last_seq = last_seq
+        # Text received but not yet safe to tokenize (worker/incremental_tokenizer.py).
+        self.tail: TextTail = EMPTY_TAIL
         self.last_activity = now
         self.created_at = now
         # Per-session sampling stream: a session samples the same whatever it is batched with.
@@ -50,6 +54,17 @@ class Session:
     @property
     def is_busy(self) -> bool:
         return self.active is not None or bool(self.pending)
+
+    def queued_cost(self) -> tuple[int, int]:
+        """(input tokens, output-asking turns) waiting in `pending`: what the queue is bounded by.
+
+        Each chunk costs at least one token, so even empty chunks cannot queue without bound.
+        """
+        tokens = outputs = 0
+        for turn in self.pending:
+            tokens += max(len(turn.input_tokens), 1)
+            outputs += turn.wants_output
+        return tokens, outputs
 
     def projected_length(self) -> int:
         """The longest the sequence can get once every accepted turn is done."""

@@ -7,6 +7,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
+from worker.incremental_tokenizer import TextTail
+
 FinishReason = Literal["length", "stop", "cancelled"]
 
 
@@ -26,7 +28,8 @@ class TurnResult:
     session_id: str
     seq: int
     # The chunk's input as it entered the sequence (text is tokenized by the engine): with `tokens`,
-    # exactly what this turn appended, in order, for the session's token log.
+    # exactly what this turn appended, in order, for the session's token log. For text, these are
+    # the tokens it committed (the held-back tail of earlier text included, its own tail excluded).
     inputs: tuple[int, ...]
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...] | None
@@ -46,6 +49,7 @@ class Turn:
     """Engine-thread state of one submitted chunk. Only the engine thread touches it after submit."""
 
     seq: int
+    # Set at submit: the token chunk (after the held text tail, if any) or the text's committed tokens.
     input_tokens: list[int]
     max_output_tokens: int
     logprobs: bool
@@ -58,6 +62,13 @@ class Turn:
     cancelled: bool = False
     # Earlier no-output chunks folded into this turn's append; each completes when the append does.
     absorbed: list[Turn] = field(default_factory=list)
+    # A text chunk: tokenized on the engine thread against the session's text tail at submit.
+    text: str | None = None
+    # Commit the session's text tail with this chunk (implied by a token chunk or by asking for output).
+    flush: bool = False
+    # The session's (last_seq, text tail) before this turn was accepted: a refusal after acceptance
+    # (capacity) puts them back, so the client can send the same chunk again with the same seq.
+    before: tuple[int, TextTail] | None = None
 
     @property
     def wants_output(self) -> bool:

@@ -66,7 +66,8 @@ def load_engine(settings: WorkerSettings) -> Engine:
         max_batch_tokens=settings.max_batch_tokens,
         max_sessions=settings.max_sessions,
         max_chunk_tokens=settings.max_chunk_tokens,
-        max_queued_turns=settings.max_queued_chunks,
+        max_queued_tokens=settings.max_queued_tokens,
+        max_queued_outputs=settings.max_queued_outputs,
         max_output_tokens_limit=settings.max_output_tokens,
     )
 

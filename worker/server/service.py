@@ -246,6 +246,7 @@ class WorkerService:
                 seq=frame.seq,
                 max_output_tokens=frame.max_output_tokens,
                 logprobs=frame.logprobs,
+                flush=bool(frame.flush),
                 on_token=on_token,
             )
             future.add_done_callback(
@@ -274,6 +275,7 @@ class WorkerService:
             compute_ms=result.compute_ms,
             length=result.length,
             logprobs=result.logprobs,
+            committed_tokens=len(result.inputs),
         )
         binding.record(done)
         binding.send(done)

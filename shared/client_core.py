@@ -1,0 +1,197 @@
+"""The Sans-I/O core of the Python client: encoding, matching replies to requests, buffering.
+
+Split from shared/client.py so the two I/O shells there (asyncio and blocking) stay small and share
+every decision: which message answers a request, what is buffered for `recv()`, which error raises
+and which refusal is resent (shared/client_retry.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from websockets.exceptions import ConnectionClosed
+
+from shared.client_retry import ChunkRetries, RetryPolicy
+from shared.protocol import (
+    ClientMessage,
+    CloseReason,
+    Encoding,
+    Error,
+    InputChunk,
+    OpenConfig,
+    OutputDelta,
+    OutputDone,
+    ServerMessage,
+    SessionClosed,
+    decode_server,
+    encode_client,
+)
+
+EncodingName = Literal["json", "msgpack"]
+
+
+class SessionClosedError(Exception):
+    """The server ended the session (`session.closed`) while a request was waiting."""
+
+    def __init__(self, reason: CloseReason) -> None:
+        super().__init__(f"session closed: {reason}")
+        self.reason = reason
+
+
+class ConnectionLost(Exception):
+    """The socket closed without a message explaining why (the close code says what it can)."""
+
+    def __init__(self, code: int | None, reason: str) -> None:
+        super().__init__(f"connection closed (code {code}): {reason}")
+        self.code = code
+        self.reason = reason
+
+
+def encoding_of(name: EncodingName | Encoding) -> Encoding:
+    if isinstance(name, Encoding):
+        return name
+    try:
+        return {"json": Encoding.JSON, "msgpack": Encoding.MSGPACK}[name]
+    except KeyError:
+        raise ValueError(f"encoding must be 'json' or 'msgpack', got {name!r}") from None
+
+
+def open_config(**config: Any) -> OpenConfig:
+    """An `OpenConfig` from keyword arguments; lists become tuples (`stop_token_ids=[]`)."""
+    if config.get("stop_token_ids") is not None:
+        config["stop_token_ids"] = tuple(config["stop_token_ids"])
+    return OpenConfig(**config)
+
+
+def lost(exc: ConnectionClosed) -> ConnectionLost:
+    frame = exc.rcvd or exc.sent
+    return ConnectionLost(frame.code if frame else None, frame.reason if frame else str(exc))
+
+
+# ---- waiting for a reply (Sans-I/O) ---------------------------------------------------------------
+
+
+class Feed(enum.Enum):
+    DONE = "done"  # the awaited message: the wait is over
+    MORE = "more"  # consumed by the waiter (a delta of the awaited turn); keep waiting
+    NOT_MINE = "not_mine"  # someone else's: buffer it for recv()
+
+
+def _raise_if_ending(msg: ServerMessage) -> None:
+    if isinstance(msg, Error) and msg.fatal:
+        raise msg.to_exception()
+    if isinstance(msg, SessionClosed):
+        raise SessionClosedError(msg.reason)
+
+
+class ReplyWaiter:
+    """Waits for a message of one type (`session.opened`, `pong`, ...); an `error` without a seq
+    is the request's failure."""
+
+    def __init__(self, want: type[ServerMessage]) -> None:
+        self.want = want
+        self.result: ServerMessage | None = None
+
+    def feed(self, msg: ServerMessage) -> Feed:
+        if isinstance(msg, self.want):
+            self.result = msg
+            return Feed.DONE
+        if isinstance(msg, Error) and msg.seq is None:
+            raise msg.to_exception()
+        _raise_if_ending(msg)
+        return Feed.NOT_MINE
+
+
+class TurnWaiter:
+    """Collects the deltas of turn `seq` until its `output.done`; its `error` raises, unless
+    `retries` says to resend the chunk: then the wait ends with `retry_in` set (seconds)."""
+
+    def __init__(self, seq: int, retries: ChunkRetries | None = None) -> None:
+        self.seq = seq
+        self.retries = retries
+        self.deltas: list[OutputDelta] = []
+        self.result: OutputDone | None = None
+        self.retry_in: float | None = None
+
+    def feed(self, msg: ServerMessage) -> Feed:
+        if isinstance(msg, OutputDelta) and msg.seq == self.seq:
+            self.deltas.append(msg)
+            return Feed.MORE
+        if isinstance(msg, OutputDone) and msg.seq == self.seq:
+            self.result = msg
+            if self.retries is not None:
+                self.retries.answered(self.seq)
+            return Feed.DONE
+        if isinstance(msg, Error) and msg.seq == self.seq:
+            if self.retries is not None:
+                self.retry_in = self.retries.delay_for(msg)
+                if self.retry_in is not None:
+                    return Feed.DONE
+                self.retries.answered(self.seq)
+            raise msg.to_exception()
+        _raise_if_ending(msg)
+        return Feed.NOT_MINE
+
+
+Waiter = ReplyWaiter | TurnWaiter
+
+
+class ClientCore:
+    """Encoding, decoding and the buffer of messages nobody has asked for yet."""
+
+    def __init__(self, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
+        self.encoding = encoding
+        self.buffer: deque[ServerMessage] = deque()
+        self.retries = ChunkRetries(retry or RetryPolicy())
+
+    def encode(self, msg: ClientMessage) -> str | bytes:
+        return encode_client(msg, self.encoding)
+
+    def decode(self, frame: str | bytes) -> ServerMessage:
+        return decode_server(frame, self.encoding)
+
+    def scan(self, waiter: Waiter) -> bool:
+        """Offer the buffered messages to `waiter` in order; True if it finished."""
+        kept: deque[ServerMessage] = deque()
+        try:
+            while self.buffer:
+                msg = self.buffer.popleft()
+                outcome = waiter.feed(msg)
+                if outcome is Feed.DONE:
+                    return True
+                if outcome is Feed.NOT_MINE:
+                    kept.append(msg)
+            return False
+        finally:
+            kept.extend(self.buffer)
+            self.buffer = kept
+
+    def offer(self, waiter: Waiter, msg: ServerMessage) -> bool:
+        outcome = waiter.feed(msg)
+        if outcome is Feed.NOT_MINE:
+            self.buffer.append(msg)
+        return outcome is Feed.DONE
+
+
+def chunk_message(
+    seq: int,
+    tokens: list[int] | tuple[int, ...] | None,
+    text: str | None,
+    max_output_tokens: int | None,
+    logprobs: bool | None,
+    *,
+    flush: bool | None = None,
+) -> InputChunk:
+    tokens = None if tokens is None else tuple(tokens)
+    return InputChunk(seq, tokens, text, max_output_tokens, logprobs, flush)
+
+
+def handshake_headers(headers: Mapping[str, str] | None, api_key: str | None) -> dict[str, str] | None:
+    """The handshake's extra headers; an API key travels as `Authorization: Bearer <key>`."""
+    out = dict(headers or {})
+    if api_key is not None:
+        out["Authorization"] = f"Bearer {api_key}"
+    return out or None

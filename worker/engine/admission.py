@@ -1,0 +1,81 @@
+"""Whether a session takes a chunk, and what the chunk appends: checks only, nothing mutated.
+
+Split from core.py so every reason to refuse a chunk is in one place, in the order they run:
+sequence, input (text against the session's held-back tail, worker/incremental_tokenizer.py),
+queue cost, context. `admit` either raises a typed error or returns the tokens the chunk commits
+and the session's next text tail; the caller applies both, so a refusal leaves the session (seq and
+tail included) exactly as it was.
+"""
+
+from __future__ import annotations
+
+from shared.errors import Backpressure, BadSequence, ChunkTooLarge, ContextFull, InvalidMessage
+from worker.engine.config import EngineConfig
+from worker.engine.session import Session
+from worker.engine.turn import Turn
+from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
+
+# A session over its queue bound has a turn or more ahead of it: about one turn's time.
+BACKPRESSURE_RETRY_MS = 200
+
+
+def admit(
+    session: Session,
+    turn: Turn,
+    text: IncrementalTokenizer | None,
+    config: EngineConfig,
+    *,
+    context_limit: int,
+) -> tuple[list[int], TextTail]:
+    """(tokens `turn` appends, the session's next text tail), or a typed error."""
+    if turn.seq <= session.last_seq:
+        raise BadSequence(f"seq {turn.seq} is not above the last accepted seq {session.last_seq}")
+    tokens, tail = commit_input(session, turn, text, config.max_chunk_tokens)
+    check_queue(session, turn, len(tokens), config)
+    check_context(session, turn, len(tokens), context_limit)
+    return tokens, tail
+
+
+def commit_input(
+    session: Session, turn: Turn, text: IncrementalTokenizer | None, max_chunk_tokens: int
+) -> tuple[list[int], TextTail]:
+    """A text chunk commits what can no longer change; asking for output or `flush` commits the
+    whole tail. A token chunk first commits the tail (the text before it is complete)."""
+    flush = turn.flush or turn.max_output_tokens > 0 or turn.text is None
+    if text is None or (turn.text is None and session.tail == EMPTY_TAIL):
+        if turn.text is not None:
+            raise InvalidMessage("this model has no tokenizer: send tokens")
+        return list(turn.input_tokens), EMPTY_TAIL
+    committed, tail = text.feed(session.tail, turn.text or "", flush=flush)
+    if turn.text is not None and len(committed) > max_chunk_tokens:
+        raise ChunkTooLarge(f"the text commits {len(committed)} tokens; the limit is {max_chunk_tokens}")
+    return committed + list(turn.input_tokens), tail
+
+
+def check_queue(session: Session, turn: Turn, tokens: int, config: EngineConfig) -> None:
+    """The queue is bounded by what it costs (queued tokens, turns asking for output), not by a
+    count of chunks: queued no-output chunks merge into one append. A chunk with nothing queued
+    ahead of it is always admitted (its size has its own limit)."""
+    queued_tokens, queued_outputs = session.queued_cost()
+    if (session.pending and queued_tokens + max(tokens, 1) > config.max_queued_tokens) or (
+        turn.max_output_tokens > 0 and queued_outputs >= config.max_queued_outputs
+    ):
+        raise Backpressure(
+            f"{queued_tokens} tokens and {queued_outputs} turns asking for output already wait for "
+            f"this session (limits {config.max_queued_tokens} and {config.max_queued_outputs})",
+            retry_after_ms=BACKPRESSURE_RETRY_MS,
+        )
+
+
+def check_context(session: Session, turn: Turn, tokens: int, limit: int) -> None:
+    projected = session.projected_length()
+    if not tokens and turn.max_output_tokens > 0 and projected == 0:
+        raise InvalidMessage("an empty chunk cannot ask for output before the session has any tokens")
+    grows_by = tokens + turn.max_output_tokens
+    if session.config.context_policy == "error":
+        if projected + grows_by > limit:
+            raise ContextFull(
+                f"the session would reach {projected + grows_by} tokens; its context holds {limit}"
+            )
+    elif session.config.keep_prefix_tokens + grows_by > limit:
+        raise ContextFull(f"one chunk and its output ({grows_by} tokens) do not fit a context of {limit}")
