@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from importlib import resources
 from urllib.parse import urlsplit, urlunsplit
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -30,6 +29,7 @@ from gateway.handshake import negotiate
 from gateway.links import LinkPool
 from gateway.metrics import GatewayMetrics
 from gateway.services import GatewayServices
+from shared.redis_client import resilient_redis
 from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -96,13 +96,7 @@ def _redacted(url: str) -> str:
 def create_app(settings: GatewaySettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        redis = Redis.from_url(
-            settings.redis_url,
-            decode_responses=False,
-            socket_connect_timeout=_READY_TIMEOUT_S,
-            socket_timeout=_READY_TIMEOUT_S * 5,
-            health_check_interval=30,
-        )
+        redis = resilient_redis(settings.redis_url)  # recovers on first use after a Redis restart
         gateway_metrics = GatewayMetrics()
         pool = LinkPool(
             gateway_metrics,

@@ -369,7 +369,8 @@ class ClientSession:
                 return [SessionOpened(sid, token, model, limits)]
 
             try:
-                opened = await self._request(sid, link, LinkOpen(sid, config), reply)
+                frame = LinkOpen(sid, config, (), placed.record.token_sha256, placed.record.created_ms)
+                opened = await self._request(sid, link, frame, reply)
             except (WorkerUnavailable, CapacityExhausted) as exc:
                 logger.warning("open on worker %s failed (%s); trying another", placed.record.worker, exc)
                 await s.store.delete(sid)
@@ -431,7 +432,9 @@ class ClientSession:
                 last = exc
                 continue
             link = s.pool.link(placed.url)
-            frame = LinkRestore(sid, self._config, None, last_seq)
+            frame = LinkRestore(
+                sid, self._config, None, last_seq, placed.record.token_sha256, placed.record.created_ms
+            )
             try:
                 opened = await self._request(sid, link, frame, reply)
             except (WorkerUnavailable, CapacityExhausted) as exc:

@@ -55,6 +55,10 @@ class LinkOpen:
     config: OpenConfig = field(default_factory=OpenConfig)
     # Tokens the session starts with (a prompt); empty for a fresh session.
     history: tuple[int, ...] = ()
+    # What the worker needs to re-write the session's record should Redis lose it (docs/failover.md):
+    # the resume token's SHA-256 (never the token) and the creation time.
+    token_sha256: str | None = None
+    created_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,8 @@ class LinkRestore:
     tokens: tuple[int, ...] | None = None
     # The last seq the session finished, so seq ordering carries on.
     last_seq: int | None = None
+    token_sha256: str | None = None  # as in `open`
+    created_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,10 +209,21 @@ def _done(r: FieldReader) -> LinkDone:
 
 
 _DECODERS: dict[str, Callable[[FieldReader], LinkFrame]] = {
-    LinkOpen.op: lambda r: LinkOpen(_sid(r), _config(r), r.opt_integers("history") or ()),
+    LinkOpen.op: lambda r: LinkOpen(
+        _sid(r),
+        _config(r),
+        r.opt_integers("history") or (),
+        r.opt_string("token_sha256"),
+        r.opt_integer("created_ms"),
+    ),
     LinkAttach.op: lambda r: LinkAttach(_sid(r), r.opt_integer("last_seq")),
     LinkRestore.op: lambda r: LinkRestore(
-        _sid(r), _config(r), r.opt_integers("tokens"), r.opt_integer("last_seq")
+        _sid(r),
+        _config(r),
+        r.opt_integers("tokens"),
+        r.opt_integer("last_seq"),
+        r.opt_string("token_sha256"),
+        r.opt_integer("created_ms"),
     ),
     LinkChunk.op: _chunk,
     LinkCancel.op: lambda r: LinkCancel(_sid(r), r.integer("seq")),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import redis.asyncio as redis
 
 from shared.errors import InternalError, InvalidMessage, MicroturnError, SessionNotFound, WorkerUnavailable
+from shared.protocol.codec import config_to_map
 from shared.protocol.link import (
     LinkAttach,
     LinkCancel,
@@ -32,8 +34,8 @@ from shared.protocol.link import (
     link_error_from,
 )
 from shared.protocol.messages import CloseReason, OpenConfig
-from shared.redis_schema import KeySchema
-from shared.registry import read_log
+from shared.redis_schema import KeySchema, decode_log
+from shared.registry import HeldSession, SessionRecord, read_log_bytes
 from shared.settings import WorkerSettings
 from worker.engine import Engine, TokenDelta, TurnResult
 from worker.server.detokenize import IncrementalDecoder
@@ -88,7 +90,7 @@ class WorkerService:
         if isinstance(frame, LinkChunk):
             self._chunk(frame, link)
         elif isinstance(frame, LinkOpen):
-            self._open(link, frame.sid, frame.config, list(frame.history), last_seq=None)
+            self._open(link, frame, list(frame.history), last_seq=None)
         elif isinstance(frame, LinkAttach):
             self._attach(link, frame)
         elif isinstance(frame, LinkRestore):
@@ -112,8 +114,15 @@ class WorkerService:
     # ---- open, attach, restore, close ---------------------------------------------------------
 
     def _open(
-        self, link: LinkPeer, sid: str, config: OpenConfig, history: list[int], *, last_seq: int | None
+        self,
+        link: LinkPeer,
+        frame: LinkOpen | LinkRestore,
+        history: list[int],
+        *,
+        last_seq: int | None,
+        log: bytes = b"",
     ) -> None:
+        sid, config = frame.sid, frame.config
         if self.draining:
             self._send_error(link, sid, WorkerUnavailable("worker is draining"), fatal=True)
             return
@@ -122,7 +131,11 @@ class WorkerService:
             return
         idle = config.idle_timeout_s or self.settings.idle_timeout_s
         binding = SessionBinding(sid, config.stream, idle, link, length=len(history), last_seq=last_seq)
+        binding.config = config
+        binding.token_sha256 = frame.token_sha256
+        binding.created_ms = frame.created_ms or time.time_ns() // 1_000_000
         self.directory.add(binding)
+        self.token_log.start(sid, log, last_seq)
         try:
             _sid, future = self.engine.open_session_async(
                 session_id=sid,
@@ -132,6 +145,7 @@ class WorkerService:
             )
         except MicroturnError as error:
             self.directory.remove(sid)
+            self.token_log.drop(sid)
             self._send_error(link, sid, error, fatal=True)
             return
         future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._opened, binding, f))
@@ -140,6 +154,7 @@ class WorkerService:
         error = future.exception()
         if error is not None:
             self.directory.remove(binding.sid)
+            self.token_log.drop(binding.sid)
             self._send_error(binding.link, binding.sid, error, fatal=True)
             for chunk in binding.waiting:
                 self._send_error(
@@ -178,21 +193,22 @@ class WorkerService:
             self._attach(link, LinkAttach(frame.sid, frame.last_seq))
             return
         if frame.tokens is not None:
-            self._open(link, frame.sid, frame.config, list(frame.tokens), last_seq=frame.last_seq)
+            self._open(link, frame, list(frame.tokens), last_seq=frame.last_seq)
             return
         self.loop.create_task(self._restore_from_log(link, frame))
 
     async def _restore_from_log(self, link: LinkPeer, frame: LinkRestore) -> None:
         try:
-            tokens = await read_log(self.redis, self.schema, frame.sid)
-        except redis.RedisError:
-            logger.warning("reading the token log of %s failed", frame.sid, exc_info=True)
+            data = await read_log_bytes(self.redis, self.schema, frame.sid)
+            state = decode_log(data)
+        except (redis.RedisError, ValueError) as exc:
+            logger.warning("reading the token log of %s failed: %s", frame.sid, exc)
             self._send_error(
                 link, frame.sid, WorkerUnavailable("the token log could not be read"), fatal=True
             )
             return
-        logger.info("restoring session %s from its log of %d tokens", frame.sid, len(tokens))
-        self._open(link, frame.sid, frame.config, tokens, last_seq=frame.last_seq)
+        logger.info("restoring session %s from its log of %d tokens", frame.sid, len(state.tokens))
+        self._open(link, frame, state.tokens, last_seq=frame.last_seq, log=data)
 
     def _close(self, link: LinkPeer, sid: str) -> None:
         binding = self.directory.remove(sid)
@@ -283,7 +299,7 @@ class WorkerService:
             return  # a turn the session's end cancelled: the session and its log are gone
         self.directory.touched.add(binding.sid)
         # Only once the reply is out: the log is for rebuilding, never on the client's critical path.
-        self.token_log.append(binding.sid, result.inputs + result.tokens, binding.idle_timeout_s)
+        self.token_log.append(binding.sid, result.seq, result.inputs + result.tokens, binding.idle_timeout_s)
 
     # ---- errors -------------------------------------------------------------------------------
 
@@ -309,6 +325,27 @@ class WorkerService:
         self.metrics.error(str(error.code))
         if link is not None:
             link.send(link_error_from(sid, error, seq, fatal=fatal))
+
+    # ---- Redis lost its data ------------------------------------------------------------------
+
+    def held_sessions(self) -> list[HeldSession]:
+        """The record and whole log of every session held here, as Redis should hold them."""
+        logs = self.token_log.held_logs()
+        held: list[HeldSession] = []
+        for sid, binding in self.directory.bindings.items():
+            if binding.token_sha256 is None or sid not in logs:
+                continue  # opened by a gateway that sent no record: nothing to re-write it from
+            record = SessionRecord(
+                worker=self.token_log.worker_id,
+                token_sha256=binding.token_sha256,
+                model=self.engine.model_config.name,
+                created_ms=binding.created_ms,
+                last_seq=binding.last_seq if binding.last_seq is not None else 0,
+                config=config_to_map(binding.config),
+            )
+            ttl_s = binding.idle_timeout_s + self.settings.session_grace_s
+            held.append(HeldSession(sid, record, logs[sid], ttl_s))
+        return held
 
     # ---- draining -----------------------------------------------------------------------------
 
