@@ -362,7 +362,7 @@ class ClientSession:
         last: MicroturnError | None = None
         for _ in range(PLACEMENT_ATTEMPTS):
             placed = await s.store.place_new(sid, token, config)
-            link = s.pool.link(placed.url)
+            link = s.pool.link(placed.url, placed.record.worker)
             model = placed.record.model
 
             def reply(opened: LinkOpened, model: str = model) -> list[ServerMessage]:
@@ -397,7 +397,7 @@ class ClientSession:
 
         url = await s.store.worker_url(record.worker)
         if url is not None:
-            link = s.pool.link(url)
+            link = s.pool.link(url, record.worker)
             try:
                 opened = await self._request(sid, link, LinkAttach(sid, msg.last_seq), resumed)
             except (WorkerUnavailable, SessionNotFound, CapacityExhausted) as exc:
@@ -431,7 +431,7 @@ class ClientSession:
             except CapacityExhausted as exc:
                 last = exc
                 continue
-            link = s.pool.link(placed.url)
+            link = s.pool.link(placed.url, placed.record.worker)
             frame = LinkRestore(
                 sid, self._config, None, last_seq, placed.record.token_sha256, placed.record.created_ms
             )

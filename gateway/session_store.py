@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Final
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from shared.errors import CapacityExhausted, InvalidMessage, SessionNotFound, Unauthorized
-from shared.placement import Placement, place_session
+from shared.placement import Placement, mark_suspect, place_session
 from shared.protocol import OpenConfig, config_from_map, config_to_map
 from shared.redis_schema import KeySchema
 from shared.registry import (
@@ -55,6 +57,14 @@ class SessionStore:
         self.grace_s = grace_s
         # The same default the workers apply (CommonSettings.idle_timeout_s).
         self.default_idle_timeout_s = default_idle_timeout_s
+        # The workers this gateway suspects (LinkPool.suspects): placement skips them.
+        self.suspects: Callable[[], Collection[str]] = tuple
+
+    async def mark_suspect(self, worker_id: str) -> None:
+        try:
+            await mark_suspect(self.redis, self.schema, worker_id)
+        except RedisError as exc:  # this gateway still skips it; the others wait for its hash TTL
+            logger.warning("could not publish worker %s as suspect: %s", worker_id, exc)
 
     def ttl_s(self, config: OpenConfig) -> float:
         """TTL of the session keys: idle timeout + grace."""
@@ -72,7 +82,7 @@ class SessionStore:
         deadline = time.monotonic() + EMPTY_REGISTRY_WAIT_S
         while True:
             try:
-                return await place_session(self.redis, self.schema)
+                return await place_session(self.redis, self.schema, exclude=self.suspects())
             except CapacityExhausted:
                 if time.monotonic() >= deadline or await self.redis.zcard(self.schema.workers()):
                     raise
