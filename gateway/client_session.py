@@ -14,8 +14,10 @@ Invariants:
 - Redis is touched only at open, resume, close and restore, all through `SessionStore`
   (session_store.py); never per chunk.
 - Every chunk forwarded to the worker is in `_in_flight` until its `done` or its `error` arrives,
-  or the link is lost, in which case the client gets a `worker_unavailable` error for it: no
-  chunk is ever dropped without an answer.
+  and in the undurable tail (gateway/tail.py) until its turn is durable in the token log. When the
+  worker is lost, the chunks in flight are not failed back: the restoring worker gets the tail and
+  re-runs them, so every chunk gets exactly one `output.done` (docs/failover.md). Chunks that arrive
+  while the session moves are held in the tail and sent once it is restored.
 - Every check that can refuse a chunk runs before the chunk is forwarded; a refused chunk leaves the
   session untouched (recoverable error, socket stays open).
 - The session (`sid`) is bound in the link pool before open/attach/restore is sent, so the answer
@@ -42,6 +44,7 @@ from gateway.limits import SessionLimits, check_frame_size
 from gateway.links import Link
 from gateway.outbox import Outbox
 from gateway.services import GatewayServices
+from gateway.tail import UndurableTail
 from shared.errors import (
     BadSequence,
     CapacityExhausted,
@@ -66,6 +69,7 @@ from shared.protocol import (
     LinkDetach,
     LinkDone,
     LinkError,
+    LinkMigrate,
     LinkOpen,
     LinkOpened,
     LinkRestore,
@@ -150,6 +154,7 @@ class ClientSession:
         self._restore_task: asyncio.Task[None] | None = None
         # seq -> monotonic arrival time, for every chunk forwarded and not yet answered.
         self._in_flight: dict[int, float] = {}
+        self._tail = UndurableTail()
         self._last_done_seq: int | None = None
         # True once the worker side is over for this socket: no detach, no close to send.
         self._session_gone = False
@@ -270,8 +275,14 @@ class ClientSession:
         self._link = None
 
     async def _chunk(self, msg: InputChunk, received: float) -> None:
-        if self.phase is Phase.RESTORING:
-            raise WorkerUnavailable("the session is moving to another worker", retry_after_ms=MOVING_RETRY_MS)
+        if self.phase is Phase.RESTORING and self.sid is not None:
+            # Held, not refused: it goes to the new worker with the tail, or right after its restore.
+            if msg.seq in self._in_flight:
+                raise BadSequence(f"seq {msg.seq} is already running")
+            self._limits.admit_chunk(None if msg.tokens is None else len(msg.tokens), len(self._in_flight))
+            self._in_flight[msg.seq] = received
+            self._tail.add(chunk_to_link(self.sid, msg), sent=False)
+            return
         link, sid = self._link, self.sid
         if self.phase is not Phase.ACTIVE or link is None or sid is None:
             raise InvalidMessage(
@@ -282,12 +293,14 @@ class ClientSession:
         self._limits.admit_chunk(None if msg.tokens is None else len(msg.tokens), len(self._in_flight))
         # In flight before the write: the done can arrive while the write is still draining.
         self._in_flight[msg.seq] = received
+        frame = chunk_to_link(sid, msg)
+        self._tail.add(frame, sent=True)
         try:
-            await link.send(chunk_to_link(sid, msg))
+            await link.send(frame)
         except WorkerUnavailable:
-            # If the link loss was already handled, the client got its error for this seq then.
-            if self._in_flight.pop(msg.seq, None) is not None:
-                raise
+            # The link broke under this write: its reader restores the session, and the restoring
+            # worker gets this chunk with the tail (it may or may not have arrived here).
+            logger.info("session %s: chunk %d goes to the restoring worker", sid, msg.seq)
             return
         self._s.metrics.chunks_forwarded += 1
 
@@ -361,7 +374,13 @@ class ClientSession:
         limits = s.limits.as_map()
         last: MicroturnError | None = None
         for _ in range(PLACEMENT_ATTEMPTS):
-            placed = await s.store.place_new(sid, token, config)
+            try:
+                placed = await s.store.place_new(sid, token, config)
+            except CapacityExhausted:
+                # The workers that had room could not be reached (now suspect): that is the truth.
+                if last is not None:
+                    raise last from None
+                raise
             link = s.pool.link(placed.url, placed.record.worker)
             model = placed.record.model
 
@@ -432,20 +451,33 @@ class ClientSession:
                 last = exc
                 continue
             link = s.pool.link(placed.url, placed.record.worker)
+            tail = self._tail.snapshot()
             frame = LinkRestore(
-                sid, self._config, None, last_seq, placed.record.token_sha256, placed.record.created_ms
+                sid, self._config, None, last_seq, placed.record.token_sha256, placed.record.created_ms, tail
             )
             try:
                 opened = await self._request(sid, link, frame, reply)
+                self._tail.durable(opened.durable_seq)
+                await self._send_held(sid, link)
             except (WorkerUnavailable, CapacityExhausted) as exc:
                 logger.warning("restore of %s on %s failed (%s)", sid, placed.record.worker, exc)
                 last = exc
                 continue
             self._activate(link, placed.record, opened)
             s.metrics.sessions_restored += 1
+            s.metrics.chunks_replayed += len(tail)
             logger.info("session %s restored on %s (length %d)", sid, placed.record.worker, opened.length)
             return
         raise last
+
+    async def _send_held(self, sid: str, link: Link) -> None:
+        """Send the chunks held since the restore frame was built; the session stays RESTORING (so
+        new chunks keep being held, in order) until none is left and the link is still ours."""
+        while held := self._tail.take_unsent():
+            for chunk in held:
+                await link.send(chunk)
+        if self._s.pool.bound_link(sid, self) is not link:
+            raise WorkerUnavailable(f"link to {link.url} broke during the restore")
 
     async def _restore_after_loss(self, sid: str, record: SessionRecord) -> None:
         def restored(opened: LinkOpened) -> list[ServerMessage]:
@@ -489,6 +521,11 @@ class ClientSession:
             pending.future.set_result(frame)
         elif isinstance(frame, LinkClosed):
             self._on_closed(frame.reason)
+        elif isinstance(frame, LinkMigrate):
+            self._tail.durable(frame.durable_seq)
+            if self.phase is Phase.ACTIVE and self._link is not None:
+                self._s.metrics.sessions_migrated += 1
+                self._move(self._link, "its worker is draining")
         elif isinstance(frame, LinkError) and frame.seq is None and self._pending is not None:
             if not self._pending.future.done():
                 exc = error_from_code(frame.code, frame.message, retry_after_ms=frame.retry_after_ms)
@@ -498,8 +535,12 @@ class ClientSession:
             # after `opened`, so forwarding this one too would deliver it twice.
             logger.debug("session %s: dropping %s before opened", frame.sid, frame.op)
         elif isinstance(frame, LinkDelta):
-            self.outbox.put(delta_to_client(frame))
+            if self._tail.delta_is_new(frame):
+                self.outbox.put(delta_to_client(frame))
         elif isinstance(frame, LinkDone):
+            if not self._tail.delivered(frame):
+                logger.info("session %s: dropping a second done for seq %d", frame.sid, frame.seq)
+                return
             started = self._in_flight.pop(frame.seq, None)
             if self._last_done_seq is None or frame.seq > self._last_done_seq:
                 self._last_done_seq = frame.seq
@@ -507,6 +548,7 @@ class ClientSession:
         elif isinstance(frame, LinkError):
             if frame.seq is not None:
                 self._in_flight.pop(frame.seq, None)
+                self._tail.refused(frame.seq)
             self.outbox.put(error_to_client(frame))
             if frame.fatal:
                 self._session_gone = True
@@ -534,19 +576,21 @@ class ClientSession:
         self._fail_pending(WorkerUnavailable(f"link to {link.url} broke"))
         if self._closed_future is not None and not self._closed_future.done():
             self._closed_future.set_result(None)  # _close ends the session itself
+        self._move(link, "the link to its worker broke")
+
+    def _move(self, link: Link, why: str) -> None:
+        """Restore the session on another worker with its undurable tail (a crash or a drain)."""
         if self.phase is not Phase.ACTIVE or self.sid is None or self._record is None:
             return
-        logger.warning("session %s lost its worker at %s; restoring", self.sid, link.url)
+        logger.warning(
+            "session %s leaves worker %s (%s); restoring with %d undurable chunk(s)",
+            self.sid,
+            link.url,
+            why,
+            len(self._tail),
+        )
+        self._s.pool.unbind(self.sid, self)  # the old worker's late frames are not ours any more
         self.phase = Phase.RESTORING
-        for seq in sorted(self._in_flight):
-            self.outbox.put(
-                error_message_from(
-                    WorkerUnavailable("the worker was lost before this chunk finished; send it again"),
-                    seq,
-                    fatal=False,
-                )
-            )
-        self._in_flight.clear()
         self._restore_task = asyncio.create_task(
             self._restore_after_loss(self.sid, self._record), name=f"restore {self.sid}"
         )

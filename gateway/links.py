@@ -39,6 +39,7 @@ from shared.protocol import (
     LinkDelta,
     LinkDone,
     LinkError,
+    LinkMigrate,
     LinkOpened,
     ToGateway,
     ToWorker,
@@ -59,7 +60,7 @@ LINK_MAX_FRAME_BYTES: Final = 16 * 2**20
 LINK_PING_INTERVAL_S: Final = 5.0
 LINK_PING_TIMEOUT_S: Final = 10.0
 
-_TO_GATEWAY: Final = (LinkOpened, LinkDelta, LinkDone, LinkError, LinkClosed)
+_TO_GATEWAY: Final = (LinkOpened, LinkDelta, LinkDone, LinkError, LinkClosed, LinkMigrate)
 
 
 class LinkListener(Protocol):

@@ -25,7 +25,7 @@ gateways had given up on flushing late) and is skipped: appends are idempotent p
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
@@ -151,10 +151,15 @@ def decode_tokens(data: bytes) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class LogState:
-    """A decoded token log: the session's tokens, and the seq of the last turn it holds."""
+    """A decoded token log: the session's tokens, and the seq of the last turn it holds.
+
+    `spans` maps the seq of each record after `decode_log`'s `spans_after` to its tokens' slice
+    (start, end) in `tokens`: a restoring worker reads the output of a turn whose answer was lost.
+    """
 
     tokens: list[int]
     last_seq: int | None
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def encode_log_record(seq: int, tokens: list[int] | tuple[int, ...]) -> bytes:
@@ -167,7 +172,7 @@ def encode_log_record(seq: int, tokens: list[int] | tuple[int, ...]) -> bytes:
     return header.tobytes() + encode_tokens(list(tokens))
 
 
-def decode_log(data: bytes) -> LogState:
+def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
     """The log's bytes -> its tokens and last seq, skipping duplicate records; ValueError if corrupt.
 
     Walks the records (one step per logged turn, not per token): it runs only on restore.
@@ -175,6 +180,7 @@ def decode_log(data: bytes) -> LogState:
     view = memoryview(data)
     tokens: list[int] = []
     last_seq: int | None = None
+    spans: dict[int, tuple[int, int]] = {}
     offset = 0
     while offset < len(view):
         if len(view) - offset < RECORD_HEADER_BYTES:
@@ -187,7 +193,10 @@ def decode_log(data: bytes) -> LogState:
             raise ValueError(f"token log truncated in the record at byte {body_start - RECORD_HEADER_BYTES}")
         if seq != NO_SEQ and last_seq is not None and seq <= last_seq:
             continue  # a duplicate of a turn already read
+        start = len(tokens)
         tokens.extend(decode_tokens(bytes(view[body_start:offset])))
         if seq != NO_SEQ:
             last_seq = seq
-    return LogState(tokens, last_seq)
+            if spans_after is not None and seq > spans_after:
+                spans[seq] = (start, len(tokens))
+    return LogState(tokens, last_seq, spans)

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from shared.protocol.link import LinkChunk, LinkDone, ToGateway
 from shared.protocol.messages import OpenConfig
+from worker.server.restore import RestorePlan
 
 REPLAY_DONES = 32
 
@@ -39,6 +40,8 @@ class SessionBinding:
     config: OpenConfig = field(default_factory=OpenConfig)
     token_sha256: str | None = None
     created_ms: int = 0
+    # Set while a restore opens the session: what `opened` still has to log, answer and run.
+    restore: RestorePlan | None = None
 
     def send(self, frame: ToGateway) -> None:
         if self.link is not None:

@@ -12,12 +12,12 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 import redis.asyncio as redis
 
 from shared.errors import InternalError, InvalidMessage, MicroturnError, SessionNotFound, WorkerUnavailable
-from shared.protocol.codec import config_to_map
 from shared.protocol.link import (
     LinkAttach,
     LinkCancel,
@@ -34,13 +34,15 @@ from shared.protocol.link import (
     link_error_from,
 )
 from shared.protocol.messages import CloseReason, OpenConfig
-from shared.redis_schema import KeySchema, decode_log
-from shared.registry import HeldSession, SessionRecord, read_log_bytes
+from shared.redis_schema import NO_SEQ, KeySchema, encode_log_record
+from shared.registry import HeldSession, read_log_bytes
 from shared.settings import WorkerSettings
 from worker.engine import Engine, TokenDelta, TurnResult
 from worker.server.detokenize import IncrementalDecoder
 from worker.server.directory import LinkPeer, SessionBinding, SessionDirectory
+from worker.server.handover import held_sessions, migrate_all
 from worker.server.metrics import WorkerMetrics
+from worker.server.restore import RestorePlan, plan_restore
 from worker.server.token_log import TokenLogWriter
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,7 @@ class WorkerService:
         *,
         last_seq: int | None,
         log: bytes = b"",
+        plan: RestorePlan | None = None,
     ) -> None:
         sid, config = frame.sid, frame.config
         if self.draining:
@@ -134,8 +137,11 @@ class WorkerService:
         binding.config = config
         binding.token_sha256 = frame.token_sha256
         binding.created_ms = frame.created_ms or time.time_ns() // 1_000_000
+        binding.restore = plan
+        if plan is not None:
+            binding.waiting = list(plan.rerun)  # run first, in seq order, once the session is open
         self.directory.add(binding)
-        self.token_log.start(sid, log, last_seq)
+        self.token_log.start(sid, log, None if plan is None else plan.log_last_seq)
         try:
             _sid, future = self.engine.open_session_async(
                 session_id=sid,
@@ -162,7 +168,19 @@ class WorkerService:
                 )
             return
         binding.ready = True
-        binding.send(LinkOpened(binding.sid, binding.length, binding.last_seq))
+        plan, binding.restore = binding.restore, None
+        if plan is not None:
+            for seq, tokens in plan.forced:  # delivered turns the log lacked: now in the history
+                self.token_log.append(binding.sid, seq, tokens, binding.idle_timeout_s)
+        durable = self.token_log.durable_seq(binding.sid)
+        binding.send(LinkOpened(binding.sid, binding.length, binding.last_seq, durable))
+        if plan is not None:
+            for answer in plan.answers:  # turns the log holds whose done the client never got
+                tokenizer = self.engine.tokenizer
+                text = tokenizer.decode(list(answer.tokens)) if tokenizer is not None else None
+                done = replace(answer, text=text, durable_seq=durable)
+                binding.replay.append(done)
+                binding.send(done)
         waiting, binding.waiting = binding.waiting, []
         for chunk in waiting:
             self._chunk(chunk, binding.link)
@@ -176,7 +194,8 @@ class WorkerService:
             return
         self._bind(binding, link)
         if binding.ready:
-            link.send(LinkOpened(binding.sid, binding.length, binding.last_seq))
+            durable = self.token_log.durable_seq(binding.sid)
+            link.send(LinkOpened(binding.sid, binding.length, binding.last_seq, durable))
             for done in binding.missed(frame.last_seq):
                 link.send(done)
 
@@ -193,22 +212,54 @@ class WorkerService:
             self._attach(link, LinkAttach(frame.sid, frame.last_seq))
             return
         if frame.tokens is not None:
-            self._open(link, frame, list(frame.tokens), last_seq=frame.last_seq)
+            self._rebuild(link, frame, encode_log_record(NO_SEQ, frame.tokens))
             return
         self.loop.create_task(self._restore_from_log(link, frame))
 
     async def _restore_from_log(self, link: LinkPeer, frame: LinkRestore) -> None:
         try:
             data = await read_log_bytes(self.redis, self.schema, frame.sid)
-            state = decode_log(data)
-        except (redis.RedisError, ValueError) as exc:
+        except redis.RedisError as exc:
             logger.warning("reading the token log of %s failed: %s", frame.sid, exc)
             self._send_error(
                 link, frame.sid, WorkerUnavailable("the token log could not be read"), fatal=True
             )
             return
-        logger.info("restoring session %s from its log of %d tokens", frame.sid, len(state.tokens))
-        self._open(link, frame, state.tokens, last_seq=frame.last_seq, log=data)
+        self._rebuild(link, frame, data)
+
+    def _rebuild(self, link: LinkPeer, frame: LinkRestore, log: bytes) -> None:
+        """Open the session from its log plus the gateway's undurable tail (worker/server/restore.py)."""
+        out = frame.config.max_output_tokens
+        try:
+            plan = plan_restore(
+                log, frame.tail, frame.last_seq, chunk_inputs=self._chunk_inputs, max_output_tokens=out
+            )
+        except ValueError as exc:
+            logger.error("session %s cannot be restored: %s", frame.sid, exc)
+            corrupt = SessionNotFound("the session's token log is corrupt")
+            self._send_error(link, frame.sid, corrupt, fatal=True)
+            return
+        except MicroturnError as error:
+            self._send_error(link, frame.sid, error, fatal=True)
+            return
+        logger.info(
+            "restoring session %s: %d tokens (log to seq %s), %d delivered turns forced, %d chunks re-run",
+            frame.sid,
+            len(plan.history),
+            plan.log_last_seq,
+            len(plan.forced),
+            len(plan.rerun),
+        )
+        self._open(link, frame, plan.history, last_seq=plan.last_seq, log=log, plan=plan)
+
+    def _chunk_inputs(self, chunk: LinkChunk) -> list[int]:
+        """A chunk's input tokens as the engine appends them (text through the model's tokenizer)."""
+        if chunk.tokens is not None:
+            return list(chunk.tokens)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or chunk.text is None:
+            raise InvalidMessage("a text chunk on a model without a tokenizer")
+        return list(tokenizer.encode(chunk.text))
 
     def _close(self, link: LinkPeer, sid: str) -> None:
         binding = self.directory.remove(sid)
@@ -290,6 +341,7 @@ class WorkerService:
             compute_ms=result.compute_ms,
             length=result.length,
             logprobs=result.logprobs,
+            durable_seq=self.token_log.durable_seq(binding.sid),
         )
         binding.record(done)
         binding.send(done)
@@ -326,35 +378,11 @@ class WorkerService:
         if link is not None:
             link.send(link_error_from(sid, error, seq, fatal=fatal))
 
-    # ---- Redis lost its data ------------------------------------------------------------------
+    # ---- Redis lost its data, draining (worker/server/handover.py) ------------------------------
 
     def held_sessions(self) -> list[HeldSession]:
-        """The record and whole log of every session held here, as Redis should hold them."""
-        logs = self.token_log.held_logs()
-        held: list[HeldSession] = []
-        for sid, binding in self.directory.bindings.items():
-            if binding.token_sha256 is None or sid not in logs:
-                continue  # opened by a gateway that sent no record: nothing to re-write it from
-            record = SessionRecord(
-                worker=self.token_log.worker_id,
-                token_sha256=binding.token_sha256,
-                model=self.engine.model_config.name,
-                created_ms=binding.created_ms,
-                last_seq=binding.last_seq if binding.last_seq is not None else 0,
-                config=config_to_map(binding.config),
-            )
-            ttl_s = binding.idle_timeout_s + self.settings.session_grace_s
-            held.append(HeldSession(sid, record, logs[sid], ttl_s))
-        return held
-
-    # ---- draining -----------------------------------------------------------------------------
+        return held_sessions(self)
 
     async def drain(self) -> None:
-        """Stop taking sessions and end every one, telling its client (`evicted`)."""
-        self.draining = True
-        sids = list(self.directory.bindings)
-        for sid in sids:
-            binding = self.directory.remove(sid)
-            await asyncio.wrap_future(self.engine.close_session_async(sid, "closed"))
-            await self._forget_then_tell(binding.link if binding else None, sid, "evicted")
-        logger.info("drained %d sessions", len(sids))
+        """Stop taking sessions and hand each one over to its gateway (`migrate`)."""
+        await migrate_all(self)

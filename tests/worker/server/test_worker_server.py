@@ -24,6 +24,7 @@ from shared.protocol.link import (
     LinkDone,
     LinkError,
     LinkFrame,
+    LinkMigrate,
     LinkOpen,
     LinkOpened,
     LinkRestore,
@@ -162,7 +163,8 @@ def test_restore_rebuilds_from_the_token_log_on_another_worker(
             await asyncio.sleep(0.2)  # appends are batched after the reply
             assert await read_log(client, SCHEMA, "t3") == sequence
             await b.send(LinkRestore("t3", CONFIG, None, last_seq=4))
-            assert await b.recv() == LinkOpened("t3", len(sequence), 4)
+            # durable_seq: the log it was rebuilt from holds every turn up to seq 4.
+            assert await b.recv() == LinkOpened("t3", len(sequence), 4, 4)
             _, original = await a.turn(chunk("t3", 5, (1, 2)))
             _, rebuilt = await b.turn(chunk("t3", 5, (1, 2)))
             assert rebuilt.tokens == original.tokens and rebuilt.length == original.length
@@ -242,17 +244,21 @@ def test_link_secret_is_required_when_set(redis_url: str, workdir: Path) -> None
         asyncio.run(run(worker))
 
 
-def test_sigterm_drains_tells_sessions_and_leaves_the_registry(redis_url: str, workdir: Path) -> None:
+def test_sigterm_drains_hands_sessions_over_and_leaves_the_registry(redis_url: str, workdir: Path) -> None:
+    """Drain migrates (docs/failover.md): instead of ending each session (`closed: evicted`, the old
+    behaviour), the worker makes its log durable and tells the gateway to restore it elsewhere."""
+
     async def run(worker: Proc) -> None:
         client = redis.from_url(redis_url, decode_responses=False)
         assert await read_worker(client, SCHEMA, "w-drain") is not None
         async with link_to(worker) as connection:
             link = Link(connection)
-            await link.send(LinkOpen("t7", CONFIG))
+            await link.send(LinkOpen("t7", CONFIG, (), "0" * 64, 1))
             await link.recv()
-            await link.turn(chunk("t7", 1, (1, 2)))
+            _, done = await link.turn(chunk("t7", 1, (1, 2)))
             worker.popen.send_signal(signal.SIGTERM)
-            assert await link.recv() == LinkClosed("t7", "evicted")
+            assert await link.recv() == LinkMigrate("t7", 1)  # the log holds seq 1 already
+            assert await read_log(client, SCHEMA, "t7") == [1, 2, *done.tokens]
         assert worker.popen.wait(20) == 0
         assert await read_worker(client, SCHEMA, "w-drain") is None
         assert await client.zscore(SCHEMA.workers(), "w-drain") is None
