@@ -162,6 +162,9 @@ class Link:
             return ws
 
     async def _read(self, ws: ClientConnection) -> None:
+        # A worker that closes the link itself (a drain: uvicorn's 1012 "service restart") is alive
+        # and already out of placement (`draining`); one that vanished sent no close frame.
+        graceful = False
         try:
             async for data in ws:
                 try:
@@ -175,6 +178,7 @@ class Link:
                     continue
                 self._pool.dispatch(self, frame)
         except ConnectionClosed as exc:
+            graceful = exc.rcvd is not None
             logger.warning("link to %s closed: %s", self.url, exc)
         except Exception:
             logger.exception("link reader for %s crashed", self.url)
@@ -184,7 +188,7 @@ class Link:
                 await ws.close()
                 if not self._pool.closing:
                     self._pool.metrics.link_failures += 1
-                    self._pool.link_lost(self)
+                    self._pool.link_lost(self, suspect=not graceful)
 
     async def close(self) -> None:
         ws, self._ws = self._ws, None
@@ -231,7 +235,8 @@ class LinkPool:
                 self.on_suspect(worker_id)
 
     def trust(self, worker_id: str) -> None:
-        """A link to `worker_id` just opened: it is alive, whatever this gateway thought."""
+        """A link to `worker_id` just opened (it is alive), or its suspect key is now in Redis (which
+        a fresh registration of the worker clears: the local mark must not outlive that)."""
         self._suspects.pop(worker_id, None)
 
     def suspects(self) -> list[str]:
@@ -280,8 +285,9 @@ class LinkPool:
         except Exception:
             logger.exception("listener of session %s failed on %s", frame.sid, frame.op)
 
-    def link_lost(self, link: Link) -> None:
-        self.suspect(link.worker_id)
+    def link_lost(self, link: Link, *, suspect: bool = True) -> None:
+        if suspect:
+            self.suspect(link.worker_id)
         lost = [(sid, b[0]) for sid, b in self._bindings.items() if b[1] is link]
         for sid, _ in lost:
             del self._bindings[sid]

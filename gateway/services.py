@@ -40,8 +40,12 @@ class GatewayServices:
         self.pool.on_suspect = self._publish_suspect
         self._background: set[asyncio.Task[None]] = set()
 
+    async def _suspect_everywhere(self, worker_id: str) -> None:
+        if await self.store.mark_suspect(worker_id):
+            self.pool.trust(worker_id)  # Redis holds the suspicion now, for every gateway
+
     def _publish_suspect(self, worker_id: str) -> None:
         """Tell the other gateways (a Redis key placement honours); never blocks the link reader."""
-        task = asyncio.get_running_loop().create_task(self.store.mark_suspect(worker_id))
+        task = asyncio.get_running_loop().create_task(self._suspect_everywhere(worker_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)

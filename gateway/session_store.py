@@ -60,11 +60,14 @@ class SessionStore:
         # The workers this gateway suspects (LinkPool.suspects): placement skips them.
         self.suspects: Callable[[], Collection[str]] = tuple
 
-    async def mark_suspect(self, worker_id: str) -> None:
+    async def mark_suspect(self, worker_id: str) -> bool:
+        """Publish the suspicion for every gateway; False when Redis could not take it."""
         try:
             await mark_suspect(self.redis, self.schema, worker_id)
         except RedisError as exc:  # this gateway still skips it; the others wait for its hash TTL
             logger.warning("could not publish worker %s as suspect: %s", worker_id, exc)
+            return False
+        return True
 
     def ttl_s(self, config: OpenConfig) -> float:
         """TTL of the session keys: idle timeout + grace."""

@@ -62,6 +62,7 @@ async def migrate_all(service: WorkerService) -> tuple[int, int]:
     bindings = list(service.directory.bindings.values())
     for binding in bindings:
         service.directory.remove(binding.sid)
+        service.handing_over.add(binding.sid)
     links = {}
     for binding in bindings:
         link, binding.link = binding.link, None

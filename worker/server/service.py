@@ -84,6 +84,8 @@ class WorkerService:
         self.token_log = TokenLogWriter(client, schema, grace_s=settings.session_grace_s, worker_id=worker_id)
         self.metrics = WorkerMetrics()
         self.draining = False
+        # Sessions a drain is handing over: chunks that still arrive for them are not answered here.
+        self.handing_over: set[str] = set()
         engine.add_close_listener(self._engine_closed_threadsafe)
 
     # ---- frames from a link -------------------------------------------------------------------
@@ -291,6 +293,8 @@ class WorkerService:
 
     def _chunk(self, frame: LinkChunk, link: LinkPeer | None) -> None:
         binding = self.directory.get(frame.sid)
+        if binding is None and frame.sid in self.handing_over:
+            return  # the gateway has it in its tail: it runs on the session's next worker
         if binding is None:
             missing = SessionNotFound(f"no session {frame.sid} on this worker")
             self._send_error(link, frame.sid, missing, seq=frame.seq, fatal=True)
