@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
 import uuid
@@ -43,6 +42,7 @@ from starlette.websockets import WebSocket
 from gateway.limits import SessionLimits, check_frame_size
 from gateway.links import Link
 from gateway.outbox import Outbox
+from gateway.restore_flow import Phase, RestoreFlow, SessionEnded
 from gateway.services import GatewayServices
 from gateway.tail import UndurableTail
 from shared.errors import (
@@ -72,7 +72,6 @@ from shared.protocol import (
     LinkMigrate,
     LinkOpen,
     LinkOpened,
-    LinkRestore,
     OpenConfig,
     OutputCancel,
     Ping,
@@ -102,7 +101,6 @@ logger = logging.getLogger(__name__)
 # Workers tried for one open or restore before giving up (placement charges each pick, so a dead
 # worker that is still registered loses the next pick to a live one).
 PLACEMENT_ATTEMPTS: Final = 3
-RESTORE_BACKOFF_S: Final = (0.0, 0.25, 0.5, 1.0)
 # What a client is told to wait before resending a chunk refused because its session is moving.
 MOVING_RETRY_MS: Final = 250
 # How long a fatal error and its close may take to go out once the receive loop has stopped.
@@ -116,19 +114,6 @@ def _frame_bytes(data: str | bytes, limit: int) -> int:
     return len(data.encode())
 
 
-class Phase(enum.Enum):
-    IDLE = "idle"  # no session yet: open or resume
-    OPENING = "opening"  # open or resume in progress
-    ACTIVE = "active"
-    RESTORING = "restoring"  # the worker was lost; moving to another one
-    CLOSING = "closing"  # session.close sent to the worker
-    ENDED = "ended"  # the socket is closing
-
-
-class SessionEnded(Exception):
-    """The session ended (closed, taken over) while a request for it was in flight: already told."""
-
-
 @dataclass(slots=True)
 class _Pending:
     """An open/attach/restore awaiting `opened`; `reply` builds the client's answer from it."""
@@ -137,7 +122,7 @@ class _Pending:
     reply: Callable[[LinkOpened], list[ServerMessage]]
 
 
-class ClientSession:
+class ClientSession(RestoreFlow):
     def __init__(self, ws: WebSocket, encoding: Encoding, services: GatewayServices) -> None:
         self._ws = ws
         self._encoding = encoding
@@ -432,79 +417,6 @@ class ClientSession:
         await self._restore(sid, record, resumed_elsewhere, msg.last_seq)
         s.metrics.sessions_resumed += 1
 
-    async def _restore(
-        self,
-        sid: str,
-        record: SessionRecord,
-        reply: Callable[[LinkOpened], list[ServerMessage]],
-        last_seq: int | None,
-    ) -> None:
-        """Place the session on a live worker and rebuild it there from its token log."""
-        s = self._s
-        last: MicroturnError = WorkerUnavailable("no worker could take the session")
-        for delay in RESTORE_BACKOFF_S:
-            if delay:
-                await asyncio.sleep(delay)
-            try:
-                placed = await s.store.move(sid, record, self._config)
-            except CapacityExhausted as exc:
-                last = exc
-                continue
-            link = s.pool.link(placed.url, placed.record.worker)
-            tail = self._tail.snapshot()
-            frame = LinkRestore(
-                sid, self._config, None, last_seq, placed.record.token_sha256, placed.record.created_ms, tail
-            )
-            try:
-                opened = await self._request(sid, link, frame, reply)
-                self._tail.durable(opened.durable_seq)
-                await self._send_held(sid, link)
-            except (WorkerUnavailable, CapacityExhausted) as exc:
-                logger.warning("restore of %s on %s failed (%s)", sid, placed.record.worker, exc)
-                last = exc
-                continue
-            self._activate(link, placed.record, opened)
-            s.metrics.sessions_restored += 1
-            s.metrics.chunks_replayed += len(tail)
-            logger.info("session %s restored on %s (length %d)", sid, placed.record.worker, opened.length)
-            return
-        raise last
-
-    async def _send_held(self, sid: str, link: Link) -> None:
-        """Send the chunks held since the restore frame was built; the session stays RESTORING (so
-        new chunks keep being held, in order) until none is left and the link is still ours."""
-        while held := self._tail.take_unsent():
-            for chunk in held:
-                await link.send(chunk)
-        if self._s.pool.bound_link(sid, self) is not link:
-            raise WorkerUnavailable(f"link to {link.url} broke during the restore")
-
-    async def _restore_after_loss(self, sid: str, record: SessionRecord) -> None:
-        def restored(opened: LinkOpened) -> list[ServerMessage]:
-            return [SessionRestored(sid, opened.length)]
-
-        try:
-            await self._restore(sid, record, restored, self._last_done_seq)
-        except SessionEnded:
-            pass
-        except MicroturnError as exc:
-            # Fatal for this socket, not for the session: its record and log stay, so a later
-            # session.resume (when a worker has room again) restores it.
-            logger.warning("could not restore session %s: %s", sid, exc)
-            self._s.pool.unbind(sid, self)
-            self._session_gone = True
-            self._error(exc, fatal=True)
-        except RedisError as exc:
-            logger.warning("session store error while restoring %s: %r", sid, exc)
-            self._session_gone = True
-            self._error(
-                WorkerUnavailable("the session store is unavailable", retry_after_ms=1000), fatal=True
-            )
-        except Exception:
-            logger.exception("restore of session %s crashed", sid)
-            self._session_gone = True
-            self._error(InternalError("internal gateway error"), fatal=True)
-
     # ---- worker frames (called by the link reader: no awaiting here) --------------------------
 
     def on_frame(self, frame: ToGateway) -> None:
@@ -571,29 +483,6 @@ class ClientSession:
         # binding stays on the same link), so this is the same as its closed(taken_over).
         logger.info("session %s taken over by another socket", self.sid)
         self._on_closed("taken_over")
-
-    def on_link_lost(self, link: Link) -> None:
-        self._fail_pending(WorkerUnavailable(f"link to {link.url} broke"))
-        if self._closed_future is not None and not self._closed_future.done():
-            self._closed_future.set_result(None)  # _close ends the session itself
-        self._move(link, "the link to its worker broke")
-
-    def _move(self, link: Link, why: str) -> None:
-        """Restore the session on another worker with its undurable tail (a crash or a drain)."""
-        if self.phase is not Phase.ACTIVE or self.sid is None or self._record is None:
-            return
-        logger.warning(
-            "session %s leaves worker %s (%s); restoring with %d undurable chunk(s)",
-            self.sid,
-            link.url,
-            why,
-            len(self._tail),
-        )
-        self._s.pool.unbind(self.sid, self)  # the old worker's late frames are not ours any more
-        self.phase = Phase.RESTORING
-        self._restore_task = asyncio.create_task(
-            self._restore_after_loss(self.sid, self._record), name=f"restore {self.sid}"
-        )
 
     def _fail_pending(self, exc: BaseException) -> None:
         if self._pending is not None and not self._pending.future.done():
