@@ -107,6 +107,8 @@ class Streamer:
     notices: list[ServerMessage] = field(default_factory=list)  # other unsolicited messages
     closed: SessionClosed | None = None
     sent: int = 0
+    first_sent_at: float = 0.0
+    last_done_at: float = 0.0
     _answered: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
@@ -128,6 +130,8 @@ class Streamer:
                 self._answered.clear()
                 await asyncio.wait_for(self._answered.wait(), 60)
             self.sent += 1
+            if self.sent == 1:
+                self.first_sent_at = time.monotonic()
             await self.client.send_chunk(self.sent, tokens=chunks[self.sent - 1])
             await asyncio.sleep(self.period_s)
 
@@ -141,6 +145,7 @@ class Streamer:
                 return
             if isinstance(msg, OutputDone):
                 self.dones.setdefault(msg.seq, []).append(msg)
+                self.last_done_at = time.monotonic()
                 self._answered.set()
             elif isinstance(msg, Error):
                 self.errors.append(msg)
@@ -170,19 +175,23 @@ class Tally:
     lost: int  # chunks with no output.done (an error answer counts as lost)
     duplicated: int  # chunks with more than one output.done
     identical: int  # sessions whose outputs equal the uninterrupted reference
-    restored: int  # session.restored / session.migrated notices received
+    restored: int  # session.restored notices received
+    chunks_per_s: float  # answered chunks per second per session, averaged over the sessions
 
     def line(self, name: str) -> str:
         return (
             f"[fault] {name}: sessions={self.sessions} continued={self.continued} lost_turns={self.lost} "
             f"duplicate_answers={self.duplicated} identical_to_reference={self.identical} "
-            f"restores={self.restored}"
+            f"restores={self.restored} chunks_per_s_per_session={self.chunks_per_s:.1f}"
         )
 
 
 def tally(streamers: list[Streamer], expected: dict[int, list[list[int]]]) -> Tally:
     lost = duplicated = identical = continued = restored = 0
+    rates = []
     for s in streamers:
+        if s.last_done_at > s.first_sent_at:
+            rates.append(len(s.dones) / (s.last_done_at - s.first_sent_at))
         counts = Counter({seq: len(s.dones.get(seq, [])) for seq in range(1, s.turns + 1)})
         lost += sum(1 for n in counts.values() if n == 0)
         duplicated += sum(1 for n in counts.values() if n > 1)
@@ -191,4 +200,5 @@ def tally(streamers: list[Streamer], expected: dict[int, list[list[int]]]) -> Ta
         if s.outputs() == expected[s.seed][: s.turns] and len(s.outputs()) == s.turns:
             identical += 1
         restored += len(s.restored)
-    return Tally(len(streamers), continued, lost, duplicated, identical, restored)
+    rate = sum(rates) / len(rates) if rates else 0.0
+    return Tally(len(streamers), continued, lost, duplicated, identical, restored, rate)
