@@ -101,7 +101,8 @@ logger = logging.getLogger(__name__)
 # Workers tried for one open or restore before giving up (placement charges each pick, so a dead
 # worker that is still registered loses the next pick to a live one).
 PLACEMENT_ATTEMPTS: Final = 3
-# What a client is told to wait before resending a chunk refused because its session is moving.
+# What a client is told to wait before resending an `output.cancel` refused while its session moves
+# (chunks are held then, not refused).
 MOVING_RETRY_MS: Final = 250
 # How long a fatal error and its close may take to go out once the receive loop has stopped.
 CLOSE_FLUSH_S: Final = 5.0
