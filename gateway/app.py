@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 from importlib import resources
 from urllib.parse import urlsplit, urlunsplit
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -38,6 +37,7 @@ from gateway.services import GatewayServices
 from gateway.session_auth import UNAUTHORIZED_MESSAGE, Principal
 from shared.errors import ErrorCode, MicroturnError, Unauthorized, WorkerUnavailable
 from shared.protocol import Encoding, close_code_for, encode_server, error_message_from
+from shared.redis_client import resilient_redis
 from shared.settings import GatewaySettings, is_loopback_host
 
 logger = logging.getLogger(__name__)
@@ -156,13 +156,7 @@ def _warn_if_open(settings: GatewaySettings) -> None:
 def create_app(settings: GatewaySettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        redis = Redis.from_url(
-            settings.redis_url,
-            decode_responses=False,
-            socket_connect_timeout=_READY_TIMEOUT_S,
-            socket_timeout=_READY_TIMEOUT_S * 5,
-            health_check_interval=30,
-        )
+        redis = resilient_redis(settings.redis_url)  # recovers on first use after a Redis restart
         gateway_metrics = GatewayMetrics()
         pool = LinkPool(
             gateway_metrics,

@@ -19,8 +19,10 @@ Invariants:
 - With auth on, `SessionAuth` (session_auth.py) holds the session's slot among its key's sessions
   from open/resume until the socket ends, whatever ends it; per chunk it only compares two numbers.
 - Every chunk forwarded to the worker is in `_in_flight` until its `done` or its `error` arrives,
-  or the link is lost, in which case the client gets a `worker_unavailable` error for it: no
-  chunk is ever dropped without an answer.
+  and in the undurable tail (gateway/tail.py) until its turn is durable in the token log. When the
+  worker is lost, the chunks in flight are not failed back: the restoring worker gets the tail and
+  re-runs them, so every chunk gets exactly one `output.done` (docs/failover.md). Chunks that arrive
+  while the session moves are held in the tail and sent once it is restored.
 - Every check that can refuse a chunk runs before the chunk is forwarded; a refused chunk leaves the
   session untouched (recoverable error, socket stays open).
 - The session (`sid`) is bound in the link pool before open/attach/restore is sent, so the answer
@@ -44,9 +46,11 @@ from starlette.websockets import WebSocket
 from gateway.limits import SessionLimits, check_frame_size
 from gateway.links import Link
 from gateway.outbox import Outbox
+from gateway.restore_flow import Phase, SessionEnded
 from gateway.services import GatewayServices
 from gateway.session_auth import Principal, SessionAuth
-from gateway.session_flows import PendingOpen, Phase, SessionEnded, SessionFlows
+from gateway.session_flows import PendingOpen, SessionFlows
+from gateway.tail import UndurableTail
 from shared.errors import (
     BadSequence,
     InternalError,
@@ -69,6 +73,7 @@ from shared.protocol import (
     LinkDetach,
     LinkDone,
     LinkError,
+    LinkMigrate,
     LinkOpened,
     OpenConfig,
     OutputCancel,
@@ -85,14 +90,14 @@ from shared.protocol import (
     decode_client,
     delta_to_client,
     done_to_client,
-    error_message_from,
     error_to_client,
 )
 from shared.registry import SessionRecord
 
 logger = logging.getLogger(__name__)
 
-# What a client is told to wait before resending a chunk refused because its session is moving.
+# What a client is told to wait before resending an `output.cancel` refused while its session moves
+# (chunks are held then, not refused).
 MOVING_RETRY_MS: Final = 250
 # How long a fatal error and its close may take to go out once the receive loop has stopped.
 CLOSE_FLUSH_S: Final = 5.0
@@ -130,6 +135,7 @@ class ClientSession(SessionFlows):
         self._restore_task: asyncio.Task[None] | None = None
         # seq -> monotonic arrival time, for every chunk forwarded and not yet answered.
         self._in_flight: dict[int, float] = {}
+        self._tail = UndurableTail()
         self._last_done_seq: int | None = None
         # True once the worker side is over for this socket: no detach, no close to send.
         self._session_gone = False
@@ -248,13 +254,33 @@ class ClientSession(SessionFlows):
         self._link = None
 
     async def _chunk(self, msg: InputChunk, received: float) -> None:
-        if self.phase is Phase.RESTORING:
-            raise WorkerUnavailable("the session is moving to another worker", retry_after_ms=MOVING_RETRY_MS)
+        if self.phase is Phase.RESTORING and self.sid is not None:
+            # Held, not refused: it goes to the new worker with the tail, or right after its restore.
+            self._admit(msg)
+            self._in_flight[msg.seq] = received
+            self._tail.add(chunk_to_link(self.sid, msg), sent=False)
+            return
         link, sid = self._link, self.sid
         if self.phase is not Phase.ACTIVE or link is None or sid is None:
             raise InvalidMessage(
                 f"no active session ({self.phase.value}): send session.open or session.resume first"
             )
+        self._admit(msg)
+        # In flight before the write: the done can arrive while the write is still draining.
+        self._in_flight[msg.seq] = received
+        frame = chunk_to_link(sid, msg)
+        self._tail.add(frame, sent=True)
+        try:
+            await link.send(frame)
+        except WorkerUnavailable:
+            # The link broke under this write: its reader restores the session, and the restoring
+            # worker gets this chunk with the tail (it may or may not have arrived here).
+            logger.info("session %s: chunk %d goes to the restoring worker", sid, msg.seq)
+            return
+        self._s.metrics.chunks_forwarded += 1
+
+    def _admit(self, msg: InputChunk) -> None:
+        """Every check that can refuse a chunk; raises having changed nothing, or charges its limits."""
         if msg.seq in self._in_flight:
             raise BadSequence(f"seq {msg.seq} is already running")
         if self._auth is not None:
@@ -268,17 +294,6 @@ class ClientSession(SessionFlows):
             text_chars=len(msg.text or ""),
             wants_output=wants_output,
         )
-        # In flight before the write: the done can arrive while the write is still draining.
-        self._in_flight[msg.seq] = received
-        try:
-            await link.send(chunk_to_link(sid, msg))
-        except WorkerUnavailable:
-            # If the link loss was already handled, the client got its error for this seq then.
-            if self._in_flight.pop(msg.seq, None) is not None:
-                self._limits.settle(msg.seq)
-                raise
-            return
-        self._s.metrics.chunks_forwarded += 1
 
     async def _cancel(self, msg: OutputCancel) -> None:
         if self.phase is Phase.RESTORING:
@@ -329,6 +344,11 @@ class ClientSession(SessionFlows):
             pending.future.set_result(frame)
         elif isinstance(frame, LinkClosed):
             self._on_closed(frame.reason)
+        elif isinstance(frame, LinkMigrate):
+            self._tail.durable(frame.durable_seq)
+            if self.phase is Phase.ACTIVE and self._link is not None:
+                self._s.metrics.sessions_migrated += 1
+                self._move(self._link, "its worker is draining")
         elif isinstance(frame, LinkError) and frame.seq is None and self._pending is not None:
             if not self._pending.future.done():
                 exc = error_from_code(frame.code, frame.message, retry_after_ms=frame.retry_after_ms)
@@ -338,8 +358,12 @@ class ClientSession(SessionFlows):
             # after `opened`, so forwarding this one too would deliver it twice.
             logger.debug("session %s: dropping %s before opened", frame.sid, frame.op)
         elif isinstance(frame, LinkDelta):
-            self.outbox.put(delta_to_client(frame))
+            if self._tail.delta_is_new(frame):
+                self.outbox.put(delta_to_client(frame))
         elif isinstance(frame, LinkDone):
+            if not self._tail.delivered(frame):
+                logger.info("session %s: dropping a second done for seq %d", frame.sid, frame.seq)
+                return
             started = self._in_flight.pop(frame.seq, None)
             self._limits.settle(frame.seq)
             if self._last_done_seq is None or frame.seq > self._last_done_seq:
@@ -353,6 +377,7 @@ class ClientSession(SessionFlows):
             if frame.seq is not None:
                 self._in_flight.pop(frame.seq, None)
                 self._limits.settle(frame.seq)
+                self._tail.refused(frame.seq)
             self.outbox.put(error_to_client(frame))
             if frame.fatal:
                 self._session_gone = True
@@ -375,31 +400,6 @@ class ClientSession(SessionFlows):
         # binding stays on the same link), so this is the same as its closed(taken_over).
         logger.info("session %s taken over by another socket", self.sid)
         self._on_closed("taken_over")
-
-    def on_link_lost(self, link: Link) -> None:
-        self._fail_pending(WorkerUnavailable(f"link to {link.url} broke"))
-        if self._closed_future is not None and not self._closed_future.done():
-            self._closed_future.set_result(None)  # _close ends the session itself
-        if self.phase is not Phase.ACTIVE or self.sid is None or self._record is None:
-            return
-        logger.warning("session %s lost its worker at %s; restoring", self.sid, link.url)
-        self.phase = Phase.RESTORING
-        for seq in sorted(self._in_flight):
-            self.outbox.put(
-                error_message_from(
-                    WorkerUnavailable(
-                        "the worker was lost before this chunk finished; send it again",
-                        retry_after_ms=MOVING_RETRY_MS,
-                    ),
-                    seq,
-                    fatal=False,
-                )
-            )
-        self._in_flight.clear()
-        self._limits.settle_all()
-        self._restore_task = asyncio.create_task(
-            self._restore_after_loss(self.sid, self._record), name=f"restore {self.sid}"
-        )
 
     # ---- credential limits (called by SessionAuth's timers and on_done: no awaiting here) ----------
 

@@ -11,6 +11,9 @@ link is shared, so everything here is written so that one session cannot stall a
   elsewhere) instead of piling up on a dead worker.
 - When a link breaks, every session bound to it is told (`on_link_lost`), exactly once, and its
   binding is removed; the session restores itself on another worker (client_session.py).
+- A worker whose link broke or cannot be reached is *suspect* at once (docs/failover.md): this
+  gateway's placement skips it for `SUSPECT_TTL_S`, and `on_suspect` tells the other gateways
+  (a short-lived Redis key that placement honours), so a restore lands elsewhere on the first try.
 
 Bindings live in the pool, not in the link: a session is bound to exactly one (listener, link)
 pair on this gateway. A frame that arrives on any other link for that sid (e.g. the old worker's
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Final, Protocol
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -29,11 +33,13 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from gateway.metrics import GatewayMetrics
 from shared.errors import InvalidMessage, WorkerUnavailable
+from shared.placement import SUSPECT_TTL_S
 from shared.protocol import (
     LinkClosed,
     LinkDelta,
     LinkDone,
     LinkError,
+    LinkMigrate,
     LinkOpened,
     ToGateway,
     ToWorker,
@@ -54,7 +60,7 @@ LINK_MAX_FRAME_BYTES: Final = 16 * 2**20
 LINK_PING_INTERVAL_S: Final = 5.0
 LINK_PING_TIMEOUT_S: Final = 10.0
 
-_TO_GATEWAY: Final = (LinkOpened, LinkDelta, LinkDone, LinkError, LinkClosed)
+_TO_GATEWAY: Final = (LinkOpened, LinkDelta, LinkDone, LinkError, LinkClosed, LinkMigrate)
 
 
 class LinkListener(Protocol):
@@ -78,8 +84,9 @@ def link_endpoint(url: str) -> str:
 class Link:
     """One WebSocket to one worker, shared by every session this gateway has there."""
 
-    def __init__(self, pool: LinkPool, url: str) -> None:
+    def __init__(self, pool: LinkPool, url: str, worker_id: str = "") -> None:
         self.url = url
+        self.worker_id = worker_id  # "" until a caller names it: such a link is never suspected
         self.endpoint = link_endpoint(url)
         self._pool = pool
         self._ws: ClientConnection | None = None
@@ -130,6 +137,7 @@ class Link:
                 delay = min(BACKOFF_BASE_S * 2 ** (self._failures - 1), BACKOFF_MAX_S)
                 self._retry_at = time.monotonic() + delay
                 metrics.link_failures += 1
+                self._pool.suspect(self.worker_id)
                 logger.warning(
                     "link to %s failed (%s: %s); attempt %d, next in %.1f s",
                     self.endpoint,
@@ -143,6 +151,7 @@ class Link:
                 ) from exc
             self._failures = 0
             self._retry_at = 0.0
+            self._pool.trust(self.worker_id)
             metrics.link_connects += 1
             if self._ever_connected:
                 metrics.link_reconnects += 1
@@ -153,6 +162,9 @@ class Link:
             return ws
 
     async def _read(self, ws: ClientConnection) -> None:
+        # A worker that closes the link itself (a drain: uvicorn's 1012 "service restart") is alive
+        # and already out of placement (`draining`); one that vanished sent no close frame.
+        graceful = False
         try:
             async for data in ws:
                 try:
@@ -166,6 +178,7 @@ class Link:
                     continue
                 self._pool.dispatch(self, frame)
         except ConnectionClosed as exc:
+            graceful = exc.rcvd is not None
             logger.warning("link to %s closed: %s", self.url, exc)
         except Exception:
             logger.exception("link reader for %s crashed", self.url)
@@ -175,7 +188,7 @@ class Link:
                 await ws.close()
                 if not self._pool.closing:
                     self._pool.metrics.link_failures += 1
-                    self._pool.link_lost(self)
+                    self._pool.link_lost(self, suspect=not graceful)
 
     async def close(self) -> None:
         ws, self._ws = self._ws, None
@@ -195,13 +208,43 @@ class LinkPool:
         self.closing = False
         self._links: dict[str, Link] = {}
         self._bindings: dict[str, tuple[LinkListener, Link]] = {}
+        # worker id -> monotonic time its suspicion lapses
+        self._suspects: dict[str, float] = {}
+        # Called (synchronously; it must not block) when a worker becomes suspect here.
+        self.on_suspect: Callable[[str], None] | None = None
 
-    def link(self, url: str) -> Link:
+    def link(self, url: str, worker_id: str = "") -> Link:
         """The link for a worker URL (created, not yet connected, on first use)."""
         link = self._links.get(url)
         if link is None:
-            link = self._links[url] = Link(self, url)
+            link = self._links[url] = Link(self, url, worker_id)
+        elif worker_id:
+            link.worker_id = worker_id  # a worker restarted on the same URL under another id
         return link
+
+    def suspect(self, worker_id: str) -> None:
+        """Stop placing sessions on `worker_id` from this gateway at once, and tell the others."""
+        if not worker_id or self.closing:
+            return
+        fresh = self._suspects.get(worker_id, 0.0) <= time.monotonic()
+        self._suspects[worker_id] = time.monotonic() + SUSPECT_TTL_S
+        if fresh:
+            logger.warning("worker %s is suspect: no placements on it for %.0f s", worker_id, SUSPECT_TTL_S)
+            self.metrics.workers_suspected += 1
+            if self.on_suspect is not None:
+                self.on_suspect(worker_id)
+
+    def trust(self, worker_id: str) -> None:
+        """A link to `worker_id` just opened (it is alive), or its suspect key is now in Redis (which
+        a fresh registration of the worker clears: the local mark must not outlive that)."""
+        self._suspects.pop(worker_id, None)
+
+    def suspects(self) -> list[str]:
+        """The workers this gateway suspects now (their suspicion has not lapsed)."""
+        now = time.monotonic()
+        for worker_id in [w for w, until in self._suspects.items() if until <= now]:
+            del self._suspects[worker_id]
+        return list(self._suspects)
 
     def bind(self, sid: str, listener: LinkListener, link: Link) -> None:
         """Route `sid`'s frames from `link` to `listener`. Bind *before* sending open/attach/restore,
@@ -242,7 +285,9 @@ class LinkPool:
         except Exception:
             logger.exception("listener of session %s failed on %s", frame.sid, frame.op)
 
-    def link_lost(self, link: Link) -> None:
+    def link_lost(self, link: Link, *, suspect: bool = True) -> None:
+        if suspect:
+            self.suspect(link.worker_id)
         lost = [(sid, b[0]) for sid, b in self._bindings.items() if b[1] is link]
         for sid, _ in lost:
             del self._bindings[sid]

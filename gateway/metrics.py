@@ -62,6 +62,9 @@ class GatewayMetrics:
         self.link_connects = 0
         self.link_reconnects = 0
         self.link_failures = 0
+        self.workers_suspected = 0
+        self.sessions_migrated = 0
+        self.chunks_replayed = 0
         self.errors: Counter[str] = Counter()
         self.turn_latency = Histogram(TURN_BUCKETS_S)
 
@@ -120,6 +123,24 @@ class GatewayMetrics:
             "counter",
             "Worker link connect attempts that failed or links that broke.",
             self.link_failures,
+        )
+        metric(
+            "microturn_gateway_workers_suspected_total",
+            "counter",
+            "Workers this gateway stopped placing on after losing its link to them.",
+            self.workers_suspected,
+        )
+        metric(
+            "microturn_gateway_sessions_migrated_total",
+            "counter",
+            "Sessions moved off a draining worker (planned restores).",
+            self.sessions_migrated,
+        )
+        metric(
+            "microturn_gateway_chunks_replayed_total",
+            "counter",
+            "Chunks not yet durable handed to a restoring worker (replayed or re-appended).",
+            self.chunks_replayed,
         )
         name = "microturn_gateway_errors_total"
         out += [f"# HELP {name} Error messages sent to clients, by code.", f"# TYPE {name} counter"]

@@ -7,6 +7,7 @@ Nothing in here is per-session; the gateway holds no session state beyond its li
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
@@ -51,3 +52,16 @@ class GatewayServices:
             self.auth = AuthDeps(
                 self.schema, ledger, tokens, self.settings.idle_timeout_s + self.settings.session_grace_s
             )
+        self.store.suspects = self.pool.suspects
+        self.pool.on_suspect = self._publish_suspect
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def _suspect_everywhere(self, worker_id: str) -> None:
+        if await self.store.mark_suspect(worker_id):
+            self.pool.trust(worker_id)  # Redis holds the suspicion now, for every gateway
+
+    def _publish_suspect(self, worker_id: str) -> None:
+        """Tell the other gateways (a Redis key placement honours); never blocks the link reader."""
+        task = asyncio.get_running_loop().create_task(self._suspect_everywhere(worker_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

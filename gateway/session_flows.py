@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import enum
 import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from redis.exceptions import RedisError
-
 from gateway.limits import SessionLimits
 from gateway.links import Link
 from gateway.outbox import Outbox
+from gateway.restore_flow import Phase, RestoreFlow
 from gateway.services import GatewayServices
 from gateway.session_auth import SessionAuth
 from shared.errors import (
     CapacityExhausted,
-    InternalError,
     MicroturnError,
     SessionNotFound,
     WorkerUnavailable,
@@ -41,7 +38,6 @@ from shared.protocol import (
     LinkAttach,
     LinkOpen,
     LinkOpened,
-    LinkRestore,
     OpenConfig,
     ServerMessage,
     SessionOpened,
@@ -60,20 +56,6 @@ logger = logging.getLogger(__name__)
 # Workers tried for one open or restore before giving up (placement charges each pick, so a dead
 # worker that is still registered loses the next pick to a live one).
 PLACEMENT_ATTEMPTS: Final = 3
-RESTORE_BACKOFF_S: Final = (0.0, 0.25, 0.5, 1.0)
-
-
-class Phase(enum.Enum):
-    IDLE = "idle"  # no session yet: open or resume
-    OPENING = "opening"  # open or resume in progress
-    ACTIVE = "active"
-    RESTORING = "restoring"  # the worker was lost; moving to another one
-    CLOSING = "closing"  # session.close sent to the worker
-    ENDED = "ended"  # the socket is closing
-
-
-class SessionEnded(Exception):
-    """The session ended (closed, taken over) while a request for it was in flight: already told."""
 
 
 @dataclass(slots=True)
@@ -84,8 +66,9 @@ class PendingOpen:
     reply: Callable[[LinkOpened], list[ServerMessage]]
 
 
-class SessionFlows(abc.ABC):
-    """Open, resume and restore for one socket; `ClientSession` holds the state and the callbacks."""
+class SessionFlows(RestoreFlow, abc.ABC):
+    """Open and resume for one socket (restore: `RestoreFlow`); `ClientSession` holds the state and
+    the callbacks."""
 
     _s: GatewayServices
     _auth: SessionAuth | None
@@ -107,9 +90,6 @@ class SessionFlows(abc.ABC):
 
     @abc.abstractmethod
     def on_taken_over(self) -> None: ...
-
-    @abc.abstractmethod
-    def on_link_lost(self, link: Link) -> None: ...
 
     def _error(self, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None) -> None:
         message = error_message_from(exc, seq, fatal=fatal)
@@ -166,15 +146,22 @@ class SessionFlows(abc.ABC):
             limits.update(self._auth.limits_map())
         last: MicroturnError | None = None
         for _ in range(PLACEMENT_ATTEMPTS):
-            placed = await s.store.place_new(sid, token, config)
-            link = s.pool.link(placed.url)
+            try:
+                placed = await s.store.place_new(sid, token, config)
+            except CapacityExhausted:
+                # The workers that had room could not be reached (now suspect): that is the truth.
+                if last is not None:
+                    raise last from None
+                raise
+            link = s.pool.link(placed.url, placed.record.worker)
             model = placed.record.model
 
             def reply(opened: LinkOpened, model: str = model) -> list[ServerMessage]:
                 return [SessionOpened(sid, token, model, limits)]
 
             try:
-                opened = await self._request(sid, link, LinkOpen(sid, config), reply)
+                frame = LinkOpen(sid, config, (), placed.record.token_sha256, placed.record.created_ms)
+                opened = await self._request(sid, link, frame, reply)
             except (WorkerUnavailable, CapacityExhausted) as exc:
                 logger.warning("open on worker %s failed (%s); trying another", placed.record.worker, exc)
                 await s.store.delete(sid)
@@ -205,7 +192,7 @@ class SessionFlows(abc.ABC):
 
         url = await s.store.worker_url(record.worker)
         if url is not None:
-            link = s.pool.link(url)
+            link = s.pool.link(url, record.worker)
             try:
                 opened = await self._request(sid, link, LinkAttach(sid, msg.last_seq), resumed)
             except (WorkerUnavailable, SessionNotFound, CapacityExhausted) as exc:
@@ -220,61 +207,3 @@ class SessionFlows(abc.ABC):
 
         await self._restore(sid, record, resumed_elsewhere, msg.last_seq)
         s.metrics.sessions_resumed += 1
-
-    async def _restore(
-        self,
-        sid: str,
-        record: SessionRecord,
-        reply: Callable[[LinkOpened], list[ServerMessage]],
-        last_seq: int | None,
-    ) -> None:
-        """Place the session on a live worker and rebuild it there from its token log."""
-        s = self._s
-        last: MicroturnError = WorkerUnavailable("no worker could take the session")
-        for delay in RESTORE_BACKOFF_S:
-            if delay:
-                await asyncio.sleep(delay)
-            try:
-                placed = await s.store.move(sid, record, self._config)
-            except CapacityExhausted as exc:
-                last = exc
-                continue
-            link = s.pool.link(placed.url)
-            frame = LinkRestore(sid, self._config, None, last_seq)
-            try:
-                opened = await self._request(sid, link, frame, reply)
-            except (WorkerUnavailable, CapacityExhausted) as exc:
-                logger.warning("restore of %s on %s failed (%s)", sid, placed.record.worker, exc)
-                last = exc
-                continue
-            self._activate(link, placed.record, opened)
-            s.metrics.sessions_restored += 1
-            logger.info("session %s restored on %s (length %d)", sid, placed.record.worker, opened.length)
-            return
-        raise last
-
-    async def _restore_after_loss(self, sid: str, record: SessionRecord) -> None:
-        def restored(opened: LinkOpened) -> list[ServerMessage]:
-            return [SessionRestored(sid, opened.length)]
-
-        try:
-            await self._restore(sid, record, restored, self._last_done_seq)
-        except SessionEnded:
-            pass
-        except MicroturnError as exc:
-            # Fatal for this socket, not for the session: its record and log stay, so a later
-            # session.resume (when a worker has room again) restores it.
-            logger.warning("could not restore session %s: %s", sid, exc)
-            self._s.pool.unbind(sid, self)
-            self._session_gone = True
-            self._error(exc, fatal=True)
-        except RedisError as exc:
-            logger.warning("session store error while restoring %s: %r", sid, exc)
-            self._session_gone = True
-            self._error(
-                WorkerUnavailable("the session store is unavailable", retry_after_ms=1000), fatal=True
-            )
-        except Exception:
-            logger.exception("restore of session %s crashed", sid)
-            self._session_gone = True
-            self._error(InternalError("internal gateway error"), fatal=True)

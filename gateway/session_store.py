@@ -8,14 +8,18 @@ Every function raises typed `MicroturnError`s (or `RedisError` when the store it
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
+from typing import Final
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
-from shared.errors import InvalidMessage, SessionNotFound, Unauthorized
-from shared.placement import place_session
+from shared.errors import CapacityExhausted, InvalidMessage, SessionNotFound, Unauthorized
+from shared.placement import Placement, mark_suspect, place_session
 from shared.protocol import OpenConfig, config_from_map, config_to_map
 from shared.redis_schema import KeySchema
 from shared.registry import (
@@ -29,6 +33,11 @@ from shared.registry import (
 )
 
 logger = logging.getLogger(__name__)
+
+# How long an open waits for workers to (re-)register when the registry is empty, and how often it
+# looks: a couple of worker heartbeats (1 s by default).
+EMPTY_REGISTRY_WAIT_S: Final = 3.0
+EMPTY_REGISTRY_POLL_S: Final = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +57,17 @@ class SessionStore:
         self.grace_s = grace_s
         # The same default the workers apply (CommonSettings.idle_timeout_s).
         self.default_idle_timeout_s = default_idle_timeout_s
+        # The workers this gateway suspects (LinkPool.suspects): placement skips them.
+        self.suspects: Callable[[], Collection[str]] = tuple
+
+    async def mark_suspect(self, worker_id: str) -> bool:
+        """Publish the suspicion for every gateway; False when Redis could not take it."""
+        try:
+            await mark_suspect(self.redis, self.schema, worker_id)
+        except RedisError as exc:  # this gateway still skips it; the others wait for its hash TTL
+            logger.warning("could not publish worker %s as suspect: %s", worker_id, exc)
+            return False
+        return True
 
     def ttl_s(self, config: OpenConfig) -> float:
         """TTL of the session keys: idle timeout + grace."""
@@ -55,9 +75,21 @@ class SessionStore:
         return idle + self.grace_s
 
     async def _place(self) -> tuple[str, str, str]:
-        placement = await place_session(self.redis, self.schema)
+        placement = await self._pick()
         info = await read_worker(self.redis, self.schema, placement.worker_id)
         return placement.worker_id, placement.url, info.model if info is not None else ""
+
+    async def _pick(self) -> Placement:
+        """Placement, waiting out an empty registry: right after Redis lost its data no worker is
+        registered until their next heartbeat re-creates their entries (docs/failover.md)."""
+        deadline = time.monotonic() + EMPTY_REGISTRY_WAIT_S
+        while True:
+            try:
+                return await place_session(self.redis, self.schema, exclude=self.suspects())
+            except CapacityExhausted:
+                if time.monotonic() >= deadline or await self.redis.zcard(self.schema.workers()):
+                    raise
+            await asyncio.sleep(EMPTY_REGISTRY_POLL_S)
 
     async def place_new(self, sid: str, token: str, config: OpenConfig) -> Placed:
         """Pick a worker for a new session and write its record (before the worker hears of it: a

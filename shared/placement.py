@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from functools import cache
 from importlib import resources
 from typing import Final
@@ -30,8 +31,20 @@ logger = logging.getLogger(__name__)
 # A worker's free slots show up at its next heartbeat, so about one heartbeat interval is the
 # soonest a retry could succeed.
 DEFAULT_RETRY_AFTER_MS: Final = 1000
+# How long a worker stays suspect after a gateway lost its link to it: longer than a worker hash's
+# TTL (3 heartbeats of 1 s by default), so a dead worker is skipped until its hash has expired; a
+# live one that was only cut off comes back after it (or at once when it registers afresh).
+SUSPECT_TTL_S: Final = 5.0
 
-__all__ = ["DEFAULT_RETRY_AFTER_MS", "Placement", "load_place_script", "place_script_source", "place_session"]
+__all__ = [
+    "DEFAULT_RETRY_AFTER_MS",
+    "SUSPECT_TTL_S",
+    "Placement",
+    "load_place_script",
+    "mark_suspect",
+    "place_script_source",
+    "place_session",
+]
 
 
 @cache
@@ -60,6 +73,7 @@ async def place_session(
     *,
     retry_after_ms: int = DEFAULT_RETRY_AFTER_MS,
     max_heartbeat_age_ms: int = 0,
+    exclude: Collection[str] = (),
 ) -> Placement:
     """Pick the least-loaded live `ready` worker with a free session slot and charge one slot to it.
 
@@ -67,12 +81,14 @@ async def place_session(
     host's clock), for deployments whose hash TTL is long; 0 leaves liveness to the TTL alone, which
     needs no clock agreement between hosts. Raises `CapacityExhausted` with `retry_after_ms` when no
     worker has room; the caller writes the session hash once the worker has accepted the session.
+    Workers with a suspect key, and those in `exclude` (the caller's own suspects), are skipped.
     """
     script = load_place_script(redis)
     now_ms = time.time_ns() // 1_000_000
+    age_ms = max(0, max_heartbeat_age_ms)
     result = await script(
         keys=[schema.workers()],
-        args=[schema.worker_prefix(), now_ms, max(0, max_heartbeat_age_ms)],
+        args=[schema.worker_prefix(), now_ms, age_ms, schema.suspect_prefix(), *exclude],
     )
     if result is None:
         logger.info("no worker with room under prefix %r", schema.prefix)
@@ -80,3 +96,9 @@ async def place_session(
     worker_id, url = (_text(v) for v in result)
     logger.debug("placed a session on worker %s (%s)", worker_id, url)
     return Placement(worker_id=worker_id, url=url)
+
+
+async def mark_suspect(redis: Redis, schema: KeySchema, worker_id: str, ttl_s: float = SUSPECT_TTL_S) -> None:
+    """Tell every gateway's placement to skip `worker_id` for `ttl_s` (a gateway lost its link)."""
+    await redis.set(schema.suspect(worker_id), b"1", px=max(1, round(ttl_s * 1000)))
+    logger.info("worker %s marked suspect for %.1f s", worker_id, ttl_s)

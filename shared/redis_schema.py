@@ -3,20 +3,29 @@
 Every key name microturn uses is built here, so the gateway, the worker and the Lua scripts cannot
 drift apart on spelling. Two groups of keys with different placement needs:
 
-- Registry keys (`{mt}:workers`, `{mt}:worker:<id>`) carry the hash tag `{<prefix>}`, so they all
-  map to one Redis Cluster slot and the placement script may touch them together atomically.
+- Registry keys (`{mt}:workers`, `{mt}:worker:<id>`, `{mt}:suspect:<id>`) carry the hash tag
+  `{<prefix>}`, so they all map to one Redis Cluster slot and the placement script may touch them
+  together atomically.
 - Session keys (`mt:session:<sid>`, `mt:log:<sid>`) carry no tag, so sessions spread over every slot
   of a cluster; nothing ever needs two sessions' keys in one command.
 
-The token log is a plain STRING of little-endian uint32 token ids, grown with APPEND once per turn:
-APPEND is O(1) amortised and needs no read-modify-write, and a fixed-width binary layout lets a
-restoring worker decode the whole history with one buffer view.
+The token log is a plain STRING grown with APPEND once per turn (O(1) amortised, no
+read-modify-write). It is a run of *records*, one per logged turn:
+
+    header (12 bytes): n_tokens  <u4  |  seq  <i8
+    body   (4 * n):    token ids <u4 each
+
+so the log can say which turn it ends at (`LogState.last_seq`): a restoring worker replays from the
+gateway's undurable tail only the turns after it (docs/failover.md). `seq` -1 marks tokens that
+belong to no turn (a prompt given at open). A record whose seq is not above the last one already
+read is a duplicate (an append retried after a connection broke mid-pipeline, or a worker the
+gateways had given up on flushing late) and is skipped: appends are idempotent per turn.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
@@ -49,7 +58,10 @@ SESSION_CONFIG: Final = "config"
 
 TOKEN_BYTES: Final = 4
 MAX_TOKEN_ID: Final = 2**32 - 1
+NO_SEQ: Final = -1  # the seq of a log record that belongs to no turn
 _LOG_DTYPE: Final = np.dtype("<u4")  # explicit byte order: the log must read the same on any host
+_RECORD_HEADER: Final = np.dtype([("n", "<u4"), ("seq", "<i8")])
+RECORD_HEADER_BYTES: Final = _RECORD_HEADER.itemsize  # 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +97,20 @@ class KeySchema:
         if not worker_id:
             raise ValueError("empty worker id")
         return self.worker_prefix() + worker_id
+
+    def suspect_prefix(self) -> str:
+        """What a worker id is appended to for its suspect key; the placement script gets it as ARGV."""
+        return f"{self.tag}:suspect:"
+
+    def suspect(self, worker_id: str) -> str:
+        """STRING with a short TTL: a gateway lost its link to this worker; placement skips it meanwhile.
+
+        In the registry slot, so place.lua reads it in the same atomic step. A worker that registers
+        afresh (restarted) deletes it; otherwise it lapses after its TTL.
+        """
+        if not worker_id:
+            raise ValueError("empty worker id")
+        return self.suspect_prefix() + worker_id
 
     def session(self, sid: str) -> str:
         """HASH: the session's affinity (worker), resume-token digest, model, config."""
@@ -150,3 +176,56 @@ def decode_tokens(data: bytes) -> list[int]:
         raise ValueError(f"token log length {len(data)} is not a multiple of {TOKEN_BYTES}")
     values: list[int] = np.frombuffer(data, dtype=_LOG_DTYPE).tolist()
     return values
+
+
+@dataclass(frozen=True, slots=True)
+class LogState:
+    """A decoded token log: the session's tokens, and the seq of the last turn it holds.
+
+    `spans` maps the seq of each record after `decode_log`'s `spans_after` to its tokens' slice
+    (start, end) in `tokens`: a restoring worker reads the output of a turn whose answer was lost.
+    """
+
+    tokens: list[int]
+    last_seq: int | None
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+def encode_log_record(seq: int, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """One turn's record (header + tokens) in the log's byte layout."""
+    if seq < NO_SEQ:
+        raise ValueError(f"seq must be >= {NO_SEQ}, got {seq}")
+    header = np.zeros(1, dtype=_RECORD_HEADER)
+    header["n"] = len(tokens)
+    header["seq"] = seq
+    return header.tobytes() + encode_tokens(list(tokens))
+
+
+def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
+    """The log's bytes -> its tokens and last seq, skipping duplicate records; ValueError if corrupt.
+
+    Walks the records (one step per logged turn, not per token): it runs only on restore.
+    """
+    view = memoryview(data)
+    tokens: list[int] = []
+    last_seq: int | None = None
+    spans: dict[int, tuple[int, int]] = {}
+    offset = 0
+    while offset < len(view):
+        if len(view) - offset < RECORD_HEADER_BYTES:
+            raise ValueError(f"token log truncated in a record header at byte {offset}")
+        header = np.frombuffer(view[offset : offset + RECORD_HEADER_BYTES], dtype=_RECORD_HEADER)[0]
+        n, seq = int(header["n"]), int(header["seq"])
+        body_start = offset + RECORD_HEADER_BYTES
+        offset = body_start + n * TOKEN_BYTES
+        if offset > len(view):
+            raise ValueError(f"token log truncated in the record at byte {body_start - RECORD_HEADER_BYTES}")
+        if seq != NO_SEQ and last_seq is not None and seq <= last_seq:
+            continue  # a duplicate of a turn already read
+        start = len(tokens)
+        tokens.extend(decode_tokens(bytes(view[body_start:offset])))
+        if seq != NO_SEQ:
+            last_seq = seq
+            if spans_after is not None and seq > spans_after:
+                spans[seq] = (start, len(tokens))
+    return LogState(tokens, last_seq, spans)

@@ -32,6 +32,7 @@ from redis.asyncio import Redis
 from redis.typing import EncodableT, FieldT
 
 from shared.redis_schema import (
+    NO_SEQ,
     SESSION_CONFIG,
     SESSION_CREATED_MS,
     SESSION_LAST_SEQ,
@@ -40,7 +41,6 @@ from shared.redis_schema import (
     SESSION_WORKER,
     STATE_DRAINING,
     STATE_READY,
-    TOKEN_BYTES,
     WORKER_HEARTBEAT_MS,
     WORKER_KV_TOKENS_FREE,
     WORKER_KV_TOKENS_TOTAL,
@@ -50,8 +50,9 @@ from shared.redis_schema import (
     WORKER_STATE,
     WORKER_URL,
     KeySchema,
-    decode_tokens,
-    encode_tokens,
+    LogState,
+    decode_log,
+    encode_log_record,
 )
 
 logger = logging.getLogger(__name__)
@@ -167,18 +168,22 @@ def _worker_mapping(info: WorkerInfo) -> dict[FieldT, EncodableT]:
 
 async def _publish_worker(
     redis: Redis, schema: KeySchema, info: WorkerInfo, ttl_s: float, *, fresh: bool
-) -> None:
+) -> bool:
+    """Write the worker's hash and score; True when its hash existed before this write."""
     key = schema.worker(info.worker_id)
     ttl_ms = _ttl_ms(ttl_s)
     # One MULTI (all keys in the `{prefix}` slot): placement never sees the hash without its TTL or a
     # score that disagrees with the hash it was computed from.
     async with redis.pipeline(transaction=True) as pipe:
+        pipe.exists(key)
         if fresh:
             pipe.delete(key)  # a restarted worker must not inherit fields of its previous life
+            pipe.delete(schema.suspect(info.worker_id))  # nor a gateway's suspicion of the old one
         pipe.hset(key, mapping=_worker_mapping(info))
         pipe.pexpire(key, ttl_ms)
         pipe.zadd(schema.workers(), {info.worker_id: info.load})
-        await pipe.execute()
+        results = await pipe.execute()
+    return bool(results[0])
 
 
 async def register_worker(redis: Redis, schema: KeySchema, info: WorkerInfo, ttl_s: float) -> None:
@@ -187,15 +192,18 @@ async def register_worker(redis: Redis, schema: KeySchema, info: WorkerInfo, ttl
     logger.info("registered worker %s at %s (max_sessions=%d)", info.worker_id, info.url, info.max_sessions)
 
 
-async def heartbeat(redis: Redis, schema: KeySchema, info: WorkerInfo, ttl_s: float) -> None:
+async def heartbeat(redis: Redis, schema: KeySchema, info: WorkerInfo, ttl_s: float) -> bool:
     """Refresh the worker's hash, TTL and load score from its own true state.
+
+    Returns False when the hash was gone (it expired, or Redis lost its data): the worker must then
+    re-write what it holds (its sessions' records and logs), since nothing else will.
 
     Call it every `ttl_s / 3` or so: the TTL must outlive a couple of missed beats. A heartbeat after
     the hash expired (a stalled loop, a Redis failover) simply brings the worker back. The worker is
     the only writer of its hash's truth: the session count it sends overwrites placement's charges,
     and `info.state` must stay `draining` once the worker has called `mark_draining`.
     """
-    await _publish_worker(redis, schema, info, ttl_s, fresh=False)
+    return await _publish_worker(redis, schema, info, ttl_s, fresh=False)
 
 
 async def mark_draining(redis: Redis, schema: KeySchema, worker_id: str) -> bool:
@@ -244,12 +252,8 @@ async def read_worker(redis: Redis, schema: KeySchema, worker_id: str) -> Worker
 # --- sessions ----------------------------------------------------------------------------------
 
 
-async def write_session(
-    redis: Redis, schema: KeySchema, sid: str, record: SessionRecord, ttl_s: float
-) -> None:
-    """Create or overwrite (e.g. after re-placement) the session hash, with its TTL in the same MULTI."""
-    key = schema.session(sid)
-    mapping: dict[FieldT, EncodableT] = {
+def _session_mapping(record: SessionRecord) -> dict[FieldT, EncodableT]:
+    return {
         SESSION_WORKER: record.worker,
         SESSION_TOKEN_SHA256: record.token_sha256,
         SESSION_MODEL: record.model,
@@ -257,6 +261,14 @@ async def write_session(
         SESSION_LAST_SEQ: record.last_seq,
         SESSION_CONFIG: json.dumps(record.config, separators=(",", ":"), sort_keys=True),
     }
+
+
+async def write_session(
+    redis: Redis, schema: KeySchema, sid: str, record: SessionRecord, ttl_s: float
+) -> None:
+    """Create or overwrite (e.g. after re-placement) the session hash, with its TTL in the same MULTI."""
+    key = schema.session(sid)
+    mapping = _session_mapping(record)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(key, mapping=mapping)
         pipe.pexpire(key, _ttl_ms(ttl_s))
@@ -317,25 +329,72 @@ async def delete_session(redis: Redis, schema: KeySchema, sid: str) -> bool:
     return bool(removed_hash)
 
 
-async def append_log(redis: Redis, schema: KeySchema, sid: str, tokens: list[int], ttl_s: float) -> int:
-    """Append one turn's tokens to the log and refresh its TTL; returns the log's length in tokens."""
+async def append_log(
+    redis: Redis, schema: KeySchema, sid: str, tokens: list[int], ttl_s: float, *, seq: int = NO_SEQ
+) -> int:
+    """Append one turn's record to the log and refresh its TTL; returns the log's length in tokens.
+
+    (The length costs a read of the whole log: this helper is for tools and tests; the worker's
+    batched writer, worker/server/token_log.py, never reads.)
+    """
     key = schema.log(sid)
-    data = encode_tokens(tokens)
+    data = encode_log_record(seq, tokens)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.append(key, data)
         pipe.pexpire(key, _ttl_ms(ttl_s))
-        length_bytes, _ = await pipe.execute()
-    return int(length_bytes) // TOKEN_BYTES
+        await pipe.execute()
+    return len(await read_log(redis, schema, sid))
+
+
+async def read_log_bytes(redis: Redis, schema: KeySchema, sid: str) -> bytes:
+    """The log's raw bytes (records, shared/redis_schema.py); empty when absent or expired."""
+    data = await redis.get(schema.log(sid))
+    if data is None:
+        return b""
+    if isinstance(data, str):
+        raise TypeError("the token log is binary: use a Redis client with decode_responses=False")
+    return bytes(data)
+
+
+async def read_log_state(redis: Redis, schema: KeySchema, sid: str) -> LogState:
+    """The session's whole token history and the seq of the last turn the log holds."""
+    return decode_log(await read_log_bytes(redis, schema, sid))
 
 
 async def read_log(redis: Redis, schema: KeySchema, sid: str) -> list[int]:
     """The session's whole token history; empty when nothing was logged or the log expired."""
-    data = await redis.get(schema.log(sid))
-    if data is None:
-        return []
-    if isinstance(data, str):
-        raise TypeError("the token log is binary: use a Redis client with decode_responses=False")
-    return decode_tokens(data)
+    return (await read_log_state(redis, schema, sid)).tokens
+
+
+@dataclass(frozen=True, slots=True)
+class HeldSession:
+    """What a worker re-writes for a session it holds after Redis lost its data."""
+
+    sid: str
+    record: SessionRecord
+    log: bytes
+    ttl_s: float
+
+
+async def rewrite_sessions(redis: Redis, schema: KeySchema, held: Iterable[HeldSession]) -> int:
+    """Re-create the record and the whole log of each session, with their TTLs, in one round trip.
+
+    Not a MULTI: a session's two keys live in different cluster slots. Each key is written with its
+    TTL in the same command (SET PX) or right behind it in the same pipeline (HSET, PEXPIRE).
+    """
+    items = list(held)
+    if not items:
+        return 0
+    async with redis.pipeline(transaction=False) as pipe:
+        for item in items:
+            ttl_ms = _ttl_ms(item.ttl_s)
+            key = schema.session(item.sid)
+            pipe.hset(key, mapping=_session_mapping(item.record))
+            pipe.pexpire(key, ttl_ms)
+            if item.log:
+                pipe.set(schema.log(item.sid), item.log, px=ttl_ms)
+        await pipe.execute()
+    return len(items)
 
 
 # --- resume tokens -----------------------------------------------------------------------------

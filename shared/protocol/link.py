@@ -12,8 +12,14 @@ session: decoding is as strict as the client codec's, and every failure raises `
 Ops: gateway -> worker `open`, `attach` (resume), `restore` (rebuild from the token log), `chunk`,
 `cancel`, `detach` (the client went away; the session stays resumable and becomes the first to
 lose its KV under memory pressure), `close`; worker -> gateway `opened` (the answer to `open`,
-`attach` and `restore`), `delta`, `done`, `error`, `closed`. An `error` with an empty `sid`
-concerns the link itself (e.g. a malformed frame whose session is unknown).
+`attach` and `restore`), `delta`, `done`, `error`, `closed`, `migrate` (the worker is draining:
+restore the session elsewhere). An `error` with an empty `sid` concerns the link itself (e.g. a
+malformed frame whose session is unknown).
+
+Exactly-once turns across a worker loss (docs/failover.md): `done` and `opened` carry
+`durable_seq`, the last seq whose turn the worker's token log has confirmed in Redis; the gateway
+keeps every chunk after it (and the output it delivered, if any) and hands that tail to the
+restoring worker in `restore.tail`.
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ class LinkOpen:
     config: OpenConfig = field(default_factory=OpenConfig)
     # Tokens the session starts with (a prompt); empty for a fresh session.
     history: tuple[int, ...] = ()
+    # What the worker needs to re-write the session's record should Redis lose it (docs/failover.md):
+    # the resume token's SHA-256 (never the token) and the creation time.
+    token_sha256: str | None = None
+    created_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +71,19 @@ class LinkAttach:
 
 
 @dataclass(frozen=True, slots=True)
+class TailTurn:
+    """A chunk the worker had not confirmed durable, and the output the client already got for it.
+
+    `output` None: no `done` reached the client; the restoring worker runs the chunk (exactly one
+    `done` then reaches the client). Otherwise the worker appends the chunk and these tokens as
+    history (forced, no new `done`).
+    """
+
+    chunk: LinkChunk
+    output: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class LinkRestore:
     op: ClassVar[str] = "restore"
     sid: str
@@ -69,6 +92,10 @@ class LinkRestore:
     tokens: tuple[int, ...] | None = None
     # The last seq the session finished, so seq ordering carries on.
     last_seq: int | None = None
+    token_sha256: str | None = None  # as in `open`
+    created_ms: int | None = None
+    # The gateway's undurable tail, in seq order; turns the log already holds are skipped.
+    tail: tuple[TailTurn, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +139,8 @@ class LinkOpened:
     sid: str
     length: int
     last_seq: int | None = None
+    # The last seq whose turn the token log holds in Redis (None: none yet).
+    durable_seq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +169,9 @@ class LinkDone:
     logprobs: tuple[float, ...] | None = None
     # As the client's `output.done.committed_tokens`.
     committed_tokens: int | None = None
+    # The last seq whose turn the token log holds in Redis (None: none yet); piggybacked here so
+    # durability costs no frame of its own.
+    durable_seq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,17 +192,41 @@ class LinkClosed:
     reason: CloseReason
 
 
+@dataclass(frozen=True, slots=True)
+class LinkMigrate:
+    """The worker is draining: its log of this session is durable up to `durable_seq`; restore the
+    session on another worker (a planned restore). The worker sends nothing more for it."""
+
+    op: ClassVar[str] = "migrate"
+    sid: str
+    durable_seq: int | None = None
+
+
 ToWorker: TypeAlias = LinkOpen | LinkAttach | LinkRestore | LinkChunk | LinkCancel | LinkDetach | LinkClose
-ToGateway: TypeAlias = LinkOpened | LinkDelta | LinkDone | LinkError | LinkClosed
+ToGateway: TypeAlias = LinkOpened | LinkDelta | LinkDone | LinkError | LinkClosed | LinkMigrate
 LinkFrame: TypeAlias = ToWorker | ToGateway
 
 
 # ---- codec --------------------------------------------------------------------------------------
 
 
+def _turn_to_map(turn: TailTurn) -> dict[str, object]:
+    out = fields_to_map(turn.chunk, {})
+    del out["sid"]  # the restore frame's
+    if turn.output is not None:
+        out["output"] = turn.output
+    return out
+
+
 def encode_link(frame: LinkFrame) -> bytes:
-    """One binary link frame; `None` fields are left out."""
-    packed: bytes = msgpack.packb(fields_to_map(frame, {"op": frame.op}), use_bin_type=True)
+    """One binary link frame; `None` fields (and an empty restore tail) are left out."""
+    out = fields_to_map(frame, {"op": frame.op})
+    if isinstance(frame, LinkRestore):
+        if frame.tail:
+            out["tail"] = [_turn_to_map(turn) for turn in frame.tail]
+        else:
+            del out["tail"]
+    packed: bytes = msgpack.packb(out, use_bin_type=True)
     return packed
 
 
@@ -183,8 +239,9 @@ def _config(r: FieldReader) -> OpenConfig:
     return OpenConfig() if sub is None else config_from_reader(sub)
 
 
-def _chunk(r: FieldReader) -> LinkChunk:
-    sid, seq, tokens, text = _sid(r), r.integer("seq"), r.token_ids("tokens"), r.opt_string("text")
+def _chunk(r: FieldReader, sid: str | None = None) -> LinkChunk:
+    sid = _sid(r) if sid is None else sid
+    seq, tokens, text = r.integer("seq"), r.token_ids("tokens"), r.opt_string("text")
     if (tokens is None) == (text is None):
         raise InvalidMessage("link chunk: exactly one of 'tokens' or 'text' is required")
     return LinkChunk(
@@ -205,23 +262,54 @@ def _done(r: FieldReader) -> LinkDone:
     logprobs = r.opt_numbers("logprobs")
     if logprobs is not None and len(logprobs) != len(tokens):
         raise InvalidMessage(f"link done: {len(logprobs)} logprobs for {len(tokens)} tokens")
-    committed = r.opt_integer("committed_tokens")
-    return LinkDone(sid, seq, tokens, text, finish, queue_ms, compute_ms, length, logprobs, committed)
+    committed, durable_seq = r.opt_integer("committed_tokens"), r.opt_integer("durable_seq")
+    return LinkDone(
+        sid, seq, tokens, text, finish, queue_ms, compute_ms, length, logprobs, committed, durable_seq
+    )
+
+
+def _tail(r: FieldReader, sid: str) -> tuple[TailTurn, ...]:
+    raw = r.raw("tail")
+    if raw is None:
+        return ()
+    if type(raw) is not list:
+        raise InvalidMessage("link restore: field 'tail' must be a list")
+    turns: list[TailTurn] = []
+    for i, item in enumerate(raw):
+        t = FieldReader(item, f"link restore tail[{i}]")
+        chunk, output = _chunk(t, sid), t.opt_integers("output")
+        t.done()
+        if turns and chunk.seq <= turns[-1].chunk.seq:
+            raise InvalidMessage("link restore: tail seqs must increase")
+        turns.append(TailTurn(chunk, output))
+    return tuple(turns)
+
+
+def _restore(r: FieldReader) -> LinkRestore:
+    sid, config, tokens, last_seq = _sid(r), _config(r), r.opt_integers("tokens"), r.opt_integer("last_seq")
+    token_sha256, created_ms = r.opt_string("token_sha256"), r.opt_integer("created_ms")
+    return LinkRestore(sid, config, tokens, last_seq, token_sha256, created_ms, _tail(r, sid))
 
 
 _DECODERS: dict[str, Callable[[FieldReader], LinkFrame]] = {
-    LinkOpen.op: lambda r: LinkOpen(_sid(r), _config(r), r.opt_integers("history") or ()),
-    LinkAttach.op: lambda r: LinkAttach(_sid(r), r.opt_integer("last_seq")),
-    LinkRestore.op: lambda r: LinkRestore(
-        _sid(r), _config(r), r.opt_integers("tokens"), r.opt_integer("last_seq")
+    LinkOpen.op: lambda r: LinkOpen(
+        _sid(r),
+        _config(r),
+        r.opt_integers("history") or (),
+        r.opt_string("token_sha256"),
+        r.opt_integer("created_ms"),
     ),
+    LinkAttach.op: lambda r: LinkAttach(_sid(r), r.opt_integer("last_seq")),
+    LinkRestore.op: _restore,
     LinkChunk.op: _chunk,
     LinkCancel.op: lambda r: LinkCancel(_sid(r), r.integer("seq")),
     LinkDetach.op: lambda r: LinkDetach(_sid(r)),
     LinkClose.op: lambda r: LinkClose(
         _sid(r), cast(CloseReason, r.opt_choice("reason", CLOSE_REASONS) or "closed")
     ),
-    LinkOpened.op: lambda r: LinkOpened(_sid(r), r.integer("length"), r.opt_integer("last_seq")),
+    LinkOpened.op: lambda r: LinkOpened(
+        _sid(r), r.integer("length"), r.opt_integer("last_seq"), r.opt_integer("durable_seq")
+    ),
     LinkDelta.op: lambda r: LinkDelta(
         _sid(r),
         r.integer("seq"),
@@ -240,6 +328,7 @@ _DECODERS: dict[str, Callable[[FieldReader], LinkFrame]] = {
         r.opt_integer("retry_after_ms"),
     ),
     LinkClosed.op: lambda r: LinkClosed(_sid(r), cast(CloseReason, r.choice("reason", CLOSE_REASONS))),
+    LinkMigrate.op: lambda r: LinkMigrate(_sid(r), r.opt_integer("durable_seq")),
 }
 
 

@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 
 from shared.errors import CapacityExhausted
 from shared.placement import place_script_source, place_session
-from shared.redis_schema import STATE_DRAINING, KeySchema, decode_tokens, encode_tokens
+from shared.redis_schema import STATE_DRAINING, KeySchema, LogState, decode_tokens, encode_tokens
 from shared.registry import (
     Placement,
     SessionRecord,
@@ -36,6 +36,7 @@ from shared.registry import (
     mark_draining,
     new_resume_token,
     read_log,
+    read_log_state,
     read_session,
     read_worker,
     register_worker,
@@ -330,15 +331,24 @@ def test_token_log_appends_and_reads_back(server_url: str, schema: KeySchema) ->
     async def body(r: Redis) -> None:
         assert await read_log(r, schema, "s") == []
         expected: list[int] = []
-        for turn in turns:
+        for seq, turn in enumerate(turns, start=1):
             expected += turn
-            assert await append_log(r, schema, "s", turn, LONG_TTL_S) == len(expected)
+            assert await append_log(r, schema, "s", turn, LONG_TTL_S, seq=seq) == len(expected)
         assert await read_log(r, schema, "s") == expected
+        assert (await read_log_state(r, schema, "s")).last_seq == len(turns)
+        # The layout (docs/failover.md): per turn a header (n <u4, seq <i8), then the tokens <u4.
         raw = await r.get(schema.log("s"))
-        assert raw == b"".join(t.to_bytes(4, "little") for t in expected)
+
+        def record(seq: int, t: list[int]) -> bytes:
+            return len(t).to_bytes(4, "little") + seq.to_bytes(8, "little") + encode_tokens(t)
+
+        assert raw == b"".join(record(seq, t) for seq, t in enumerate(turns, start=1))
         with pytest.raises(ValueError):
-            await append_log(r, schema, "s", [2**32], LONG_TTL_S)
+            await append_log(r, schema, "s", [2**32], LONG_TTL_S, seq=len(turns) + 1)
         assert await read_log(r, schema, "s") == expected  # a refused append wrote nothing
+        # A turn appended twice (a retried flush) is read once; its seq tells the log where it ends.
+        await append_log(r, schema, "s", turns[-1], LONG_TTL_S, seq=len(turns))
+        assert await read_log_state(r, schema, "s") == LogState(expected, len(turns))
 
     run(server_url, body)
 

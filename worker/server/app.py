@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from shared.redis_client import resilient_redis
 from shared.redis_schema import KeySchema
 from shared.registry import WorkerInfo, deregister, mark_draining, register_worker
 from shared.settings import WorkerSettings
@@ -65,7 +66,7 @@ class WorkerRuntime:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        client = redis.from_url(self.settings.redis_url, decode_responses=False)
+        client = resilient_redis(self.settings.redis_url)
         self.redis = client
         self.service = WorkerService(
             self.engine,
@@ -87,8 +88,7 @@ class WorkerRuntime:
                     client,
                     self.schema,
                     self.identity,
-                    self.engine,
-                    self.service.directory,
+                    self.service,
                     period_s=period,
                     grace_s=self.settings.session_grace_s,
                     draining=self.draining,

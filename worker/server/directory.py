@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.protocol.link import LinkChunk, LinkDone, ToGateway
+from shared.protocol.messages import OpenConfig
+from worker.server.restore import RestorePlan
 
 REPLAY_DONES = 32
 
@@ -34,6 +36,12 @@ class SessionBinding:
     ready: bool = False
     waiting: list[LinkChunk] = field(default_factory=list)
     replay: deque[LinkDone] = field(default_factory=lambda: deque(maxlen=REPLAY_DONES))
+    # What the session record holds, so this worker can re-write it after Redis lost its data.
+    config: OpenConfig = field(default_factory=OpenConfig)
+    token_sha256: str | None = None
+    created_ms: int = 0
+    # Set while a restore opens the session: what `opened` still has to log, answer and run.
+    restore: RestorePlan | None = None
 
     def send(self, frame: ToGateway) -> None:
         if self.link is not None:

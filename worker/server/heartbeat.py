@@ -1,4 +1,11 @@
-"""Registration in Redis and the heartbeat that keeps it (and active sessions' keys) alive."""
+"""Registration in Redis and the heartbeat that keeps it (and active sessions' keys) alive.
+
+Redis holds nothing the workers cannot rebuild (docs/failover.md): when a heartbeat finds the
+worker's own registry hash gone (Redis restarted empty, or the hash expired while the loop
+stalled), the same beat has re-created it, and the worker then re-writes the record and the whole
+token log of every session it holds, so resumes and restores work again within a beat. An outage
+logs one line when it starts and one when it ends, not a traceback per beat.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +14,11 @@ import logging
 
 import redis.asyncio as redis
 
+from shared.redis_client import OutageLog
 from shared.redis_schema import KeySchema
-from shared.registry import WorkerInfo, heartbeat, touch_sessions
+from shared.registry import WorkerInfo, heartbeat, rewrite_sessions, touch_sessions
 from worker.engine import Engine
-from worker.server.directory import SessionDirectory
+from worker.server.service import WorkerService
 
 logger = logging.getLogger(__name__)
 
@@ -32,20 +40,32 @@ def worker_info(base: WorkerInfo, engine: Engine, *, draining: bool) -> WorkerIn
     )
 
 
+async def rewrite_held(client: redis.Redis, schema: KeySchema, service: WorkerService) -> int:
+    """Re-write every held session's record and log (no flush interleaves: same lock)."""
+    async with service.token_log.redis_turn:
+        return await rewrite_sessions(client, schema, service.held_sessions())
+
+
 async def beat_once(
     client: redis.Redis,
     schema: KeySchema,
     base: WorkerInfo,
-    engine: Engine,
-    directory: SessionDirectory,
+    service: WorkerService,
     *,
     period_s: float,
     grace_s: float,
     draining: bool,
 ) -> None:
-    info = await asyncio.to_thread(worker_info, base, engine, draining=draining)
-    await heartbeat(client, schema, info, period_s * HEARTBEATS_PER_TTL)
-    touched = directory.take_touched()
+    info = await asyncio.to_thread(worker_info, base, service.engine, draining=draining)
+    existed = await heartbeat(client, schema, info, period_s * HEARTBEATS_PER_TTL)
+    if not existed:
+        count = await rewrite_held(client, schema, service)
+        logger.warning(
+            "worker %s: its registry entry was gone; re-registered and re-wrote %d session(s)",
+            base.worker_id,
+            count,
+        )
+    touched = service.directory.take_touched()
     # Sessions share a TTL per idle timeout: one batched refresh for each distinct timeout.
     by_timeout: dict[float, list[str]] = {}
     for sid, idle in touched.items():
@@ -58,25 +78,26 @@ async def heartbeat_loop(
     client: redis.Redis,
     schema: KeySchema,
     base: WorkerInfo,
-    engine: Engine,
-    directory: SessionDirectory,
+    service: WorkerService,
     *,
     period_s: float,
     grace_s: float,
     draining: asyncio.Event,
 ) -> None:
+    outage = OutageLog("heartbeat", logger)
     while True:
         try:
             await beat_once(
                 client,
                 schema,
                 base,
-                engine,
-                directory,
+                service,
                 period_s=period_s,
                 grace_s=grace_s,
                 draining=draining.is_set(),
             )
-        except redis.RedisError:
-            logger.warning("heartbeat failed; retrying", exc_info=True)
+        except redis.RedisError as exc:
+            outage.failed(exc)
+        else:
+            outage.succeeded()
         await asyncio.sleep(period_s)

@@ -52,6 +52,10 @@ class LinkConnection:
             self.outbox = asyncio.Queue(1)
             self.outbox.put_nowait(None)
 
+    def pending_frames(self) -> int:
+        """Frames queued and not yet written (a drain waits for its `migrate` frames to go out)."""
+        return 0 if self.closed else self.outbox.qsize()
+
     async def serve(self) -> None:
         writer = asyncio.create_task(self._write())
         self.service.metrics.links += 1

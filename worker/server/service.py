@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 import redis.asyncio as redis
@@ -32,13 +34,15 @@ from shared.protocol.link import (
     link_error_from,
 )
 from shared.protocol.messages import CloseReason, OpenConfig
-from shared.redis_schema import KeySchema
-from shared.registry import read_log
+from shared.redis_schema import NO_SEQ, KeySchema, encode_log_record
+from shared.registry import HeldSession, read_log_bytes
 from shared.settings import WorkerSettings
 from worker.engine import Engine, TokenDelta, TurnResult
 from worker.server.detokenize import IncrementalDecoder
 from worker.server.directory import LinkPeer, SessionBinding, SessionDirectory
+from worker.server.handover import held_sessions, migrate_all
 from worker.server.metrics import WorkerMetrics
+from worker.server.restore import RestorePlan, plan_restore
 from worker.server.token_log import TokenLogWriter
 
 logger = logging.getLogger(__name__)
@@ -80,6 +84,8 @@ class WorkerService:
         self.token_log = TokenLogWriter(client, schema, grace_s=settings.session_grace_s, worker_id=worker_id)
         self.metrics = WorkerMetrics()
         self.draining = False
+        # Sessions a drain is handing over: chunks that still arrive for them are not answered here.
+        self.handing_over: set[str] = set()
         engine.add_close_listener(self._engine_closed_threadsafe)
 
     # ---- frames from a link -------------------------------------------------------------------
@@ -88,7 +94,7 @@ class WorkerService:
         if isinstance(frame, LinkChunk):
             self._chunk(frame, link)
         elif isinstance(frame, LinkOpen):
-            self._open(link, frame.sid, frame.config, list(frame.history), last_seq=None)
+            self._open(link, frame, list(frame.history), last_seq=None)
         elif isinstance(frame, LinkAttach):
             self._attach(link, frame)
         elif isinstance(frame, LinkRestore):
@@ -112,8 +118,16 @@ class WorkerService:
     # ---- open, attach, restore, close ---------------------------------------------------------
 
     def _open(
-        self, link: LinkPeer, sid: str, config: OpenConfig, history: list[int], *, last_seq: int | None
+        self,
+        link: LinkPeer,
+        frame: LinkOpen | LinkRestore,
+        history: list[int],
+        *,
+        last_seq: int | None,
+        log: bytes = b"",
+        plan: RestorePlan | None = None,
     ) -> None:
+        sid, config = frame.sid, frame.config
         if self.draining:
             self._send_error(link, sid, WorkerUnavailable("worker is draining"), fatal=True)
             return
@@ -122,7 +136,14 @@ class WorkerService:
             return
         idle = config.idle_timeout_s or self.settings.idle_timeout_s
         binding = SessionBinding(sid, config.stream, idle, link, length=len(history), last_seq=last_seq)
+        binding.config = config
+        binding.token_sha256 = frame.token_sha256
+        binding.created_ms = frame.created_ms or time.time_ns() // 1_000_000
+        binding.restore = plan
+        if plan is not None:
+            binding.waiting = list(plan.rerun)  # run first, in seq order, once the session is open
         self.directory.add(binding)
+        self.token_log.start(sid, log, None if plan is None else plan.log_last_seq)
         try:
             _sid, future = self.engine.open_session_async(
                 session_id=sid,
@@ -132,6 +153,7 @@ class WorkerService:
             )
         except MicroturnError as error:
             self.directory.remove(sid)
+            self.token_log.drop(sid)
             self._send_error(link, sid, error, fatal=True)
             return
         future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._opened, binding, f))
@@ -140,6 +162,7 @@ class WorkerService:
         error = future.exception()
         if error is not None:
             self.directory.remove(binding.sid)
+            self.token_log.drop(binding.sid)
             self._send_error(binding.link, binding.sid, error, fatal=True)
             for chunk in binding.waiting:
                 self._send_error(
@@ -147,7 +170,19 @@ class WorkerService:
                 )
             return
         binding.ready = True
-        binding.send(LinkOpened(binding.sid, binding.length, binding.last_seq))
+        plan, binding.restore = binding.restore, None
+        if plan is not None:
+            for seq, tokens in plan.forced:  # delivered turns the log lacked: now in the history
+                self.token_log.append(binding.sid, seq, tokens, binding.idle_timeout_s)
+        durable = self.token_log.durable_seq(binding.sid)
+        binding.send(LinkOpened(binding.sid, binding.length, binding.last_seq, durable))
+        if plan is not None:
+            for answer in plan.answers:  # turns the log holds whose done the client never got
+                tokenizer = self.engine.tokenizer
+                text = tokenizer.decode(list(answer.tokens)) if tokenizer is not None else None
+                done = replace(answer, text=text, durable_seq=durable)
+                binding.replay.append(done)
+                binding.send(done)
         waiting, binding.waiting = binding.waiting, []
         for chunk in waiting:
             self._chunk(chunk, binding.link)
@@ -161,7 +196,8 @@ class WorkerService:
             return
         self._bind(binding, link)
         if binding.ready:
-            link.send(LinkOpened(binding.sid, binding.length, binding.last_seq))
+            durable = self.token_log.durable_seq(binding.sid)
+            link.send(LinkOpened(binding.sid, binding.length, binding.last_seq, durable))
             for done in binding.missed(frame.last_seq):
                 link.send(done)
 
@@ -178,21 +214,54 @@ class WorkerService:
             self._attach(link, LinkAttach(frame.sid, frame.last_seq))
             return
         if frame.tokens is not None:
-            self._open(link, frame.sid, frame.config, list(frame.tokens), last_seq=frame.last_seq)
+            self._rebuild(link, frame, encode_log_record(NO_SEQ, frame.tokens))
             return
         self.loop.create_task(self._restore_from_log(link, frame))
 
     async def _restore_from_log(self, link: LinkPeer, frame: LinkRestore) -> None:
         try:
-            tokens = await read_log(self.redis, self.schema, frame.sid)
-        except redis.RedisError:
-            logger.warning("reading the token log of %s failed", frame.sid, exc_info=True)
+            data = await read_log_bytes(self.redis, self.schema, frame.sid)
+        except redis.RedisError as exc:
+            logger.warning("reading the token log of %s failed: %s", frame.sid, exc)
             self._send_error(
                 link, frame.sid, WorkerUnavailable("the token log could not be read"), fatal=True
             )
             return
-        logger.info("restoring session %s from its log of %d tokens", frame.sid, len(tokens))
-        self._open(link, frame.sid, frame.config, tokens, last_seq=frame.last_seq)
+        self._rebuild(link, frame, data)
+
+    def _rebuild(self, link: LinkPeer, frame: LinkRestore, log: bytes) -> None:
+        """Open the session from its log plus the gateway's undurable tail (worker/server/restore.py)."""
+        out = frame.config.max_output_tokens
+        try:
+            plan = plan_restore(
+                log, frame.tail, frame.last_seq, chunk_inputs=self._chunk_inputs, max_output_tokens=out
+            )
+        except ValueError as exc:
+            logger.error("session %s cannot be restored: %s", frame.sid, exc)
+            corrupt = SessionNotFound("the session's token log is corrupt")
+            self._send_error(link, frame.sid, corrupt, fatal=True)
+            return
+        except MicroturnError as error:
+            self._send_error(link, frame.sid, error, fatal=True)
+            return
+        logger.info(
+            "restoring session %s: %d tokens (log to seq %s), %d delivered turns forced, %d chunks re-run",
+            frame.sid,
+            len(plan.history),
+            plan.log_last_seq,
+            len(plan.forced),
+            len(plan.rerun),
+        )
+        self._open(link, frame, plan.history, last_seq=plan.last_seq, log=log, plan=plan)
+
+    def _chunk_inputs(self, chunk: LinkChunk) -> list[int]:
+        """A chunk's input tokens as the engine appends them (text through the model's tokenizer)."""
+        if chunk.tokens is not None:
+            return list(chunk.tokens)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or chunk.text is None:
+            raise InvalidMessage("a text chunk on a model without a tokenizer")
+        return list(tokenizer.encode(chunk.text))
 
     def _close(self, link: LinkPeer, sid: str) -> None:
         binding = self.directory.remove(sid)
@@ -224,6 +293,8 @@ class WorkerService:
 
     def _chunk(self, frame: LinkChunk, link: LinkPeer | None) -> None:
         binding = self.directory.get(frame.sid)
+        if binding is None and frame.sid in self.handing_over:
+            return  # the gateway has it in its tail: it runs on the session's next worker
         if binding is None:
             missing = SessionNotFound(f"no session {frame.sid} on this worker")
             self._send_error(link, frame.sid, missing, seq=frame.seq, fatal=True)
@@ -276,6 +347,7 @@ class WorkerService:
             length=result.length,
             logprobs=result.logprobs,
             committed_tokens=len(result.inputs),
+            durable_seq=self.token_log.durable_seq(binding.sid),
         )
         binding.record(done)
         binding.send(done)
@@ -285,7 +357,7 @@ class WorkerService:
             return  # a turn the session's end cancelled: the session and its log are gone
         self.directory.touched.add(binding.sid)
         # Only once the reply is out: the log is for rebuilding, never on the client's critical path.
-        self.token_log.append(binding.sid, result.inputs + result.tokens, binding.idle_timeout_s)
+        self.token_log.append(binding.sid, result.seq, result.inputs + result.tokens, binding.idle_timeout_s)
 
     # ---- errors -------------------------------------------------------------------------------
 
@@ -312,14 +384,11 @@ class WorkerService:
         if link is not None:
             link.send(link_error_from(sid, error, seq, fatal=fatal))
 
-    # ---- draining -----------------------------------------------------------------------------
+    # ---- Redis lost its data, draining (worker/server/handover.py) ------------------------------
+
+    def held_sessions(self) -> list[HeldSession]:
+        return held_sessions(self)
 
     async def drain(self) -> None:
-        """Stop taking sessions and end every one, telling its client (`evicted`)."""
-        self.draining = True
-        sids = list(self.directory.bindings)
-        for sid in sids:
-            binding = self.directory.remove(sid)
-            await asyncio.wrap_future(self.engine.close_session_async(sid, "closed"))
-            await self._forget_then_tell(binding.link if binding else None, sid, "evicted")
-        logger.info("drained %d sessions", len(sids))
+        """Stop taking sessions and hand each one over to its gateway (`migrate`)."""
+        await migrate_all(self)

@@ -1,22 +1,37 @@
-"""Appends each finished turn's tokens to the session's log in Redis, batched, off the reply path.
+"""Appends each finished turn to the session's log in Redis, batched, off the reply path.
 
-The log (`mt:log:<sid>`, little-endian uint32) is what a session is rebuilt from on another worker.
-Appends are queued when a `done` has gone out and flushed together every few milliseconds in one
-pipeline, so a chunk's round trip never waits on Redis. Order per session is the order of `append`.
+The log (`mt:log:<sid>`, one record per turn: shared/redis_schema.py) is what a session is rebuilt
+from on another worker. Appends are queued when a `done` has gone out and flushed together every
+few milliseconds in one pipeline, so a chunk's round trip never waits on Redis. Order per session
+is the order of `append`.
+
+Invariants (docs/failover.md):
+- `durable_seq(sid)` is the last seq whose record a flush has confirmed in Redis; the worker reports
+  it to the gateway on the frames it sends anyway, and the gateway drops its copy of the turns up
+  to it.
+- `_mirror[sid]` is a byte-exact copy of what Redis holds for the session's log (what was read at
+  restore, plus every confirmed flush). Redis is a cache of what the workers hold: when it loses its
+  data, the heartbeat re-writes each log from this copy (`held_logs`). It costs 4 bytes per token,
+  next to KV that costs kilobytes per token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Final
 
 import redis.asyncio as redis
 
-from shared.redis_schema import KeySchema, encode_tokens
+from shared.redis_client import OutageLog
+from shared.redis_schema import KeySchema, encode_log_record
 
 logger = logging.getLogger(__name__)
 
-FLUSH_INTERVAL_S = 0.02
+FLUSH_INTERVAL_S: Final = 0.02
+# After a failed flush the next try waits this, doubling up to the cap: an outage is not a hot loop.
+RETRY_BASE_S: Final = 0.05
+RETRY_MAX_S: Final = 1.0
 
 # Deletes a session record that names this worker (or none is left); says whether the log may go.
 # One key, so it runs on Redis Cluster; the log key lives in another slot and is deleted after.
@@ -37,21 +52,52 @@ class TokenLogWriter:
         self.grace_s = grace_s
         self.worker_id = worker_id
         self._delete_if_owned = client.register_script(DELETE_IF_OWNED)
-        # Held while a flush or a delete talks to Redis: a delete never lands before an append
-        # already on its way, which would re-create a closed session's log.
+        # Held while a flush, a rewrite or a delete talks to Redis: a delete never lands before an
+        # append already on its way (which would re-create a closed session's log), and a rewrite
+        # never interleaves with an append.
         self._redis_turn = asyncio.Lock()
-        self._pending: dict[str, tuple[list[int], float]] = {}
+        # sid -> (encoded records not yet flushed, last seq among them, idle timeout)
+        self._pending: dict[str, tuple[bytearray, int, float]] = {}
+        self._mirror: dict[str, bytearray] = {}
+        self._durable: dict[str, int] = {}
         self._wakeup = asyncio.Event()
+        self._outage = OutageLog("token log flush", logger)
         self.flushes = 0
         self.failures = 0
 
-    def append(self, sid: str, tokens: list[int] | tuple[int, ...], idle_timeout_s: float) -> None:
-        if not tokens:
-            return
-        queued, _ttl = self._pending.get(sid, ([], 0.0))
-        queued.extend(tokens)
-        self._pending[sid] = (queued, idle_timeout_s)
+    def start(self, sid: str, log: bytes, last_seq: int | None) -> None:
+        """A session opened or restored here: `log` is what Redis holds for it (its records)."""
+        self._mirror[sid] = bytearray(log)
+        if last_seq is not None:
+            self._durable[sid] = last_seq
+
+    def append(self, sid: str, seq: int, tokens: list[int] | tuple[int, ...], idle_timeout_s: float) -> None:
+        """Queue turn `seq`'s tokens (inputs then outputs). A turn that added nothing is still
+        recorded: its seq is what tells a restoring worker that the turn was done."""
+        record = encode_log_record(seq, tokens)
+        queued = self._pending.get(sid)
+        if queued is None:
+            self._pending[sid] = (bytearray(record), seq, idle_timeout_s)
+        else:
+            queued[0].extend(record)
+            self._pending[sid] = (queued[0], seq, idle_timeout_s)
         self._wakeup.set()
+
+    def durable_seq(self, sid: str) -> int | None:
+        """The last seq of `sid` whose turn Redis is known to hold (None: none yet)."""
+        return self._durable.get(sid)
+
+    def unflushed(self) -> int:
+        return len(self._pending)
+
+    def held_logs(self) -> dict[str, bytes]:
+        """Each session's log as Redis should hold it (confirmed flushes only)."""
+        return {sid: bytes(data) for sid, data in self._mirror.items()}
+
+    @property
+    def redis_turn(self) -> asyncio.Lock:
+        """Taken by a rewrite of the held sessions, so no flush interleaves with it."""
+        return self._redis_turn
 
     async def forget(self, sid: str) -> None:
         """The session ended here: drop its queued appends and, if it is still ours, its keys.
@@ -59,39 +105,65 @@ class TokenLogWriter:
         A session this worker lost track of (its link broke) may live on another worker by now,
         restored under the same id: its record names that worker, and then nothing is deleted.
         """
-        self._pending.pop(sid, None)
+        self.drop(sid)
         try:
             async with self._redis_turn:
                 owned = await self._delete_if_owned(keys=[self.schema.session(sid)], args=[self.worker_id])
                 if owned:
                     await self.client.delete(self.schema.log(sid))
-        except redis.RedisError:
-            logger.warning("could not delete the Redis keys of session %s", sid, exc_info=True)
+        except redis.RedisError as exc:
+            logger.warning("could not delete the Redis keys of session %s: %s", sid, exc)
 
-    async def flush(self) -> None:
+    def drop(self, sid: str) -> None:
+        """Forget the session here without touching Redis (it was handed to another worker)."""
+        self._pending.pop(sid, None)
+        self._mirror.pop(sid, None)
+        self._durable.pop(sid, None)
+
+    async def flush(self) -> bool:
+        """Write every queued append; False when Redis refused (they stay queued, in order)."""
         if not self._pending:
-            return
+            return True
         batch, self._pending = self._pending, {}
         pipe = self.client.pipeline(transaction=False)
-        for sid, (tokens, idle_timeout_s) in batch.items():
+        for sid, (data, _seq, idle_timeout_s) in batch.items():
             key = self.schema.log(sid)
-            pipe.append(key, encode_tokens(tokens))
+            pipe.append(key, bytes(data))
             pipe.pexpire(key, int((idle_timeout_s + self.grace_s) * 1000))
         try:
             async with self._redis_turn:
                 await pipe.execute()
-            self.flushes += 1
-        except redis.RedisError:
-            # Put them back in front of anything queued since, so the log keeps its order.
+        except redis.RedisError as exc:
+            # Put them back in front of anything queued since, so the log keeps its order. A record
+            # that did land before the failure is written twice; the reader skips the duplicate.
             self.failures += 1
-            logger.warning("token log flush failed; retrying", exc_info=True)
-            for sid, (tokens, ttl) in batch.items():
-                later, _ = self._pending.get(sid, ([], ttl))
-                self._pending[sid] = (tokens + later, ttl)
+            self._outage.failed(exc)
+            for sid, (data, seq, ttl) in batch.items():
+                if sid not in self._mirror:
+                    continue  # the session ended meanwhile: its log must not come back
+                later = self._pending.get(sid)
+                if later is not None:
+                    data.extend(later[0])
+                self._pending[sid] = (data, seq if later is None else later[1], ttl)
+            return False
+        self._outage.succeeded()
+        self.flushes += 1
+        for sid, (data, seq, _ttl) in batch.items():
+            mirror = self._mirror.get(sid)
+            if mirror is not None:  # None: the session ended while its append was on its way
+                mirror.extend(data)
+                self._durable[sid] = seq
+        return True
 
     async def run(self) -> None:
+        delay = RETRY_BASE_S
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
             await asyncio.sleep(FLUSH_INTERVAL_S)
-            await self.flush()
+            if await self.flush():
+                delay = RETRY_BASE_S
+                continue
+            self._wakeup.set()  # retry what is queued even if no new turn comes
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)

@@ -7,6 +7,7 @@ import json
 import signal
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from shared.protocol.link import (
     LinkDone,
     LinkError,
     LinkFrame,
+    LinkMigrate,
     LinkOpen,
     LinkOpened,
     LinkRestore,
@@ -135,7 +137,11 @@ def test_a_second_link_takes_over_and_gets_missed_outputs(worker: Proc) -> None:
             await a.turn(chunk("t2", 1, (9, 9)))
             _, done2 = await a.turn(chunk("t2", 2, (8, 8)))
             await b.send(LinkAttach("t2", last_seq=1))
-            assert await b.recv() == LinkOpened("t2", done2.length, 2)
+            opened = await b.recv()
+            assert isinstance(opened, LinkOpened)
+            # durable_seq: whatever the batched log flush has confirmed by now (docs/failover.md).
+            assert opened.durable_seq in (None, 1, 2)
+            assert replace(opened, durable_seq=None) == LinkOpened("t2", done2.length, 2)
             assert await b.recv() == done2  # the output after last_seq is replayed
             assert await a.recv() == LinkClosed("t2", "taken_over")
             _, done3 = await b.turn(chunk("t2", 3, (7,)))
@@ -162,7 +168,8 @@ def test_restore_rebuilds_from_the_token_log_on_another_worker(
             await asyncio.sleep(0.2)  # appends are batched after the reply
             assert await read_log(client, SCHEMA, "t3") == sequence
             await b.send(LinkRestore("t3", CONFIG, None, last_seq=4))
-            assert await b.recv() == LinkOpened("t3", len(sequence), 4)
+            # durable_seq: the log it was rebuilt from holds every turn up to seq 4.
+            assert await b.recv() == LinkOpened("t3", len(sequence), 4, 4)
             _, original = await a.turn(chunk("t3", 5, (1, 2)))
             _, rebuilt = await b.turn(chunk("t3", 5, (1, 2)))
             assert rebuilt.tokens == original.tokens and rebuilt.length == original.length
@@ -242,17 +249,21 @@ def test_link_secret_is_required_when_set(redis_url: str, workdir: Path) -> None
         asyncio.run(run(worker))
 
 
-def test_sigterm_drains_tells_sessions_and_leaves_the_registry(redis_url: str, workdir: Path) -> None:
+def test_sigterm_drains_hands_sessions_over_and_leaves_the_registry(redis_url: str, workdir: Path) -> None:
+    """Drain migrates (docs/failover.md): instead of ending each session (`closed: evicted`, the old
+    behaviour), the worker makes its log durable and tells the gateway to restore it elsewhere."""
+
     async def run(worker: Proc) -> None:
         client = redis.from_url(redis_url, decode_responses=False)
         assert await read_worker(client, SCHEMA, "w-drain") is not None
         async with link_to(worker) as connection:
             link = Link(connection)
-            await link.send(LinkOpen("t7", CONFIG))
+            await link.send(LinkOpen("t7", CONFIG, (), "0" * 64, 1))
             await link.recv()
-            await link.turn(chunk("t7", 1, (1, 2)))
+            _, done = await link.turn(chunk("t7", 1, (1, 2)))
             worker.popen.send_signal(signal.SIGTERM)
-            assert await link.recv() == LinkClosed("t7", "evicted")
+            assert await link.recv() == LinkMigrate("t7", 1)  # the log holds seq 1 already
+            assert await read_log(client, SCHEMA, "t7") == [1, 2, *done.tokens]
         assert worker.popen.wait(20) == 0
         assert await read_worker(client, SCHEMA, "w-drain") is None
         assert await client.zscore(SCHEMA.workers(), "w-drain") is None

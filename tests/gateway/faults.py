@@ -1,0 +1,204 @@
+"""Helpers of the fault suite (tests/gateway/test_fault_*.py): a Redis that can be killed and
+restarted empty on the same port, and a client session that streams at a steady pace while it
+records every message, so a test can count answers per chunk across a failure.
+
+Why a streamer and not `RealtimeClient.turn`: the faults under test happen *between* a chunk and its
+answer; chunks must be in flight (several per session) when a worker dies or drains, which a
+send-and-wait loop would rarely produce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import signal
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from shared.client import ConnectionLost, RealtimeClient, SessionClosedError
+from shared.protocol import Error, OutputDone, ServerMessage, SessionClosed, SessionRestored
+from tests.gateway.reference import SESSION_CONFIG, stream
+from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable, free_port
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S: Final = 10.0
+
+
+def _pings(port: int) -> bool:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+@dataclass
+class RestartableRedis:
+    """A real redis-server without persistence: a restart comes back with no keys at all."""
+
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which(REDIS_SERVER)
+        if binary is None:
+            raise ServerUnavailable(f"{REDIS_SERVER} is not installed")
+        self.starts += 1
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", str(self.workdir)]
+        with open(self.workdir / f"redis-{self.port}-{self.starts}.log", "wb") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _pings(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@contextlib.contextmanager
+def restartable_redis(workdir: Path) -> Iterator[RestartableRedis]:
+    server = RestartableRedis(workdir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@dataclass
+class Streamer:
+    """One session streaming chunks of reference stream `seed` every `period_s`, at most `window`
+    chunks unanswered, and recording everything it receives."""
+
+    client: RealtimeClient
+    seed: int
+    turns: int
+    period_s: float = 0.05
+    window: int = 4
+    session_id: str = ""
+    resume_token: str = ""
+    dones: dict[int, list[OutputDone]] = field(default_factory=dict)
+    errors: list[Error] = field(default_factory=list)
+    restored: list[float] = field(default_factory=list)  # monotonic arrival of each session.restored
+    notices: list[ServerMessage] = field(default_factory=list)  # other unsolicited messages
+    closed: SessionClosed | None = None
+    sent: int = 0
+    first_sent_at: float = 0.0
+    last_done_at: float = 0.0
+    _answered: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @classmethod
+    async def open(cls, url: str, seed: int, turns: int, **kwargs: float) -> Streamer:
+        client = await RealtimeClient.connect(url)
+        opened = await client.open(**SESSION_CONFIG)
+        streamer = cls(client, seed, turns, **kwargs)  # type: ignore[arg-type]
+        streamer.session_id, streamer.resume_token = opened.session_id, opened.resume_token
+        return streamer
+
+    def unanswered(self) -> int:
+        return sum(1 for seq in range(1, self.sent + 1) if seq not in self.dones)
+
+    async def send_until(self, last: int) -> None:
+        """Send chunks up to seq `last` at the pace, keeping at most `window` unanswered."""
+        chunks = stream(self.seed, self.turns)
+        while self.sent < last:
+            while self.unanswered() >= self.window:
+                self._answered.clear()
+                await asyncio.wait_for(self._answered.wait(), 60)
+            self.sent += 1
+            if self.sent == 1:
+                self.first_sent_at = time.monotonic()
+            await self.client.send_chunk(self.sent, tokens=chunks[self.sent - 1])
+            await asyncio.sleep(self.period_s)
+
+    async def receive(self) -> None:
+        """Record messages until every chunk up to `turns` is answered or the session ends."""
+        while len(self.dones) < self.turns:
+            try:
+                msg = await self.client.recv(timeout=60)
+            except (ConnectionLost, SessionClosedError) as exc:
+                logger.warning("stream %d ended: %s", self.seed, exc)
+                return
+            if isinstance(msg, OutputDone):
+                self.dones.setdefault(msg.seq, []).append(msg)
+                self.last_done_at = time.monotonic()
+                self._answered.set()
+            elif isinstance(msg, Error):
+                self.errors.append(msg)
+                if msg.seq is not None:  # an answered chunk (counted lost: it would need a resend)
+                    self.dones.setdefault(msg.seq, [])
+                self._answered.set()
+                if msg.fatal:
+                    return
+            elif isinstance(msg, SessionRestored):
+                self.restored.append(time.monotonic())
+            elif isinstance(msg, SessionClosed):
+                self.closed = msg
+                return
+            else:
+                self.notices.append(msg)
+
+    def outputs(self) -> list[list[int]]:
+        return [list(self.dones[seq][0].tokens) for seq in sorted(self.dones) if self.dones[seq]]
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What the fault suite prints and asserts, over all sessions of a scenario."""
+
+    sessions: int
+    continued: int  # every chunk answered, no session end
+    lost: int  # chunks with no output.done (an error answer counts as lost)
+    duplicated: int  # chunks with more than one output.done
+    identical: int  # sessions whose outputs equal the uninterrupted reference
+    restored: int  # session.restored notices received
+    chunks_per_s: float  # answered chunks per second per session, averaged over the sessions
+
+    def line(self, name: str) -> str:
+        return (
+            f"[fault] {name}: sessions={self.sessions} continued={self.continued} lost_turns={self.lost} "
+            f"duplicate_answers={self.duplicated} identical_to_reference={self.identical} "
+            f"restores={self.restored} chunks_per_s_per_session={self.chunks_per_s:.1f}"
+        )
+
+
+def tally(streamers: list[Streamer], expected: dict[int, list[list[int]]]) -> Tally:
+    lost = duplicated = identical = continued = restored = 0
+    rates = []
+    for s in streamers:
+        if s.last_done_at > s.first_sent_at:
+            rates.append(len(s.dones) / (s.last_done_at - s.first_sent_at))
+        counts = Counter({seq: len(s.dones.get(seq, [])) for seq in range(1, s.turns + 1)})
+        lost += sum(1 for n in counts.values() if n == 0)
+        duplicated += sum(1 for n in counts.values() if n > 1)
+        if all(n == 1 for n in counts.values()) and s.closed is None and not s.errors:
+            continued += 1
+        if s.outputs() == expected[s.seed][: s.turns] and len(s.outputs()) == s.turns:
+            identical += 1
+        restored += len(s.restored)
+    rate = sum(rates) / len(rates) if rates else 0.0
+    return Tally(len(streamers), continued, lost, duplicated, identical, restored, rate)

@@ -1,0 +1,61 @@
+"""The gateway's undurable tail (gateway/tail.py), as a state machine: unit tests with no I/O."""
+
+from __future__ import annotations
+
+from gateway.tail import UndurableTail
+from shared.protocol.link import LinkChunk, LinkDelta, LinkDone
+
+
+def done(seq: int, tokens: tuple[int, ...], durable: int | None) -> LinkDone:
+    return LinkDone("s", seq, tokens, None, "length", 0.0, 0.0, 10, None, durable_seq=durable)
+
+
+def test_entries_leave_once_delivered_and_durable_and_duplicates_are_refused() -> None:
+    tail = UndurableTail()
+    for seq in (1, 2, 3):
+        tail.add(LinkChunk("s", seq, (seq,)), sent=True)
+    assert tail.delivered(done(1, (9,), None)) and len(tail) == 3
+    assert not tail.delivered(done(1, (9,), None))  # a second done for seq 1
+    assert tail.delivered(done(2, (8,), 1)) and len(tail) == 2  # 1 is durable now
+    turns = tail.snapshot()
+    assert [(t.chunk.seq, t.output) for t in turns] == [(2, (8,)), (3, None)]
+    tail.durable(3)  # 3 has no answer yet: it stays
+    assert len(tail) == 1
+    tail.refused(3)
+    assert len(tail) == 0
+
+
+def test_held_chunks_are_sent_once_and_repeated_deltas_are_dropped() -> None:
+    tail = UndurableTail()
+    tail.add(LinkChunk("s", 1, (1,)), sent=True)
+    tail.add(LinkChunk("s", 2, (2,)), sent=False)
+    tail.add(LinkChunk("s", 3, (3,)), sent=False)
+    assert [c.seq for c in tail.take_unsent()] == [2, 3] and tail.take_unsent() == []
+    first = LinkDelta("s", 1, 0, 5)
+    assert tail.delta_is_new(first) and not tail.delta_is_new(first)  # a re-run repeats it
+    assert tail.delta_is_new(LinkDelta("s", 1, 1, 6))
+
+
+def test_the_new_link_fields_round_trip_and_bad_tails_are_refused() -> None:
+    import msgpack
+    import pytest
+
+    from shared.errors import InvalidMessage
+    from shared.protocol import OpenConfig, decode_link, encode_link
+    from shared.protocol.link import LinkMigrate, LinkOpened, LinkRestore, TailTurn
+
+    tail = (TailTurn(LinkChunk("s", 4, (1, 2)), (7,)), TailTurn(LinkChunk("s", 5, None, "hi", 3), None))
+    frames = [
+        LinkRestore("s", OpenConfig(), None, 3, "ab" * 32, 123, tail),
+        LinkRestore("s", OpenConfig()),
+        LinkOpened("s", 10, 4, 3),
+        done(4, (7,), 3),
+        LinkMigrate("s", 4),
+    ]
+    for frame in frames:
+        assert decode_link(encode_link(frame)) == frame
+    bad = msgpack.packb(
+        {"op": "restore", "sid": "s", "tail": [{"seq": 5, "tokens": [1]}, {"seq": 4, "tokens": [2]}]}
+    )
+    with pytest.raises(InvalidMessage):
+        decode_link(bad)

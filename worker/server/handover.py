@@ -1,0 +1,94 @@
+"""Handing a worker's sessions over: to another worker on drain, and back to Redis after it lost its data.
+
+Drain (SIGTERM, every deploy; docs/failover.md): the worker stops taking sessions, stops every
+session here without answering for it again, makes its log durable, and tells each session's gateway
+`migrate(sid, durable_seq)`. The gateway restores the session elsewhere as a planned restore, with
+its undurable tail, exactly as after a crash: chunks this worker had in flight or queued are re-run
+there, and each gets exactly one `done`. The order matters:
+
+1. Unbind and forget each session *before* closing it in the engine: a turn the close cancels (or
+   that finishes meanwhile) is then neither answered nor logged here, so it is still undelivered at
+   the gateway and re-runs on the new worker. Turns answered before this point were logged.
+2. Flush the log until Redis took it: the durable seq sent in `migrate` is then the whole history
+   this worker answered.
+3. Send `migrate` and wait until the links have written it. Sessions with no client attached keep
+   their keys: their next resume restores them from the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Final
+
+from shared.errors import WorkerUnavailable
+from shared.protocol.codec import config_to_map
+from shared.protocol.link import LinkMigrate, link_error_from
+from shared.registry import HeldSession, SessionRecord
+
+if TYPE_CHECKING:
+    from worker.server.service import WorkerService
+
+logger = logging.getLogger(__name__)
+
+FLUSH_RETRY_S: Final = 0.1
+SEND_WAIT_S: Final = 5.0
+
+
+def held_sessions(service: WorkerService) -> list[HeldSession]:
+    """The record and whole log of every session held here, as Redis should hold them."""
+    logs = service.token_log.held_logs()
+    held: list[HeldSession] = []
+    for sid, binding in service.directory.bindings.items():
+        if binding.token_sha256 is None or sid not in logs:
+            continue  # opened by a gateway that sent no record: nothing to re-write it from
+        record = SessionRecord(
+            worker=service.token_log.worker_id,
+            token_sha256=binding.token_sha256,
+            model=service.engine.model_config.name,
+            created_ms=binding.created_ms,
+            last_seq=binding.last_seq if binding.last_seq is not None else 0,
+            config=config_to_map(binding.config),
+        )
+        ttl_s = binding.idle_timeout_s + service.settings.session_grace_s
+        held.append(HeldSession(sid, record, logs[sid], ttl_s))
+    return held
+
+
+async def migrate_all(service: WorkerService) -> tuple[int, int]:
+    """Drain: hand every session to its gateway for a planned restore; (migrated, left detached)."""
+    service.draining = True
+    bindings = list(service.directory.bindings.values())
+    for binding in bindings:
+        service.directory.remove(binding.sid)
+        service.handing_over.add(binding.sid)
+    links = {}
+    for binding in bindings:
+        link, binding.link = binding.link, None
+        if link is None:
+            continue
+        links[binding.sid] = link
+        if not binding.ready:  # still opening: the gateway places it again (or elsewhere)
+            link.send(link_error_from(binding.sid, WorkerUnavailable("worker is draining"), fatal=True))
+            del links[binding.sid]
+    await asyncio.gather(
+        *(asyncio.wrap_future(service.engine.close_session_async(b.sid, "closed")) for b in bindings)
+    )
+    while not await service.token_log.flush():
+        await asyncio.sleep(FLUSH_RETRY_S)  # Redis is down: nothing can be handed over before it is back
+    for binding in bindings:
+        link = links.get(binding.sid)
+        if link is not None:
+            link.send(LinkMigrate(binding.sid, service.token_log.durable_seq(binding.sid)))
+        service.token_log.drop(binding.sid)
+    deadline = time.monotonic() + SEND_WAIT_S
+    while any(getattr(link, "pending_frames", lambda: 0)() for link in links.values()):
+        if time.monotonic() > deadline:
+            logger.warning("drain: some migrate frames may not have reached their gateway")
+            break
+        await asyncio.sleep(0.01)
+    logger.info(
+        "drained: %d session(s) handed to their gateways, %d detached", len(links), len(bindings) - len(links)
+    )
+    return len(links), len(bindings) - len(links)
