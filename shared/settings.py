@@ -51,6 +51,10 @@ class WorkerSettings(CommonSettings):
     heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
     link_secret: str = field(default="", metadata={"help": "shared secret gateways must present"})
     drain_timeout_s: float = 10.0
+    no_session: bool = field(
+        default=False,
+        metadata={"help": "baseline for benchmarks: keep no KV between turns, recompute history every turn"},
+    )
 
 
 @dataclass(frozen=True)

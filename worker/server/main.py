@@ -68,6 +68,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
         max_chunk_tokens=settings.max_chunk_tokens,
         max_queued_turns=settings.max_queued_chunks,
         max_output_tokens_limit=settings.max_output_tokens,
+        no_session=settings.no_session,
     )
 
 
