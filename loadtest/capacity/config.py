@@ -86,7 +86,11 @@ class Step:
                 "errors": servers.gateway_errors,
                 "errors_by_code": servers.gateway_errors_by_code,
             },
-            "worker": {"turns": servers.worker_turns, "errors": servers.worker_errors},
+            "worker": {
+                "turns": servers.worker_turns,
+                "errors": servers.worker_errors,
+                "tokens_forwarded": servers.worker_tokens_forwarded,
+            },
             "metrics_agree": self.metrics_agree,
         }
 

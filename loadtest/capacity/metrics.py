@@ -65,6 +65,7 @@ class ServerCounts:
     gateway_errors_by_code: dict[str, int]
     worker_turns: int  # turns the worker finished (one per chunk)
     worker_errors: int
+    worker_tokens_forwarded: int  # tokens through the model: the recompute work shows here
 
     @classmethod
     def between(cls, before: Snapshot, after: Snapshot) -> ServerCounts:
@@ -82,4 +83,5 @@ class ServerCounts:
             gateway_errors_by_code={c: n for c, n in by_code.items() if n},
             worker_turns=delta("microturn_worker_turns_total", "worker"),
             worker_errors=delta("microturn_worker_errors_total", "worker"),
+            worker_tokens_forwarded=delta("microturn_worker_tokens_forwarded_total", "worker"),
         )

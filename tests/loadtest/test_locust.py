@@ -1,0 +1,93 @@
+"""The Locust load suite against a real stack (Valkey, a tiny worker, a gateway, all processes).
+
+Locust runs exactly as a user runs it (`python -m locust -f loadtest/locustfile.py --headless ...`)
+in its own process, so its gevent monkey-patching never enters pytest. No timing is asserted: what
+is checked is that every chunk became a Locust request under the right name, none failed, and the
+gateway's and the worker's `/metrics` counted the same chunks Locust did.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest.capacity.locust_run import LOCUSTFILE
+from loadtest.capacity.metrics import ServerCounts, Snapshot
+from loadtest.capacity.workload import CHUNK_NAME, REPLY_NAME
+from tests.processes import REPO, Proc, microturn, worker_args
+from tests.shared.redis_servers import running_server
+
+USERS, RUN_S = 3, 4
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
+    workdir = tmp_path_factory.mktemp("locust-stack")
+    with (
+        running_server("valkey", workdir) as redis_url,
+        microturn("worker", worker_args(redis_url, "w-locust"), workdir) as worker,
+        microturn("gateway", ["--redis-url", redis_url], workdir) as gateway,
+    ):
+        yield gateway, worker
+
+
+def run_locust(gateway: Proc, out: Path, *options: str) -> tuple[dict[str, dict[str, Any]], str]:
+    """Locust headless for RUN_S seconds; its final stats by request name, and its output."""
+    argv = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", gateway.ws]
+    argv += ["-u", str(USERS), "-r", str(USERS), "-t", f"{RUN_S}s", "--json-file", str(out / "stats")]
+    argv += [*options]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    entries = json.loads((out / "stats.json").read_text())
+    return {entry["name"]: entry for entry in entries}, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param((), id="json-tokens"),
+        pytest.param(
+            ("--encoding", "msgpack", "--text", "the quick brown fox jumps", "--chunk-tokens", "3"),
+            id="msgpack-text",
+        ),
+    ],
+)
+def test_every_chunk_is_a_request_without_failures(
+    stack: tuple[Proc, Proc], tmp_path: Path, options: tuple[str, ...]
+) -> None:
+    gateway, worker = stack
+    before = Snapshot.take(gateway.http, worker.http)
+    stats, output = run_locust(gateway, tmp_path, *options)
+    counts = ServerCounts.between(before, Snapshot.take(gateway.http, worker.http))
+
+    # Chunks that ask for no output and chunks that ask for a reply are separate rows.
+    assert set(stats) == {CHUNK_NAME, REPLY_NAME}, output[-3000:]
+    chunks, replies = stats[CHUNK_NAME], stats[REPLY_NAME]
+    assert chunks["num_failures"] == 0 and replies["num_failures"] == 0, output[-3000:]
+    # 5 chunks/s for ~RUN_S s per user, one reply every 5th chunk.
+    assert chunks["num_requests"] >= USERS * 5
+    assert replies["num_requests"] >= USERS
+    assert chunks["num_requests"] >= 3 * replies["num_requests"]
+    assert sum(replies["response_times"].values()) == replies["num_requests"]
+    # The servers saw what Locust saw, chunk for chunk.
+    answered = chunks["num_requests"] + replies["num_requests"]
+    assert counts.gateway_outputs == answered, counts
+    assert counts.worker_turns == answered, counts
+    assert counts.gateway_chunks == answered, counts
+    assert counts.gateway_errors == 0, counts
+
+
+def test_locust_reports_every_failure_with_its_error_code(stack: tuple[Proc, Proc], tmp_path: Path) -> None:
+    """Chunks over the gateway's size limit come back as errors: each is a failure named by its code."""
+    gateway, _worker = stack
+    stats, output = run_locust(gateway, tmp_path, "--chunk-tokens", "600")  # gateway limit: 512 tokens
+    failures = stats[CHUNK_NAME]["num_failures"] + stats.get(REPLY_NAME, {}).get("num_failures", 0)
+    assert failures == stats[CHUNK_NAME]["num_requests"] + stats.get(REPLY_NAME, {}).get("num_requests", 0)
+    assert failures > 0
+    assert "chunk_too_large" in output, output[-3000:]
