@@ -46,6 +46,7 @@ from loadtest.capacity.workload import (
     ChunkLoad,
 )
 from shared.protocol import (
+    MAX_FRAME_BYTES,
     ClientMessage,
     Error,
     InputChunk,
@@ -191,7 +192,15 @@ class RealtimeUser(User):
         name = OPEN_NAME if self.session_id is None else RESUME_NAME
         try:
             subprotocol = Subprotocol(self.load.wire_encoding.subprotocol)
-            self.ws = connect(self.url, subprotocols=[subprotocol], open_timeout=_OPEN_TIMEOUT_S)
+            # Entered as a context manager: websockets >= 17 deprecates using a bare `connect()`.
+            self.ws = connect(
+                self.url,
+                subprotocols=[subprotocol],
+                open_timeout=_OPEN_TIMEOUT_S,
+                max_size=MAX_FRAME_BYTES,
+                compression=None,
+                proxy=None,
+            ).__enter__()
             if self.session_id is None:
                 self._send(SessionOpen(OpenConfig(stop_token_ids=())))
             else:

@@ -28,11 +28,20 @@ class CapacityReport:
             return None
         return streaming.sessions / baseline.sessions
 
+    @property
+    def streaming_at_least_5x(self) -> bool | None:
+        """The issue's bar: streaming carries >= 5x no_session's sessions (and carries some)."""
+        streaming, baseline = self.modes.get("streaming"), self.modes.get("no_session")
+        if streaming is None or baseline is None:
+            return None
+        return streaming.sessions > 0 and streaming.sessions >= 5 * baseline.sessions
+
     def to_json(self) -> dict[str, Any]:
         return {
             "config": {**self.config.to_json(), "host": self.host},
             "modes": {name: result.to_json() for name, result in self.modes.items()},
             "ratio": self.ratio,
+            "streaming_at_least_5x": self.streaming_at_least_5x,
             "metrics_agree": all(s.metrics_agree for r in self.modes.values() for s in r.steps),
             "wall_s": round(self.wall_s, 1),
         }
@@ -57,6 +66,8 @@ def table(report: CapacityReport) -> str:
         lines.append(f"{name}: {result.sessions} sessions at p99 <= {limit:g} ms with no errors")
     if report.ratio is not None:
         lines.append(f"streaming carries {report.ratio:.1f}x the sessions of no_session")
+    elif report.streaming_at_least_5x:
+        lines.append("no_session carries no session within the limit; streaming does")
     return "\n".join(lines)
 
 

@@ -71,6 +71,20 @@ def test_capacity_report_has_the_issue_shape(capacity_run: tuple[int, dict[str, 
     assert "streaming" in table and "no_session" in table
 
 
+def test_no_session_recomputes_what_streaming_keeps(
+    capacity_run: tuple[int, dict[str, Any], str, Path],
+) -> None:
+    """The baseline's worker forwards each session's whole history per turn: far more tokens."""
+    _code, report, _table, _out = capacity_run
+    (streaming,) = report["modes"]["streaming"]["steps"]
+    (baseline,) = report["modes"]["no_session"]["steps"]
+    per_turn = {
+        name: step["worker"]["tokens_forwarded"] / step["worker"]["turns"]
+        for name, step in (("streaming", streaming), ("no_session", baseline))
+    }
+    assert per_turn["no_session"] > 2 * per_turn["streaming"], per_turn
+
+
 def test_capacity_metrics_agree_with_locust(capacity_run: tuple[int, dict[str, Any], str, Path]) -> None:
     _code, report, _table, _out = capacity_run
     assert report["metrics_agree"] is True
