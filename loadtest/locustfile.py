@@ -77,6 +77,10 @@ _RECONNECT_PAUSE_S: Final = 1.0
 class ChunkError(Exception):
     """A failed request; its text is the protocol's error code, so Locust groups failures by code."""
 
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
+
 
 def _add_options(parser: Any, **_kwargs: Any) -> None:
     parser.add_argument(

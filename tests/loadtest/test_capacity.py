@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -181,3 +183,16 @@ def test_locust_command_carries_the_workload(tmp_path: Path) -> None:
     assert (
         "--encoding msgpack" in joined and "--chunk-ms 200" in joined and argv[-2:] == ["--text", "hi there"]
     )
+
+
+def test_the_benchmark_never_imports_locust_or_gevent() -> None:
+    """Locust monkey-patches its process with gevent at import: only its own subprocess may do that."""
+    code = (
+        "import sys, loadtest.capacity.run, loadtest.capacity.report, shared.cli\n"
+        "import gateway.app, worker.server.app\n"
+        "assert not {'locust', 'gevent'} & set(sys.modules), sorted({'locust', 'gevent'} & set(sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
