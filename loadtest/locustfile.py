@@ -45,6 +45,7 @@ from loadtest.capacity.workload import (
     SESSION_NAME,
     ChunkLoad,
 )
+from shared.errors import ErrorCode, MicroturnError
 from shared.protocol import (
     MAX_FRAME_BYTES,
     ClientMessage,
@@ -72,6 +73,8 @@ _CHUNK_TIMEOUT_S: Final = 30.0
 # On stop, outputs still in flight get this long to arrive, so Locust counts what the server did.
 _DRAIN_S: Final = 10.0
 _RECONNECT_PAUSE_S: Final = 1.0
+# A resume refused with these codes means the session no longer exists: open a new one instead.
+_SESSION_GONE: Final = frozenset({ErrorCode.SESSION_NOT_FOUND.value, ErrorCode.SESSION_EXPIRED.value})
 
 
 class ChunkError(Exception):
@@ -224,7 +227,7 @@ class RealtimeUser(User):
             self._fail(name, code, started)
             if isinstance(reply, Error) and reply.retry_after_ms:
                 self.paused_until = time.perf_counter() + reply.retry_after_ms / 1000.0
-            if name == RESUME_NAME:  # the session is gone: the next attempt opens a new one
+            if name == RESUME_NAME and code in _SESSION_GONE:  # the next attempt opens a new session
                 self.session_id = None
             self._drop_socket()
             return False
@@ -243,7 +246,12 @@ class RealtimeUser(User):
         try:
             for frame in ws:
                 now = time.perf_counter()
-                self._on_message(decode_server(frame, encoding), now, len(frame))
+                try:
+                    message = decode_server(frame, encoding)
+                except MicroturnError as exc:  # a frame this client cannot read: a failure, not a crash
+                    self._fire(Outcome(SESSION_NAME, -1, 0.0, exc.code.value))
+                    continue
+                self._on_message(message, now, len(frame))
         except ConnectionClosed:
             pass
         finally:

@@ -8,10 +8,14 @@ gateway's and the worker's `/metrics` counted the same chunks Locust did.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +23,7 @@ from typing import Any
 import pytest
 
 from loadtest.capacity.locust_run import LOCUSTFILE
-from loadtest.capacity.metrics import ServerCounts, Snapshot
+from loadtest.capacity.metrics import ServerCounts, Snapshot, scrape, total
 from loadtest.capacity.workload import CHUNK_NAME, REPLY_NAME
 from tests.processes import REPO, Proc, microturn, worker_args
 from tests.shared.redis_servers import running_server
@@ -97,3 +101,82 @@ def test_locust_reports_every_failure_with_its_error_code(stack: tuple[Proc, Pro
         rows = list(csv.DictReader(handle))
     assert rows and all("chunk_too_large" in row["Error"] for row in rows), rows
     assert {row["Name"] for row in rows} <= {CHUNK_NAME, REPLY_NAME}
+
+
+class DroppingProxy:
+    """A loopback TCP forwarder that can cut every connection through it at once: a network drop."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.server.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self.lock:
+                self.sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_RDWR)
+
+    def drop(self) -> int:
+        with self.lock:
+            dropped, self.sockets = self.sockets, []
+        for sock in dropped:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        return len(dropped) // 2
+
+    def close(self) -> None:
+        self.server.close()
+        self.drop()
+
+
+def test_users_resume_their_sessions_after_a_disconnect(stack: tuple[Proc, Proc], tmp_path: Path) -> None:
+    gateway, worker = stack
+    proxy = DroppingProxy(gateway.port)
+    try:
+        before = Snapshot.take(gateway.http, worker.http)
+        opened_before = http_metric(gateway, "microturn_gateway_sessions_opened_total")
+        resumed_before = http_metric(gateway, "microturn_gateway_sessions_resumed_total")
+        argv = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless"]
+        argv += ["--host", f"ws://127.0.0.1:{proxy.port}", "-u", str(USERS), "-r", str(USERS), "-t", "8s"]
+        argv += ["--json-file", str(tmp_path / "stats")]
+        with subprocess.Popen(
+            argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as run:
+            time.sleep(4.0)
+            assert proxy.drop() == USERS
+            output, _ = run.communicate(timeout=120)
+        counts = ServerCounts.between(before, Snapshot.take(gateway.http, worker.http))
+    finally:
+        proxy.close()
+    stats = {entry["name"]: entry for entry in json.loads((tmp_path / "stats.json").read_text())}
+    assert sum(entry["num_failures"] for entry in stats.values()) == 0, output[-3000:]
+    # The same sessions went on: resumed, never opened again.
+    assert http_metric(gateway, "microturn_gateway_sessions_opened_total") - opened_before == USERS
+    assert http_metric(gateway, "microturn_gateway_sessions_resumed_total") - resumed_before >= USERS
+    answered = stats[CHUNK_NAME]["num_requests"] + stats[REPLY_NAME]["num_requests"]
+    assert counts.gateway_outputs >= answered > USERS * 5, output[-3000:]
+
+
+def http_metric(proc: Proc, name: str) -> float:
+    return total(scrape(proc.http + "/metrics"), name)
