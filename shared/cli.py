@@ -35,6 +35,10 @@ def _chat(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    if "--capacity" in argv:
+        from loadtest.capacity.run import main as capacity_main
+
+        return capacity_main([arg for arg in argv if arg != "--capacity"])
     if "--gateway-overhead" in argv:
         from loadtest.overhead import main as overhead_main
 

@@ -66,6 +66,10 @@ class WorkerSettings(CommonSettings):
     heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
     link_secret: str = field(default="", metadata={"help": "shared secret gateways must present"})
     drain_timeout_s: float = 10.0
+    no_session: bool = field(
+        default=False,
+        metadata={"help": "baseline for benchmarks: keep no KV between turns, recompute history every turn"},
+    )
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
         env = ENV_PREFIX + f.name.upper()
         help_text = f"{f.metadata.get('help', '')} (env {env}, default {f.default!r})".strip()
         flag = "--" + f.name.replace("_", "-")
-        if kind is bool:
+        if kind is bool and f.name.startswith("no_"):
+            # BooleanOptionalAction would read `--no-x` as the negation of `--x`: a plain switch.
+            parser.add_argument(flag, action="store_const", const=True, default=None, help=help_text)
+        elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             parser.add_argument(flag, type=str, default=None, help=help_text)

@@ -31,6 +31,9 @@ class EngineConfig:
     max_queued_outputs: int = 8
     max_output_tokens_limit: int = 1024
     seed: int = 1234
+    # Baseline only (`microturn bench --capacity`): after every turn a session drops its KV and keeps
+    # its tokens, so each turn recomputes the whole history, as a server without sessions does.
+    no_session: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_batch_tokens < 1 or self.max_batch_rows < 1:

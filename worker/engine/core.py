@@ -347,6 +347,9 @@ class EngineCore:
         if len(session.pages) > needed:
             self.allocator.free(session.pages[needed:])
             del session.pages[needed:]
+        if self.config.no_session:
+            # The same path as an eviction under memory pressure: the next turn recomputes the history.
+            self.allocator.free(session.drop_kv())
         session.last_activity = self.clock()
         if session.pending:
             self.waiting[session.session_id] = session

@@ -69,6 +69,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
         max_queued_tokens=settings.max_queued_tokens,
         max_queued_outputs=settings.max_queued_outputs,
         max_output_tokens_limit=settings.max_output_tokens,
+        no_session=settings.no_session,
     )
 
 
