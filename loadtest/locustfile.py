@@ -9,7 +9,9 @@ because the server does), each chunk `--chunk-tokens` token ids or, with `--text
 of the text; every `--reply-every`-th chunk asks for `--reply-tokens` outputs. Each chunk is one
 Locust request: named `chunk` (no output) or `reply`, `response_time` from the chunk's send to its
 `output.done`; an error frame for it is a failure whose exception is the error code. An error
-with `retry_after_ms` pauses the stream that long. After a disconnect the user resumes its
+with `retry_after_ms` pauses the stream that long and the refused chunk is sent again (under the
+next seq, up to `MAX_ATTEMPTS` sends; its request's time counts from the first), as the protocol
+asks of a client; only a refusal past that is a failure. After a disconnect the user resumes its
 session (`session.resume` with the last output it saw) or, if the session is gone, opens a new one.
 
 Why gevent-specific: Locust runs users as greenlets under gevent's monkey-patching, where the
@@ -21,6 +23,8 @@ Locust as a subprocess).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import os
 import random
@@ -183,6 +187,10 @@ class RealtimeUser(User):
         self.next_seq = 0
         self.chunks_sent = 0
         self.paused_until = 0.0
+        # Chunks sent and not answered yet (what a refused one is resent from), and refused seqs
+        # waiting to be resent, oldest first.
+        self.unanswered: dict[int, InputChunk] = {}
+        self.resend: collections.deque[int] = collections.deque()
         self.closing = False
         self.salt = random.randrange(1 << 20)
 
@@ -280,12 +288,19 @@ class RealtimeUser(User):
     def _on_message(self, message: ServerMessage, now: float, length: int) -> None:
         if isinstance(message, OutputDone):
             self.last_output_seq = message.seq
+            self.unanswered.pop(message.seq, None)
             outcome = self.inflight.done(message.seq, now, length)
             if outcome is not None:
                 self._fire(outcome)
         elif isinstance(message, Error):
             if message.retry_after_ms:
                 self.paused_until = max(self.paused_until, now + message.retry_after_ms / 1000.0)
+            retry = message.seq is not None and message.retry_after_ms is not None
+            if retry and message.seq is not None and self.inflight.can_retry(message.seq):
+                self.resend.append(message.seq)  # sent again once the pause is over
+                return
+            if message.seq is not None:
+                self.unanswered.pop(message.seq, None)
             failed = (
                 None if message.seq is None else self.inflight.failed(message.seq, message.code.value, now)
             )
@@ -308,6 +323,7 @@ class RealtimeUser(User):
         next_at = time.perf_counter()
         while True:
             for outcome in self.inflight.expire(time.perf_counter(), _CHUNK_TIMEOUT_S):
+                self.unanswered.pop(outcome.seq, None)
                 self._fire(outcome)
             if self.ws is None and not self._connect():
                 gevent.sleep(max(_RECONNECT_PAUSE_S, self.paused_until - time.perf_counter()))
@@ -317,6 +333,9 @@ class RealtimeUser(User):
             wake = max(next_at, self.paused_until)
             if wake > now:
                 gevent.sleep(wake - now)
+                continue
+            if self.resend:
+                self._resend_chunk(self.resend.popleft())
                 continue
             self._send_chunk()
             # A fixed schedule; after a stall (a pause, a reconnect) restart it rather than burst.
@@ -331,6 +350,19 @@ class RealtimeUser(User):
             chunk = InputChunk(seq, text=load.text_for(index), max_output_tokens=reply)
         self.inflight.sent(seq, load.name_for(index), time.perf_counter())
         self.next_seq, self.chunks_sent = seq + 1, index + 1
+        self._transmit(chunk)
+
+    def _resend_chunk(self, refused_seq: int) -> None:
+        """A chunk refused with `retry_after_ms`, under the next seq (a later one may have landed)."""
+        chunk = self.unanswered.pop(refused_seq, None)
+        seq = self.next_seq
+        if chunk is None or not self.inflight.retry(refused_seq, seq):
+            return
+        self.next_seq = seq + 1
+        self._transmit(dataclasses.replace(chunk, seq=seq))
+
+    def _transmit(self, chunk: InputChunk) -> None:
+        self.unanswered[chunk.seq] = chunk
         try:
             self._send(chunk)
         except (ConnectionClosed, OSError):

@@ -35,6 +35,12 @@ class Stack(NamedTuple):
     gateway: Proc
     worker: Proc
     api_key: str
+    # A gateway that allows fewer chunks per second than the users send: it refuses with
+    # `rate_limited` and `retry_after_ms`.
+    slow_gateway: Proc
+
+
+SLOW_GATEWAY = ["--auth", "on", "--max-chunks-per-s", "2", "--chunk-burst", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +51,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         running_server("valkey", workdir) as redis_url,
         microturn("worker", worker_args(redis_url, "w-locust"), workdir) as worker,
         microturn("gateway", ["--redis-url", redis_url, "--auth", "on"], workdir) as gateway,
+        microturn("gateway", ["--redis-url", redis_url, *SLOW_GATEWAY], workdir) as slow_gateway,
     ):
-        yield Stack(gateway, worker, create_key(redis_url))
+        yield Stack(gateway, worker, create_key(redis_url), slow_gateway)
 
 
 def create_key(redis_url: str) -> str:
@@ -71,9 +78,11 @@ def locust_argv(host: str, api_key: str) -> list[str]:
     return [*argv, "--api-key", api_key]
 
 
-def run_locust(stack: Stack, out: Path, *options: str) -> tuple[dict[str, dict[str, Any]], str]:
+def run_locust(
+    stack: Stack, out: Path, *options: str, gateway: Proc | None = None
+) -> tuple[dict[str, dict[str, Any]], str]:
     """Locust headless for RUN_S seconds; its final stats by request name, and its output."""
-    argv = locust_argv(stack.gateway.ws, stack.api_key)
+    argv = locust_argv((gateway or stack.gateway).ws, stack.api_key)
     argv += ["-u", str(USERS), "-r", str(USERS), "-t", f"{RUN_S}s", "--json-file", str(out / "stats")]
     argv += [*options]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
@@ -96,7 +105,7 @@ def run_locust(stack: Stack, out: Path, *options: str) -> tuple[dict[str, dict[s
 def test_every_chunk_is_a_request_without_failures(
     stack: Stack, tmp_path: Path, options: tuple[str, ...]
 ) -> None:
-    gateway, worker, _key = stack
+    gateway, worker, _key, _slow = stack
     before = Snapshot.take(gateway.http, worker.http)
     stats, output = run_locust(stack, tmp_path, *options)
     counts = ServerCounts.between(before, Snapshot.take(gateway.http, worker.http))
@@ -129,6 +138,19 @@ def test_locust_reports_every_failure_with_its_error_code(stack: Stack, tmp_path
         rows = list(csv.DictReader(handle))
     assert rows and all("chunk_too_large" in row["Error"] for row in rows), rows
     assert {row["Name"] for row in rows} <= {CHUNK_NAME, REPLY_NAME}
+
+
+def test_refused_chunks_are_sent_again_after_retry_after_ms(stack: Stack, tmp_path: Path) -> None:
+    """Users send 5 chunks/s to a gateway that takes 2: each refusal (`rate_limited`, with
+    `retry_after_ms`) is resent once the pause is over, so none is a failure."""
+    gateway, worker = stack.slow_gateway, stack.worker
+    before = Snapshot.take(gateway.http, worker.http)
+    stats, output = run_locust(stack, tmp_path, gateway=gateway)
+    counts = ServerCounts.between(before, Snapshot.take(gateway.http, worker.http))
+    assert sum(entry["num_failures"] for entry in stats.values()) == 0, output[-3000:]
+    assert counts.gateway_errors > 0, counts  # refusals happened, and every one was retried
+    answered = sum(entry["num_requests"] for entry in stats.values())
+    assert answered >= USERS and counts.gateway_outputs == answered, (counts, output[-3000:])
 
 
 class DroppingProxy:
@@ -179,7 +201,7 @@ class DroppingProxy:
 
 
 def test_users_resume_their_sessions_after_a_disconnect(stack: Stack, tmp_path: Path) -> None:
-    gateway, worker, _key = stack
+    gateway, worker, _key, _slow = stack
     proxy = DroppingProxy(gateway.port)
     try:
         before = Snapshot.take(gateway.http, worker.http)
