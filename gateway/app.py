@@ -19,7 +19,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from importlib import resources
-from urllib.parse import urlsplit, urlunsplit
 
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
@@ -37,13 +36,14 @@ from gateway.services import GatewayServices
 from gateway.session_auth import UNAUTHORIZED_MESSAGE, Principal
 from shared.errors import ErrorCode, MicroturnError, Unauthorized, WorkerUnavailable
 from shared.protocol import Encoding, close_code_for, encode_server, error_message_from
-from shared.redis_client import resilient_redis
+from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION
+from shared.redis_client import redacted_url, resilient_redis
 from shared.settings import GatewaySettings, is_loopback_host
 
 logger = logging.getLogger(__name__)
 
 # Policy violation: the close before accept turns into an HTTP 403 for the handshake.
-_REFUSE_HANDSHAKE = 1008
+_REFUSE_HANDSHAKE = CLOSE_POLICY_VIOLATION
 _READY_TIMEOUT_S = 2.0
 
 
@@ -134,15 +134,6 @@ async def index(request: Request) -> Response:
     return HTMLResponse(page)
 
 
-def _redacted(url: str) -> str:
-    """The URL without its password, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 def _warn_if_open(settings: GatewaySettings) -> None:
     if not settings.auth_required and not is_loopback_host(settings.host):
         logger.warning(
@@ -170,7 +161,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         _warn_if_open(settings)
         logger.info(
             "gateway up (redis %s, prefix %r, auth %s)",
-            _redacted(settings.redis_url),
+            redacted_url(settings.redis_url),
             settings.key_prefix,
             settings.auth,
         )

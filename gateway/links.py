@@ -46,11 +46,10 @@ from shared.protocol import (
     decode_link,
     encode_link,
 )
+from shared.protocol.link import LINK_PATH, LINK_SECRET_HEADER
 
 logger = logging.getLogger(__name__)
 
-LINK_PATH: Final = "/v1/link"
-SECRET_HEADER: Final = "x-microturn-link-secret"
 # Delay before the next connect attempt after n consecutive failures: BASE * 2**(n-1), capped.
 BACKOFF_BASE_S: Final = 0.1
 BACKOFF_MAX_S: Final = 5.0
@@ -95,10 +94,6 @@ class Link:
         self._failures = 0
         self._retry_at = 0.0
         self._ever_connected = False
-
-    @property
-    def connected(self) -> bool:
-        return self._ws is not None
 
     async def send(self, frame: ToWorker) -> None:
         """Send one frame, connecting first if needed; raises `WorkerUnavailable` on any failure."""
@@ -203,7 +198,7 @@ class LinkPool:
 
     def __init__(self, metrics: GatewayMetrics, *, link_secret: str = "", connect_timeout_s: float = 5.0):
         self.metrics = metrics
-        self.headers: dict[str, str] = {SECRET_HEADER: link_secret} if link_secret else {}
+        self.headers: dict[str, str] = {LINK_SECRET_HEADER: link_secret} if link_secret else {}
         self.connect_timeout_s = connect_timeout_s
         self.closing = False
         self._links: dict[str, Link] = {}

@@ -8,44 +8,9 @@ built when `/metrics` is scraped.
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
-from collections.abc import Sequence
-from typing import Final
 
-# Turn latency buckets in seconds: a CPU tiny-model turn is a few ms, a GPU 8B turn ~40-60 ms,
-# anything past a few seconds is a stall worth seeing as such.
-TURN_BUCKETS_S: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-class Histogram:
-    """Cumulative-bucket histogram; `observe` is one bisect and two additions."""
-
-    __slots__ = ("_bounds", "_counts", "count", "total")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        if list(bounds) != sorted(bounds) or not bounds:
-            raise ValueError("histogram bounds must be non-empty and ascending")
-        self._bounds = tuple(bounds)
-        self._counts = [0] * (len(bounds) + 1)  # the last slot is +Inf
-        self.count = 0
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self._bounds, value)] += 1
-        self.count += 1
-        self.total += value
-
-    def render(self, name: str) -> list[str]:
-        lines = []
-        running = 0
-        for bound, count in zip(self._bounds, self._counts, strict=False):
-            running += count
-            lines.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {self.total:.6f}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+from shared.metrics import Histogram
 
 
 class GatewayMetrics:
@@ -66,7 +31,7 @@ class GatewayMetrics:
         self.sessions_migrated = 0
         self.chunks_replayed = 0
         self.errors: Counter[str] = Counter()
-        self.turn_latency = Histogram(TURN_BUCKETS_S)
+        self.turn_latency = Histogram()
 
     def error(self, code: str) -> None:
         self.errors[code] += 1
@@ -146,9 +111,6 @@ class GatewayMetrics:
         out += [f"# HELP {name} Error messages sent to clients, by code.", f"# TYPE {name} counter"]
         out += [f'{name}{{code="{code}"}} {count}' for code, count in sorted(self.errors.items())]
         name = "microturn_gateway_turn_latency_seconds"
-        out += [
-            f"# HELP {name} Chunk received from the client to its output.done sent, at the gateway.",
-            f"# TYPE {name} histogram",
-        ]
+        out += [f"# HELP {name} Chunk received from the client to its output.done sent, at the gateway."]
         out += self.turn_latency.render(name)
         return "\n".join(out) + "\n"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from typing import Final
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -77,3 +78,12 @@ class OutageLog:
         if self.failures:
             self._log.warning("%s works again after %d failed tries", self.what, self.failures)
             self.failures = 0
+
+
+def redacted_url(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

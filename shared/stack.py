@@ -45,6 +45,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Final
 
+from shared.redis_client import redacted_url
 from shared.settings import is_loopback_host
 
 logger = logging.getLogger(__name__)
@@ -334,7 +335,7 @@ class Stack:
     def start(self) -> None:
         """Everything, in order; raises `StackError` or `StopRequested` (the caller then calls `stop`)."""
         if self.redis_url:
-            logger.info("using Redis at %s", _redacted(self.redis_url))
+            logger.info("using Redis at %s", redacted_url(self.redis_url))
         else:
             self.redis_url = self.start_valkey()
         device = resolve_device(self.options.device)
@@ -362,16 +363,6 @@ class Stack:
             self._output.close()
             self._output = None
         return clean
-
-
-def _redacted(url: str) -> str:
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,6 +29,10 @@ from shared.protocol.messages import Error
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
+# RFC 6455 codes for a refused handshake: a bad link secret or an unknown subprotocol offer
+# (1008), and a server that takes no connection now, e.g. a draining worker (1013).
+CLOSE_POLICY_VIOLATION = 1008
+CLOSE_TRY_AGAIN_LATER = 1013
 
 CLOSE_CODES: dict[ErrorCode, int] = {
     ErrorCode.INVALID_MESSAGE: 4000,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeAlias, cast
+from typing import ClassVar, Final, TypeAlias, cast
 
 import msgpack
 
@@ -45,6 +45,11 @@ from shared.protocol.messages import (
     OutputDone,
     Timing,
 )
+
+# Where a worker serves the link, and the handshake header that carries `MT_LINK_SECRET`.
+LINK_PATH: Final = "/v1/link"
+LINK_SECRET_HEADER: Final = "x-microturn-link-secret"
+
 
 # ---- gateway -> worker --------------------------------------------------------------------------
 

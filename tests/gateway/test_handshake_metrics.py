@@ -6,7 +6,8 @@ import pytest
 
 from gateway.handshake import Negotiated, negotiate
 from gateway.links import link_endpoint
-from gateway.metrics import GatewayMetrics, Histogram
+from gateway.metrics import GatewayMetrics
+from shared.metrics import Histogram
 from shared.protocol import Encoding
 
 
@@ -35,6 +36,7 @@ def test_histogram_buckets_are_cumulative() -> None:
     for value in (0.005, 0.01, 0.05, 3.0):
         histogram.observe(value)
     assert histogram.render("h") == [
+        "# TYPE h histogram",
         'h_bucket{le="0.01"} 2',
         'h_bucket{le="0.1"} 3',
         'h_bucket{le="+Inf"} 4',

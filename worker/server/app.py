@@ -18,6 +18,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION, CLOSE_TRY_AGAIN_LATER
+from shared.protocol.link import LINK_PATH, LINK_SECRET_HEADER
 from shared.redis_client import resilient_redis
 from shared.redis_schema import KeySchema
 from shared.registry import WorkerInfo, deregister, mark_draining, register_worker
@@ -28,8 +30,6 @@ from worker.server.link import LinkConnection
 from worker.server.service import WorkerService
 
 logger = logging.getLogger(__name__)
-
-LINK_SECRET_HEADER = "x-microturn-link-secret"
 
 
 class WorkerRuntime:
@@ -108,10 +108,10 @@ class WorkerRuntime:
         secret = self.settings.link_secret
         offered = websocket.headers.get(LINK_SECRET_HEADER, "")
         if secret and not hmac.compare_digest(offered.encode(), secret.encode()):
-            await websocket.close(code=1008)
+            await websocket.close(code=CLOSE_POLICY_VIOLATION)
             return
         if self.service is None or self.draining.is_set():
-            await websocket.close(code=1013)
+            await websocket.close(code=CLOSE_TRY_AGAIN_LATER)
             return
         await websocket.accept()
         await LinkConnection(websocket, self.service).serve()
@@ -137,7 +137,7 @@ class WorkerRuntime:
 def create_worker_app(runtime: WorkerRuntime) -> Starlette:
     return Starlette(
         routes=[
-            WebSocketRoute("/v1/link", runtime.link),
+            WebSocketRoute(LINK_PATH, runtime.link),
             Route("/healthz", runtime.healthz),
             Route("/readyz", runtime.readyz),
             Route("/metrics", runtime.metrics),

@@ -13,6 +13,7 @@ import logging
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from shared.errors import InvalidMessage, MicroturnError
+from shared.protocol.close_codes import CLOSE_TRY_AGAIN_LATER
 from shared.protocol.link import (
     LinkAttach,
     LinkCancel,
@@ -91,7 +92,7 @@ class LinkConnection:
         while True:
             data = await self.outbox.get()
             if data is None:
-                await self.websocket.close(code=1013)
+                await self.websocket.close(code=CLOSE_TRY_AGAIN_LATER)
                 return
             try:
                 await self.websocket.send_bytes(data)

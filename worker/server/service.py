@@ -352,7 +352,7 @@ class WorkerService:
         binding.record(done)
         binding.send(done)
         self.metrics.turns += 1
-        self.metrics.turn_ms.observe(result.queue_ms + result.compute_ms)
+        self.metrics.turn_latency.observe((result.queue_ms + result.compute_ms) / 1000.0)
         if self.directory.get(binding.sid) is not binding:
             return  # a turn the session's end cancelled: the session and its log are gone
         self.directory.touched.add(binding.sid)
