@@ -25,23 +25,11 @@ from typing import Final
 from shared.client import ConnectionLost, RealtimeClient, SessionClosedError
 from shared.protocol import Error, OutputDone, ServerMessage, SessionClosed, SessionRestored
 from tests.gateway.reference import SESSION_CONFIG, stream
-from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable, free_port
+from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable, answers_ping, free_port
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S: Final = 10.0
-
-
-def _pings(port: int) -> bool:
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
 
 
 @dataclass
@@ -67,7 +55,7 @@ class RestartableRedis:
         with open(self.workdir / f"redis-{self.port}-{self.starts}.log", "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _pings(self.port):
+        while not answers_ping(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start on port {self.port}")
             time.sleep(0.02)

@@ -40,7 +40,7 @@ def free_port() -> int:
         return port
 
 
-def _answers_ping(port: int) -> bool:
+def answers_ping(port: int) -> bool:
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
     try:
         return bool(client.ping())
@@ -74,9 +74,9 @@ def _redis_server(workdir: Path) -> Iterator[str]:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + _START_TIMEOUT_S
-            while proc.poll() is None and time.monotonic() < deadline and not _answers_ping(port):
+            while proc.poll() is None and time.monotonic() < deadline and not answers_ping(port):
                 time.sleep(0.05)
-            if proc.poll() is None and _answers_ping(port):
+            if proc.poll() is None and answers_ping(port):
                 logger.info("redis-server up on port %d (attempt %d)", port, attempt + 1)
                 yield f"redis://127.0.0.1:{port}/0"
                 return
