@@ -1,4 +1,4 @@
-"""The stateless WebSocket gateway (DESIGN sections 1, 3, 5): clients in, worker links out.
+"""The stateless WebSocket gateway (docs/design.md sections 1, 3, 5): clients in, worker links out.
 
 Modules, one concern each: `app` (routes, lifespan), `main` (`microturn gateway`, uvicorn),
 `handshake` (subprotocol negotiation), `client_session` (one client socket: its messages, its

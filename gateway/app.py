@@ -1,4 +1,4 @@
-"""The gateway's Starlette app: routes and lifespan (DESIGN sections 1 and 3).
+"""The gateway's Starlette app: routes and lifespan (docs/design.md sections 1 and 3).
 
 Why so thin: the gateway is stateless by design (any replica can serve any session), so the app
 only owns what is shared by all sockets of this process: one Redis client, one pool of worker

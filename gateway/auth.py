@@ -1,6 +1,6 @@
 """Client authentication: the credential on the handshake, and `POST /v1/client_tokens`.
 
-Where a credential comes from (DESIGN section 3 "Authentication"):
+Where a credential comes from (docs/design.md section 3 "Authentication"):
 - `Authorization: Bearer <key>` on the WebSocket handshake (servers, the Python client);
 - a subprotocol `microturn.bearer.<token>` next to the encoding's (browsers cannot set headers).
   It is never echoed back: the handshake answer names only the encoding's subprotocol (or none),

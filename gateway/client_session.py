@@ -8,7 +8,7 @@ all on the event loop, none blocking the others:
   `session.resume` await Redis and the worker's `opened`; chunks only await the link write);
 - the link reader, which calls `on_frame` / `on_link_lost` / `on_taken_over` synchronously;
   those only update state and queue messages in the `Outbox`, never await;
-- a restore task, started when the worker link breaks (DESIGN section 5 "Worker loss").
+- a restore task, started when the worker link breaks (docs/design.md section 5 "Worker loss").
 
 Open, resume and restore (the flows that place the session on a worker) live in the base class,
 `SessionFlows` (session_flows.py); this module is the socket, the chunks and the worker's frames.

@@ -1,4 +1,4 @@
-"""Subprotocol negotiation for `/v1/realtime` (DESIGN section 3).
+"""Subprotocol negotiation for `/v1/realtime` (docs/design.md section 3).
 
 Why its own step: the encoding is fixed for the life of the socket, and a client that only offers
 subprotocols we do not speak must be refused at the handshake (HTTP 403), before it can send a

@@ -1,4 +1,4 @@
-"""Per-session admission limits of the gateway (DESIGN section 7), pure and clock-injected.
+"""Per-session admission limits of the gateway (docs/design.md section 7), pure and clock-injected.
 
 Why at the gateway: a chunk the gateway refuses never reaches the link, so a client that floods or
 sends oversized frames costs its own socket some CPU and nothing else; the worker's engine queue and

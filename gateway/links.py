@@ -1,4 +1,4 @@
-"""The gateway's links to workers: one multiplexed WebSocket per worker URL (DESIGN section 4).
+"""The gateway's links to workers: one multiplexed WebSocket per worker URL (docs/design.md section 4).
 
 Why one link per worker and not one per client: a worker then holds a handful of sockets instead of
 thousands, and a chunk costs one binary frame on an already open connection. The price is that the

@@ -1,7 +1,7 @@
 """Opening, resuming and restoring a client's session: the flows that place it on a worker.
 
 Why apart from client_session.py: these are the only steps of a socket's life that await Redis and
-a worker's `opened` (DESIGN section 5: placement, resume, worker loss); the per-chunk path and the
+a worker's `opened` (docs/design.md section 5: placement, resume, worker loss); the per-chunk path and the
 worker-frame dispatch never call them. `SessionFlows` is the base of `ClientSession`, which owns the
 state both share (declared below) and answers the link's callbacks.
 

@@ -1,4 +1,4 @@
-"""Where sessions live, in Redis: placement, the session record, resume checks (DESIGN section 5).
+"""Where sessions live, in Redis: placement, the session record, resume checks (docs/design.md section 5).
 
 Why apart from the socket handler: this is all the Redis I/O of the gateway, and it only ever runs
 at open, resume, restore and close; keeping it here makes "no Redis call per chunk" visible at a

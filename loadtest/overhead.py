@@ -1,4 +1,4 @@
-"""`microturn bench --gateway-overhead`: what the gateway adds to one chunk's round trip (DESIGN section 9).
+"""`microturn bench --gateway-overhead`: what the gateway adds to one chunk's round trip (docs/design.md §9).
 
 Why this shape: the gateway's cost is small next to a forward pass, so it can only be seen as a
 difference between two measurements of the same thing. Each iteration sends the same chunk (the

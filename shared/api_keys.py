@@ -1,4 +1,4 @@
-"""API keys and browser tokens in Redis (DESIGN section 7 "Per API key"): SHA-256 digests only.
+"""API keys and browser tokens in Redis (docs/design.md section 7 "Per API key"): SHA-256 digests only.
 
 Why digests: a dump of Redis (or a replica, or a backup) must not hand out working credentials. A
 key is 256 random bits, so an unsalted SHA-256 is as good as a password hash here and lets a

@@ -1,4 +1,4 @@
-"""Error codes of the client protocol (DESIGN section 3) and the typed exceptions that carry them.
+"""Error codes of the client protocol (docs/design.md section 3) and the typed exceptions that carry them.
 
 The engine, the worker link and the gateway all raise `MicroturnError` subclasses; the wire layer
 turns one into an `error` message with the same `code`. A recoverable error never changes the

@@ -1,4 +1,4 @@
-"""Session placement: one atomic Lua script picks and charges a worker (DESIGN section 5).
+"""Session placement: one atomic Lua script picks and charges a worker (docs/design.md section 5).
 
 Why a script and not read-then-write from Python: between a gateway reading the ZSET and charging
 its pick, other gateways would read the same "least loaded" worker and all pile onto it. Inside the

@@ -7,7 +7,7 @@ its first command with `ConnectionError`. Without retries the gateway answered t
 reconnects and runs again (backoff capped well under a heartbeat), and `health_check_interval`
 PINGs a connection that sat idle longer than that before using it, so a stale one is replaced
 before a client's command rides on it. Neither runs on the per-chunk path: Redis is never called
-per chunk (DESIGN section 1).
+per chunk (docs/design.md section 1).
 """
 
 from __future__ import annotations

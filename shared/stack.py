@@ -1,7 +1,7 @@
 """`microturn up`: the whole stack on one machine, as separate processes under one supervisor.
 
 Why separate processes and not one process with three event loops: this is the topology of a real
-deployment (DESIGN section 1) shrunk onto one host, so what a developer runs locally behaves like
+deployment (docs/design.md section 1) shrunk onto one host, so what a developer runs locally behaves like
 production: the gateway reaches the worker over its real link, placement goes through a real
 Redis-protocol server, and a crash in one piece is visible as exactly that.
 

@@ -1,4 +1,4 @@
-"""`microturn bench`: streamed sessions against re-prefill and a transformers KV-cache loop (DESIGN §9).
+"""`microturn bench`: streamed sessions vs re-prefill vs a transformers KV-cache loop (docs/design.md §9).
 
 The point of the bench is one comparison: a session whose KV cache stays resident between
 micro-turns pays for its new tokens only, while re-prefilling pays for the whole history every

@@ -1,7 +1,7 @@
 """The realtime workload one Locust user streams: what each chunk carries and which ones ask for a reply.
 
 Defined once here so the locustfile's command-line defaults and the capacity benchmark's config
-are the same numbers (DESIGN section 9: 5 chunks/s of 16 tokens, an 8-token reply every 5th chunk).
+are the same numbers (docs/design.md section 9: 5 chunks/s of 16 tokens, an 8-token reply every 5th chunk).
 No Locust or gevent import: the benchmark process imports this too.
 """
 

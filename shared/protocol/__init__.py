@@ -2,7 +2,7 @@
 
 Nothing in this package touches a socket, a clock or Redis: the gateway, the worker and the Python
 client feed it frames and get typed messages back (or the reverse), so the whole protocol is
-testable without a server. See DESIGN sections 3 and 4.
+testable without a server. See docs/design.md sections 3 and 4.
 """
 
 from shared.protocol.close_codes import (

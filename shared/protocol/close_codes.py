@@ -3,7 +3,7 @@
 Why: after a fatal error the server sends an `error` message and closes the socket. The close code
 repeats the error code, so a client that missed (or could not parse) the last message still knows
 why it was dropped, and proxies and browser dev tools show it. Codes live in the 4000-4999 range
-that RFC 6455 leaves to applications. Every error code has one, in the order of DESIGN section 3:
+that RFC 6455 leaves to applications. Every error code has one, in the order of docs/design.md section 3:
 any code can be fatal where there is no session to keep (e.g. `capacity_exhausted` on
 `session.open`), and the four never-recoverable ones (`session_not_found`, `session_expired`,
 `unauthorized`, `internal`) always are.

@@ -1,4 +1,4 @@
-"""Frames of the gateway <-> worker link (DESIGN section 4): msgpack maps with `op` and `sid`.
+"""Frames of the gateway <-> worker link (docs/design.md section 4): msgpack maps with `op` and `sid`.
 
 Why its own vocabulary: one link carries many sessions, so every frame names its session (`sid`),
 and the worker needs things a client never sends (the config at `open`, the token log at

@@ -1,4 +1,4 @@
-"""The messages of client protocol v1 (DESIGN section 3) as plain frozen dataclasses.
+"""The messages of client protocol v1 (docs/design.md section 3) as plain frozen dataclasses.
 
 Why a separate module: the gateway, the Python client, the tests and the load generator all build
 and inspect these messages, while only the codec knows how they look on the wire. Keeping them
