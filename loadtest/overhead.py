@@ -37,6 +37,7 @@ from websockets.asyncio.client import ClientConnection
 
 from shared.api_keys import KeyLimits, KeyStore
 from shared.client import RealtimeClient
+from shared.processes import StackError, free_port
 from shared.protocol.link import (
     LinkChunk,
     LinkDone,
@@ -48,7 +49,7 @@ from shared.protocol.link import (
 )
 from shared.protocol.messages import OpenConfig
 from shared.redis_schema import KeySchema
-from shared.stack import Stack, StackError, StackOptions, free_port
+from shared.stack import Stack, StackOptions
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from loadtest.capacity.metrics import ServerCounts, Snapshot
 from loadtest.capacity.report import CapacityReport, table, write_json, write_plot
 from loadtest.capacity.search import next_sessions
 from loadtest.capacity.workload import ENCODINGS, ChunkLoad
-from shared.stack import Stack, StackOptions, free_port
+from shared.processes import free_port
+from shared.stack import Stack, StackOptions
 
 logger = logging.getLogger(__name__)
 

