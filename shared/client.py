@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from websockets.asyncio.client import ClientConnection as AsyncConnection
 from websockets.asyncio.client import connect as async_connect
@@ -34,9 +34,9 @@ from shared.client_core import (
     EncodingName,
     Feed,
     ReplyWaiter,
+    Request,
     SessionClosedError,
     TurnWaiter,
-    Waiter,
     chunk_message,
     encoding_of,
     handshake_headers,
@@ -47,21 +47,17 @@ from shared.client_retry import NO_RETRY, RetryPolicy
 from shared.protocol import (
     ClientMessage,
     Encoding,
-    OutputCancel,
     OutputDelta,
     OutputDone,
-    Ping,
     Pong,
     ServerMessage,
-    SessionClose,
     SessionClosed,
-    SessionOpen,
     SessionOpened,
-    SessionResume,
     SessionResumed,
 )
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 DEFAULT_TIMEOUT_S: Final = 30.0
 # Server frames are small; this only bounds a misbehaving server.
@@ -92,10 +88,6 @@ class RealtimeClient:
     def __init__(self, ws: AsyncConnection, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
         self.ws = ws
         self._core = ClientCore(encoding, retry)
-        self.session_id: str | None = None
-        self.resume_token: str | None = None
-        # The deltas of the last `turn()` (empty unless the session streams).
-        self.last_deltas: list[OutputDelta] = []
 
     @classmethod
     async def connect(
@@ -132,6 +124,19 @@ class RealtimeClient:
         return self._core.encoding
 
     @property
+    def session_id(self) -> str | None:
+        return self._core.session_id
+
+    @property
+    def resume_token(self) -> str | None:
+        return self._core.resume_token
+
+    @property
+    def last_deltas(self) -> list[OutputDelta]:
+        """The deltas of the last `turn()` (empty unless the session streams)."""
+        return self._core.last_deltas
+
+    @property
     def buffered(self) -> tuple[ServerMessage, ...]:
         """Messages received while a request waited for its answer, not yet handed out by recv()."""
         return tuple(self._core.buffer)
@@ -159,20 +164,17 @@ class RealtimeClient:
             return self._core.buffer.popleft()
         return await self._read(timeout)
 
-    async def _wait(self, waiter: Waiter, timeout: float | None) -> None:
-        if self._core.scan(waiter):
-            return
-        async with asyncio.timeout(timeout):
-            while not self._core.offer(waiter, await self._read(None)):
-                pass
+    async def _run(self, request: Request[R], timeout: float | None) -> R:
+        if request.message is not None:
+            await self.send(request.message)
+        if not self._core.scan(request.waiter):
+            async with asyncio.timeout(timeout):
+                while not self._core.offer(request.waiter, await self._read(None)):
+                    pass
+        return request.finish()
 
     async def open(self, *, timeout: float | None = DEFAULT_TIMEOUT_S, **config: Any) -> SessionOpened:
-        await self.send(SessionOpen(open_config(**config)))
-        waiter = ReplyWaiter(SessionOpened)
-        await self._wait(waiter, timeout)
-        assert isinstance(waiter.result, SessionOpened)
-        self.session_id, self.resume_token = waiter.result.session_id, waiter.result.resume_token
-        return waiter.result
+        return await self._run(self._core.open(open_config(**config)), timeout)
 
     async def resume(
         self,
@@ -182,12 +184,7 @@ class RealtimeClient:
         *,
         timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> SessionResumed:
-        await self.send(SessionResume(session_id, resume_token, last_seq))
-        waiter = ReplyWaiter(SessionResumed)
-        await self._wait(waiter, timeout)
-        assert isinstance(waiter.result, SessionResumed)
-        self.session_id, self.resume_token = session_id, resume_token
-        return waiter.result
+        return await self._run(self._core.resume(session_id, resume_token, last_seq), timeout)
 
     async def send_chunk(
         self,
@@ -199,19 +196,15 @@ class RealtimeClient:
         *,
         flush: bool | None = None,
     ) -> None:
-        chunk = chunk_message(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
-        self._core.retries.sent(chunk)
-        await self.send(chunk)
+        await self.send(
+            self._core.chunk(chunk_message(seq, tokens, text, max_output_tokens, logprobs, flush=flush))
+        )
 
     async def cancel(self, seq: int) -> None:
-        await self.send(OutputCancel(seq))
+        await self.send(self._core.cancel(seq))
 
     async def ping(self, data: object = None, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> Pong:
-        await self.send(Ping(data))
-        waiter = ReplyWaiter(Pong)
-        await self._wait(waiter, timeout)
-        assert isinstance(waiter.result, Pong)
-        return waiter.result
+        return await self._run(self._core.ping(data), timeout)
 
     async def turn(
         self,
@@ -230,27 +223,17 @@ class RealtimeClient:
 
     async def wait_done(self, seq: int, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> OutputDone:
         """Wait for turn `seq`'s `output.done`, resending its chunk after retryable refusals."""
-        while True:
-            waiter = TurnWaiter(seq, self._core.retries)
-            await self._wait(waiter, timeout)
-            if waiter.retry_in is None:
-                break
-            await asyncio.sleep(waiter.retry_in)
-            await self.send(self._core.retries.resend(seq))
-        assert waiter.result is not None
-        self.last_deltas = waiter.deltas
-        return waiter.result
+        while not isinstance(answer := await self._run(self._core.wait_turn(seq), timeout), OutputDone):
+            await asyncio.sleep(answer)
+            await self.send(self._core.resend(seq))
+        return answer
 
     async def close(self, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> SessionClosed:
         """End the session (`session.close`), wait for `session.closed`, then close the socket."""
-        await self.send(SessionClose())
-        waiter = ReplyWaiter(SessionClosed)
         try:
-            await self._wait(waiter, timeout)
+            return await self._run(self._core.close(), timeout)
         finally:
             await self.disconnect()
-        assert isinstance(waiter.result, SessionClosed)
-        return waiter.result
 
     async def disconnect(self) -> None:
         """Close the socket without ending the session: it stays resumable until its idle timeout."""
@@ -270,9 +253,6 @@ class SyncRealtimeClient:
     def __init__(self, ws: SyncConnection, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
         self.ws = ws
         self._core = ClientCore(encoding, retry)
-        self.session_id: str | None = None
-        self.resume_token: str | None = None
-        self.last_deltas: list[OutputDelta] = []
 
     @classmethod
     def connect(
@@ -308,6 +288,18 @@ class SyncRealtimeClient:
         return self._core.encoding
 
     @property
+    def session_id(self) -> str | None:
+        return self._core.session_id
+
+    @property
+    def resume_token(self) -> str | None:
+        return self._core.resume_token
+
+    @property
+    def last_deltas(self) -> list[OutputDelta]:
+        return self._core.last_deltas
+
+    @property
     def buffered(self) -> tuple[ServerMessage, ...]:
         """Messages received while a request waited for its answer, not yet handed out by recv()."""
         return tuple(self._core.buffer)
@@ -333,24 +325,21 @@ class SyncRealtimeClient:
             return self._core.buffer.popleft()
         return self._read(timeout)
 
-    def _wait(self, waiter: Waiter, timeout: float | None) -> None:
-        if self._core.scan(waiter):
-            return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"no answer within {timeout} s")
-            if self._core.offer(waiter, self._read(left)):
-                return
+    def _run(self, request: Request[R], timeout: float | None) -> R:
+        if request.message is not None:
+            self.send(request.message)
+        if not self._core.scan(request.waiter):
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no answer within {timeout} s")
+                if self._core.offer(request.waiter, self._read(left)):
+                    break
+        return request.finish()
 
     def open(self, *, timeout: float | None = DEFAULT_TIMEOUT_S, **config: Any) -> SessionOpened:
-        self.send(SessionOpen(open_config(**config)))
-        waiter = ReplyWaiter(SessionOpened)
-        self._wait(waiter, timeout)
-        assert isinstance(waiter.result, SessionOpened)
-        self.session_id, self.resume_token = waiter.result.session_id, waiter.result.resume_token
-        return waiter.result
+        return self._run(self._core.open(open_config(**config)), timeout)
 
     def resume(
         self,
@@ -360,12 +349,7 @@ class SyncRealtimeClient:
         *,
         timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> SessionResumed:
-        self.send(SessionResume(session_id, resume_token, last_seq))
-        waiter = ReplyWaiter(SessionResumed)
-        self._wait(waiter, timeout)
-        assert isinstance(waiter.result, SessionResumed)
-        self.session_id, self.resume_token = session_id, resume_token
-        return waiter.result
+        return self._run(self._core.resume(session_id, resume_token, last_seq), timeout)
 
     def send_chunk(
         self,
@@ -377,19 +361,15 @@ class SyncRealtimeClient:
         *,
         flush: bool | None = None,
     ) -> None:
-        chunk = chunk_message(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
-        self._core.retries.sent(chunk)
-        self.send(chunk)
+        self.send(
+            self._core.chunk(chunk_message(seq, tokens, text, max_output_tokens, logprobs, flush=flush))
+        )
 
     def cancel(self, seq: int) -> None:
-        self.send(OutputCancel(seq))
+        self.send(self._core.cancel(seq))
 
     def ping(self, data: object = None, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> Pong:
-        self.send(Ping(data))
-        waiter = ReplyWaiter(Pong)
-        self._wait(waiter, timeout)
-        assert isinstance(waiter.result, Pong)
-        return waiter.result
+        return self._run(self._core.ping(data), timeout)
 
     def turn(
         self,
@@ -407,26 +387,16 @@ class SyncRealtimeClient:
 
     def wait_done(self, seq: int, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> OutputDone:
         """Wait for turn `seq`'s `output.done`, resending its chunk after retryable refusals."""
-        while True:
-            waiter = TurnWaiter(seq, self._core.retries)
-            self._wait(waiter, timeout)
-            if waiter.retry_in is None:
-                break
-            time.sleep(waiter.retry_in)
-            self.send(self._core.retries.resend(seq))
-        assert waiter.result is not None
-        self.last_deltas = waiter.deltas
-        return waiter.result
+        while not isinstance(answer := self._run(self._core.wait_turn(seq), timeout), OutputDone):
+            time.sleep(answer)
+            self.send(self._core.resend(seq))
+        return answer
 
     def close(self, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> SessionClosed:
-        self.send(SessionClose())
-        waiter = ReplyWaiter(SessionClosed)
         try:
-            self._wait(waiter, timeout)
+            return self._run(self._core.close(), timeout)
         finally:
             self.disconnect()
-        assert isinstance(waiter.result, SessionClosed)
-        return waiter.result
 
     def disconnect(self) -> None:
         self.ws.close()

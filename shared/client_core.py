@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
 
 from websockets.exceptions import ConnectionClosed
 
@@ -22,15 +23,24 @@ from shared.protocol import (
     Error,
     InputChunk,
     OpenConfig,
+    OutputCancel,
     OutputDelta,
     OutputDone,
+    Ping,
+    Pong,
     ServerMessage,
+    SessionClose,
     SessionClosed,
+    SessionOpen,
+    SessionOpened,
+    SessionResume,
+    SessionResumed,
     decode_server,
     encode_client,
 )
 
 EncodingName = Literal["json", "msgpack"]
+R = TypeVar("R")
 
 
 class SessionClosedError(Exception):
@@ -139,13 +149,85 @@ class TurnWaiter:
 Waiter = ReplyWaiter | TurnWaiter
 
 
+@dataclass(frozen=True, slots=True)
+class Request(Generic[R]):
+    """One request's whole flow, for an I/O shell to run: send `message` (if any), feed `waiter`
+    until it is done, then `finish()` gives the answer (and updates the core's session state)."""
+
+    message: ClientMessage | None
+    waiter: Waiter
+    finish: Callable[[], R]
+
+
 class ClientCore:
-    """Encoding, decoding and the buffer of messages nobody has asked for yet."""
+    """Encoding, decoding, the buffer of messages nobody has asked for yet, and every request's
+    flow (`open`, `resume`, `ping`, `chunk`, `turn`, `close`): the shells only move bytes and wait."""
 
     def __init__(self, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
         self.encoding = encoding
         self.buffer: deque[ServerMessage] = deque()
         self.retries = ChunkRetries(retry or RetryPolicy())
+        self.session_id: str | None = None
+        self.resume_token: str | None = None
+        # The deltas of the last awaited turn (empty unless the session streams).
+        self.last_deltas: list[OutputDelta] = []
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def open(self, config: OpenConfig) -> Request[SessionOpened]:
+        waiter = ReplyWaiter(SessionOpened)
+
+        def finish() -> SessionOpened:
+            opened = _answer(waiter, SessionOpened)
+            self.session_id, self.resume_token = opened.session_id, opened.resume_token
+            return opened
+
+        return Request(SessionOpen(config), waiter, finish)
+
+    def resume(self, session_id: str, resume_token: str, last_seq: int | None) -> Request[SessionResumed]:
+        waiter = ReplyWaiter(SessionResumed)
+
+        def finish() -> SessionResumed:
+            resumed = _answer(waiter, SessionResumed)
+            self.session_id, self.resume_token = session_id, resume_token
+            return resumed
+
+        return Request(SessionResume(session_id, resume_token, last_seq), waiter, finish)
+
+    def ping(self, data: object) -> Request[Pong]:
+        waiter = ReplyWaiter(Pong)
+        return Request(Ping(data), waiter, lambda: _answer(waiter, Pong))
+
+    def close(self) -> Request[SessionClosed]:
+        waiter = ReplyWaiter(SessionClosed)
+        return Request(SessionClose(), waiter, lambda: _answer(waiter, SessionClosed))
+
+    def chunk(self, chunk: InputChunk) -> InputChunk:
+        """A chunk about to be sent: kept until answered, so a refusal can resend it."""
+        self.retries.sent(chunk)
+        return chunk
+
+    def cancel(self, seq: int) -> OutputCancel:
+        return OutputCancel(seq)
+
+    def wait_turn(self, seq: int) -> Request[OutputDone | float]:
+        """Wait for turn `seq`: its `output.done`, or the seconds to wait before `resend(seq)` when
+        a refusal is to be retried (then wait again)."""
+        waiter = TurnWaiter(seq, self.retries)
+
+        def finish() -> OutputDone | float:
+            if waiter.retry_in is not None:
+                return waiter.retry_in
+            assert waiter.result is not None
+            self.last_deltas = waiter.deltas
+            return waiter.result
+
+        return Request(None, waiter, finish)
+
+    def resend(self, seq: int) -> InputChunk:
+        return self.retries.resend(seq)
+
+    # ---- frames -------------------------------------------------------------------------------
 
     def encode(self, msg: ClientMessage) -> str | bytes:
         return encode_client(msg, self.encoding)
@@ -174,6 +256,12 @@ class ClientCore:
         if outcome is Feed.NOT_MINE:
             self.buffer.append(msg)
         return outcome is Feed.DONE
+
+
+def _answer(waiter: Waiter, kind: type[R]) -> R:
+    result = waiter.result
+    assert isinstance(result, kind)
+    return result
 
 
 def chunk_message(

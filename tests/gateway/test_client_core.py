@@ -9,6 +9,7 @@ from shared.errors import BadSequence, ErrorCode, InvalidMessage, SessionNotFoun
 from shared.protocol import (
     Encoding,
     Error,
+    InputChunk,
     OutputDelta,
     OutputDone,
     Pong,
@@ -89,3 +90,23 @@ def test_open_config_accepts_lists() -> None:
     assert config.stop_token_ids == (1, 2) and config.max_output_tokens == 2
     with pytest.raises(TypeError):
         open_config(max_output_token=2)
+
+
+def test_the_core_runs_each_request_flow_without_a_socket() -> None:
+    core = ClientCore(Encoding.JSON)
+    opening = core.open(open_config(max_output_tokens=2))
+    assert opening.message is not None and opening.message.type == "session.open"
+    assert core.offer(opening.waiter, SessionOpened("s1", "tok", "tiny"))
+    assert opening.finish() == SessionOpened("s1", "tok", "tiny")
+    assert (core.session_id, core.resume_token) == ("s1", "tok")
+
+    chunk = core.chunk(InputChunk(0, (1, 2)))
+    waiting = core.wait_turn(0)
+    refusal = Error(ErrorCode.BACKPRESSURE, "full", fatal=False, seq=0, retry_after_ms=40)
+    assert waiting.message is None and core.offer(waiting.waiter, refusal)
+    assert waiting.finish() == pytest.approx(0.04)  # wait, then resend the same chunk
+    assert core.resend(0) == chunk
+    again = core.wait_turn(0)
+    assert core.offer(again.waiter, OutputDelta(0, 0, 7)) is False
+    assert core.offer(again.waiter, done(0)) and again.finish() == done(0)
+    assert [d.token for d in core.last_deltas] == [7]
