@@ -1,4 +1,4 @@
-"""The Redis key schema (DESIGN section 5) and the token-log byte format.
+"""The Redis key schema (docs/design.md section 5) and the token-log byte format.
 
 Every key name microturn uses is built here, so the gateway, the worker and the Lua scripts cannot
 drift apart on spelling. Two groups of keys with different placement needs:
@@ -12,11 +12,17 @@ drift apart on spelling. Two groups of keys with different placement needs:
 The token log is a plain STRING grown with APPEND once per turn (O(1) amortised, no
 read-modify-write). It is a run of *records*, one per logged turn:
 
-    header (12 bytes): n_tokens  <u4  |  seq  <i8
-    body   (4 * n):    token ids <u4 each
+    header (24 bytes): n_tokens <u4 | seq <i8 | n_inputs <u4 | tail_bytes <u4 | context_bytes <u4
+    body:              n_tokens token ids (<u4 each: the turn's inputs, then its outputs),
+                       then tail_bytes of UTF-8 tail text, then context_bytes of UTF-8 context
 
 so the log can say which turn it ends at (`LogState.last_seq`): a restoring worker replays from the
-gateway's undurable tail only the turns after it (docs/failover.md). `seq` -1 marks tokens that
+gateway's undurable tail only the turns after it (docs/failover.md). `n_inputs` says where the
+turn's committed input ends and its output begins (a text chunk's input tokens cannot be recomputed
+from its text alone). The tail text and context are the session's uncommitted text right after the
+turn's input was committed (worker/incremental_tokenizer.py `TextTail`): a restored session starts
+from the tail of the log's last record, so text held back at the durable point is not lost. Every
+length is in the header, so the log decodes in one pass. `seq` -1 marks tokens that
 belong to no turn (a prompt given at open). A record whose seq is not above the last one already
 read is a duplicate (an append retried after a connection broke mid-pipeline, or a worker the
 gateways had given up on flushing late) and is skipped: appends are idempotent per turn.
@@ -60,8 +66,10 @@ TOKEN_BYTES: Final = 4
 MAX_TOKEN_ID: Final = 2**32 - 1
 NO_SEQ: Final = -1  # the seq of a log record that belongs to no turn
 _LOG_DTYPE: Final = np.dtype("<u4")  # explicit byte order: the log must read the same on any host
-_RECORD_HEADER: Final = np.dtype([("n", "<u4"), ("seq", "<i8")])
-RECORD_HEADER_BYTES: Final = _RECORD_HEADER.itemsize  # 12
+_RECORD_HEADER: Final = np.dtype(
+    [("n", "<u4"), ("seq", "<i8"), ("inputs", "<u4"), ("tail", "<u4"), ("context", "<u4")]
+)
+RECORD_HEADER_BYTES: Final = _RECORD_HEADER.itemsize  # 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,52 +188,79 @@ def decode_tokens(data: bytes) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class LogState:
-    """A decoded token log: the session's tokens, and the seq of the last turn it holds.
+    """A decoded token log: the session's tokens, the seq of the last turn it holds, and the
+    session's uncommitted text (`tail_text`, `tail_context`) as of that turn.
 
-    `spans` maps the seq of each record after `decode_log`'s `spans_after` to its tokens' slice
-    (start, end) in `tokens`: a restoring worker reads the output of a turn whose answer was lost.
+    `spans` maps the seq of each record after `decode_log`'s `spans_after` to its tokens' slice in
+    `tokens`: (start, end of the inputs, end). A restoring worker reads the output of a turn whose
+    answer was lost.
     """
 
     tokens: list[int]
     last_seq: int | None
-    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+    spans: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    tail_text: str = ""
+    tail_context: str = ""
 
 
-def encode_log_record(seq: int, tokens: list[int] | tuple[int, ...]) -> bytes:
-    """One turn's record (header + tokens) in the log's byte layout."""
+def encode_log_record(
+    seq: int,
+    tokens: list[int] | tuple[int, ...],
+    *,
+    inputs: int | None = None,
+    tail_text: str = "",
+    tail_context: str = "",
+) -> bytes:
+    """One turn's record in the log's byte layout. `inputs`: how many of `tokens` are the turn's
+    input (default all of them); `tail_text`/`tail_context`: the session's text tail after it."""
     if seq < NO_SEQ:
         raise ValueError(f"seq must be >= {NO_SEQ}, got {seq}")
+    n_inputs = len(tokens) if inputs is None else inputs
+    if not 0 <= n_inputs <= len(tokens):
+        raise ValueError(f"inputs must be within 0..{len(tokens)}, got {n_inputs}")
+    text, context = tail_text.encode(), tail_context.encode()
     header = np.zeros(1, dtype=_RECORD_HEADER)
     header["n"] = len(tokens)
     header["seq"] = seq
-    return header.tobytes() + encode_tokens(list(tokens))
+    header["inputs"] = n_inputs
+    header["tail"] = len(text)
+    header["context"] = len(context)
+    return header.tobytes() + encode_tokens(list(tokens)) + text + context
 
 
 def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
-    """The log's bytes -> its tokens and last seq, skipping duplicate records; ValueError if corrupt.
+    """The log's bytes -> its tokens, last seq and text tail, skipping duplicate records;
+    ValueError if corrupt.
 
     Walks the records (one step per logged turn, not per token): it runs only on restore.
     """
     view = memoryview(data)
     tokens: list[int] = []
     last_seq: int | None = None
-    spans: dict[int, tuple[int, int]] = {}
+    spans: dict[int, tuple[int, int, int]] = {}
+    tail = ("", "")
     offset = 0
     while offset < len(view):
         if len(view) - offset < RECORD_HEADER_BYTES:
             raise ValueError(f"token log truncated in a record header at byte {offset}")
         header = np.frombuffer(view[offset : offset + RECORD_HEADER_BYTES], dtype=_RECORD_HEADER)[0]
-        n, seq = int(header["n"]), int(header["seq"])
-        body_start = offset + RECORD_HEADER_BYTES
-        offset = body_start + n * TOKEN_BYTES
-        if offset > len(view):
-            raise ValueError(f"token log truncated in the record at byte {body_start - RECORD_HEADER_BYTES}")
+        n, seq, n_inputs = int(header["n"]), int(header["seq"]), int(header["inputs"])
+        record_start, body_start = offset, offset + RECORD_HEADER_BYTES
+        text_start = body_start + n * TOKEN_BYTES
+        context_start = text_start + int(header["tail"])
+        offset = context_start + int(header["context"])
+        if offset > len(view) or n_inputs > n:
+            raise ValueError(f"token log truncated or corrupt in the record at byte {record_start}")
         if seq != NO_SEQ and last_seq is not None and seq <= last_seq:
             continue  # a duplicate of a turn already read
         start = len(tokens)
-        tokens.extend(decode_tokens(bytes(view[body_start:offset])))
+        tokens.extend(decode_tokens(bytes(view[body_start:text_start])))
+        try:
+            tail = (str(view[text_start:context_start], "utf-8"), str(view[context_start:offset], "utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"token log has bad text in the record at byte {record_start}") from exc
         if seq != NO_SEQ:
             last_seq = seq
             if spans_after is not None and seq > spans_after:
-                spans[seq] = (start, len(tokens))
-    return LogState(tokens, last_seq, spans)
+                spans[seq] = (start, start + n_inputs, len(tokens))
+    return LogState(tokens, last_seq, spans, *tail)

@@ -1,4 +1,4 @@
-"""Worker registry and session records in Redis (DESIGN section 5).
+"""Worker registry and session records in Redis (docs/design.md section 5).
 
 Worker side: a worker registers its hash and load score, then heartbeats them. The hash's TTL (a
 few heartbeat intervals) *is* the liveness signal: a worker that dies simply stops refreshing it,
@@ -74,7 +74,7 @@ def load_score(sessions: int, max_sessions: int) -> float:
 
     A fraction rather than a raw count, so workers of different sizes (GPU memory, `max_sessions`)
     compare fairly: 4 of 8 is as loaded as 40 of 80. KV occupancy is deliberately left out: the
-    worker answers KV pressure itself by dropping idle sessions' KV (DESIGN section 7), and a score
+    worker answers KV pressure itself by dropping idle sessions' KV (docs/design.md section 7), and a score
     that one more session does not move would stop the placement charge from spreading concurrent
     opens. shared/lua/place.lua computes the same value when it charges a pick.
     """

@@ -24,7 +24,7 @@ from typing import Final
 
 from shared.client import ConnectionLost, RealtimeClient, SessionClosedError
 from shared.protocol import Error, OutputDone, ServerMessage, SessionClosed, SessionRestored
-from tests.gateway.reference import SESSION_CONFIG, stream
+from tests.gateway.reference import SESSION_CONFIG, stream, text_stream
 from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable, answers_ping, free_port
 
 logger = logging.getLogger(__name__)
@@ -79,14 +79,15 @@ def restartable_redis(workdir: Path) -> Iterator[RestartableRedis]:
 
 @dataclass
 class Streamer:
-    """One session streaming chunks of reference stream `seed` every `period_s`, at most `window`
-    chunks unanswered, and recording everything it receives."""
+    """One session streaming chunks of reference stream `seed` (its text stream when `text`) every
+    `period_s`, at most `window` chunks unanswered, and recording everything it receives."""
 
     client: RealtimeClient
     seed: int
     turns: int
     period_s: float = 0.05
     window: int = 4
+    text: bool = False
     session_id: str = ""
     resume_token: str = ""
     dones: dict[int, list[OutputDone]] = field(default_factory=dict)
@@ -100,10 +101,10 @@ class Streamer:
     _answered: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
-    async def open(cls, url: str, seed: int, turns: int, **kwargs: float) -> Streamer:
+    async def open(cls, url: str, seed: int, turns: int, *, text: bool = False, **kwargs: float) -> Streamer:
         client = await RealtimeClient.connect(url)
         opened = await client.open(**SESSION_CONFIG)
-        streamer = cls(client, seed, turns, **kwargs)  # type: ignore[arg-type]
+        streamer = cls(client, seed, turns, text=text, **kwargs)  # type: ignore[arg-type]
         streamer.session_id, streamer.resume_token = opened.session_id, opened.resume_token
         return streamer
 
@@ -113,6 +114,7 @@ class Streamer:
     async def send_until(self, last: int) -> None:
         """Send chunks up to seq `last` at the pace, keeping at most `window` unanswered."""
         chunks = stream(self.seed, self.turns)
+        texts = text_stream(self.seed, self.turns) if self.text else []
         while self.sent < last:
             while self.unanswered() >= self.window:
                 self._answered.clear()
@@ -120,7 +122,11 @@ class Streamer:
             self.sent += 1
             if self.sent == 1:
                 self.first_sent_at = time.monotonic()
-            await self.client.send_chunk(self.sent, tokens=chunks[self.sent - 1])
+            if self.text:
+                piece, k = texts[self.sent - 1]
+                await self.client.send_chunk(self.sent, text=piece, max_output_tokens=k)
+            else:
+                await self.client.send_chunk(self.sent, tokens=chunks[self.sent - 1])
             await asyncio.sleep(self.period_s)
 
     async def receive(self) -> None:

@@ -33,8 +33,39 @@ def stream(seed: int, turns: int) -> list[list[int]]:
     return [[rng.randrange(TINY_VOCAB) for _ in range(CHUNK_TOKENS)] for _ in range(turns)]
 
 
-def compute(plan: dict[int, int]) -> dict[int, list[list[int]]]:
-    """Outputs of every turn of every stream in `plan` (seed -> turns)."""
+# Text streams: words of several kinds (digits, multibyte, special tokens) so the tokenizer holds
+# text back at most cuts; pieces of 3 to 9 characters, cut wherever (mid-word, mid-special-token).
+TEXT_WORDS: Final = (
+    "the",
+    "quick",
+    "fox",
+    "12345",
+    "naïve",
+    "café",
+    "日本語",
+    "<|im_start|>",
+    "<|im_end|>",
+    "ok,",
+)
+
+
+def text_stream(seed: int, turns: int) -> list[tuple[str, int]]:
+    """(text, max_output_tokens) per chunk: about one chunk in three asks for output."""
+    rng = random.Random(seed)
+    text = ""
+    while len(text) < 9 * turns:
+        text += rng.choice(TEXT_WORDS) + rng.choice((" ", " ", "\n", ""))
+    chunks, at = [], 0
+    for _ in range(turns):
+        size = rng.randint(3, 9)
+        chunks.append((text[at : at + size], OUTPUT_TOKENS if rng.random() < 0.35 else 0))
+        at += size
+    return chunks
+
+
+def compute(plan: dict[int, int], *, text: bool = False) -> dict[int, list[list[int]]]:
+    """Outputs of every turn of every stream in `plan` (seed -> turns): token streams, or text
+    streams (`text_stream`) when `text`."""
     from worker.engine import Engine
 
     out: dict[int, list[list[int]]] = {}
@@ -42,7 +73,11 @@ def compute(plan: dict[int, int]) -> dict[int, list[list[int]]]:
         for seed, turns in plan.items():
             sid = engine.open_session(max_output_tokens=OUTPUT_TOKENS, stop_token_ids=())
             outputs = []
-            for seq, chunk in enumerate(stream(seed, turns), start=1):
+            if text:
+                for seq, (piece, k) in enumerate(text_stream(seed, turns), start=1):
+                    result = engine.run_turn(sid, text=piece, seq=seq, max_output_tokens=k, timeout=60)
+                    outputs.append(list(result.tokens))
+            for seq, chunk in enumerate([] if text else stream(seed, turns), start=1):
                 outputs.append(list(engine.run_turn(sid, tokens=chunk, seq=seq, timeout=60).tokens))
             engine.close_session(sid)
             out[seed] = outputs
@@ -77,11 +112,13 @@ class PendingReferences:
             self.popen.wait()
 
 
-def start(plan: dict[int, int], workdir: Path) -> PendingReferences:
-    """Start computing the references of `plan` (seed -> turns) in the background."""
+def start(plan: dict[int, int], workdir: Path, *, text: bool = False) -> PendingReferences:
+    """Start computing the references of `plan` (seed -> turns; text streams when `text`) in the
+    background."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     spec = ",".join(f"{seed}:{turns}" for seed, turns in plan.items())
     args = [sys.executable, "-m", "tests.gateway.reference", "--plan", spec, "--out", str(workdir)]
+    args += ["--text"] if text else []
     repo = Path(__file__).resolve().parents[2]
     with open(workdir / "reference.log", "wb") as log:
         popen = subprocess.Popen(args, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -92,9 +129,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--plan", required=True, help="seed:turns,seed:turns,...")
     parser.add_argument("--out", required=True, help="directory for reference.json")
+    parser.add_argument("--text", action="store_true", help="text streams (text_stream) instead of tokens")
     args = parser.parse_args()
     plan = {int(seed): int(turns) for seed, turns in (item.split(":") for item in args.plan.split(","))}
-    (Path(args.out) / "reference.json").write_text(json.dumps(compute(plan)))
+    (Path(args.out) / "reference.json").write_text(json.dumps(compute(plan, text=args.text)))
     return 0
 
 

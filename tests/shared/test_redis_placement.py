@@ -336,11 +336,13 @@ def test_token_log_appends_and_reads_back(server_url: str, schema: KeySchema) ->
             assert await append_log(r, schema, "s", turn, LONG_TTL_S, seq=seq) == len(expected)
         assert await read_log(r, schema, "s") == expected
         assert (await read_log_state(r, schema, "s")).last_seq == len(turns)
-        # The layout (docs/failover.md): per turn a header (n <u4, seq <i8), then the tokens <u4.
+        # The layout (docs/failover.md): per turn a header (n <u4, seq <i8, n_inputs <u4, tail and
+        # context byte lengths <u4), then the tokens <u4, then the tail's text (none here).
         raw = await r.get(schema.log("s"))
 
         def record(seq: int, t: list[int]) -> bytes:
-            return len(t).to_bytes(4, "little") + seq.to_bytes(8, "little") + encode_tokens(t)
+            n = len(t).to_bytes(4, "little")
+            return n + seq.to_bytes(8, "little") + n + bytes(8) + encode_tokens(t)
 
         assert raw == b"".join(record(seq, t) for seq, t in enumerate(turns, start=1))
         with pytest.raises(ValueError):

@@ -9,6 +9,8 @@ tail included) exactly as it was.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from shared.errors import Backpressure, BadSequence, ChunkTooLarge, ContextFull, InvalidMessage
 from worker.engine.config import EngineConfig
 from worker.engine.session import Session
@@ -39,17 +41,42 @@ def admit(
 def commit_input(
     session: Session, turn: Turn, text: IncrementalTokenizer | None, max_chunk_tokens: int
 ) -> tuple[list[int], TextTail]:
-    """A text chunk commits what can no longer change; asking for output or `flush` commits the
-    whole tail. A token chunk first commits the tail (the text before it is complete)."""
-    flush = turn.flush or turn.max_output_tokens > 0 or turn.text is None
-    if text is None or (turn.text is None and session.tail == EMPTY_TAIL):
-        if turn.text is not None:
-            raise InvalidMessage("this model has no tokenizer: send tokens")
-        return list(turn.input_tokens), EMPTY_TAIL
-    committed, tail = text.feed(session.tail, turn.text or "", flush=flush)
+    """What `turn` commits against the session's tail (`commit_chunk`), within the chunk limit."""
+    committed, tail = commit_chunk(
+        text,
+        session.tail,
+        text=turn.text,
+        tokens=turn.input_tokens,
+        flush=flushes(text=turn.text, flush=turn.flush, max_output_tokens=turn.max_output_tokens),
+    )
     if turn.text is not None and len(committed) > max_chunk_tokens:
         raise ChunkTooLarge(f"the text commits {len(committed)} tokens; the limit is {max_chunk_tokens}")
-    return committed + list(turn.input_tokens), tail
+    return committed, tail
+
+
+def flushes(*, text: str | None, flush: bool, max_output_tokens: int) -> bool:
+    """Whether a chunk commits the whole text tail: asked to, asking for output, or a token chunk
+    (the text before it is complete)."""
+    return flush or max_output_tokens > 0 or text is None
+
+
+def commit_chunk(
+    tokenizer: IncrementalTokenizer | None,
+    tail: TextTail,
+    *,
+    text: str | None,
+    tokens: Sequence[int],
+    flush: bool,
+) -> tuple[list[int], TextTail]:
+    """(tokens a chunk appends, the tail after it): a text chunk commits what can no longer change
+    (all of it when `flush`); a token chunk commits the tail first, then its tokens. Pure, so a
+    restoring worker replays delivered text chunks through exactly this (worker/server/restore.py)."""
+    if tokenizer is None or (text is None and tail == EMPTY_TAIL):
+        if text is not None:
+            raise InvalidMessage("this model has no tokenizer: send tokens")
+        return list(tokens), EMPTY_TAIL
+    committed, after = tokenizer.feed(tail, text or "", flush=flush)
+    return committed + list(tokens), after
 
 
 def check_queue(session: Session, turn: Turn, tokens: int, config: EngineConfig) -> None:

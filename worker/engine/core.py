@@ -28,7 +28,7 @@ from worker.engine.page_allocator import PageAllocator
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
 from worker.engine.turn import FinishReason, TokenDelta, Turn, TurnResult
-from worker.incremental_tokenizer import IncrementalTokenizer
+from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
 from worker.model_runner import ForwardRow, ModelRunner
 from worker.sampling import SamplingParams
 from worker.tokenizer import Tokenizer
@@ -95,7 +95,12 @@ class EngineCore:
     # ---- intake -------------------------------------------------------------------------------
 
     def open_session(
-        self, session_id: str, config: SessionConfig, history: list[int], last_seq: int | None = None
+        self,
+        session_id: str,
+        config: SessionConfig,
+        history: list[int],
+        last_seq: int | None = None,
+        text_tail: TextTail = EMPTY_TAIL,
     ) -> None:
         if session_id in self.sessions:
             raise InvalidMessage(f"session {session_id} already exists")
@@ -128,6 +133,7 @@ class EngineCore:
             now=self.clock(),
             seed=seed,
             last_seq=-1 if last_seq is None else last_seq,
+            tail=text_tail,
         )
 
     def submit(self, session_id: str, turn: Turn) -> None:
@@ -138,6 +144,7 @@ class EngineCore:
         )
         turn.before = (session.last_seq, session.tail)
         turn.input_tokens = tokens
+        turn.tail_after = tail
         session.last_seq = turn.seq
         session.tail = tail
         session.last_activity = self.clock()
@@ -369,6 +376,7 @@ class EngineCore:
             queue_ms=(started - turn.submitted_at) * 1000.0,
             compute_ms=(now - started) * 1000.0,
             length=len(session.tokens),
+            tail=turn.tail_after,
         )
         if not turn.future.done():
             turn.future.set_result(result)

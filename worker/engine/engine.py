@@ -25,6 +25,7 @@ from shared.protocol.fields import is_valid_text
 from worker.engine.config import EngineConfig, SessionConfig
 from worker.engine.core import CloseListener, EngineCore, EngineStats
 from worker.engine.turn import TokenListener, Turn, TurnResult
+from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
 from worker.model.config import ModelConfig
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner
@@ -110,6 +111,11 @@ class Engine:
         return self._core.runner.attention_name
 
     @property
+    def text(self) -> IncrementalTokenizer | None:
+        """The exact incremental tokenizer admission runs (None: the model has no tokenizer)."""
+        return self._core.text
+
+    @property
     def context_limit(self) -> int:
         return self._core.context_limit
 
@@ -121,6 +127,7 @@ class Engine:
         session_id: str | None = None,
         history: Sequence[int] = (),
         last_seq: int | None = None,
+        text_tail: TextTail = EMPTY_TAIL,
         **config: Any,
     ) -> tuple[str, Future[str]]:
         unknown = set(config) - _SESSION_FIELDS
@@ -133,16 +140,24 @@ class Engine:
         sid = session_id or uuid.uuid4().hex
 
         def open_it() -> str:
-            self._core.open_session(sid, session_config, history_tokens, last_seq)
+            self._core.open_session(sid, session_config, history_tokens, last_seq, text_tail)
             return sid
 
         return sid, self._call(open_it)
 
     def open_session(
-        self, *, session_id: str | None = None, history: Sequence[int] = (), **config: Any
+        self,
+        *,
+        session_id: str | None = None,
+        history: Sequence[int] = (),
+        text_tail: TextTail = EMPTY_TAIL,
+        **config: Any,
     ) -> str:
-        """Open a session (optionally rebuilt from a token history) and return its id."""
-        _sid, future = self.open_session_async(session_id=session_id, history=history, **config)
+        """Open a session (optionally rebuilt from a token history and the text its old worker held
+        back, `text_tail`) and return its id."""
+        _sid, future = self.open_session_async(
+            session_id=session_id, history=history, text_tail=text_tail, **config
+        )
         return future.result()
 
     def submit(

@@ -30,6 +30,7 @@ class Session:
         now: float,
         seed: int,
         last_seq: int = -1,
+        tail: TextTail = EMPTY_TAIL,
     ) -> None:
         self.session_id = session_id
         self.config = config
@@ -40,8 +41,9 @@ class Session:
         self.pending: deque[Turn] = deque()
         # Seqs only increase; -1 lets a session start at 0. A restored session keeps its client's.
         self.last_seq = last_seq
-        # Text received but not yet safe to tokenize (worker/incremental_tokenizer.py).
-        self.tail: TextTail = EMPTY_TAIL
+        # Text received but not yet safe to tokenize (worker/incremental_tokenizer.py). A restored
+        # session starts from the text its old worker held back (worker/server/restore.py).
+        self.tail: TextTail = tail
         self.last_activity = now
         self.created_at = now
         # Per-session sampling stream: a session samples the same whatever it is batched with.

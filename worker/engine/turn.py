@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
-from worker.incremental_tokenizer import TextTail
+from worker.incremental_tokenizer import EMPTY_TAIL, TextTail
 
 FinishReason = Literal["length", "stop", "cancelled"]
 
@@ -39,6 +39,10 @@ class TurnResult:
     compute_ms: float
     # Length of the session's sequence once this turn is done (inputs and outputs so far).
     length: int
+    # The session's uncommitted text right after this turn's input was committed (not the
+    # session's tail now: later chunks may have been admitted since). Logged with the turn, so a
+    # session rebuilt from the log continues the text exactly (worker/server/restore.py).
+    tail: TextTail = EMPTY_TAIL
 
 
 TokenListener = Callable[[TokenDelta], None]
@@ -69,6 +73,9 @@ class Turn:
     # The session's (last_seq, text tail) before this turn was accepted: a refusal after acceptance
     # (capacity) puts them back, so the client can send the same chunk again with the same seq.
     before: tuple[int, TextTail] | None = None
+    # The session's text tail once this turn's input was committed (set at admission). Each chunk
+    # folded into a merged append keeps its own, so each logged record carries the right one.
+    tail_after: TextTail = EMPTY_TAIL
 
     @property
     def wants_output(self) -> bool:

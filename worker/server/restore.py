@@ -9,6 +9,9 @@ new session starts from and what still has to run. docs/failover.md has the why;
   gateway heard); delivered turns after the log's end are appended as history (inputs then the
   delivered output, forced, no new `done`); the rest are re-run, in order, so each gets exactly one
   `done`.
+- Text is exact across the move: the log's last record carries the session's held-back text, the
+  forced turns' inputs are committed from it exactly as the engine's admission did, and the new
+  session opens with the tail that leaves (`text_tail`), so re-run text chunks continue from it.
 - A turn the log holds but whose `done` never reached the client (the worker died between its flush
   and the frame leaving its socket) is answered from the log: `answers` rebuilds its `done`.
 - Once one tail chunk must be re-run, every later one is re-run too: outputs depend on everything
@@ -17,12 +20,24 @@ new session starts from and what still has to run. docs/failover.md has the why;
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.protocol.link import LinkChunk, LinkDone, TailTurn
 from shared.protocol.messages import FinishReason
 from shared.redis_schema import decode_log
+from worker.engine.admission import commit_chunk, flushes
+from worker.incremental_tokenizer import IncrementalTokenizer, TextTail
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedTurn:
+    """A delivered turn the log lacked: appended as history, then logged like any other turn."""
+
+    seq: int
+    tokens: list[int]  # its committed inputs, then the output the client got
+    inputs: int
+    tail: TextTail  # the session's text tail after its input
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,12 +47,14 @@ class RestorePlan:
     last_seq: int | None
     # The last seq the log in Redis holds: what the new worker reports as durable at first.
     log_last_seq: int | None
-    # (seq, inputs + output) of delivered turns the log lacked: appended as history, then logged.
-    forced: list[tuple[int, list[int]]] = field(default_factory=list)
+    forced: list[ForcedTurn] = field(default_factory=list)
     # Chunks to run again, in seq order, once the session is open.
     rerun: list[LinkChunk] = field(default_factory=list)
     # `done` frames for turns the log holds but the client never got an answer for.
     answers: list[LinkDone] = field(default_factory=list)
+    # The text the session holds back once the history is in: the new session starts from it, so
+    # re-run text chunks continue exactly where the old session was.
+    text_tail: TextTail = field(default_factory=TextTail)
 
 
 def plan_restore(
@@ -45,48 +62,59 @@ def plan_restore(
     tail: Sequence[TailTurn],
     last_seq: int | None,
     *,
-    chunk_inputs: Callable[[LinkChunk], list[int]],
+    text: IncrementalTokenizer | None,
     max_output_tokens: int,
 ) -> RestorePlan:
-    """Raises ValueError on a corrupt log. `chunk_inputs` gives a chunk's input tokens as the
-    engine appends them; `max_output_tokens` is the session's default per chunk."""
+    """Raises ValueError on a corrupt log (InvalidMessage: text on a model without a tokenizer).
+
+    `text` is the engine's incremental tokenizer: a forced turn's inputs are what the engine's
+    admission committed, so they are recomputed the same way, statefully in seq order from the
+    log's text tail (a re-encode of the chunk's text alone would give other tokens).
+    `max_output_tokens` is the session's default per chunk.
+    """
     first = tail[0].chunk.seq if tail else None
     state = decode_log(log, spans_after=None if first is None else first - 1)
     history = list(state.tokens)
     log_last = state.last_seq
-    plan = RestorePlan(history, last_seq, log_last)
+    text_tail = TextTail(state.tail_text, state.tail_context)
+    forced: list[ForcedTurn] = []
+    rerun: list[LinkChunk] = []
+    answers: list[LinkDone] = []
     for turn in tail:
         chunk = turn.chunk
-        if not plan.rerun and log_last is not None and chunk.seq <= log_last:
+        if not rerun and log_last is not None and chunk.seq <= log_last:
             if turn.output is None and chunk.seq in state.spans:
-                plan.answers.append(
-                    _answer(chunk, state.tokens, state.spans[chunk.seq], chunk_inputs, max_output_tokens)
-                )
+                answers.append(_answer(chunk, state.tokens, state.spans[chunk.seq], max_output_tokens))
             continue
-        if plan.rerun or turn.output is None:
-            plan.rerun.append(chunk)
+        if rerun or turn.output is None:
+            rerun.append(chunk)
             continue
-        tokens = chunk_inputs(chunk) + list(turn.output)
+        limit = max_output_tokens if chunk.max_output_tokens is None else chunk.max_output_tokens
+        inputs, text_tail = commit_chunk(
+            text,
+            text_tail,
+            text=chunk.text,
+            tokens=chunk.tokens or (),
+            flush=flushes(text=chunk.text, flush=bool(chunk.flush), max_output_tokens=limit),
+        )
+        tokens = inputs + list(turn.output)
         history.extend(tokens)
-        plan.forced.append((chunk.seq, tokens))
-    seqs = [s for s in (last_seq, log_last, *(seq for seq, _ in plan.forced)) if s is not None]
+        forced.append(ForcedTurn(chunk.seq, tokens, len(inputs), text_tail))
+    seqs = [s for s in (last_seq, log_last, *(f.seq for f in forced)) if s is not None]
     resumed_at = max(seqs) if seqs else None
-    if plan.rerun and resumed_at is not None:
-        resumed_at = min(resumed_at, plan.rerun[0].seq - 1)
-    return RestorePlan(history, resumed_at, log_last, plan.forced, plan.rerun, plan.answers)
+    if rerun and resumed_at is not None:
+        resumed_at = min(resumed_at, rerun[0].seq - 1)
+    return RestorePlan(history, resumed_at, log_last, forced, rerun, answers, text_tail)
 
 
 def _answer(
-    chunk: LinkChunk,
-    tokens: list[int],
-    span: tuple[int, int],
-    chunk_inputs: Callable[[LinkChunk], list[int]],
-    max_output_tokens: int,
+    chunk: LinkChunk, tokens: list[int], span: tuple[int, int, int], max_output_tokens: int
 ) -> LinkDone:
-    start, end = span
-    output = tuple(tokens[start + len(chunk_inputs(chunk)) : end])
+    start, inputs_end, end = span
+    output = tuple(tokens[inputs_end:end])  # the record says where its committed input ends
     limit = max_output_tokens if chunk.max_output_tokens is None else chunk.max_output_tokens
     # The log keeps tokens, not why a turn stopped: short of its limit means a stop token (a
     # cancelled turn that was answered from the log reads as `stop` too).
     finish: FinishReason = "length" if len(output) >= limit else "stop"
-    return LinkDone(chunk.sid, chunk.seq, output, None, finish, 0.0, 0.0, end)
+    committed = inputs_end - start
+    return LinkDone(chunk.sid, chunk.seq, output, None, finish, 0.0, 0.0, end, committed_tokens=committed)

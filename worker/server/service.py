@@ -38,6 +38,7 @@ from shared.redis_schema import NO_SEQ, KeySchema, encode_log_record
 from shared.registry import HeldSession, read_log_bytes
 from shared.settings import WorkerSettings
 from worker.engine import Engine, TokenDelta, TurnResult
+from worker.incremental_tokenizer import EMPTY_TAIL
 from worker.server.detokenize import IncrementalDecoder
 from worker.server.directory import LinkPeer, SessionBinding, SessionDirectory
 from worker.server.handover import held_sessions, migrate_all
@@ -149,6 +150,7 @@ class WorkerService:
                 session_id=sid,
                 history=history,
                 last_seq=last_seq,
+                text_tail=EMPTY_TAIL if plan is None else plan.text_tail,
                 **engine_options(config, self.settings.idle_timeout_s),
             )
         except MicroturnError as error:
@@ -172,8 +174,9 @@ class WorkerService:
         binding.ready = True
         plan, binding.restore = binding.restore, None
         if plan is not None:
-            for seq, tokens in plan.forced:  # delivered turns the log lacked: now in the history
-                self.token_log.append(binding.sid, seq, tokens, binding.idle_timeout_s)
+            for turn in plan.forced:  # delivered turns the log lacked: now in the history
+                sid, idle = binding.sid, binding.idle_timeout_s
+                self.token_log.append(sid, turn.seq, turn.tokens, idle, inputs=turn.inputs, tail=turn.tail)
         durable = self.token_log.durable_seq(binding.sid)
         binding.send(LinkOpened(binding.sid, binding.length, binding.last_seq, durable))
         if plan is not None:
@@ -233,9 +236,7 @@ class WorkerService:
         """Open the session from its log plus the gateway's undurable tail (worker/server/restore.py)."""
         out = frame.config.max_output_tokens
         try:
-            plan = plan_restore(
-                log, frame.tail, frame.last_seq, chunk_inputs=self._chunk_inputs, max_output_tokens=out
-            )
+            plan = plan_restore(log, frame.tail, frame.last_seq, text=self.engine.text, max_output_tokens=out)
         except ValueError as exc:
             logger.error("session %s cannot be restored: %s", frame.sid, exc)
             corrupt = SessionNotFound("the session's token log is corrupt")
@@ -253,15 +254,6 @@ class WorkerService:
             len(plan.rerun),
         )
         self._open(link, frame, plan.history, last_seq=plan.last_seq, log=log, plan=plan)
-
-    def _chunk_inputs(self, chunk: LinkChunk) -> list[int]:
-        """A chunk's input tokens as the engine appends them (text through the model's tokenizer)."""
-        if chunk.tokens is not None:
-            return list(chunk.tokens)
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or chunk.text is None:
-            raise InvalidMessage("a text chunk on a model without a tokenizer")
-        return list(tokenizer.encode(chunk.text))
 
     def _close(self, link: LinkPeer, sid: str) -> None:
         binding = self.directory.remove(sid)
@@ -357,7 +349,14 @@ class WorkerService:
             return  # a turn the session's end cancelled: the session and its log are gone
         self.directory.touched.add(binding.sid)
         # Only once the reply is out: the log is for rebuilding, never on the client's critical path.
-        self.token_log.append(binding.sid, result.seq, result.inputs + result.tokens, binding.idle_timeout_s)
+        self.token_log.append(
+            binding.sid,
+            result.seq,
+            result.inputs + result.tokens,
+            binding.idle_timeout_s,
+            inputs=len(result.inputs),
+            tail=result.tail,
+        )
 
     # ---- errors -------------------------------------------------------------------------------
 

@@ -11,8 +11,9 @@ Invariants (docs/failover.md):
   to it.
 - `_mirror[sid]` is a byte-exact copy of what Redis holds for the session's log (what was read at
   restore, plus every confirmed flush). Redis is a cache of what the workers hold: when it loses its
-  data, the heartbeat re-writes each log from this copy (`held_logs`). It costs 4 bytes per token,
-  next to KV that costs kilobytes per token.
+  data, the heartbeat re-writes each log from this copy (`held_logs`), records (text tails
+  included) as they were, so a restore from the re-written log is as exact as from the original.
+  It costs 4 bytes per token plus each turn's text tail, next to KV that costs kilobytes per token.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import redis.asyncio as redis
 
 from shared.redis_client import OutageLog
 from shared.redis_schema import KeySchema, encode_log_record
+from worker.incremental_tokenizer import TextTail
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +73,20 @@ class TokenLogWriter:
         if last_seq is not None:
             self._durable[sid] = last_seq
 
-    def append(self, sid: str, seq: int, tokens: list[int] | tuple[int, ...], idle_timeout_s: float) -> None:
-        """Queue turn `seq`'s tokens (inputs then outputs). A turn that added nothing is still
-        recorded: its seq is what tells a restoring worker that the turn was done."""
-        record = encode_log_record(seq, tokens)
+    def append(
+        self,
+        sid: str,
+        seq: int,
+        tokens: list[int] | tuple[int, ...],
+        idle_timeout_s: float,
+        *,
+        inputs: int,
+        tail: TextTail,
+    ) -> None:
+        """Queue turn `seq`'s tokens (its `inputs` input tokens, then its outputs) and the session's
+        text tail after its input. A turn that added nothing is still recorded: its seq is what
+        tells a restoring worker that the turn was done."""
+        record = encode_log_record(seq, tokens, inputs=inputs, tail_text=tail.text, tail_context=tail.context)
         queued = self._pending.get(sid)
         if queued is None:
             self._pending[sid] = (bytearray(record), seq, idle_timeout_s)
