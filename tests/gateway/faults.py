@@ -16,15 +16,20 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+import pytest
+
 from shared.client import ConnectionLost, RealtimeClient, SessionClosedError
 from shared.protocol import Error, OutputDone, ServerMessage, SessionClosed, SessionRestored
+from tests.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
 from tests.gateway.reference import SESSION_CONFIG, stream, text_stream
+from tests.gateway.stack import Stack, running_stack
 from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable, answers_ping, free_port
 
 logger = logging.getLogger(__name__)
@@ -75,6 +80,28 @@ def restartable_redis(workdir: Path) -> Iterator[RestartableRedis]:
         yield server
     finally:
         server.kill()
+
+
+@contextlib.contextmanager
+def fault_stack(
+    tmp_path: Path, *, workers: int = 2, gateways: int = 2
+) -> Iterator[tuple[RestartableRedis, Stack, str]]:
+    """A Redis the test may kill and restart, and the stack on it under a fresh key prefix
+    (workers and gateways with the suite's flags); skips when no redis-server is installed."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    try:
+        redis_cm = restartable_redis(tmp_path)
+        server = redis_cm.__enter__()
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        flags = {"worker_flags": WORKER_FLAGS, "gateway_flags": GATEWAY_FLAGS}
+        with running_stack(
+            server.url, prefix, tmp_path, workers=workers, gateways=gateways, **flags
+        ) as stack:
+            yield server, stack, prefix
+    finally:
+        redis_cm.__exit__(None, None, None)
 
 
 @dataclass

@@ -12,20 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from pathlib import Path
-
-import pytest
 
 from shared.client import RealtimeClient
 from shared.redis_client import resilient_redis
 from shared.redis_schema import KeySchema
 from shared.registry import read_log, read_session
-from tests.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
-from tests.gateway.faults import Streamer, restartable_redis, tally
+from tests.gateway.faults import Streamer, fault_stack, tally
 from tests.gateway.reference import SESSION_CONFIG, PendingReferences, stream
-from tests.gateway.stack import running_stack
-from tests.shared.redis_servers import ServerUnavailable
 
 SEEDS = (20, 21, 22, 23)
 TURNS = 50
@@ -43,76 +37,65 @@ def full_sequence(seed: int, outputs: list[list[int]]) -> list[int]:
 
 def test_redis_restarted_empty_costs_no_session(tmp_path: Path, references: PendingReferences) -> None:
     expected = {seed: references.get(seed, TURNS) for seed in SEEDS}
-    try:
-        redis_cm = restartable_redis(tmp_path)
-        server = redis_cm.__enter__()
-    except ServerUnavailable as exc:
-        pytest.skip(str(exc))
-    prefix = f"t{uuid.uuid4().hex[:10]}"
-    schema = KeySchema(prefix)
-    try:
-        with running_stack(
-            server.url, prefix, tmp_path, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS
-        ) as stack:
+    with fault_stack(tmp_path) as (server, stack, prefix):
+        schema = KeySchema(prefix)
 
-            async def body() -> None:
-                streamers = [await Streamer.open(stack.realtime_url(0), seed, TURNS) for seed in SEEDS]
-                receivers = [asyncio.create_task(s.receive()) for s in streamers]
-                await asyncio.gather(*(s.send_until(KILL_AT) for s in streamers))
-                server.kill()
-                killed = time.monotonic()
-                senders = asyncio.gather(*(s.send_until(TURNS) for s in streamers))
-                await asyncio.sleep(OUTAGE_S)  # the sessions keep streaming without Redis
-                server.start()
-                restarted = time.monotonic()
-                opened = 0
-                for i in range(PROBE_OPENS):  # every open after the restart, through both gateways
-                    async with await RealtimeClient.connect(stack.realtime_url(i % 2)) as probe:
-                        await probe.open(**SESSION_CONFIG)
-                        opened += 1
-                        await probe.close()
-                await senders
-                await asyncio.wait_for(asyncio.gather(*receivers), 120)
-                result = tally(streamers, expected)
-                print(result.line("redis restarted empty"))
-                down_s = restarted - killed
-                print(f"[fault] redis down {down_s:.2f} s; opens after restart {opened}/{PROBE_OPENS}")
-                assert opened == PROBE_OPENS
-                assert (result.continued, result.lost, result.duplicated) == (len(SEEDS), 0, 0), result
-                assert result.identical == len(SEEDS), result
+        async def body() -> None:
+            streamers = [await Streamer.open(stack.realtime_url(0), seed, TURNS) for seed in SEEDS]
+            receivers = [asyncio.create_task(s.receive()) for s in streamers]
+            await asyncio.gather(*(s.send_until(KILL_AT) for s in streamers))
+            server.kill()
+            killed = time.monotonic()
+            senders = asyncio.gather(*(s.send_until(TURNS) for s in streamers))
+            await asyncio.sleep(OUTAGE_S)  # the sessions keep streaming without Redis
+            server.start()
+            restarted = time.monotonic()
+            opened = 0
+            for i in range(PROBE_OPENS):  # every open after the restart, through both gateways
+                async with await RealtimeClient.connect(stack.realtime_url(i % 2)) as probe:
+                    await probe.open(**SESSION_CONFIG)
+                    opened += 1
+                    await probe.close()
+            await senders
+            await asyncio.wait_for(asyncio.gather(*receivers), 120)
+            result = tally(streamers, expected)
+            print(result.line("redis restarted empty"))
+            down_s = restarted - killed
+            print(f"[fault] redis down {down_s:.2f} s; opens after restart {opened}/{PROBE_OPENS}")
+            assert opened == PROBE_OPENS
+            assert (result.continued, result.lost, result.duplicated) == (len(SEEDS), 0, 0), result
+            assert result.identical == len(SEEDS), result
 
-                redis = resilient_redis(server.url)
-                try:
-                    # The workers re-write the records and the whole logs within a few heartbeats.
-                    deadline = time.monotonic() + 30
-                    for s in streamers:
-                        want = full_sequence(s.seed, expected[s.seed])
-                        while await read_log(redis, schema, s.session_id) != want:
-                            assert time.monotonic() < deadline, f"log of stream {s.seed} never rebuilt"
-                            await asyncio.sleep(0.1)
-                        assert await read_session(redis, schema, s.session_id) is not None
-                    back_s = time.monotonic() - restarted
-                    print(f"[fault] records and full logs back {back_s:.2f} s after restart")
-                finally:
-                    await redis.aclose()
+            redis = resilient_redis(server.url)
+            try:
+                # The workers re-write the records and the whole logs within a few heartbeats.
+                deadline = time.monotonic() + 30
+                for s in streamers:
+                    want = full_sequence(s.seed, expected[s.seed])
+                    while await read_log(redis, schema, s.session_id) != want:
+                        assert time.monotonic() < deadline, f"log of stream {s.seed} never rebuilt"
+                        await asyncio.sleep(0.1)
+                    assert await read_session(redis, schema, s.session_id) is not None
+                back_s = time.monotonic() - restarted
+                print(f"[fault] records and full logs back {back_s:.2f} s after restart")
+            finally:
+                await redis.aclose()
 
-                resumed_ok = 0
-                for s in streamers:  # every live session resumes through the other gateway
-                    await s.client.disconnect()
-                    async with await RealtimeClient.connect(stack.realtime_url(1)) as again:
-                        resumed = await again.resume(s.session_id, s.resume_token, TURNS)
-                        length = len(full_sequence(s.seed, expected[s.seed]))
-                        assert (resumed.length, resumed.last_seq) == (length, TURNS)
-                        await again.close()
-                        resumed_ok += 1
-                print(f"[fault] resumed through the other gateway, full history: {resumed_ok}/{len(SEEDS)}")
+            resumed_ok = 0
+            for s in streamers:  # every live session resumes through the other gateway
+                await s.client.disconnect()
+                async with await RealtimeClient.connect(stack.realtime_url(1)) as again:
+                    resumed = await again.resume(s.session_id, s.resume_token, TURNS)
+                    length = len(full_sequence(s.seed, expected[s.seed]))
+                    assert (resumed.length, resumed.last_seq) == (length, TURNS)
+                    await again.close()
+                    resumed_ok += 1
+            print(f"[fault] resumed through the other gateway, full history: {resumed_ok}/{len(SEEDS)}")
 
-            asyncio.run(asyncio.wait_for(body(), 180))
-            for proc in stack.workers.values():
-                log = proc.log_path.read_text(errors="replace")
-                flush_lines = log.count("token log flush failed")
-                tracebacks = log.count("Traceback")
-                print(f"[fault] {proc.name}: flush-failure lines {flush_lines}, tracebacks {tracebacks}")
-                assert flush_lines <= 1 and "Traceback" not in log, proc.log_tail(80)
-    finally:
-        redis_cm.__exit__(None, None, None)
+        asyncio.run(asyncio.wait_for(body(), 180))
+        for proc in stack.workers.values():
+            log = proc.log_path.read_text(errors="replace")
+            flush_lines = log.count("token log flush failed")
+            tracebacks = log.count("Traceback")
+            print(f"[fault] {proc.name}: flush-failure lines {flush_lines}, tracebacks {tracebacks}")
+            assert flush_lines <= 1 and "Traceback" not in log, proc.log_tail(80)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,10 +23,8 @@ from shared.redis_client import resilient_redis
 from shared.redis_schema import KeySchema
 from shared.registry import read_session
 from tests.gateway import reference
-from tests.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
-from tests.gateway.faults import Streamer, restartable_redis, tally
-from tests.gateway.stack import running_stack, stop
-from tests.shared.redis_servers import ServerUnavailable
+from tests.gateway.faults import Streamer, fault_stack, tally
+from tests.gateway.stack import stop
 
 SEEDS = tuple(range(40, 46))
 TURNS = 40
@@ -46,55 +43,42 @@ def text_references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[refere
 def test_worker_killed_mid_text_stream_costs_no_turn_and_no_token(
     tmp_path: Path, text_references: reference.PendingReferences
 ) -> None:
-    prefix = f"t{uuid.uuid4().hex[:10]}"
-    try:
-        redis_cm = restartable_redis(tmp_path)
-        server = redis_cm.__enter__()
-    except ServerUnavailable as exc:
-        pytest.skip(str(exc))
-    try:
-        with running_stack(
-            server.url, prefix, tmp_path, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS
-        ) as stack:
-            expected = {seed: text_references.get(seed, TURNS) for seed in SEEDS}
+    with fault_stack(tmp_path) as (server, stack, prefix):
+        expected = {seed: text_references.get(seed, TURNS) for seed in SEEDS}
 
-            async def body() -> None:
-                redis = resilient_redis(server.url)
-                schema = KeySchema(prefix)
-                try:
-                    streamers = [
-                        await Streamer.open(stack.realtime_url(seed % 2), seed, TURNS, text=True)
-                        for seed in SEEDS
-                    ]
-                    receivers = [asyncio.create_task(s.receive()) for s in streamers]
-                    await asyncio.gather(*(s.send_until(KILL_AT) for s in streamers))
-                    placed = {}
-                    for s in streamers:
-                        record = await read_session(redis, schema, s.session_id)
-                        assert record is not None
-                        placed[s.seed] = record.worker
-                    victim = Counter(placed.values()).most_common(1)[0][0]
-                    moved = [s for s in streamers if placed[s.seed] == victim]
-                    senders = asyncio.gather(*(s.send_until(TURNS) for s in streamers))
-                    # Kill while chunks are in flight on the victim (the worst moment), or after 2 s.
-                    deadline = time.monotonic() + 2.0
-                    while sum(s.unanswered() for s in moved) < len(moved) and time.monotonic() < deadline:
-                        await asyncio.sleep(0.001)
-                    in_flight = sum(s.unanswered() for s in moved)
-                    stop(stack.workers[victim], signal.SIGKILL)
-                    await senders
-                    await asyncio.wait_for(asyncio.gather(*receivers), 120)
-                    result = tally(streamers, expected)
-                    print(result.line("worker SIGKILL, text streams"))
-                    print(
-                        f"[fault] victim {victim}: {len(moved)} sessions moved, {in_flight} chunks unanswered"
-                    )
-                    assert (result.continued, result.lost, result.duplicated) == (len(SEEDS), 0, 0), result
-                    assert result.identical == len(SEEDS), result
-                    assert result.restored == len(moved) > 0, result
-                finally:
-                    await redis.aclose()
+        async def body() -> None:
+            redis = resilient_redis(server.url)
+            schema = KeySchema(prefix)
+            try:
+                streamers = [
+                    await Streamer.open(stack.realtime_url(seed % 2), seed, TURNS, text=True)
+                    for seed in SEEDS
+                ]
+                receivers = [asyncio.create_task(s.receive()) for s in streamers]
+                await asyncio.gather(*(s.send_until(KILL_AT) for s in streamers))
+                placed = {}
+                for s in streamers:
+                    record = await read_session(redis, schema, s.session_id)
+                    assert record is not None
+                    placed[s.seed] = record.worker
+                victim = Counter(placed.values()).most_common(1)[0][0]
+                moved = [s for s in streamers if placed[s.seed] == victim]
+                senders = asyncio.gather(*(s.send_until(TURNS) for s in streamers))
+                # Kill while chunks are in flight on the victim (the worst moment), or after 2 s.
+                deadline = time.monotonic() + 2.0
+                while sum(s.unanswered() for s in moved) < len(moved) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
+                in_flight = sum(s.unanswered() for s in moved)
+                stop(stack.workers[victim], signal.SIGKILL)
+                await senders
+                await asyncio.wait_for(asyncio.gather(*receivers), 120)
+                result = tally(streamers, expected)
+                print(result.line("worker SIGKILL, text streams"))
+                print(f"[fault] victim {victim}: {len(moved)} sessions moved, {in_flight} chunks unanswered")
+                assert (result.continued, result.lost, result.duplicated) == (len(SEEDS), 0, 0), result
+                assert result.identical == len(SEEDS), result
+                assert result.restored == len(moved) > 0, result
+            finally:
+                await redis.aclose()
 
-            asyncio.run(asyncio.wait_for(body(), 180))
-    finally:
-        redis_cm.__exit__(None, None, None)
+        asyncio.run(asyncio.wait_for(body(), 180))

@@ -14,20 +14,15 @@ import asyncio
 import re
 import signal
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
-
-import pytest
 
 from shared.redis_client import resilient_redis
 from shared.redis_schema import KeySchema
 from shared.registry import read_session
-from tests.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
-from tests.gateway.faults import Streamer, restartable_redis, tally
+from tests.gateway.faults import Streamer, fault_stack, tally
 from tests.gateway.reference import PendingReferences
-from tests.gateway.stack import running_stack, stop
-from tests.shared.redis_servers import ServerUnavailable
+from tests.gateway.stack import stop
 
 SEEDS = tuple(range(24, 32))
 TURNS = 50
@@ -36,66 +31,53 @@ KILL_AT = 20
 
 def test_worker_killed_mid_stream_costs_no_turn(tmp_path: Path, references: PendingReferences) -> None:
     expected = {seed: references.get(seed, TURNS) for seed in SEEDS}
-    prefix = f"t{uuid.uuid4().hex[:10]}"
-    try:
-        redis_cm = restartable_redis(tmp_path)
-        server = redis_cm.__enter__()
-    except ServerUnavailable as exc:
-        pytest.skip(str(exc))
-    try:
-        with running_stack(
-            server.url, prefix, tmp_path, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS
-        ) as stack:
+    with fault_stack(tmp_path) as (server, stack, prefix):
 
-            async def body() -> None:
-                redis = resilient_redis(server.url)
-                schema = KeySchema(prefix)
-                try:
-                    streamers = [
-                        await Streamer.open(stack.realtime_url(seed % 2), seed, TURNS) for seed in SEEDS
-                    ]
-                    receivers = [asyncio.create_task(s.receive()) for s in streamers]
-                    await asyncio.gather(*(s.send_until(KILL_AT) for s in streamers))
-                    placed = {}
-                    for s in streamers:
-                        record = await read_session(redis, schema, s.session_id)
-                        assert record is not None
-                        placed[s.seed] = record.worker
-                    victim = Counter(placed.values()).most_common(1)[0][0]
-                    moved = [s for s in streamers if placed[s.seed] == victim]
-                    senders = asyncio.gather(*(s.send_until(TURNS) for s in streamers))
-                    # Kill while chunks are in flight on the victim (the worst moment), or after 2 s.
-                    deadline = time.monotonic() + 2.0
-                    while sum(s.unanswered() for s in moved) < len(moved) and time.monotonic() < deadline:
-                        await asyncio.sleep(0.001)
-                    in_flight = sum(s.unanswered() for s in moved)
-                    killed = time.monotonic()
-                    stop(stack.workers[victim], signal.SIGKILL)
-                    await senders
-                    await asyncio.wait_for(asyncio.gather(*receivers), 120)
-                    result = tally(streamers, expected)
-                    print(result.line("worker SIGKILL"))
-                    restore_s = [s.restored[0] - killed for s in moved if s.restored]
-                    print(
-                        f"[fault] victim {victim}: {len(moved)} sessions moved, {in_flight} chunks "
-                        f"unanswered at the kill; time to restore max {max(restore_s, default=0):.3f} s, "
-                        f"each {[round(t, 3) for t in sorted(restore_s)]}"
-                    )
-                    assert (result.continued, result.lost, result.duplicated) == (len(SEEDS), 0, 0), result
-                    assert result.identical == len(SEEDS), result
-                    assert result.restored == len(moved) == len(restore_s), result
-                    for s in moved:
-                        record = await read_session(redis, schema, s.session_id)
-                        assert record is not None and record.worker != victim
-                finally:
-                    await redis.aclose()
+        async def body() -> None:
+            redis = resilient_redis(server.url)
+            schema = KeySchema(prefix)
+            try:
+                streamers = [await Streamer.open(stack.realtime_url(seed % 2), seed, TURNS) for seed in SEEDS]
+                receivers = [asyncio.create_task(s.receive()) for s in streamers]
+                await asyncio.gather(*(s.send_until(KILL_AT) for s in streamers))
+                placed = {}
+                for s in streamers:
+                    record = await read_session(redis, schema, s.session_id)
+                    assert record is not None
+                    placed[s.seed] = record.worker
+                victim = Counter(placed.values()).most_common(1)[0][0]
+                moved = [s for s in streamers if placed[s.seed] == victim]
+                senders = asyncio.gather(*(s.send_until(TURNS) for s in streamers))
+                # Kill while chunks are in flight on the victim (the worst moment), or after 2 s.
+                deadline = time.monotonic() + 2.0
+                while sum(s.unanswered() for s in moved) < len(moved) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
+                in_flight = sum(s.unanswered() for s in moved)
+                killed = time.monotonic()
+                stop(stack.workers[victim], signal.SIGKILL)
+                await senders
+                await asyncio.wait_for(asyncio.gather(*receivers), 120)
+                result = tally(streamers, expected)
+                print(result.line("worker SIGKILL"))
+                restore_s = [s.restored[0] - killed for s in moved if s.restored]
+                print(
+                    f"[fault] victim {victim}: {len(moved)} sessions moved, {in_flight} chunks "
+                    f"unanswered at the kill; time to restore max {max(restore_s, default=0):.3f} s, "
+                    f"each {[round(t, 3) for t in sorted(restore_s)]}"
+                )
+                assert (result.continued, result.lost, result.duplicated) == (len(SEEDS), 0, 0), result
+                assert result.identical == len(SEEDS), result
+                assert result.restored == len(moved) == len(restore_s), result
+                for s in moved:
+                    record = await read_session(redis, schema, s.session_id)
+                    assert record is not None and record.worker != victim
+            finally:
+                await redis.aclose()
 
-            asyncio.run(asyncio.wait_for(body(), 180))
-            logs = [g.log_path.read_text(errors="replace") for g in stack.gateways]
-            failed_tries = sum(log.count("restore of") for log in logs)
-            tails = [int(n) for log in logs for n in re.findall(r"restoring with (\d+) undurable", log)]
-            print(f"[fault] undurable chunks handed to the restoring worker, per session: {tails}")
-            print(f"[fault] restore attempts that picked a dead worker: {failed_tries}")
-            assert failed_tries == 0
-    finally:
-        redis_cm.__exit__(None, None, None)
+        asyncio.run(asyncio.wait_for(body(), 180))
+        logs = [g.log_path.read_text(errors="replace") for g in stack.gateways]
+        failed_tries = sum(log.count("restore of") for log in logs)
+        tails = [int(n) for log in logs for n in re.findall(r"restoring with (\d+) undurable", log)]
+        print(f"[fault] undurable chunks handed to the restoring worker, per session: {tails}")
+        print(f"[fault] restore attempts that picked a dead worker: {failed_tries}")
+        assert failed_tries == 0
