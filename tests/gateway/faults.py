@@ -24,12 +24,15 @@ from pathlib import Path
 from typing import Final
 
 import pytest
+from redis.asyncio import Redis
 
 from shared.client import ConnectionLost, RealtimeClient, SessionClosedError
 from shared.protocol import Error, OutputDone, ServerMessage, SessionClosed, SessionRestored
+from shared.redis_schema import KeySchema
+from shared.registry import read_session
 from tests.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
 from tests.gateway.reference import SESSION_CONFIG, stream, text_stream
-from tests.gateway.stack import Stack, running_stack
+from tests.gateway.stack import Stack, running_stack, stop
 from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable, answers_ping, free_port
 
 logger = logging.getLogger(__name__)
@@ -223,3 +226,34 @@ def tally(streamers: list[Streamer], expected: dict[int, list[list[int]]]) -> Ta
         restored += len(s.restored)
     rate = sum(rates) / len(rates) if rates else 0.0
     return Tally(len(streamers), continued, lost, duplicated, identical, restored, rate)
+
+
+@dataclass(frozen=True)
+class Kill:
+    victim: str
+    moved: list[Streamer]
+    in_flight: int
+    killed_at: float
+
+
+async def kill_busiest_worker(
+    stack: Stack, streamers: list[Streamer], redis: Redis, schema: KeySchema, turns: int
+) -> Kill:
+    """Once the streamers are running: keep them sending up to `turns`, and SIGKILL the worker that
+    holds the most sessions while chunks are in flight on it (the worst moment), or after 2 s."""
+    placed = {}
+    for s in streamers:
+        record = await read_session(redis, schema, s.session_id)
+        assert record is not None
+        placed[s.seed] = record.worker
+    victim = Counter(placed.values()).most_common(1)[0][0]
+    moved = [s for s in streamers if placed[s.seed] == victim]
+    senders = asyncio.gather(*(s.send_until(turns) for s in streamers))
+    deadline = time.monotonic() + 2.0
+    while sum(s.unanswered() for s in moved) < len(moved) and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+    in_flight = sum(s.unanswered() for s in moved)
+    killed_at = time.monotonic()
+    stop(stack.workers[victim], signal.SIGKILL)
+    await senders
+    return Kill(victim, moved, in_flight, killed_at)

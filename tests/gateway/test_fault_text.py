@@ -11,9 +11,6 @@ an uninterrupted single-session reference fed the same pieces. No timing is asse
 from __future__ import annotations
 
 import asyncio
-import signal
-import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,10 +18,8 @@ import pytest
 
 from shared.redis_client import resilient_redis
 from shared.redis_schema import KeySchema
-from shared.registry import read_session
 from tests.gateway import reference
-from tests.gateway.faults import Streamer, fault_stack, tally
-from tests.gateway.stack import stop
+from tests.gateway.faults import Streamer, fault_stack, kill_busiest_worker, tally
 
 SEEDS = tuple(range(40, 46))
 TURNS = 40
@@ -56,21 +51,8 @@ def test_worker_killed_mid_text_stream_costs_no_turn_and_no_token(
                 ]
                 receivers = [asyncio.create_task(s.receive()) for s in streamers]
                 await asyncio.gather(*(s.send_until(KILL_AT) for s in streamers))
-                placed = {}
-                for s in streamers:
-                    record = await read_session(redis, schema, s.session_id)
-                    assert record is not None
-                    placed[s.seed] = record.worker
-                victim = Counter(placed.values()).most_common(1)[0][0]
-                moved = [s for s in streamers if placed[s.seed] == victim]
-                senders = asyncio.gather(*(s.send_until(TURNS) for s in streamers))
-                # Kill while chunks are in flight on the victim (the worst moment), or after 2 s.
-                deadline = time.monotonic() + 2.0
-                while sum(s.unanswered() for s in moved) < len(moved) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.001)
-                in_flight = sum(s.unanswered() for s in moved)
-                stop(stack.workers[victim], signal.SIGKILL)
-                await senders
+                kill = await kill_busiest_worker(stack, streamers, redis, schema, TURNS)
+                victim, moved, in_flight = kill.victim, kill.moved, kill.in_flight
                 await asyncio.wait_for(asyncio.gather(*receivers), 120)
                 result = tally(streamers, expected)
                 print(result.line("worker SIGKILL, text streams"))

@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
-import time
-from collections import Counter
 from pathlib import Path
 
 from shared.redis_client import resilient_redis
 from shared.redis_schema import KeySchema
 from shared.registry import read_session
-from tests.gateway.faults import Streamer, fault_stack, tally
+from tests.gateway.faults import Streamer, fault_stack, kill_busiest_worker, tally
 from tests.gateway.reference import PendingReferences
-from tests.gateway.stack import stop
 
 SEEDS = tuple(range(24, 32))
 TURNS = 50
@@ -40,22 +36,8 @@ def test_worker_killed_mid_stream_costs_no_turn(tmp_path: Path, references: Pend
                 streamers = [await Streamer.open(stack.realtime_url(seed % 2), seed, TURNS) for seed in SEEDS]
                 receivers = [asyncio.create_task(s.receive()) for s in streamers]
                 await asyncio.gather(*(s.send_until(KILL_AT) for s in streamers))
-                placed = {}
-                for s in streamers:
-                    record = await read_session(redis, schema, s.session_id)
-                    assert record is not None
-                    placed[s.seed] = record.worker
-                victim = Counter(placed.values()).most_common(1)[0][0]
-                moved = [s for s in streamers if placed[s.seed] == victim]
-                senders = asyncio.gather(*(s.send_until(TURNS) for s in streamers))
-                # Kill while chunks are in flight on the victim (the worst moment), or after 2 s.
-                deadline = time.monotonic() + 2.0
-                while sum(s.unanswered() for s in moved) < len(moved) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.001)
-                in_flight = sum(s.unanswered() for s in moved)
-                killed = time.monotonic()
-                stop(stack.workers[victim], signal.SIGKILL)
-                await senders
+                kill = await kill_busiest_worker(stack, streamers, redis, schema, TURNS)
+                victim, moved, in_flight, killed = kill.victim, kill.moved, kill.in_flight, kill.killed_at
                 await asyncio.wait_for(asyncio.gather(*receivers), 120)
                 result = tally(streamers, expected)
                 print(result.line("worker SIGKILL"))
