@@ -56,7 +56,6 @@ from shared.errors import (
     InternalError,
     InvalidMessage,
     MicroturnError,
-    SessionExpired,
     WorkerUnavailable,
     error_from_code,
 )
@@ -81,7 +80,6 @@ from shared.protocol import (
     Pong,
     SessionClose,
     SessionClosed,
-    SessionExpiring,
     SessionOpen,
     SessionResume,
     ToGateway,
@@ -400,30 +398,3 @@ class ClientSession(SessionFlows):
         # binding stays on the same link), so this is the same as its closed(taken_over).
         logger.info("session %s taken over by another socket", self.sid)
         self._on_closed("taken_over")
-
-    # ---- credential limits (called by SessionAuth's timers and on_done: no awaiting here) ----------
-
-    def _warn_expiring(self, warning: SessionExpiring) -> None:
-        if self.phase is not Phase.ENDED:
-            self.outbox.put(warning)
-
-    def _expire(self, why: str) -> None:
-        """The session reached a limit of its credential: it ends on the worker, the client is told."""
-        sid, link = self.sid, self._link
-        if self.phase is Phase.ENDED or sid is None:
-            return
-        logger.info("session %s expired: %s", sid, why)
-        self._fail_pending(SessionEnded())
-        self._s.pool.unbind(sid, self)
-        if not self._session_gone and link is not None:
-            self._expire_task = asyncio.create_task(self._close_on_worker(link, sid), name=f"expire {sid}")
-        self._session_gone = True
-        self._error(SessionExpired(why), fatal=True)
-
-    async def _close_on_worker(self, link: Link, sid: str) -> None:
-        try:
-            await link.send(LinkClose(sid))
-        except WorkerUnavailable:
-            # No worker to tell: end the session in Redis so it cannot be resumed or restored.
-            with contextlib.suppress(RedisError, OSError):
-                await self._s.store.delete(sid)

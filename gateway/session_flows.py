@@ -1,4 +1,5 @@
-"""Opening, resuming and restoring a client's session: the flows that place it on a worker.
+"""Opening and resuming a client's session (the flows that place it on a worker), and ending it
+when it outlives its credential.
 
 Why apart from client_session.py: these are the only steps of a socket's life that await Redis and
 a worker's `opened` (docs/design.md section 5: placement, resume, worker loss); the per-chunk path and the
@@ -16,30 +17,36 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from redis.exceptions import RedisError
+
 from gateway.limits import SessionLimits
 from gateway.links import Link
 from gateway.outbox import Outbox
-from gateway.restore_flow import Phase, RestoreFlow
+from gateway.restore_flow import Phase, RestoreFlow, SessionEnded
 from gateway.services import GatewayServices
 from gateway.session_auth import SessionAuth
 from shared.errors import (
     CapacityExhausted,
     MicroturnError,
+    SessionExpired,
     SessionNotFound,
     WorkerUnavailable,
 )
 from shared.protocol import (
     LinkAttach,
+    LinkClose,
     LinkOpen,
     LinkOpened,
     OpenConfig,
     ServerMessage,
+    SessionExpiring,
     SessionOpened,
     SessionRestored,
     SessionResume,
@@ -83,6 +90,7 @@ class SessionFlows(RestoreFlow, abc.ABC):
     _last_done_seq: int | None
     _length: int
     _session_gone: bool
+    _expire_task: asyncio.Task[None] | None
 
     # The link pool routes the session's frames to these (gateway/links.py `LinkListener`).
     @abc.abstractmethod
@@ -207,3 +215,30 @@ class SessionFlows(RestoreFlow, abc.ABC):
 
         await self._restore(sid, record, resumed_elsewhere, msg.last_seq)
         s.metrics.sessions_resumed += 1
+
+    # ---- credential limits (called by SessionAuth's timers and on_done: no awaiting here) ----------
+
+    def _warn_expiring(self, warning: SessionExpiring) -> None:
+        if self.phase is not Phase.ENDED:
+            self.outbox.put(warning)
+
+    def _expire(self, why: str) -> None:
+        """The session reached a limit of its credential: it ends on the worker, the client is told."""
+        sid, link = self.sid, self._link
+        if self.phase is Phase.ENDED or sid is None:
+            return
+        logger.info("session %s expired: %s", sid, why)
+        self._fail_pending(SessionEnded())
+        self._s.pool.unbind(sid, self)
+        if not self._session_gone and link is not None:
+            self._expire_task = asyncio.create_task(self._close_on_worker(link, sid), name=f"expire {sid}")
+        self._session_gone = True
+        self._error(SessionExpired(why), fatal=True)
+
+    async def _close_on_worker(self, link: Link, sid: str) -> None:
+        try:
+            await link.send(LinkClose(sid))
+        except WorkerUnavailable:
+            # No worker to tell: end the session in Redis so it cannot be resumed or restored.
+            with contextlib.suppress(RedisError, OSError):
+                await self._s.store.delete(sid)
