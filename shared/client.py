@@ -1,17 +1,10 @@
 """The Python client of protocol v1: `RealtimeClient` (asyncio) and `SyncRealtimeClient` (blocking).
 
-Why two shells around one core: tests, benchmarks and demo tooling run on asyncio, but Locust runs
-on gevent, where asyncio websockets cannot run; `websockets.sync` can. Everything that is not I/O
-(encoding, decoding, matching replies, buffering, retries) lives in `ClientCore` and the waiters
-(shared/client_core.py), so the two clients behave identically.
-
-Message matching: a request (`open`, `resume`, `ping`, `turn`, `close`) waits for its own answer.
-Whatever else arrives meanwhile (outputs of other turns, `session.restored`, recoverable errors for
-other chunks) is buffered in order and handed out by later `recv()` calls: nothing is dropped.
-An `error` that answers the request (no `seq`, or the turn's `seq`), any fatal `error`, and an
-unsolicited `session.closed` raise: the typed `MicroturnError` for the code, or `SessionClosedError`.
-A refused chunk whose error carries `retry_after_ms` is first sent again, as `retry` says
-(shared/client_retry.py); only when the retries run out does its error raise.
+Two shells around one Sans-I/O core (shared/client_core.py): tests and tools run on asyncio, Locust
+on gevent, where only `websockets.sync` runs. The core decides everything that is not I/O (which
+message answers a request, what is buffered for `recv()` in order, which error raises, which refused
+chunk is resent after its `retry_after_ms`: shared/client_retry.py), so both behave identically. An
+error answering the request, any fatal error and an unsolicited `session.closed` raise.
 """
 
 from __future__ import annotations
