@@ -32,7 +32,6 @@ from redis.asyncio import Redis
 from redis.typing import EncodableT, FieldT
 
 from shared.redis_schema import (
-    NO_SEQ,
     SESSION_CONFIG,
     SESSION_CREATED_MS,
     SESSION_LAST_SEQ,
@@ -50,9 +49,6 @@ from shared.redis_schema import (
     WORKER_STATE,
     WORKER_URL,
     KeySchema,
-    LogState,
-    decode_log,
-    encode_log_record,
 )
 
 logger = logging.getLogger(__name__)
@@ -129,7 +125,7 @@ class Placement:
     url: str
 
 
-def _ttl_ms(ttl_s: float) -> int:
+def ttl_to_ms(ttl_s: float) -> int:
     # PEXPIRE with 0 or a negative value deletes the key at once: refuse it instead of losing data.
     ms = round(ttl_s * 1000)
     if ms < 1:
@@ -171,7 +167,7 @@ async def _publish_worker(
 ) -> bool:
     """Write the worker's hash and score; True when its hash existed before this write."""
     key = schema.worker(info.worker_id)
-    ttl_ms = _ttl_ms(ttl_s)
+    ttl_ms = ttl_to_ms(ttl_s)
     # One MULTI (all keys in the `{prefix}` slot): placement never sees the hash without its TTL or a
     # score that disagrees with the hash it was computed from.
     async with redis.pipeline(transaction=True) as pipe:
@@ -271,7 +267,7 @@ async def write_session(
     mapping = _session_mapping(record)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(key, mapping=mapping)
-        pipe.pexpire(key, _ttl_ms(ttl_s))
+        pipe.pexpire(key, ttl_to_ms(ttl_s))
         await pipe.execute()
 
 
@@ -308,7 +304,7 @@ async def touch_sessions(redis: Redis, schema: KeySchema, sids: Iterable[str], t
     ids = list(sids)
     if not ids:
         return []
-    ttl_ms = _ttl_ms(ttl_s)
+    ttl_ms = ttl_to_ms(ttl_s)
     async with redis.pipeline(transaction=False) as pipe:
         for sid in ids:
             pipe.pexpire(schema.session(sid), ttl_ms)
@@ -327,43 +323,6 @@ async def delete_session(redis: Redis, schema: KeySchema, sid: str) -> bool:
         pipe.delete(schema.log(sid))
         removed_hash, _ = await pipe.execute()
     return bool(removed_hash)
-
-
-async def append_log(
-    redis: Redis, schema: KeySchema, sid: str, tokens: list[int], ttl_s: float, *, seq: int = NO_SEQ
-) -> int:
-    """Append one turn's record to the log and refresh its TTL; returns the log's length in tokens.
-
-    (The length costs a read of the whole log: this helper is for tools and tests; the worker's
-    batched writer, worker/server/token_log.py, never reads.)
-    """
-    key = schema.log(sid)
-    data = encode_log_record(seq, tokens)
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.append(key, data)
-        pipe.pexpire(key, _ttl_ms(ttl_s))
-        await pipe.execute()
-    return len(await read_log(redis, schema, sid))
-
-
-async def read_log_bytes(redis: Redis, schema: KeySchema, sid: str) -> bytes:
-    """The log's raw bytes (records, shared/redis_schema.py); empty when absent or expired."""
-    data = await redis.get(schema.log(sid))
-    if data is None:
-        return b""
-    if isinstance(data, str):
-        raise TypeError("the token log is binary: use a Redis client with decode_responses=False")
-    return bytes(data)
-
-
-async def read_log_state(redis: Redis, schema: KeySchema, sid: str) -> LogState:
-    """The session's whole token history and the seq of the last turn the log holds."""
-    return decode_log(await read_log_bytes(redis, schema, sid))
-
-
-async def read_log(redis: Redis, schema: KeySchema, sid: str) -> list[int]:
-    """The session's whole token history; empty when nothing was logged or the log expired."""
-    return (await read_log_state(redis, schema, sid)).tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,7 +346,7 @@ async def rewrite_sessions(redis: Redis, schema: KeySchema, held: Iterable[HeldS
         return 0
     async with redis.pipeline(transaction=False) as pipe:
         for item in items:
-            ttl_ms = _ttl_ms(item.ttl_s)
+            ttl_ms = ttl_to_ms(item.ttl_s)
             key = schema.session(item.sid)
             pipe.hset(key, mapping=_session_mapping(item.record))
             pipe.pexpire(key, ttl_ms)

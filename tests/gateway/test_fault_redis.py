@@ -17,7 +17,8 @@ from pathlib import Path
 from shared.client import RealtimeClient
 from shared.redis_client import resilient_redis
 from shared.redis_schema import KeySchema
-from shared.registry import read_log, read_session
+from shared.registry import read_session
+from shared.session_log import read_log
 from tests.gateway.faults import Streamer, fault_stack, tally
 from tests.gateway.reference import SESSION_CONFIG, PendingReferences, stream
 

@@ -27,7 +27,6 @@ from shared.registry import (
     Placement,
     SessionRecord,
     WorkerInfo,
-    append_log,
     delete_session,
     deregister,
     hash_token,
@@ -35,8 +34,6 @@ from shared.registry import (
     load_score,
     mark_draining,
     new_resume_token,
-    read_log,
-    read_log_state,
     read_session,
     read_worker,
     register_worker,
@@ -44,6 +41,7 @@ from shared.registry import (
     verify_token,
     write_session,
 )
+from shared.session_log import append_log, read_log, read_log_state
 from tests.shared.redis_servers import SERVER_KINDS, ServerUnavailable, running_server
 
 T = TypeVar("T")

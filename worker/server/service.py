@@ -35,7 +35,8 @@ from shared.protocol.link import (
 )
 from shared.protocol.messages import CloseReason, OpenConfig
 from shared.redis_schema import NO_SEQ, KeySchema, encode_log_record
-from shared.registry import HeldSession, read_log_bytes
+from shared.registry import HeldSession
+from shared.session_log import read_log_bytes
 from shared.settings import WorkerSettings
 from worker.engine import Engine, TokenDelta, TurnResult
 from worker.incremental_tokenizer import EMPTY_TAIL

@@ -35,7 +35,8 @@ from shared.protocol.link import (
 )
 from shared.protocol.messages import OpenConfig
 from shared.redis_schema import KeySchema
-from shared.registry import SessionRecord, read_log, read_worker, write_session
+from shared.registry import SessionRecord, read_worker, write_session
+from shared.session_log import read_log
 from tests.processes import Proc, microturn, worker_args
 from tests.shared.redis_servers import running_server
 from worker.engine import Engine
