@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from shared.errors import (
     CapacityExhausted,
@@ -27,6 +26,7 @@ from worker.engine.config import EngineConfig, SessionConfig
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
+from worker.engine.stats import EngineStats
 from worker.engine.turn import FinishReason, TokenDelta, Turn, TurnResult
 from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
 from worker.model_runner import ForwardRow, ModelRunner
@@ -38,23 +38,6 @@ logger = logging.getLogger(__name__)
 CloseListener = Callable[[str, str], None]
 # A client told to retry after capacity ran out waits about this long before its next try.
 CAPACITY_RETRY_MS = 500
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    sessions: int
-    active_sessions: int
-    queued_turns: int
-    pages_total: int
-    pages_used: int
-    pages_free: int
-    page_size: int
-    kv_tokens_total: int
-    kv_tokens_free: int
-    steps: int
-    turns_completed: int
-    tokens_forwarded: int
-    kv_evictions: int
 
 
 class EngineCore:
@@ -218,10 +201,6 @@ class EngineCore:
         )
 
     # ---- the step -----------------------------------------------------------------------------
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
 
     def step(self) -> bool:
         """Activate waiting turns, run one forward over every session with work; False if idle."""

@@ -23,7 +23,8 @@ import torch
 from shared.errors import ChunkTooLarge, InvalidMessage, MicroturnError, TokenOutOfRange
 from shared.protocol.fields import is_valid_text
 from worker.engine.config import EngineConfig, SessionConfig
-from worker.engine.core import CloseListener, EngineCore, EngineStats
+from worker.engine.core import CloseListener, EngineCore
+from worker.engine.stats import EngineStats
 from worker.engine.turn import TokenListener, Turn, TurnResult
 from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
 from worker.model.config import ModelConfig

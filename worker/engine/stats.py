@@ -1,0 +1,22 @@
+"""What the engine reports about itself (`Engine.stats()`, the worker's `/metrics` and `/v1/stats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    sessions: int
+    active_sessions: int
+    queued_turns: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    page_size: int
+    kv_tokens_total: int
+    kv_tokens_free: int
+    steps: int
+    turns_completed: int
+    tokens_forwarded: int
+    kv_evictions: int
