@@ -60,7 +60,9 @@ def _check_capacity(engine: Engine, config: BenchConfig) -> None:
 def run_bench(config: BenchConfig) -> BenchReport:
     started = time.perf_counter()
     host = HostProbe.start()
-    engine = Engine.load(config.model, device=config.device, dtype=config.dtype, kv_tokens=config.kv_tokens)
+    engine = Engine.load(
+        config.model, device=config.device, dtype=config.dtype, kv_tokens=config.kv_tokens or 0
+    )
     weights_seed = engine.config.seed
     vocab_size = engine.model_config.vocab_size
     runs: dict[str, ModeRun] = {}
