@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from shared.errors import Backpressure, ChunkTooLarge, RateLimited
 from shared.settings import GatewaySettings
@@ -97,24 +97,11 @@ class LimitValues:
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> LimitValues:
-        return cls(
-            max_frame_bytes=settings.max_frame_bytes,
-            max_chunk_tokens=settings.max_chunk_tokens,
-            max_chunks_per_s=settings.max_chunks_per_s,
-            chunk_burst=settings.chunk_burst,
-            max_queued_tokens=settings.max_queued_tokens,
-            max_queued_outputs=settings.max_queued_outputs,
-        )
+        # Each field is the gateway setting of the same name.
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
 
     def as_map(self) -> dict[str, int | float]:
-        return {
-            "max_frame_bytes": self.max_frame_bytes,
-            "max_chunk_tokens": self.max_chunk_tokens,
-            "max_chunks_per_s": self.max_chunks_per_s,
-            "chunk_burst": self.chunk_burst,
-            "max_queued_tokens": self.max_queued_tokens,
-            "max_queued_outputs": self.max_queued_outputs,
-        }
+        return asdict(self)
 
 
 class SessionLimits:
@@ -174,7 +161,3 @@ class SessionLimits:
         if cost is not None:
             self._tokens -= cost[0]
             self._outputs -= cost[1]
-
-    def settle_all(self) -> None:
-        self._in_flight.clear()
-        self._tokens = self._outputs = 0

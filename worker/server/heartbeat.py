@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import redis.asyncio as redis
 
@@ -27,12 +28,10 @@ HEARTBEATS_PER_TTL = 3
 
 
 def worker_info(base: WorkerInfo, engine: Engine, *, draining: bool) -> WorkerInfo:
+    """`base` (identity and limits, fixed at start) with the engine's current load."""
     stats = engine.stats()
-    return WorkerInfo(
-        worker_id=base.worker_id,
-        url=base.url,
-        model=base.model,
-        max_sessions=base.max_sessions,
+    return replace(
+        base,
         sessions=stats.sessions,
         kv_tokens_free=stats.kv_tokens_free,
         kv_tokens_total=stats.kv_tokens_total,
