@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from shared.errors import Backpressure, ChunkTooLarge, RateLimited
-from shared.settings import GatewaySettings
+from shared.settings import GatewaySettings, copy_fields
 
 Clock = Callable[[], float]
 
@@ -97,8 +97,7 @@ class LimitValues:
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> LimitValues:
-        # Each field is the gateway setting of the same name.
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+        return copy_fields(cls, settings)  # each field is the gateway setting of the same name
 
     def as_map(self) -> dict[str, int | float]:
         return asdict(self)

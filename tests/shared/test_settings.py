@@ -74,3 +74,27 @@ def test_up_flags_come_from_its_settings_with_the_same_precedence() -> None:
         parse_settings(UpSettings, ["--device", "tpu"], "microturn up")
     with pytest.raises(ValueError, match="auth"):
         from_sources(UpSettings, None, {"MT_AUTH": "maybe"})
+
+
+def test_copy_fields_takes_same_named_values_and_overrides_win() -> None:
+    import argparse
+
+    from shared.settings import copy_fields
+
+    source = argparse.Namespace(port=9001, max_sessions=3, unrelated="x")
+    worker = copy_fields(WorkerSettings, source, max_sessions=4)
+    assert (worker.port, worker.max_sessions) == (9001, 4)
+    assert worker.heartbeat_s == WorkerSettings().heartbeat_s  # absent from the source: the default
+
+
+def test_benchmark_flags_map_onto_their_configs() -> None:
+    from loadtest.bench.config import BenchConfig
+    from loadtest.bench.run import main as bench_main
+    from loadtest.capacity.config import CapacityConfig
+    from loadtest.capacity.run import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args([])) == CapacityConfig()
+    tuned = config_from_args(build_parser().parse_args(["--p99-ms", "150", "--chunk-tokens", "8"]))
+    assert (tuned.p99_limit_ms, tuned.load.chunk_tokens, tuned.model) == (150.0, 8, BenchConfig().model)
+    with pytest.raises(SystemExit):
+        bench_main(["--modes", "reprefill"])  # streaming is required: a usage error, as before

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from shared.errors import InvalidMessage
-from shared.settings import EngineSettings
+from shared.settings import EngineSettings, copy_fields
 from worker.model.presets import TINY_SEED
 
 ContextPolicy = Literal["error", "truncate"]
@@ -26,7 +26,7 @@ class EngineConfig(EngineSettings):
     @classmethod
     def from_settings(cls, settings: EngineSettings, **engine_only: Any) -> EngineConfig:
         """The one conversion from settings (the worker's, `chat`'s) to the engine's config."""
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(EngineSettings)}, **engine_only)
+        return copy_fields(cls, settings, **engine_only)
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_batch_tokens < 1 or self.max_batch_rows < 1:
