@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from shared.errors import Backpressure, ChunkTooLarge, RateLimited
-from shared.settings import GatewaySettings
+from shared.settings import GatewaySettings, copy_fields
 
 Clock = Callable[[], float]
 
@@ -97,24 +97,10 @@ class LimitValues:
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> LimitValues:
-        return cls(
-            max_frame_bytes=settings.max_frame_bytes,
-            max_chunk_tokens=settings.max_chunk_tokens,
-            max_chunks_per_s=settings.max_chunks_per_s,
-            chunk_burst=settings.chunk_burst,
-            max_queued_tokens=settings.max_queued_tokens,
-            max_queued_outputs=settings.max_queued_outputs,
-        )
+        return copy_fields(cls, settings)  # each field is the gateway setting of the same name
 
     def as_map(self) -> dict[str, int | float]:
-        return {
-            "max_frame_bytes": self.max_frame_bytes,
-            "max_chunk_tokens": self.max_chunk_tokens,
-            "max_chunks_per_s": self.max_chunks_per_s,
-            "chunk_burst": self.chunk_burst,
-            "max_queued_tokens": self.max_queued_tokens,
-            "max_queued_outputs": self.max_queued_outputs,
-        }
+        return asdict(self)
 
 
 class SessionLimits:
@@ -174,7 +160,3 @@ class SessionLimits:
         if cost is not None:
             self._tokens -= cost[0]
             self._outputs -= cost[1]
-
-    def settle_all(self) -> None:
-        self._in_flight.clear()
-        self._tokens = self._outputs = 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import tempfile
 import time
@@ -35,6 +34,7 @@ import websockets
 from redis.asyncio import Redis
 from websockets.asyncio.client import ClientConnection
 
+from loadtest.report_files import write_json
 from shared.api_keys import KeyLimits, KeyStore
 from shared.client import RealtimeClient
 from shared.processes import StackError, free_port
@@ -49,6 +49,7 @@ from shared.protocol.link import (
 )
 from shared.protocol.messages import OpenConfig
 from shared.redis_schema import KeySchema
+from shared.settings import AUTH_MODES, BENCH_MODEL, copy_fields
 from shared.stack import Stack, StackOptions
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class OverheadConfig:
     warmup: int = 20
     input_tokens: int = 4
     output_tokens: int = 1
-    model: str = "tiny"
+    model: str = BENCH_MODEL
     device: str = "cpu"
     encoding: Literal["json", "msgpack"] = "json"
     kv_tokens: int = 0  # 0: enough for every token both sessions will hold
@@ -309,15 +310,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="microturn bench --gateway-overhead",
         description="Time the same chunk round trip through the gateway and directly on a worker link.",
     )
-    parser.add_argument("--round-trips", "-n", type=int, default=500)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--input-tokens", type=int, default=4)
-    parser.add_argument("--output-tokens", type=int, default=1)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--encoding", choices=("json", "msgpack"), default="json")
-    parser.add_argument("--kv-tokens", type=int, default=0)
-    parser.add_argument("--auth", choices=("on", "off"), default="on", help="the gateway's API-key auth")
+    defaults = OverheadConfig()
+    parser.add_argument("--round-trips", "-n", type=int, default=defaults.round_trips)
+    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument("--input-tokens", type=int, default=defaults.input_tokens)
+    parser.add_argument("--output-tokens", type=int, default=defaults.output_tokens)
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--encoding", choices=("json", "msgpack"), default=defaults.encoding)
+    parser.add_argument("--kv-tokens", type=int, default=defaults.kv_tokens)
+    auth_default = "on" if defaults.auth else "off"
+    parser.add_argument("--auth", choices=AUTH_MODES, default=auth_default, help="the gateway's API-key auth")
     parser.add_argument("--json", type=Path, default=None, help="also write the report (with samples) here")
     parser.add_argument("--log-dir", type=Path, default=None, help="children's logs; default a temp dir")
     return parser
@@ -329,17 +332,7 @@ def main(argv: Sequence[str]) -> int:
         raise SystemExit("--round-trips and --input-tokens must be >= 1, --warmup and --output-tokens >= 0")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = OverheadConfig(
-        round_trips=args.round_trips,
-        warmup=args.warmup,
-        input_tokens=args.input_tokens,
-        output_tokens=args.output_tokens,
-        model=args.model,
-        device=args.device,
-        encoding=args.encoding,
-        auth=args.auth == "on",
-        kv_tokens=args.kv_tokens,
-    )
+    config = copy_fields(OverheadConfig, args, auth=args.auth == "on")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="microturn-overhead-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -350,6 +343,5 @@ def main(argv: Sequence[str]) -> int:
     print_report(report)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        logger.info("wrote %s", args.json)
+        write_json(report.to_json(), args.json, indent=2)
     return 0 if report.mismatches == 0 else 1

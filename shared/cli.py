@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
@@ -17,20 +16,16 @@ def _up(argv: list[str]) -> int:
 
 
 def _chat(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="microturn chat", description="Chat with the engine in the terminal."
-    )
-    parser.add_argument("--model", default="smollm2-135m", help="preset, HF directory or .gguf file")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--kv-tokens", type=int, default=None)
-    parser.add_argument("--max-reply-tokens", type=int, default=128)
-    args = parser.parse_args(argv)
-    from worker.console import chat
-    from worker.engine import Engine
+    from shared.settings import ChatSettings, parse_settings
 
-    with Engine.load(args.model, device=args.device, dtype=args.dtype, kv_tokens=args.kv_tokens) as engine:
-        chat(engine, max_reply_tokens=args.max_reply_tokens)
+    settings = parse_settings(
+        ChatSettings, argv, "microturn chat", description="Chat with the engine in the terminal."
+    )
+    from worker.console import chat
+    from worker.engine import Engine, EngineConfig
+
+    with Engine.from_config(EngineConfig.from_settings(settings)) as engine:
+        chat(engine, max_reply_tokens=settings.max_reply_tokens)
     return 0
 
 

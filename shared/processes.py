@@ -1,8 +1,9 @@
 """Supervised child processes: start in their own group, die with the supervisor, stop in steps.
 
-Why its own module: `microturn up` (shared/stack.py) and the benchmarks that start stacks need
-exactly one way to run a child that can never outlive them; the readiness probes (a raw RESP PING,
-an HTTP 200) are what the supervisor waits on before it starts the next piece.
+Why its own module: `microturn up` (shared/stack.py), the benchmarks that start stacks and the
+integration tests (tests/processes.py) need exactly one way to run a child that can never outlive
+them; the readiness probes (a raw RESP PING, an HTTP 200) are what a supervisor waits on before it
+starts the next piece.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
@@ -44,12 +45,12 @@ class Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self) -> int:
-        """SIGTERM, wait up to `stop_timeout_s`, then SIGKILL. Returns the exit status."""
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """`sig` (SIGTERM: a clean stop), up to `stop_timeout_s` to exit, then SIGKILL. The exit status."""
         if self.alive:
             logger.info("stopping %s (pid %d)", self.name, self.proc.pid)
             with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
@@ -94,19 +95,30 @@ def _load_prctl() -> Callable[..., int] | None:
     return prctl
 
 
-def spawn(name: str, argv: Sequence[str], stop_timeout_s: float, output: IO[bytes] | None = None) -> Child:
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    stop_timeout_s: float,
+    output: IO[bytes] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    die_with_parent: bool = True,
+) -> Child:
     """Start `argv` in its own process group; its output goes to `output` (default: ours).
 
-    Call it from the main thread: PR_SET_PDEATHSIG fires when the *thread* that forked exits.
+    `env` adds to (or overrides) this process's environment. With `die_with_parent`, call it from
+    the main thread: PR_SET_PDEATHSIG fires when the *thread* that forked exits (tests, which start
+    processes from worker threads too, turn it off and stop their children themselves).
     """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         list(argv),
-        env=env,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        cwd=cwd,
         stdin=subprocess.DEVNULL,
         stdout=output,
         stderr=None if output is None else subprocess.STDOUT,
-        preexec_fn=_child_preexec(os.getpid(), _load_prctl()),  # noqa: PLW1509 - two syscalls, no locks
+        preexec_fn=_child_preexec(os.getpid(), _load_prctl() if die_with_parent else None),  # noqa: PLW1509 - two syscalls, no locks
     )
     logger.info("started %s (pid %d)", name, proc.pid)
     return Child(name, proc, stop_timeout_s)

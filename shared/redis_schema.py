@@ -54,12 +54,12 @@ WORKER_HEARTBEAT_MS: Final = "heartbeat_ms"
 STATE_READY: Final = "ready"
 STATE_DRAINING: Final = "draining"
 
-# Fields of the session hash `mt:session:<sid>`.
+# Fields of the session hash `mt:session:<sid>`. Hashes written by older versions also hold a
+# `last_seq` (always 0, never read): readers ignore it.
 SESSION_WORKER: Final = "worker"
 SESSION_TOKEN_SHA256: Final = "token_sha256"
 SESSION_MODEL: Final = "model"
 SESSION_CREATED_MS: Final = "created_ms"
-SESSION_LAST_SEQ: Final = "last_seq"
 SESSION_CONFIG: Final = "config"
 
 TOKEN_BYTES: Final = 4

@@ -34,7 +34,6 @@ from redis.typing import EncodableT, FieldT
 from shared.redis_schema import (
     SESSION_CONFIG,
     SESSION_CREATED_MS,
-    SESSION_LAST_SEQ,
     SESSION_MODEL,
     SESSION_TOKEN_SHA256,
     SESSION_WORKER,
@@ -113,7 +112,6 @@ class SessionRecord:
     token_sha256: str
     model: str
     created_ms: int
-    last_seq: int = 0
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -254,7 +252,6 @@ def _session_mapping(record: SessionRecord) -> dict[FieldT, EncodableT]:
         SESSION_TOKEN_SHA256: record.token_sha256,
         SESSION_MODEL: record.model,
         SESSION_CREATED_MS: record.created_ms,
-        SESSION_LAST_SEQ: record.last_seq,
         SESSION_CONFIG: json.dumps(record.config, separators=(",", ":"), sort_keys=True),
     }
 
@@ -286,7 +283,6 @@ async def read_session(redis: Redis, schema: KeySchema, sid: str) -> SessionReco
             token_sha256=raw[SESSION_TOKEN_SHA256],
             model=raw.get(SESSION_MODEL, ""),
             created_ms=int(raw[SESSION_CREATED_MS]),
-            last_seq=int(raw.get(SESSION_LAST_SEQ, "0")),
             config=config,
         )
     except (KeyError, ValueError):

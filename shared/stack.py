@@ -23,10 +23,8 @@ What the supervisor guarantees:
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
-import os
 import shutil
 import signal
 import sys
@@ -49,7 +47,7 @@ from shared.processes import (
     valkey_binary,
 )
 from shared.redis_client import redacted_url
-from shared.settings import is_loopback_host
+from shared.settings import UpSettings, copy_fields, is_loopback_host, parse_settings
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +66,11 @@ class StopRequested(Exception):
 
 
 @dataclass(frozen=True)
-class StackOptions:
-    redis_url: str | None = None
-    model: str = "smollm2-135m"
-    device: str | None = None  # None: cuda if torch sees a GPU, else cpu
-    host: str = "127.0.0.1"
-    port: int = 8000
-    worker_port: int = 8100
-    kv_tokens: int | None = None
-    ready_timeout_s: float = 600.0
+class StackOptions(UpSettings):
+    """`microturn up`'s settings plus what benchmarks add when they run a stack of their own."""
+
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
-    # "on", "off", or None: off on a loopback host, on elsewhere.
-    auth: str | None = None
     # Where the children's stdout and stderr go; None shares this process's (the `up` default).
     log_path: Path | None = None
 
@@ -239,51 +229,6 @@ class Stack:
         return clean
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="microturn up",
-        description="Run the whole stack on this machine: embedded Valkey, one worker, one gateway.",
-    )
-    parser.add_argument(
-        "--redis-url",
-        default=None,
-        help="use this Redis/Valkey instead of starting an embedded Valkey (env MT_REDIS_URL)",
-    )
-    parser.add_argument("--model", default="smollm2-135m", help="preset, HF directory or .gguf file")
-    parser.add_argument(
-        "--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu"
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="the gateway's bind address")
-    parser.add_argument("--port", type=int, default=8000, help="the gateway's port (the demo page is at /)")
-    parser.add_argument("--worker-port", type=int, default=8100, help="the worker's port (loopback only)")
-    parser.add_argument("--kv-tokens", type=int, default=None, help="the worker's KV capacity in tokens")
-    parser.add_argument(
-        "--auth",
-        choices=("on", "off"),
-        default=None,
-        help="the gateway's API-key auth (default: off on loopback, on for any other --host)",
-    )
-    parser.add_argument(
-        "--ready-timeout", type=float, default=600.0, help="seconds to wait for each process to be ready"
-    )
-    return parser
-
-
-def options_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> StackOptions:
-    environ = os.environ if env is None else env
-    return StackOptions(
-        redis_url=args.redis_url or environ.get("MT_REDIS_URL") or None,
-        model=args.model,
-        device=args.device,
-        host=args.host,
-        port=args.port,
-        worker_port=args.worker_port,
-        kv_tokens=args.kv_tokens,
-        ready_timeout_s=args.ready_timeout,
-        auth=args.auth,
-    )
-
-
 def run(options: StackOptions, announce: Callable[[str], None] | None = None) -> int:
     """Start the stack, call `announce(url)` once it serves, run until a signal or a crash.
 
@@ -322,7 +267,12 @@ def run(options: StackOptions, announce: Callable[[str], None] | None = None) ->
 
 
 def main(argv: Sequence[str], announce: Callable[[str], None] | None = None) -> int:
-    args = build_parser().parse_args(list(argv))
+    settings = parse_settings(
+        UpSettings,
+        argv,
+        "microturn up",
+        description="Run the whole stack on this machine: embedded Valkey, one worker, one gateway.",
+    )
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(options_from_args(args), announce)
+    return run(copy_fields(StackOptions, settings), announce)

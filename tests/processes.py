@@ -1,7 +1,8 @@
 """Real microturn processes for integration tests: started on free ports, stopped at teardown.
 
-Every process gets a free port and a log file and is waited for on its `/readyz`; a start that
-fails is retried on another port, and `stop` sends the signal, then SIGKILL, so nothing leaks.
+Every process is a supervised child (shared/processes.py, as `microturn up` runs them) with a free
+port and a log file, waited for on its `/readyz`; a start that fails is retried on another port,
+and `stop` sends the signal, then SIGKILL, so nothing leaks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from tests.shared.redis_servers import free_port
+from shared.processes import Child, free_port, http_ready, spawn
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +33,17 @@ _PORT_ATTEMPTS: Final = 3
 
 @dataclass
 class Proc:
+    """A supervised child (shared/processes.py) on a known port, with its log file."""
+
     name: str
     port: int
     args: list[str]
     log_path: Path
-    popen: subprocess.Popen[bytes]
+    child: Child
+
+    @property
+    def popen(self) -> subprocess.Popen[bytes]:
+        return self.child.proc
 
     @property
     def http(self) -> str:
@@ -47,7 +54,7 @@ class Proc:
         return f"ws://127.0.0.1:{self.port}"
 
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        return self.child.alive
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -56,13 +63,13 @@ class Proc:
             return "(no log)"
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    # Four servers and the tests share a couple of cores: one torch thread per worker avoids
-    # oversubscription (and is how the engine runs best on a small CPU anyway).
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+# Four servers and the tests share a couple of cores: one torch thread per worker avoids
+# oversubscription (and is how the engine runs best on a small CPU anyway).
+_ENV: Final = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+}
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
@@ -78,21 +85,15 @@ def _wait_ready(proc: Proc, timeout: float) -> bool:
     while time.monotonic() < deadline:
         if not proc.alive():
             return False
-        with contextlib.suppress(OSError):
-            if http_get(proc.http + "/readyz", timeout=1.0)[0] == 200:
-                return True
+        if http_ready(proc.http + "/readyz"):
+            return True
         time.sleep(0.1)
     return False
 
 
 def stop(proc: Proc, sig: int = signal.SIGTERM) -> None:
-    if proc.popen.poll() is None:
-        proc.popen.send_signal(sig)
-        try:
-            proc.popen.wait(timeout=_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            proc.popen.wait(timeout=_STOP_TIMEOUT_S)
+    """`sig`, then SIGKILL if the process is still there after the stop timeout."""
+    proc.child.stop(sig)
 
 
 def start(name: str, command: str, flags: list[str], log_dir: Path) -> Proc:
@@ -103,8 +104,8 @@ def start(name: str, command: str, flags: list[str], log_dir: Path) -> Proc:
         args += flags
         log_path = log_dir / f"{name}-{port}.log"
         with open(log_path, "wb") as log:
-            popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
-        proc = Proc(name, port, args, log_path, popen)
+            child = spawn(name, args, _STOP_TIMEOUT_S, log, env=_ENV, cwd=REPO, die_with_parent=False)
+        proc = Proc(name, port, args, log_path, child)
         try:
             if _wait_ready(proc, _READY_TIMEOUT_S):
                 logger.info("%s up on port %d", name, port)

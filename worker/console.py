@@ -8,30 +8,26 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
+from worker.detokenize import IncrementalDecoder
 from worker.engine import Engine, TokenDelta
 from worker.tokenizer import Tokenizer
 
 CHUNK_TOKENS = 4
 
 
-class ReplyPrinter:
-    """Writes a reply as its tokens arrive, holding back a multi-byte character until it is complete."""
+def reply_printer(tokenizer: Tokenizer, stdout: TextIO) -> Callable[[TokenDelta], None]:
+    """A token listener that writes the reply as it is sampled, special tokens left out."""
+    decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
 
-    def __init__(self, tokenizer: Tokenizer, stdout: TextIO) -> None:
-        self.tokenizer = tokenizer
-        self.stdout = stdout
-        self.tokens: list[int] = []
-        self.shown = ""
+    def show(delta: TokenDelta) -> None:
+        if added := decoder.feed(delta.token):
+            stdout.write(added)
+            stdout.flush()
 
-    def __call__(self, delta: TokenDelta) -> None:
-        self.tokens.append(delta.token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            self.stdout.write(text[len(self.shown) :])
-            self.stdout.flush()
-            self.shown = text
+    return show
 
 
 def chat(
@@ -56,7 +52,7 @@ def chat(
         chunks = [tokens[i : i + CHUNK_TOKENS] for i in range(0, len(tokens), CHUNK_TOKENS)]
         for chunk in chunks[:-1]:
             engine.submit(sid, tokens=chunk, max_output_tokens=0)
-        printer = ReplyPrinter(tokenizer, stdout)
+        printer = reply_printer(tokenizer, stdout)
         result = engine.run_turn(sid, tokens=chunks[-1], max_output_tokens=max_reply_tokens, on_token=printer)
         elapsed = (time.perf_counter() - started) * 1000
         stdout.write(

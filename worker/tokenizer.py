@@ -16,12 +16,10 @@ class Tokenizer:
         *,
         eos_token_ids: Sequence[int] = (),
         bos_token_id: int | None = None,
-        chat_template: str | None = None,
     ) -> None:
         self.backend = backend
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
-        self.chat_template = chat_template
 
     @classmethod
     def from_file(

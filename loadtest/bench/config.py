@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from shared.settings import BENCH_MODEL
+
 STREAMING = "streaming"
 REPREFILL = "reprefill"
 HF = "hf"
@@ -26,7 +28,7 @@ HF_MISMATCH_FAIL_FRACTION = 0.05
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: str = "tiny"
+    model: str = BENCH_MODEL
     device: str = "cpu"
     dtype: str = "float32"
     sessions: int = 4

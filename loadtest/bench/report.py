@@ -1,18 +1,18 @@
 """The bench's results as a plain-text table, a JSON document and a latency-per-turn plot.
 
 `format_report` builds the text and `print_report` is the one place library code prints, on behalf
-of the CLI. matplotlib is imported lazily with the Agg backend: the bench must run headless and a
-run without `--plot` should not pay for importing it.
+of the CLI. The files go through loadtest/report_files.py (matplotlib lazily, with the Agg backend: the
+bench must run headless, and a run without `--plot` does not import it).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest import report_files
 from loadtest.bench.config import HF, REPREFILL, RSS_FLAT_TOLERANCE, STREAMING, BenchConfig
 from loadtest.bench.memory import RssSamples
 from loadtest.bench.results import ModeRun, ModeSummary, speedup, summarize
@@ -252,40 +252,26 @@ def print_report(report: BenchReport) -> None:
 
 
 def write_json(report: BenchReport, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=1) + "\n")
-    logger.info("wrote %s", path)
+    report_files.write_json(report.to_json(), path)
 
 
 def write_plot(report: BenchReport, path: Path) -> None:
     """Latency of each timed turn (mean over sessions) against turn number, one line per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(9, 5.5))
-    for name, run in report.runs.items():
-        turns = report.summaries[name].timed_turns
-        axes.plot(
-            turns,
-            [run.turn_mean_ms(t) for t in turns],
-            marker="o" if len(turns) < 60 else None,
-            markersize=3,
-            label=name,
+    with report_files.plot_file(path, size=(9, 5.5), dpi=110) as axes:
+        for name, run in report.runs.items():
+            turns = report.summaries[name].timed_turns
+            axes.plot(
+                turns,
+                [run.turn_mean_ms(t) for t in turns],
+                marker="o" if len(turns) < 60 else None,
+                markersize=3,
+                label=name,
+            )
+        c = report.config
+        axes.set_yscale("log")
+        axes.set_xlabel("turn")
+        axes.set_ylabel("turn latency, ms (mean over sessions)")
+        axes.set_title(
+            f"{c.model} on {c.device}: {c.sessions} sessions x {c.turns} turns, "
+            f"{c.input_tokens} in / {c.output_tokens} out per turn"
         )
-    c = report.config
-    axes.set_yscale("log")
-    axes.set_xlabel("turn")
-    axes.set_ylabel("turn latency, ms (mean over sessions)")
-    axes.set_title(
-        f"{c.model} on {c.device}: {c.sessions} sessions x {c.turns} turns, "
-        f"{c.input_tokens} in / {c.output_tokens} out per turn"
-    )
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    logger.info("wrote %s", path)

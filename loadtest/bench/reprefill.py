@@ -13,11 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
+from loadtest.bench.clients import run_clients, token_turn
 from loadtest.bench.config import REPREFILL, BenchConfig
 from loadtest.bench.results import ModeRun
-from loadtest.bench.streaming import RESULT_TIMEOUT_S
 from loadtest.bench.workload import Workload, sampled_turns
 from worker.engine import Engine
 
@@ -37,12 +36,7 @@ def run_reprefill(engine: Engine, workload: Workload, config: BenchConfig) -> Mo
             began = time.perf_counter()
             sid = engine.open_session(stop_token_ids=(), history=history)
             try:
-                result = engine.run_turn(
-                    sid,
-                    tokens=workload.inputs[session][turn],
-                    max_output_tokens=config.output_tokens,
-                    timeout=RESULT_TIMEOUT_S,
-                )
+                result = token_turn(engine, sid, workload, session, turn, outputs=config.output_tokens)
                 run.turn_ms[turn][session] = (time.perf_counter() - began) * 1000
             finally:
                 engine.close_session(sid)
@@ -59,11 +53,7 @@ def run_reprefill(engine: Engine, workload: Workload, config: BenchConfig) -> Mo
                         expected,
                     )
 
-    began = time.perf_counter()
-    with ThreadPoolExecutor(config.sessions, thread_name_prefix="bench-reprefill") as pool:
-        for future in [pool.submit(client, s) for s in range(config.sessions)]:
-            future.result()
-    run.wall_s = time.perf_counter() - began
+    run.wall_s = run_clients("reprefill", config.sessions, client)
     logger.info(
         "reprefill: %d sampled turns x %d sessions in %.1f s", len(turns), config.sessions, run.wall_s
     )

@@ -32,6 +32,7 @@ from loadtest.bench.results import ModeRun
 from loadtest.bench.streaming import run_streaming
 from loadtest.bench.text_mode import run_text
 from loadtest.bench.workload import Workload
+from shared.settings import copy_fields
 from worker.engine import Engine
 from worker.model.loader import load_model
 
@@ -60,7 +61,9 @@ def _check_capacity(engine: Engine, config: BenchConfig) -> None:
 def run_bench(config: BenchConfig) -> BenchReport:
     started = time.perf_counter()
     host = HostProbe.start()
-    engine = Engine.load(config.model, device=config.device, dtype=config.dtype, kv_tokens=config.kv_tokens)
+    engine = Engine.load(
+        config.model, device=config.device, dtype=config.dtype, kv_tokens=config.kv_tokens or 0
+    )
     weights_seed = engine.config.seed
     vocab_size = engine.model_config.vocab_size
     runs: dict[str, ModeRun] = {}
@@ -141,18 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        config = BenchConfig(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            sessions=args.sessions,
-            turns=args.turns,
-            input_tokens=args.input_tokens,
-            output_tokens=args.output_tokens,
-            modes=tuple(mode.strip() for mode in args.modes.split(",") if mode.strip()),
-            kv_tokens=args.kv_tokens,
-            seed=args.seed,
-        )
+        modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+        config = copy_fields(BenchConfig, args, modes=modes)
     except ValueError as error:
         parser.error(str(error))
     if not logging.getLogger().handlers:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
+from loadtest.bench.clients import open_together, run_clients, token_turn
 from loadtest.bench.config import RSS_EARLY_TURNS, STREAMING, BenchConfig
 from loadtest.bench.memory import RssSamples, rss_mib
 from loadtest.bench.results import ModeRun
@@ -20,8 +20,6 @@ from loadtest.bench.workload import Workload
 from worker.engine import Engine
 
 logger = logging.getLogger(__name__)
-
-RESULT_TIMEOUT_S = 600.0
 
 
 def run_streaming(engine: Engine, workload: Workload, config: BenchConfig) -> tuple[ModeRun, RssSamples]:
@@ -32,21 +30,11 @@ def run_streaming(engine: Engine, workload: Workload, config: BenchConfig) -> tu
     start = threading.Barrier(config.sessions)
 
     def client(session: int) -> None:
-        try:
-            sid = engine.open_session(stop_token_ids=())
-        except BaseException:
-            start.abort()  # the other clients get BrokenBarrierError instead of waiting forever
-            raise
-        start.wait()
+        sid = open_together(engine, start)
         try:
             for turn in range(config.turns):
                 began = time.perf_counter()
-                result = engine.run_turn(
-                    sid,
-                    tokens=workload.inputs[session][turn],
-                    max_output_tokens=config.output_tokens,
-                    timeout=RESULT_TIMEOUT_S,
-                )
+                result = token_turn(engine, sid, workload, session, turn, outputs=config.output_tokens)
                 run.turn_ms[turn][session] = (time.perf_counter() - began) * 1000
                 workload.record(session, turn, result.tokens)
                 if session == 0:
@@ -54,10 +42,6 @@ def run_streaming(engine: Engine, workload: Workload, config: BenchConfig) -> tu
         finally:
             engine.close_session(sid)
 
-    began = time.perf_counter()
-    with ThreadPoolExecutor(config.sessions, thread_name_prefix="bench-streaming") as pool:
-        for future in [pool.submit(client, s) for s in range(config.sessions)]:
-            future.result()
-    run.wall_s = time.perf_counter() - began
+    run.wall_s = run_clients("streaming", config.sessions, client)
     logger.info("streaming: %d sessions x %d turns in %.1f s", config.sessions, config.turns, run.wall_s)
     return run, RssSamples(early_turns, tuple(rss))

@@ -13,15 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
+from loadtest.bench.clients import RESULT_TIMEOUT_S, open_together, run_clients
 from loadtest.bench.config import TEXT, BenchConfig
 from loadtest.bench.results import ModeRun
 from worker.engine import Engine
 
 logger = logging.getLogger(__name__)
 
-RESULT_TIMEOUT_S = 600.0
 PROSE = (
     "Realtime interaction models listen while you speak and answer in a few tokens at a time. "
     "Each micro-turn carries a fragment of text, cut wherever the recognizer paused: mid-word, "
@@ -51,12 +50,7 @@ def run_text(engine: Engine, config: BenchConfig) -> ModeRun:
     start = threading.Barrier(config.sessions)
 
     def client(session: int) -> None:
-        try:
-            sid = engine.open_session(stop_token_ids=())
-        except BaseException:
-            start.abort()
-            raise
-        start.wait()
+        sid = open_together(engine, start)
         try:
             for turn, text in enumerate(texts[session]):
                 cut = len(text) // 2
@@ -69,10 +63,6 @@ def run_text(engine: Engine, config: BenchConfig) -> ModeRun:
         finally:
             engine.close_session(sid)
 
-    began = time.perf_counter()
-    with ThreadPoolExecutor(config.sessions, thread_name_prefix="bench-text") as pool:
-        for future in [pool.submit(client, s) for s in range(config.sessions)]:
-            future.result()
-    run.wall_s = time.perf_counter() - began
+    run.wall_s = run_clients("text", config.sessions, client)
     logger.info("text: %d sessions x %d turns in %.1f s", config.sessions, config.turns, run.wall_s)
     return run

@@ -9,6 +9,7 @@ from loadtest.capacity.locust_run import LocustStats
 from loadtest.capacity.metrics import ServerCounts
 from loadtest.capacity.search import best_passing
 from loadtest.capacity.workload import ChunkLoad
+from shared.settings import BENCH_MODEL
 
 STREAMING: Final = "streaming"
 NO_SESSION: Final = "no_session"
@@ -18,7 +19,7 @@ P99_LIMIT_MS: Final = 200.0
 
 @dataclass(frozen=True)
 class CapacityConfig:
-    model: str = "tiny"
+    model: str = BENCH_MODEL
     device: str | None = None  # None: cuda if torch sees a GPU, else cpu
     duration_s: float = 60.0
     load: ChunkLoad = field(default_factory=ChunkLoad)

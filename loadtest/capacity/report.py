@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest import report_files
 from loadtest.capacity.config import CapacityConfig, ModeResult
 
 logger = logging.getLogger(__name__)
@@ -72,43 +72,30 @@ def table(report: CapacityReport) -> str:
 
 
 def write_json(report: CapacityReport, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=1) + "\n")
-    logger.info("wrote %s", path)
+    report_files.write_json(report.to_json(), path)
 
 
 def write_plot(report: CapacityReport, path: Path) -> None:
     """p99 chunk latency against sessions, one line per mode, the limit as a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     config = report.config
-    figure, axes = plt.subplots(figsize=(8, 5))
-    for name, result in report.modes.items():
-        steps = sorted(result.steps, key=lambda s: s.sessions)
-        axes.plot(
-            [s.sessions for s in steps],
-            [s.locust.p99_ms for s in steps],
-            marker="o",
-            label=f"{name}: {result.sessions} sessions",
+    with report_files.plot_file(path, size=(8, 5), dpi=120) as axes:
+        for name, result in report.modes.items():
+            steps = sorted(result.steps, key=lambda s: s.sessions)
+            axes.plot(
+                [s.sessions for s in steps],
+                [s.locust.p99_ms for s in steps],
+                marker="o",
+                label=f"{name}: {result.sessions} sessions",
+            )
+        axes.axhline(
+            config.p99_limit_ms, color="grey", linestyle="--", label=f"p99 limit {config.p99_limit_ms:g} ms"
         )
-    axes.axhline(
-        config.p99_limit_ms, color="grey", linestyle="--", label=f"p99 limit {config.p99_limit_ms:g} ms"
-    )
-    axes.set_xscale("log", base=2)
-    axes.set_yscale("log")
-    axes.set_xlabel("concurrent sessions")
-    axes.set_ylabel("p99 chunk latency (ms, Locust)")
-    load = config.load
-    axes.set_title(
-        f"{config.model}: {load.chunks_per_s:g} chunks/s of {load.chunk_tokens} tokens, "
-        f"{load.reply_tokens}-token reply every {load.reply_every}th, {config.duration_s:g} s steps"
-    )
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(figure)
-    logger.info("wrote %s", path)
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xlabel("concurrent sessions")
+        axes.set_ylabel("p99 chunk latency (ms, Locust)")
+        load = config.load
+        axes.set_title(
+            f"{config.model}: {load.chunks_per_s:g} chunks/s of {load.chunk_tokens} tokens, "
+            f"{load.reply_tokens}-token reply every {load.reply_every}th, {config.duration_s:g} s steps"
+        )

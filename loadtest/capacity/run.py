@@ -25,6 +25,7 @@ from loadtest.capacity.report import CapacityReport, table, write_json, write_pl
 from loadtest.capacity.search import next_sessions
 from loadtest.capacity.workload import ENCODINGS, ChunkLoad
 from shared.processes import free_port
+from shared.settings import copy_fields
 from shared.stack import Stack, StackOptions
 
 logger = logging.getLogger(__name__)
@@ -124,24 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> CapacityConfig:
-    load = ChunkLoad(
-        chunk_ms=args.chunk_ms,
-        chunk_tokens=args.chunk_tokens,
-        reply_every=args.reply_every,
-        reply_tokens=args.reply_tokens,
-        encoding=args.encoding,
-    )
-    return CapacityConfig(
-        model=args.model,
-        device=args.device,
-        duration_s=args.duration_s,
-        load=load,
-        p99_limit_ms=args.p99_ms,
-        start_sessions=args.start_sessions,
-        max_sessions=args.max_sessions,
-        kv_tokens=args.kv_tokens,
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
-    )
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    load = copy_fields(ChunkLoad, args)
+    return copy_fields(CapacityConfig, args, load=load, p99_limit_ms=args.p99_ms, modes=modes)
 
 
 def main(argv: Sequence[str]) -> int:

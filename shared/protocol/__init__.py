@@ -7,7 +7,6 @@ testable without a server. See docs/design.md sections 3 and 4.
 
 from shared.protocol.close_codes import (
     CLOSE_CODES,
-    CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
     close_code_for,
     error_code_for_close,
@@ -79,7 +78,6 @@ from shared.protocol.messages import (
 
 __all__ = [
     "CLOSE_CODES",
-    "CLOSE_GOING_AWAY",
     "CLOSE_NORMAL",
     "MAX_FRAME_BYTES",
     "MAX_INT",

@@ -18,8 +18,9 @@ any code can be fatal where there is no session to keep (e.g. `capacity_exhauste
 | 4005  | `rate_limited`       |   | 4012  | `worker_unavailable` |
 | 4006  | `backpressure`       |   | 4013  | `internal`           |
 
-A session that ends normally (`session.closed` was sent) closes with 1000; a server shutting down
-closes with 1001.
+A session that ends normally (`session.closed` was sent) closes with 1000. No code here stands for a
+server shutting down: a gateway leaves that close to uvicorn (1012, service restart), and clients
+resume after any close that is not 4xxx (docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from shared.errors import ErrorCode, MicroturnError
 from shared.protocol.messages import Error
 
 CLOSE_NORMAL = 1000
-CLOSE_GOING_AWAY = 1001
 # RFC 6455 codes for a refused handshake: a bad link secret or an unknown subprotocol offer
 # (1008), and a server that takes no connection now, e.g. a draining worker (1013).
 CLOSE_POLICY_VIOLATION = 1008

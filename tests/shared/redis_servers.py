@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Final
 
 import redis
+
+from shared.processes import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +31,6 @@ _PORT_ATTEMPTS: Final = 3  # a free port can be taken between probing it and the
 
 class ServerUnavailable(RuntimeError):
     """The server binary is not installed here (the fixture turns this into a skip)."""
-
-
-def free_port() -> int:
-    """A port the kernel just handed out; the server binds it right after (a race retried by callers)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def answers_ping(port: int) -> bool:

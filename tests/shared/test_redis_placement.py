@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 
 from shared.errors import CapacityExhausted
 from shared.placement import place_script_source, place_session
-from shared.redis_schema import STATE_DRAINING, KeySchema, LogState, decode_tokens, encode_tokens
+from shared.redis_schema import NO_SEQ, STATE_DRAINING, KeySchema, LogState, decode_tokens, encode_tokens
 from shared.registry import (
     Placement,
     SessionRecord,
@@ -41,8 +41,10 @@ from shared.registry import (
     verify_token,
     write_session,
 )
-from shared.session_log import append_log, read_log, read_log_state
+from shared.session_log import read_log, read_log_state
 from tests.shared.redis_servers import SERVER_KINDS, ServerUnavailable, running_server
+from worker.incremental_tokenizer import EMPTY_TAIL
+from worker.server.token_log import TokenLogWriter
 
 T = TypeVar("T")
 LONG_TTL_S = 300.0
@@ -297,6 +299,16 @@ def test_register_heartbeat_deregister(server_url: str, schema: KeySchema) -> No
 # --- sessions ----------------------------------------------------------------------------------
 
 
+async def append_turn(
+    r: Redis, schema: KeySchema, sid: str, tokens: list[int], ttl_s: float, *, seq: int = NO_SEQ
+) -> None:
+    """Append one turn's record the way the worker does: its batched log writer, flushed at once."""
+    writer = TokenLogWriter(r, schema, grace_s=0.0, worker_id="w")
+    writer.start(sid, b"", None)
+    writer.append(sid, seq, tokens, ttl_s, inputs=len(tokens), tail=EMPTY_TAIL)
+    assert await writer.flush()
+
+
 def test_session_record_round_trip(server_url: str, schema: KeySchema) -> None:
     async def body(r: Redis) -> None:
         token = new_resume_token()
@@ -305,7 +317,6 @@ def test_session_record_round_trip(server_url: str, schema: KeySchema) -> None:
             token_sha256=hash_token(token),
             model="smollm2-135m",
             created_ms=1_760_000_000_123,
-            last_seq=7,
             config={"temperature": 0.7, "stop": ["\n"], "nested": {"top_k": 40}, "label": "héllo"},
         )
         await write_session(r, schema, "s1", record, LONG_TTL_S)
@@ -316,9 +327,16 @@ def test_session_record_round_trip(server_url: str, schema: KeySchema) -> None:
         assert await r.hget(schema.session("s1"), "token_sha256") != token.encode()  # never the secret
         assert await read_session(r, schema, "nope") is None
 
-        moved = dataclasses.replace(record, worker="w2", last_seq=9)
+        moved = dataclasses.replace(record, worker="w2")
         await write_session(r, schema, "s1", moved, LONG_TTL_S)
         assert await read_session(r, schema, "s1") == moved
+
+        # A hash written by an older version also holds `last_seq`: it still reads, the field ignored.
+        await r.hset(
+            schema.session("old"), mapping={**await r.hgetall(schema.session("s1")), "last_seq": "0"}
+        )
+        assert await read_session(r, schema, "old") == moved
+        assert b"last_seq" not in await r.hgetall(schema.session("s1"))
 
     run(server_url, body)
 
@@ -331,7 +349,8 @@ def test_token_log_appends_and_reads_back(server_url: str, schema: KeySchema) ->
         expected: list[int] = []
         for seq, turn in enumerate(turns, start=1):
             expected += turn
-            assert await append_log(r, schema, "s", turn, LONG_TTL_S, seq=seq) == len(expected)
+            await append_turn(r, schema, "s", turn, LONG_TTL_S, seq=seq)
+            assert len(await read_log(r, schema, "s")) == len(expected)
         assert await read_log(r, schema, "s") == expected
         assert (await read_log_state(r, schema, "s")).last_seq == len(turns)
         # The layout (docs/failover.md): per turn a header (n <u4, seq <i8, n_inputs <u4, tail and
@@ -344,10 +363,10 @@ def test_token_log_appends_and_reads_back(server_url: str, schema: KeySchema) ->
 
         assert raw == b"".join(record(seq, t) for seq, t in enumerate(turns, start=1))
         with pytest.raises(ValueError):
-            await append_log(r, schema, "s", [2**32], LONG_TTL_S, seq=len(turns) + 1)
+            await append_turn(r, schema, "s", [2**32], LONG_TTL_S, seq=len(turns) + 1)
         assert await read_log(r, schema, "s") == expected  # a refused append wrote nothing
         # A turn appended twice (a retried flush) is read once; its seq tells the log where it ends.
-        await append_log(r, schema, "s", turns[-1], LONG_TTL_S, seq=len(turns))
+        await append_turn(r, schema, "s", turns[-1], LONG_TTL_S, seq=len(turns))
         assert await read_log_state(r, schema, "s") == LogState(expected, len(turns))
 
     run(server_url, body)
@@ -359,7 +378,7 @@ def test_session_ttls_are_set_and_touch_refreshes_them(server_url: str, schema: 
     async def body(r: Redis) -> None:
         for sid in ("s1", "s2"):
             await write_session(r, schema, sid, record, 20.0)
-            await append_log(r, schema, sid, [1, 2], 20.0)
+            await append_turn(r, schema, sid, [1, 2], 20.0)
             for key in (schema.session(sid), schema.log(sid)):
                 assert 0 < await r.pttl(key) <= 20_000
         missing = await touch_sessions(r, schema, ["s1", "s2", "gone"], 600.0)
@@ -380,7 +399,7 @@ def test_delete_session_removes_both_keys(server_url: str, schema: KeySchema) ->
 
     async def body(r: Redis) -> None:
         await write_session(r, schema, "s", record, LONG_TTL_S)
-        await append_log(r, schema, "s", [5, 6, 7], LONG_TTL_S)
+        await append_turn(r, schema, "s", [5, 6, 7], LONG_TTL_S)
         await write_session(r, schema, "other", record, LONG_TTL_S)
         assert await delete_session(r, schema, "s")
         assert await r.exists(schema.session("s")) == 0

@@ -2,7 +2,15 @@ from __future__ import annotations
 
 import pytest
 
-from shared.settings import GatewaySettings, WorkerSettings, from_sources, parse_settings
+from shared.settings import (
+    DEFAULT_MODEL,
+    ChatSettings,
+    GatewaySettings,
+    UpSettings,
+    WorkerSettings,
+    from_sources,
+    parse_settings,
+)
 
 
 def test_flags_override_environment_which_overrides_defaults() -> None:
@@ -25,3 +33,68 @@ def test_bad_values_are_named() -> None:
         from_sources(GatewaySettings, None, {"MT_MAX_FRAME_BYTES": "lots"})
     with pytest.raises(SystemExit):
         parse_settings(GatewaySettings, ["--no-such-flag"], "microturn gateway")
+
+
+def test_the_engine_runs_with_the_worker_defaults() -> None:
+    from worker.engine import EngineConfig
+
+    worker = WorkerSettings()
+    config = EngineConfig.from_settings(worker)
+    assert config == EngineConfig(model=worker.model)  # one set of defaults: nothing to convert
+    assert (config.max_sessions, config.max_chunk_tokens, config.max_output_tokens) == (256, 512, 512)
+    # `chat` gets the same engine as a worker with the same flags.
+    chat = parse_settings(ChatSettings, ["--max-sessions", "3", "--max-reply-tokens", "9"], "chat")
+    assert EngineConfig.from_settings(chat) == EngineConfig.from_settings(WorkerSettings(max_sessions=3))
+    assert chat.max_reply_tokens == 9
+    assert GatewaySettings().max_chunk_tokens == worker.max_chunk_tokens
+
+
+def test_up_flags_come_from_its_settings_with_the_same_precedence() -> None:
+    import argparse
+
+    from shared.settings import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, UpSettings)
+    args = parser.parse_args(["--ready-timeout", "5", "--port", "9001", "--device", "cpu"])  # an old name
+    env = {"MT_PORT": "9000", "MT_REDIS_URL": "redis://h:1/0", "MT_WORKER_PORT": "9100"}
+    up = from_sources(UpSettings, args, env)
+    assert (up.ready_timeout_s, up.port, up.worker_port, up.device) == (5.0, 9001, 9100, "cpu")
+    assert up.redis_url == "redis://h:1/0"
+    defaults = UpSettings()
+    assert (defaults.port, defaults.worker_port) == (GatewaySettings().port, WorkerSettings().port)
+    assert defaults.model == WorkerSettings().model == DEFAULT_MODEL
+    assert (defaults.redis_url, defaults.auth, defaults.device, defaults.kv_tokens) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    with pytest.raises(SystemExit):
+        parse_settings(UpSettings, ["--device", "tpu"], "microturn up")
+    with pytest.raises(ValueError, match="auth"):
+        from_sources(UpSettings, None, {"MT_AUTH": "maybe"})
+
+
+def test_copy_fields_takes_same_named_values_and_overrides_win() -> None:
+    import argparse
+
+    from shared.settings import copy_fields
+
+    source = argparse.Namespace(port=9001, max_sessions=3, unrelated="x")
+    worker = copy_fields(WorkerSettings, source, max_sessions=4)
+    assert (worker.port, worker.max_sessions) == (9001, 4)
+    assert worker.heartbeat_s == WorkerSettings().heartbeat_s  # absent from the source: the default
+
+
+def test_benchmark_flags_map_onto_their_configs() -> None:
+    from loadtest.bench.config import BenchConfig
+    from loadtest.bench.run import main as bench_main
+    from loadtest.capacity.config import CapacityConfig
+    from loadtest.capacity.run import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args([])) == CapacityConfig()
+    tuned = config_from_args(build_parser().parse_args(["--p99-ms", "150", "--chunk-tokens", "8"]))
+    assert (tuned.p99_limit_ms, tuned.load.chunk_tokens, tuned.model) == (150.0, 8, BenchConfig().model)
+    with pytest.raises(SystemExit):
+        bench_main(["--modes", "reprefill"])  # streaming is required: a usage error, as before

@@ -21,7 +21,7 @@ import torch
 
 from worker.attention import AttentionMetadata, TorchAttention
 from worker.kv_pool import KVPool
-from worker.model.gguf_tokenizer import tokenizer_from_gguf
+from worker.model.gguf_tokenizer import field_value, tokenizer_from_gguf
 from worker.model.llama import LlamaModel
 from worker.model.loader import LoadedModel, load_model
 from worker.model.loader_gguf import config_from_gguf, llama3_scaling_from_divisors, load_gguf, unpermute_qk
@@ -109,14 +109,16 @@ def test_tokenizer_matches_llama_cpp_pre_tokenizer(ours: Tokenizer, hf_tokenizer
     assert ours.decode(ids) == text
 
 
-def test_chatml_special_tokens_encode_whole(ours: Tokenizer) -> None:
+def test_chatml_special_tokens_encode_whole(ours: Tokenizer, reader: gguf.GGUFReader) -> None:
     ids = ours.encode(ours.chat_prompt("What is the capital of France?"))
     assert (ours.token_id("<|im_start|>"), ours.token_id("<|im_end|>")) == (1, 2)
     im_start, im_end = 1, 2
     assert ids.count(im_start) == 2 and ids.count(im_end) == 1 and ids[0] == im_start
     assert ours.decode(ids, skip_special_tokens=True) == "user\nWhat is the capital of France?\nassistant\n"
     assert ours.eos_token_ids == (2,) and ours.bos_token_id == 1
-    assert ours.chat_template is not None and "<|im_start|>" in ours.chat_template
+    # `chat_prompt` writes ChatML because that is the template the GGUF ships.
+    template = field_value(reader, "tokenizer.chat_template")
+    assert template is not None and "<|im_start|>" in template
 
 
 def test_smollm2_config(reader: gguf.GGUFReader) -> None:

@@ -3,42 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from shared.errors import InvalidMessage
+from shared.settings import EngineSettings, copy_fields
+from worker.model.presets import TINY_SEED
 
 ContextPolicy = Literal["error", "truncate"]
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model: str = "tiny"
-    device: str = "cpu"
-    dtype: str = "float32"
-    attention: str = "auto"
-    # KV capacity in tokens; None sizes the pool from free GPU memory (CUDA) or a fixed default (CPU).
-    kv_tokens: int | None = None
-    kv_memory_fraction: float = 0.85
-    page_size: int = 16
-    # One forward step feeds at most this many tokens; longer appends continue in later steps.
-    max_batch_tokens: int = 2048
+class EngineConfig(EngineSettings):
+    """The worker's engine settings (their defaults are `EngineSettings`') and what only the engine sets.
+
+    `kv_tokens` 0 sizes the pool from free GPU memory (CUDA) or a fixed default (CPU).
+    """
+
     max_batch_rows: int = 256
-    max_sessions: int = 1024
-    max_chunk_tokens: int = 1024
-    # A session's queue (chunks behind its running turn) is bounded by what it costs, not by a
-    # count of chunks: queued no-output chunks merge into one append, so pieces are cheap.
-    max_queued_tokens: int = 2048
-    max_queued_outputs: int = 8
-    max_output_tokens_limit: int = 1024
-    seed: int = 1234
-    # Baseline only (`microturn bench --capacity`): after every turn a session drops its KV and keeps
-    # its tokens, so each turn recomputes the whole history, as a server without sessions does.
-    no_session: bool = False
+    # The seed of random-weight presets (`tiny`): the same weights in every process.
+    seed: int = TINY_SEED
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, **engine_only: Any) -> EngineConfig:
+        """The one conversion from settings (the worker's, `chat`'s) to the engine's config."""
+        return copy_fields(cls, settings, **engine_only)
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_batch_tokens < 1 or self.max_batch_rows < 1:
             raise ValueError("page_size, max_batch_tokens and max_batch_rows must be positive")
-        if self.kv_tokens is not None and self.kv_tokens < self.page_size:
+        if self.kv_tokens < 0 or 0 < self.kv_tokens < self.page_size:
             raise ValueError(f"kv_tokens {self.kv_tokens} is below one page of {self.page_size}")
         if self.max_queued_tokens < 1 or self.max_queued_outputs < 1:
             raise ValueError("max_queued_tokens and max_queued_outputs must be positive")

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from shared.errors import (
     CapacityExhausted,
-    ContextFull,
     InternalError,
     InvalidMessage,
     MicroturnError,
@@ -23,6 +22,7 @@ from shared.errors import (
 )
 from worker.engine.admission import admit
 from worker.engine.config import EngineConfig, SessionConfig
+from worker.engine.context_window import opening_history, session_limit, window
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
@@ -92,18 +92,7 @@ class EngineCore:
                 f"worker carries its maximum of {self.config.max_sessions} sessions",
                 retry_after_ms=CAPACITY_RETRY_MS,
             )
-        limit = self._context_limit(config)
-        if config.keep_prefix_tokens >= limit:
-            raise InvalidMessage(
-                f"keep_prefix_tokens {config.keep_prefix_tokens} leaves no room in a context of {limit}"
-            )
-        if len(history) > limit:
-            if config.context_policy == "error":
-                raise ContextFull(f"history of {len(history)} tokens exceeds the context of {limit}")
-            history = (
-                history[: config.keep_prefix_tokens]
-                + history[len(history) - (limit - config.keep_prefix_tokens) :]
-            )
+        history = opening_history(history, config, self._context_limit(config))
         seed = (
             config.seed
             if config.seed is not None
@@ -259,7 +248,9 @@ class EngineCore:
         owner.absorbed = turns[:-1]
         inputs = [t for turn in turns for t in turn.input_tokens]
         outputs = owner.max_output_tokens if owner.wants_output else 0
-        history = self._window(session, len(inputs) + outputs)
+        history = window(
+            session.tokens, session.config, self._context_limit(session.config), len(inputs) + outputs
+        )
         truncating = history is not session.tokens
         # A truncated window is re-prefilled into fresh pages; the session's old pages come back first.
         held = 0 if truncating else len(session.pages)
@@ -297,16 +288,6 @@ class EngineCore:
             self._finish(session, "cancelled" if owner.cancelled else "length")
         else:
             self.running[session.session_id] = session
-
-    def _window(self, session: Session, grows_by: int) -> list[int]:
-        """The history to keep under `truncate` so `grows_by` more tokens fit; the same list if all fit."""
-        limit = self._context_limit(session.config)
-        tokens = session.tokens
-        if len(tokens) + grows_by <= limit:
-            return tokens
-        keep = session.config.keep_prefix_tokens
-        recent = limit - keep - grows_by
-        return tokens[:keep] + (tokens[len(tokens) - recent :] if recent > 0 else [])
 
     def _evict_idle_kv(self, pages_needed: int, *, keep: Session) -> None:
         idle = sorted(
@@ -398,9 +379,7 @@ class EngineCore:
         return self.eos_token_ids if configured is None else configured
 
     def _context_limit(self, config: SessionConfig) -> int:
-        if config.max_context_tokens is None:
-            return self.context_limit
-        return min(config.max_context_tokens, self.context_limit)
+        return session_limit(config, self.context_limit)
 
     def _get(self, session_id: str) -> Session:
         try:

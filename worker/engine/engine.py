@@ -55,7 +55,7 @@ def _dtype(name: str) -> torch.dtype:
 
 def _kv_pages(config: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
     bytes_per_token = model.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
-    if config.kv_tokens is not None:
+    if config.kv_tokens:
         tokens = config.kv_tokens
     elif device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -91,21 +91,16 @@ class Engine:
         self._thread.start()
 
     @classmethod
-    def load(
-        cls,
-        model: str = "tiny",
-        *,
-        device: str = "cpu",
-        dtype: str = "float32",
-        kv_tokens: int | None = None,
-        page_size: int = 16,
-        **options: Any,
-    ) -> Engine:
-        config = EngineConfig(
-            model=model, device=device, dtype=dtype, kv_tokens=kv_tokens, page_size=page_size, **options
+    def load(cls, model: str, **options: Any) -> Engine:
+        """An engine for `model`; `options` are `EngineConfig` fields (the rest: the worker's defaults)."""
+        return cls.from_config(EngineConfig(model=model, **options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        loaded = load_model(
+            config.model, device=torch.device(config.device), dtype=_dtype(config.dtype), seed=config.seed
         )
-        torch_device = torch.device(device)
-        return cls(config, load_model(model, device=torch_device, dtype=_dtype(dtype), seed=config.seed))
+        return cls(config, loaded)
 
     @property
     def attention_backend(self) -> str:
@@ -184,11 +179,8 @@ class Engine:
         chunk = self._chunk_tokens(tokens, text)
         if not isinstance(flush, bool):
             raise InvalidMessage("flush must be a boolean")
-        if (
-            max_output_tokens is not None
-            and not 0 <= max_output_tokens <= self.config.max_output_tokens_limit
-        ):
-            raise InvalidMessage(f"max_output_tokens must be within 0..{self.config.max_output_tokens_limit}")
+        if max_output_tokens is not None and not 0 <= max_output_tokens <= self.config.max_output_tokens:
+            raise InvalidMessage(f"max_output_tokens must be within 0..{self.config.max_output_tokens}")
         if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool)):
             raise InvalidMessage("seq must be an integer")
         future: Future[TurnResult] = Future()

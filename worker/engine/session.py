@@ -45,7 +45,6 @@ class Session:
         # session starts from the text its old worker held back (worker/server/restore.py).
         self.tail: TextTail = tail
         self.last_activity = now
-        self.created_at = now
         # Per-session sampling stream: a session samples the same whatever it is batched with.
         self.generator = torch.Generator().manual_seed(seed)
 

@@ -157,5 +157,4 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
         len(special),
         len(user_defined),
     )
-    chat_template = field_value(reader, "tokenizer.chat_template")
-    return Tokenizer(backend, eos_token_ids=eos, bos_token_id=bos, chat_template=chat_template)
+    return Tokenizer(backend, eos_token_ids=eos, bos_token_id=bos)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from shared.settings import DEFAULT_MODEL
 from worker.model.config import ModelConfig
 from worker.model.presets import SHAPES, TINY_SEED, random_weights, smollm2_gguf_path, tiny_tokenizer
 from worker.model.weights import ModelWeights
@@ -16,7 +17,8 @@ from worker.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-SMOLLM2_PRESET = "smollm2-135m"
+# The one preset that loads real weights, and the default model of every command.
+SMOLLM2_PRESET = DEFAULT_MODEL
 PRESETS = (*SHAPES, SMOLLM2_PRESET)
 
 

@@ -48,7 +48,6 @@ def held_sessions(service: WorkerService) -> list[HeldSession]:
             token_sha256=binding.token_sha256,
             model=service.engine.model_config.name,
             created_ms=binding.created_ms,
-            last_seq=binding.last_seq if binding.last_seq is not None else 0,
             config=config_to_map(binding.config),
         )
         ttl_s = binding.idle_timeout_s + service.settings.session_grace_s

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, replace
 
 import redis.asyncio as redis
 
@@ -27,12 +28,10 @@ HEARTBEATS_PER_TTL = 3
 
 
 def worker_info(base: WorkerInfo, engine: Engine, *, draining: bool) -> WorkerInfo:
+    """`base` (identity and limits, fixed at start) with the engine's current load."""
     stats = engine.stats()
-    return WorkerInfo(
-        worker_id=base.worker_id,
-        url=base.url,
-        model=base.model,
-        max_sessions=base.max_sessions,
+    return replace(
+        base,
         sessions=stats.sessions,
         kv_tokens_free=stats.kv_tokens_free,
         kv_tokens_total=stats.kv_tokens_total,
@@ -46,32 +45,34 @@ async def rewrite_held(client: redis.Redis, schema: KeySchema, service: WorkerSe
         return await rewrite_sessions(client, schema, service.held_sessions())
 
 
-async def beat_once(
-    client: redis.Redis,
-    schema: KeySchema,
-    base: WorkerInfo,
-    service: WorkerService,
-    *,
-    period_s: float,
-    grace_s: float,
-    draining: bool,
-) -> None:
-    info = await asyncio.to_thread(worker_info, base, service.engine, draining=draining)
-    existed = await heartbeat(client, schema, info, period_s * HEARTBEATS_PER_TTL)
-    if not existed:
-        count = await rewrite_held(client, schema, service)
-        logger.warning(
-            "worker %s: its registry entry was gone; re-registered and re-wrote %d session(s)",
-            base.worker_id,
-            count,
-        )
-    touched = service.directory.take_touched()
-    # Sessions share a TTL per idle timeout: one batched refresh for each distinct timeout.
-    by_timeout: dict[float, list[str]] = {}
-    for sid, idle in touched.items():
-        by_timeout.setdefault(idle, []).append(sid)
-    for idle, sids in by_timeout.items():
-        await touch_sessions(client, schema, sids, idle + grace_s)
+@dataclass(frozen=True)
+class Beat:
+    """One worker's heartbeat: what it writes every `period_s`, and what it refreshes."""
+
+    client: redis.Redis
+    schema: KeySchema
+    base: WorkerInfo
+    service: WorkerService
+    period_s: float
+    grace_s: float
+
+    async def once(self, *, draining: bool) -> None:
+        info = await asyncio.to_thread(worker_info, self.base, self.service.engine, draining=draining)
+        existed = await heartbeat(self.client, self.schema, info, self.period_s * HEARTBEATS_PER_TTL)
+        if not existed:
+            count = await rewrite_held(self.client, self.schema, self.service)
+            logger.warning(
+                "worker %s: its registry entry was gone; re-registered and re-wrote %d session(s)",
+                self.base.worker_id,
+                count,
+            )
+        touched = self.service.directory.take_touched()
+        # Sessions share a TTL per idle timeout: one batched refresh for each distinct timeout.
+        by_timeout: dict[float, list[str]] = {}
+        for sid, idle in touched.items():
+            by_timeout.setdefault(idle, []).append(sid)
+        for idle, sids in by_timeout.items():
+            await touch_sessions(self.client, self.schema, sids, idle + self.grace_s)
 
 
 async def heartbeat_loop(
@@ -85,17 +86,10 @@ async def heartbeat_loop(
     draining: asyncio.Event,
 ) -> None:
     outage = OutageLog("heartbeat", logger)
+    beat = Beat(client, schema, base, service, period_s, grace_s)
     while True:
         try:
-            await beat_once(
-                client,
-                schema,
-                base,
-                service,
-                period_s=period_s,
-                grace_s=grace_s,
-                draining=draining.is_set(),
-            )
+            await beat.once(draining=draining.is_set())
         except redis.RedisError as exc:
             outage.failed(exc)
         else:

@@ -11,7 +11,7 @@ from types import FrameType
 import uvicorn
 
 from shared.settings import WorkerSettings, parse_settings
-from worker.engine import Engine
+from worker.engine import Engine, EngineConfig
 from worker.server.app import WorkerRuntime, create_worker_app
 
 logger = logging.getLogger(__name__)
@@ -54,28 +54,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def load_engine(settings: WorkerSettings) -> Engine:
-    return Engine.load(
-        settings.model,
-        device=settings.device,
-        dtype=settings.dtype,
-        kv_tokens=settings.kv_tokens or None,
-        page_size=settings.page_size,
-        attention=settings.attention,
-        kv_memory_fraction=settings.kv_memory_fraction,
-        max_batch_tokens=settings.max_batch_tokens,
-        max_sessions=settings.max_sessions,
-        max_chunk_tokens=settings.max_chunk_tokens,
-        max_queued_tokens=settings.max_queued_tokens,
-        max_queued_outputs=settings.max_queued_outputs,
-        max_output_tokens_limit=settings.max_output_tokens,
-        no_session=settings.no_session,
-    )
-
-
 def main(argv: list[str]) -> int:
     settings = parse_settings(WorkerSettings, argv, "microturn worker")
-    engine = load_engine(settings)
+    engine = Engine.from_config(EngineConfig.from_settings(settings))
     runtime = WorkerRuntime(settings, engine)
     config = uvicorn.Config(
         create_worker_app(runtime), host=settings.host, port=settings.port, log_level="info", lifespan="on"

@@ -38,9 +38,9 @@ from shared.redis_schema import NO_SEQ, KeySchema, encode_log_record
 from shared.registry import HeldSession
 from shared.session_log import read_log_bytes
 from shared.settings import WorkerSettings
+from worker.detokenize import IncrementalDecoder
 from worker.engine import Engine, TokenDelta, TurnResult
 from worker.incremental_tokenizer import EMPTY_TAIL
-from worker.server.detokenize import IncrementalDecoder
 from worker.server.directory import LinkPeer, SessionBinding, SessionDirectory
 from worker.server.handover import held_sessions, migrate_all
 from worker.server.metrics import WorkerMetrics
