@@ -1,0 +1,287 @@
+"""Measure which project files one steady-state chunk executes, client frame to `output.done`.
+
+    .venv/bin/python -m tests.system.chunk_path             # the measured list, grouped by process
+    .venv/bin/python -m tests.system.chunk_path --markdown  # the same as docs/design.md's tables
+
+It starts the real stack on loopback (redis-server on a free port, one worker with the `tiny` model
+on CPU, one gateway with `--auth off`), each server under `tests.system.traced`. A client opens a
+session and sends a few warm-up chunks (imports, first-call paths and the KV pages are done then);
+then both servers open their recording window (SIGUSR1), the client sends one token chunk asking for
+a few output tokens and waits for its `output.done`, and the windows close (SIGUSR2).
+
+What counts as the chunk's path (the choices, and why):
+- A process's path starts at the first event of its event-loop thread after the client sent the
+  frame (for the gateway, the frame arriving; for the worker, the link frame arriving), on one
+  clock: `time.monotonic()` is system-wide on Linux. It ends when the client holds `output.done`
+  and the window closes, from the event loop, after what was ready to run: so the gateway's
+  latency observation just after it wrote `output.done` is always in, never racing the client.
+  Nothing else runs then: the client sends nothing more and the loops below are left out.
+- Background loops are left out by their asyncio task, not by timing: the heartbeat
+  (`heartbeat_loop`, and its period is set to an hour besides) and the token-log flush
+  (`TokenLogWriter.run`, which writes the turn to Redis FLUSH_INTERVAL_S after the reply went out:
+  per-chunk work, but off the reply path). The engine thread's idle check (`EngineCore.expire_idle`)
+  is left out by the frame it runs under. What was left out is printed, so nothing hides.
+- A file is "engine step" when every one of its events runs under `EngineCore.step` (schedule ->
+  run -> postprocess); a file that also runs outside the step (the core itself, turns) is on the
+  path to and from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from websockets.sync.client import ClientConnection, connect
+
+from tests.processes import REPO, Proc, http_get, stop
+from tests.shared.redis_servers import free_port, running_server
+from tests.system.traced import OUT_ENV
+
+DESIGN_DOC: Final = REPO / "docs" / "design.md"
+SECTION_TITLE: Final = "The path of one chunk"
+COMMAND: Final = "python -m tests.system.chunk_path"
+# The doc's subsection headings, in order, and the measured group each one lists.
+GROUPS: Final = {
+    "gateway": "Gateway",
+    "worker_path": "Worker, to and from the engine step",
+    "engine_step": "Worker, the engine step",
+}
+BACKGROUND_TASKS: Final = ("heartbeat_loop", "TokenLogWriter.run")
+BACKGROUND_ROLES: Final = ("sweep",)
+WARMUP_CHUNKS: Final = 4
+CHUNK_TOKENS: Final = (11, 12, 13, 14, 15, 16, 17, 18)
+OUTPUT_TOKENS: Final = 4
+_READY_TIMEOUT_S: Final = 60.0
+_SIGNAL_TIMEOUT_S: Final = 10.0
+# An hour: no heartbeat and no idle expiry comes near the window.
+QUIET_FLAGS: Final = ["--idle-timeout-s", "3600"]
+QUIET_WORKER_FLAGS: Final = ["--heartbeat-s", "3600"]
+
+
+@dataclass(frozen=True)
+class ChunkPath:
+    """One measurement: each group's files in order of first execution, and what was left out."""
+
+    gateway: tuple[str, ...]
+    worker_path: tuple[str, ...]
+    engine_step: tuple[str, ...]
+    left_out: tuple[str, ...]  # "process: task/role: file", for the reader to check
+
+    def group(self, key: str) -> tuple[str, ...]:
+        files: tuple[str, ...] = getattr(self, key)
+        return files
+
+    @property
+    def path_files(self) -> int:
+        """Distinct files from the client frame to the engine step and back, the step excluded."""
+        return len({*self.gateway, *self.worker_path})
+
+    @property
+    def all_files(self) -> int:
+        """Distinct files with the engine step."""
+        return len({*self.gateway, *self.worker_path, *self.engine_step})
+
+
+def _in_order(events: list[list[Any]], t_send: float, name: str) -> tuple[list[str], list[str], list[str]]:
+    """(files in order of first execution, those of them only seen under the step, left-out lines)."""
+    kept: list[tuple[float, str, str]] = []
+    left_out: list[str] = []
+    for t, file, thread, task, role in events:
+        if task in BACKGROUND_TASKS or role in BACKGROUND_ROLES:
+            left_out.append(f"{name}: {task or role}: {file}")
+        else:
+            kept.append((t, file, thread if role != "step" else "step"))
+    loop_events = [t for t, _file, thread in kept if thread == "MainThread" and t >= t_send]
+    if not loop_events:
+        raise RuntimeError(f"{name}: no event on its event loop after the chunk was sent")
+    start = min(loop_events)
+    order: list[str] = []
+    outside_step: set[str] = set()
+    for t, file, context in sorted(kept):
+        if t < start:
+            continue
+        if file not in order:
+            order.append(file)
+        if context != "step":
+            outside_step.add(file)
+    return order, [file for file in order if file not in outside_step], sorted(set(left_out))
+
+
+@dataclass
+class _Traced:
+    proc: Proc
+    out_dir: Path
+
+    def signal_and_wait(self, signum: int, suffix: str) -> Path:
+        target = self.out_dir / f"{self.proc.popen.pid}{suffix}"
+        target.unlink(missing_ok=True)
+        self.proc.popen.send_signal(signum)
+        deadline = time.monotonic() + _SIGNAL_TIMEOUT_S
+        while not target.exists():
+            if time.monotonic() > deadline or not self.proc.alive():
+                raise RuntimeError(
+                    f"{self.proc.name} did not answer signal {signum}:\n{self.proc.log_tail()}"
+                )
+            time.sleep(0.01)
+        return target
+
+
+@contextlib.contextmanager
+def _traced(name: str, command: str, flags: list[str], workdir: Path) -> Iterator[_Traced]:
+    port = free_port()
+    args = [sys.executable, "-m", "tests.system.traced", "shared.cli", command]
+    args += ["--host", "127.0.0.1", "--port", str(port), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", OUT_ENV: str(workdir)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    log_path = workdir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    proc = Proc(name, port, args, log_path, popen)
+    try:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while not _ready(proc):
+            if time.monotonic() > deadline or not proc.alive():
+                raise RuntimeError(f"{name} did not become ready:\n{proc.log_tail()}")
+            time.sleep(0.1)
+        yield _Traced(proc, workdir)
+    finally:
+        stop(proc, signal.SIGKILL)
+
+
+def _ready(proc: Proc) -> bool:
+    with contextlib.suppress(OSError):
+        return http_get(proc.http + "/readyz", timeout=1.0)[0] == 200
+    return False
+
+
+def _request(ws: ClientConnection, message: dict[str, Any], answer: str) -> dict[str, Any]:
+    ws.send(json.dumps(message))
+    while True:
+        reply: dict[str, Any] = json.loads(ws.recv(timeout=30))
+        if reply["type"] == answer:
+            return reply
+        if reply["type"] == "error":
+            raise RuntimeError(f"{message['type']} refused: {reply}")
+
+
+def _chunk(seq: int) -> dict[str, Any]:
+    return {
+        "type": "input.chunk",
+        "seq": seq,
+        "tokens": list(CHUNK_TOKENS),
+        "max_output_tokens": OUTPUT_TOKENS,
+    }
+
+
+def measure(workdir: Path) -> ChunkPath:
+    """Run the stack, trace one steady-state chunk, return its path."""
+    with contextlib.ExitStack() as exits:
+        redis_url = exits.enter_context(running_server("redis", workdir))
+        common = ["--redis-url", redis_url, "--key-prefix", "chunkpath", *QUIET_FLAGS]
+        worker_flags = [*common, *QUIET_WORKER_FLAGS, "--model", "tiny", "--worker-id", "w0"]
+        worker_flags += ["--kv-tokens", "4096"]
+        worker = exits.enter_context(_traced("worker", "worker", worker_flags, workdir))
+        gateway = exits.enter_context(_traced("gateway", "gateway", [*common, "--auth", "off"], workdir))
+        ws = exits.enter_context(connect(f"{gateway.proc.ws}/v1/realtime", open_timeout=30))
+        # stop_token_ids []: the reply is always OUTPUT_TOKENS long, never cut by a sampled EOS.
+        _request(ws, {"type": "session.open", "config": {"stop_token_ids": []}}, "session.opened")
+        for seq in range(WARMUP_CHUNKS):
+            _request(ws, _chunk(seq), "output.done")
+        servers = {"gateway": gateway, "worker": worker}
+        for server in servers.values():
+            server.signal_and_wait(signal.SIGUSR1, ".started")
+        t_send = time.monotonic()
+        done = _request(ws, _chunk(WARMUP_CHUNKS), "output.done")
+        if len(done["tokens"]) != OUTPUT_TOKENS:
+            raise RuntimeError(f"the traced chunk got {done['tokens']}, not {OUTPUT_TOKENS} tokens")
+        logs = {name: server.signal_and_wait(signal.SIGUSR2, ".json") for name, server in servers.items()}
+    events = {name: json.loads(log.read_text()) for name, log in logs.items()}
+    gateway_order, _none_in_step, gateway_left = _in_order(events["gateway"], t_send, "gateway")
+    worker_order, step_only, worker_left = _in_order(events["worker"], t_send, "worker")
+    return ChunkPath(
+        gateway=tuple(gateway_order),
+        worker_path=tuple(file for file in worker_order if file not in step_only),
+        engine_step=tuple(step_only),
+        left_out=tuple(gateway_left + worker_left),
+    )
+
+
+# ---- docs/design.md ---------------------------------------------------------------------------
+
+_ROW: Final = re.compile(r"^\|\s*\d+\s*\|\s*`([^`]+)`\s*\|\s*(.*?)\s*\|\s*$")
+
+
+def documented(doc: str | None = None) -> dict[str, list[tuple[str, str]]]:
+    """The section's tables: group -> [(file, role)], in the doc's order."""
+    text = DESIGN_DOC.read_text() if doc is None else doc
+    match = re.search(rf"^## [\d. ]*{SECTION_TITLE}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    if match is None:
+        raise ValueError(f"docs/design.md has no section '{SECTION_TITLE}'")
+    tables: dict[str, list[tuple[str, str]]] = {}
+    current: str | None = None
+    for line in match.group(1).splitlines():
+        if line.startswith("### "):
+            heading = line[4:]
+            current = next((key for key, title in GROUPS.items() if heading.startswith(title)), None)
+            if current is not None:
+                tables[current] = []
+        elif current is not None and (row := _ROW.match(line)):
+            tables[current].append((row.group(1), row.group(2)))
+    return tables
+
+
+def markdown(path: ChunkPath, roles: dict[str, str]) -> str:
+    """The section's tables for `path`, each file's role carried over from the doc (TODO if new)."""
+    lines: list[str] = []
+    for key, title in GROUPS.items():
+        files = path.group(key)
+        lines += [f"### {title} ({len(files)} files)", "", "| # | file | role |", "|---|---|---|"]
+        lines += [f"| {i} | `{file}` | {roles.get(file, 'TODO')} |" for i, file in enumerate(files, 1)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def report(path: ChunkPath) -> str:
+    lines: list[str] = []
+    for key, title in GROUPS.items():
+        files = path.group(key)
+        lines.append(f"{title}: {len(files)} files")
+        lines += [f"  {i:2}. {file}" for i, file in enumerate(files, 1)]
+    lines.append(f"distinct files from the client frame to the engine step and back: {path.path_files}")
+    lines.append(f"distinct files with the engine step: {path.all_files}")
+    lines.append("left out (background, see the module docstring):")
+    lines += [f"  {line}" for line in path.left_out] or ["  nothing"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--markdown", action="store_true", help="print docs/design.md's tables")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="chunk-path-") as workdir:
+        path = measure(Path(workdir))
+    if args.markdown:
+        try:
+            roles = {file: role for rows in documented().values() for file, role in rows}
+        except ValueError:  # no section yet: every role is a TODO
+            roles = {}
+        print(markdown(path, roles))
+    else:
+        print(report(path))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
