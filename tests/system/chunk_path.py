@@ -58,6 +58,8 @@ GROUPS: Final = {
     "worker_path": "Worker, to and from the engine step",
     "engine_step": "Worker, the engine step",
 }
+# The doc's line with both counts; `documented_counts` reads it back.
+COUNTS_LINE: Final = "Measured: {path} files on the path, {all} with the engine step."
 BACKGROUND_TASKS: Final = ("heartbeat_loop", "TokenLogWriter.run")
 BACKGROUND_ROLES: Final = ("sweep",)
 WARMUP_CHUNKS: Final = 4
@@ -94,7 +96,9 @@ class ChunkPath:
         return len({*self.gateway, *self.worker_path, *self.engine_step})
 
 
-def _in_order(events: list[list[Any]], t_send: float, name: str) -> tuple[list[str], list[str], list[str]]:
+def order_events(
+    events: Sequence[Sequence[Any]], t_send: float, name: str
+) -> tuple[list[str], list[str], list[str]]:
     """(files in order of first execution, those of them only seen under the step, left-out lines)."""
     kept: list[tuple[float, str, str]] = []
     left_out: list[str] = []
@@ -208,8 +212,8 @@ def measure(workdir: Path) -> ChunkPath:
             raise RuntimeError(f"the traced chunk got {done['tokens']}, not {OUTPUT_TOKENS} tokens")
         logs = {name: server.signal_and_wait(signal.SIGUSR2, ".json") for name, server in servers.items()}
     events = {name: json.loads(log.read_text()) for name, log in logs.items()}
-    gateway_order, _none_in_step, gateway_left = _in_order(events["gateway"], t_send, "gateway")
-    worker_order, step_only, worker_left = _in_order(events["worker"], t_send, "worker")
+    gateway_order, _none_in_step, gateway_left = order_events(events["gateway"], t_send, "gateway")
+    worker_order, step_only, worker_left = order_events(events["worker"], t_send, "worker")
     return ChunkPath(
         gateway=tuple(gateway_order),
         worker_path=tuple(file for file in worker_order if file not in step_only),
@@ -223,15 +227,28 @@ def measure(workdir: Path) -> ChunkPath:
 _ROW: Final = re.compile(r"^\|\s*\d+\s*\|\s*`([^`]+)`\s*\|\s*(.*?)\s*\|\s*$")
 
 
-def documented(doc: str | None = None) -> dict[str, list[tuple[str, str]]]:
-    """The section's tables: group -> [(file, role)], in the doc's order."""
+def _section(doc: str | None) -> str:
     text = DESIGN_DOC.read_text() if doc is None else doc
     match = re.search(rf"^## [\d. ]*{SECTION_TITLE}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
     if match is None:
         raise ValueError(f"docs/design.md has no section '{SECTION_TITLE}'")
+    return match.group(1)
+
+
+def documented_counts(doc: str | None = None) -> tuple[int, int]:
+    """The section's (files on the path, files with the engine step)."""
+    pattern = re.escape(COUNTS_LINE).replace(r"\{path\}", r"(\d+)").replace(r"\{all\}", r"(\d+)")
+    match = re.search(pattern, _section(doc))
+    if match is None:
+        raise ValueError(f"the section has no line '{COUNTS_LINE}'")
+    return int(match.group(1)), int(match.group(2))
+
+
+def documented(doc: str | None = None) -> dict[str, list[tuple[str, str]]]:
+    """The section's tables: group -> [(file, role)], in the doc's order."""
     tables: dict[str, list[tuple[str, str]]] = {}
     current: str | None = None
-    for line in match.group(1).splitlines():
+    for line in _section(doc).splitlines():
         if line.startswith("### "):
             heading = line[4:]
             current = next((key for key, title in GROUPS.items() if heading.startswith(title)), None)
@@ -242,14 +259,18 @@ def documented(doc: str | None = None) -> dict[str, list[tuple[str, str]]]:
     return tables
 
 
-def markdown(path: ChunkPath, roles: dict[str, str]) -> str:
-    """The section's tables for `path`, each file's role carried over from the doc (TODO if new)."""
-    lines: list[str] = []
+def markdown(path: ChunkPath, doc: str | None = None) -> str:
+    """The section's tables for `path`; each file's role is carried over from the doc (TODO if new)."""
+    try:
+        tables = documented(doc)
+    except ValueError:  # no section yet: every role is a TODO
+        tables = {}
+    lines = [COUNTS_LINE.format(path=path.path_files, all=path.all_files)]
     for key, title in GROUPS.items():
+        roles = dict(tables.get(key, []))
         files = path.group(key)
-        lines += [f"### {title} ({len(files)} files)", "", "| # | file | role |", "|---|---|---|"]
+        lines += ["", f"### {title} ({len(files)} files)", "", "| # | file | role |", "|---|---|---|"]
         lines += [f"| {i} | `{file}` | {roles.get(file, 'TODO')} |" for i, file in enumerate(files, 1)]
-        lines.append("")
     return "\n".join(lines)
 
 
@@ -273,11 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="chunk-path-") as workdir:
         path = measure(Path(workdir))
     if args.markdown:
-        try:
-            roles = {file: role for rows in documented().values() for file, role in rows}
-        except ValueError:  # no section yet: every role is a TODO
-            roles = {}
-        print(markdown(path, roles))
+        print(markdown(path))
     else:
         print(report(path))
     return 0
