@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -79,7 +79,9 @@ class ChunkPath:
     gateway: tuple[str, ...]
     worker_path: tuple[str, ...]
     engine_step: tuple[str, ...]
-    left_out: tuple[str, ...]  # "process: task/role: file", for the reader to check
+    left_out: tuple[str, ...]  # "process: task or role: file", for the reader to check
+    # process -> file -> the functions that ran, in order (`--functions`: what each file does)
+    functions: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
 
     def group(self, key: str) -> tuple[str, ...]:
         files: tuple[str, ...] = getattr(self, key)
@@ -96,31 +98,45 @@ class ChunkPath:
         return len({*self.gateway, *self.worker_path, *self.engine_step})
 
 
-def order_events(
-    events: Sequence[Sequence[Any]], t_send: float, name: str
-) -> tuple[list[str], list[str], list[str]]:
-    """(files in order of first execution, those of them only seen under the step, left-out lines)."""
-    kept: list[tuple[float, str, str]] = []
-    left_out: list[str] = []
-    for t, file, thread, task, role in events:
+@dataclass(frozen=True)
+class ProcessPath:
+    """One process's share of the path."""
+
+    files: tuple[str, ...]  # in order of first execution
+    step_only: frozenset[str]  # those that ran only under EngineCore.step
+    functions: dict[str, tuple[str, ...]]  # file -> its functions, in order of first execution
+    left_out: tuple[str, ...]  # "process: task or role: file"
+
+
+def order_events(events: Sequence[Sequence[Any]], t_send: float, name: str) -> ProcessPath:
+    """Cut one process's log (tests/system/traced.py) to the chunk's path."""
+    kept: list[tuple[float, str, str, str]] = []
+    left_out: set[str] = set()
+    for t, file, function, thread, task, role in events:
         if task in BACKGROUND_TASKS or role in BACKGROUND_ROLES:
-            left_out.append(f"{name}: {task or role}: {file}")
+            left_out.add(f"{name}: {task or role}: {file}")
         else:
-            kept.append((t, file, thread if role != "step" else "step"))
-    loop_events = [t for t, _file, thread in kept if thread == "MainThread" and t >= t_send]
+            kept.append((t, file, function, "step" if role == "step" else thread))
+    loop_events = [event[0] for event in kept if event[3] == "MainThread" and event[0] >= t_send]
     if not loop_events:
         raise RuntimeError(f"{name}: no event on its event loop after the chunk was sent")
     start = min(loop_events)
-    order: list[str] = []
+    functions: dict[str, list[str]] = {}
     outside_step: set[str] = set()
-    for t, file, context in sorted(kept):
+    for t, file, function, context in sorted(kept):
         if t < start:
             continue
-        if file not in order:
-            order.append(file)
+        seen = functions.setdefault(file, [])
+        if function not in seen:
+            seen.append(function)
         if context != "step":
             outside_step.add(file)
-    return order, [file for file in order if file not in outside_step], sorted(set(left_out))
+    return ProcessPath(
+        files=tuple(functions),
+        step_only=frozenset(functions) - outside_step,
+        functions={file: tuple(names) for file, names in functions.items()},
+        left_out=tuple(sorted(left_out)),
+    )
 
 
 @dataclass
@@ -212,13 +228,14 @@ def measure(workdir: Path) -> ChunkPath:
             raise RuntimeError(f"the traced chunk got {done['tokens']}, not {OUTPUT_TOKENS} tokens")
         logs = {name: server.signal_and_wait(signal.SIGUSR2, ".json") for name, server in servers.items()}
     events = {name: json.loads(log.read_text()) for name, log in logs.items()}
-    gateway_order, _none_in_step, gateway_left = order_events(events["gateway"], t_send, "gateway")
-    worker_order, step_only, worker_left = order_events(events["worker"], t_send, "worker")
+    on_gateway = order_events(events["gateway"], t_send, "gateway")
+    on_worker = order_events(events["worker"], t_send, "worker")
     return ChunkPath(
-        gateway=tuple(gateway_order),
-        worker_path=tuple(file for file in worker_order if file not in step_only),
-        engine_step=tuple(step_only),
-        left_out=tuple(gateway_left + worker_left),
+        gateway=on_gateway.files,
+        worker_path=tuple(file for file in on_worker.files if file not in on_worker.step_only),
+        engine_step=tuple(file for file in on_worker.files if file in on_worker.step_only),
+        left_out=on_gateway.left_out + on_worker.left_out,
+        functions={"gateway": on_gateway.functions, "worker": on_worker.functions},
     )
 
 
@@ -274,12 +291,16 @@ def markdown(path: ChunkPath, doc: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def report(path: ChunkPath) -> str:
+def report(path: ChunkPath, *, functions: bool = False) -> str:
     lines: list[str] = []
     for key, title in GROUPS.items():
         files = path.group(key)
+        ran = path.functions.get("gateway" if key == "gateway" else "worker", {})
         lines.append(f"{title}: {len(files)} files")
-        lines += [f"  {i:2}. {file}" for i, file in enumerate(files, 1)]
+        for i, file in enumerate(files, 1):
+            lines.append(f"  {i:2}. {file}")
+            if functions:
+                lines += [f"        {name}" for name in ran.get(file, ())]
     lines.append(f"distinct files from the client frame to the engine step and back: {path.path_files}")
     lines.append(f"distinct files with the engine step: {path.all_files}")
     lines.append("left out (background, see the module docstring):")
@@ -290,13 +311,14 @@ def report(path: ChunkPath) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--markdown", action="store_true", help="print docs/design.md's tables")
+    parser.add_argument("--functions", action="store_true", help="under each file, the functions that ran")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="chunk-path-") as workdir:
         path = measure(Path(workdir))
     if args.markdown:
         print(markdown(path))
     else:
-        print(report(path))
+        print(report(path, functions=args.functions))
     return 0
 
 

@@ -59,31 +59,34 @@ def test_issue_7_at_most_16_files_from_the_client_frame_to_the_engine_step_and_b
 
 
 def test_events_before_the_frame_background_tasks_and_the_idle_sweep_are_left_out() -> None:
-    events: list[list[object]] = [
-        [0.5, "gateway/old.py", "MainThread", "", ""],  # before the send
-        [1.1, "worker/engine/core.py", "microturn-engine", "", "sweep"],
-        [1.2, "worker/server/heartbeat.py", "MainThread", "heartbeat_loop", ""],
-        [1.3, "worker/engine/scheduler.py", "microturn-engine", "", "step"],  # before the frame arrived
-        [1.4, "worker/server/link.py", "MainThread", "LinkConnection.serve", ""],
-        [1.5, "worker/engine/core.py", "microturn-engine", "", ""],
-        [1.6, "worker/engine/core.py", "microturn-engine", "", "step"],
-        [1.7, "worker/model_runner.py", "microturn-engine", "", "step"],
-        [1.8, "worker/server/token_log.py", "MainThread", "TokenLogWriter.run", ""],
-        [1.9, "worker/server/link.py", "MainThread", "LinkConnection._write", ""],
+    engine = "microturn-engine"
+    events = [
+        [0.5, "gateway/old.py", "f", "MainThread", "", ""],  # before the send
+        [1.1, "worker/engine/core.py", "EngineCore.expire_idle", engine, "", "sweep"],
+        [1.2, "worker/server/heartbeat.py", "beat_once", "MainThread", "heartbeat_loop", ""],
+        [1.3, "worker/engine/scheduler.py", "schedule", engine, "", "step"],  # before the frame came
+        [1.4, "worker/server/link.py", "LinkConnection.serve", "MainThread", "serve", ""],
+        [1.5, "worker/engine/core.py", "EngineCore.submit", engine, "", ""],
+        [1.6, "worker/engine/core.py", "EngineCore.step", engine, "", "step"],
+        [1.7, "worker/model_runner.py", "ModelRunner.run", engine, "", "step"],
+        [1.8, "worker/server/token_log.py", "TokenLogWriter.flush", "MainThread", "TokenLogWriter.run", ""],
+        [1.9, "worker/server/link.py", "LinkConnection._write", "MainThread", "_write", ""],
     ]
-    order, step_only, left_out = order_events(events, 1.0, "worker")
-    assert order == ["worker/server/link.py", "worker/engine/core.py", "worker/model_runner.py"]
-    assert step_only == ["worker/model_runner.py"]
-    assert left_out == [
+    path = order_events(events, 1.0, "worker")
+    assert path.files == ("worker/server/link.py", "worker/engine/core.py", "worker/model_runner.py")
+    assert path.step_only == {"worker/model_runner.py"}
+    assert path.functions["worker/engine/core.py"] == ("EngineCore.submit", "EngineCore.step")
+    assert path.functions["worker/server/link.py"] == ("LinkConnection.serve", "LinkConnection._write")
+    assert path.left_out == (
         "worker: TokenLogWriter.run: worker/server/token_log.py",
         "worker: heartbeat_loop: worker/server/heartbeat.py",
         "worker: sweep: worker/engine/core.py",
-    ]
+    )
 
 
 def test_a_process_whose_loop_ran_nothing_after_the_send_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="no event on its event loop"):
-        order_events([[0.5, "gateway/app.py", "MainThread", "", ""]], 1.0, "gateway")
+        order_events([[0.5, "gateway/app.py", "f", "MainThread", "", ""]], 1.0, "gateway")
 
 
 def test_the_markdown_round_trips_through_the_doc_parser() -> None:

@@ -6,12 +6,12 @@ The wrapped process runs as usual (`runpy`, as `python -m` would), with a profil
 before anything starts, in the main thread and in every thread started later (the worker's engine
 thread, `asyncio.to_thread` workers). The hook returns at once until SIGUSR1 opens a window;
 inside it, every call (or coroutine resume: CPython reports both as `call`) of code in shared/,
-gateway/ or worker/ is logged when its context differs from the thread's previous logged event, so
-the log holds each change of file or context, not each call. SIGUSR2 closes the window and writes
+gateway/ or worker/ is logged when its function or context differs from the thread's previous logged event,
+so the log holds each change of function or context, not each call. SIGUSR2 closes the window and writes
 the log as JSON to `$CHUNK_PATH_OUT/<pid>.json` (from the event loop, once what was ready to run
 has run); SIGUSR1 acknowledges by writing `<pid>.started`.
 
-Each event is `[t, file, thread, task, role]`:
+Each event is `[t, file, function, thread, task, role]` (`function`: the code's qualified name):
 - `t`: `time.monotonic()`, which on Linux is one clock for every process, so the driver can cut
   the window at the instants its client sent the frame and received the answer;
 - `task`: the qualified name of the coroutine of the running asyncio task, or "" outside a task
@@ -44,7 +44,7 @@ OUT_ENV: Final = "CHUNK_PATH_OUT"
 ROLE_MARKERS: Final = {"EngineCore.step": "step", "EngineCore.expire_idle": "sweep"}
 _STACK_LIMIT: Final = 64
 
-Event = tuple[float, str, str, str, str]
+Event = tuple[float, str, str, str, str, str]
 
 
 class Recorder:
@@ -54,8 +54,8 @@ class Recorder:
         self.out_dir = out_dir
         self.active = False
         self.events: list[Event] = []
-        # Per thread: the last logged (file, task, role), so a run of calls in one file logs once.
-        self._last: dict[int, tuple[str, str, str]] = {}
+        # Per thread: the last logged (code, task, role), so a run of calls in one function logs once.
+        self._last: dict[int, tuple[CodeType, str, str]] = {}
         # code object -> project-relative path, or "" for code outside the project (the common case).
         self._files: dict[CodeType, str] = {}
         self._prefixes = tuple(str(REPO / package) + os.sep for package in PACKAGES)
@@ -92,10 +92,11 @@ class Recorder:
             if current is not None:
                 task = getattr(current.get_coro(), "__qualname__", "")
         thread = threading.current_thread()
-        key = (name, task, role)
+        key = (frame.f_code, task, role)
         if self._last.get(thread.ident or 0) != key:
             self._last[thread.ident or 0] = key
-            self.events.append((time.monotonic(), name, thread.name, task, role))
+            logged = (time.monotonic(), name, frame.f_code.co_qualname, thread.name, task, role)
+            self.events.append(logged)
 
     def start(self, _signum: int, _frame: FrameType | None) -> None:
         self.events = []
