@@ -228,6 +228,12 @@ def measure(workdir: Path) -> ChunkPath:
             raise RuntimeError(f"the traced chunk got {done['tokens']}, not {OUTPUT_TOKENS} tokens")
         logs = {name: server.signal_and_wait(signal.SIGUSR2, ".json") for name, server in servers.items()}
     events = {name: json.loads(log.read_text()) for name, log in logs.items()}
+    # The names the cut relies on must still exist: a rename would silently change the lists.
+    seen = {(task, role) for *_head, task, role in events["worker"]}
+    if not any(role == "step" for _task, role in seen):
+        raise RuntimeError("no worker event ran under EngineCore.step: update ROLE_MARKERS (traced.py)")
+    if not any(task == "TokenLogWriter.run" for task, _role in seen):
+        raise RuntimeError("the token-log flush task did not run: update BACKGROUND_TASKS")
     on_gateway = order_events(events["gateway"], t_send, "gateway")
     on_worker = order_events(events["worker"], t_send, "worker")
     return ChunkPath(
