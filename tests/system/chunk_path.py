@@ -2,28 +2,16 @@
 
     .venv/bin/python -m tests.system.chunk_path             # the measured list, grouped by process
     .venv/bin/python -m tests.system.chunk_path --markdown  # the same as docs/design.md's tables
+    .venv/bin/python -m tests.system.chunk_path --functions # and the functions each file ran
 
 It starts the real stack on loopback (redis-server on a free port, one worker with the `tiny` model
 on CPU, one gateway with `--auth off`), each server under `tests.system.traced`. A client opens a
-session and sends a few warm-up chunks (imports, first-call paths and the KV pages are done then);
+session and sends a few warm-up chunks (imports and first-call paths are done then);
 then both servers open their recording window (SIGUSR1), the client sends one token chunk asking for
 a few output tokens and waits for its `output.done`, and the windows close (SIGUSR2).
 
-What counts as the chunk's path (the choices, and why):
-- A process's path starts at the first event of its event-loop thread after the client sent the
-  frame (for the gateway, the frame arriving; for the worker, the link frame arriving), on one
-  clock: `time.monotonic()` is system-wide on Linux. It ends when the client holds `output.done`
-  and the window closes, from the event loop, after what was ready to run: so the gateway's
-  latency observation just after it wrote `output.done` is always in, never racing the client.
-  Nothing else runs then: the client sends nothing more and the loops below are left out.
-- Background loops are left out by their asyncio task, not by timing: the heartbeat
-  (`heartbeat_loop`, and its period is set to an hour besides) and the token-log flush
-  (`TokenLogWriter.run`, which writes the turn to Redis FLUSH_INTERVAL_S after the reply went out:
-  per-chunk work, but off the reply path). The engine thread's idle check (`EngineCore.expire_idle`)
-  is left out by the frame it runs under. What was left out is printed, so nothing hides.
-- A file is "engine step" when every one of its events runs under `EngineCore.step` (schedule ->
-  run -> postprocess); a file that also runs outside the step (the core itself, turns) is on the
-  path to and from it.
+What counts as the chunk's path, and why: tests/system/path_cut.py. The doc's format:
+tests/system/path_doc.py.
 """
 
 from __future__ import annotations
@@ -32,14 +20,13 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -47,21 +34,11 @@ from websockets.sync.client import ClientConnection, connect
 
 from tests.processes import REPO, Proc, http_get, stop
 from tests.shared.redis_servers import free_port, running_server
+from tests.system.path_cut import GROUPS, TOKEN_LOG_FLUSH_TASK, ChunkPath, order_events
+from tests.system.path_doc import markdown
 from tests.system.traced import OUT_ENV
 
-DESIGN_DOC: Final = REPO / "docs" / "design.md"
-SECTION_TITLE: Final = "The path of one chunk"
 COMMAND: Final = "python -m tests.system.chunk_path"
-# The doc's subsection headings, in order, and the measured group each one lists.
-GROUPS: Final = {
-    "gateway": "Gateway",
-    "worker_path": "Worker, to and from the engine step",
-    "engine_step": "Worker, the engine step",
-}
-# The doc's line with both counts; `documented_counts` reads it back.
-COUNTS_LINE: Final = "Measured: {path} files on the path, {all} with the engine step."
-BACKGROUND_TASKS: Final = ("heartbeat_loop", "TokenLogWriter.run")
-BACKGROUND_ROLES: Final = ("sweep",)
 WARMUP_CHUNKS: Final = 4
 CHUNK_TOKENS: Final = (11, 12, 13, 14, 15, 16, 17, 18)
 OUTPUT_TOKENS: Final = 4
@@ -70,73 +47,6 @@ _SIGNAL_TIMEOUT_S: Final = 10.0
 # An hour: no heartbeat and no idle expiry comes near the window.
 QUIET_FLAGS: Final = ["--idle-timeout-s", "3600"]
 QUIET_WORKER_FLAGS: Final = ["--heartbeat-s", "3600"]
-
-
-@dataclass(frozen=True)
-class ChunkPath:
-    """One measurement: each group's files in order of first execution, and what was left out."""
-
-    gateway: tuple[str, ...]
-    worker_path: tuple[str, ...]
-    engine_step: tuple[str, ...]
-    left_out: tuple[str, ...]  # "process: task or role: file", for the reader to check
-    # process -> file -> the functions that ran, in order (`--functions`: what each file does)
-    functions: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
-
-    def group(self, key: str) -> tuple[str, ...]:
-        files: tuple[str, ...] = getattr(self, key)
-        return files
-
-    @property
-    def path_files(self) -> int:
-        """Distinct files from the client frame to the engine step and back, the step excluded."""
-        return len({*self.gateway, *self.worker_path})
-
-    @property
-    def all_files(self) -> int:
-        """Distinct files with the engine step."""
-        return len({*self.gateway, *self.worker_path, *self.engine_step})
-
-
-@dataclass(frozen=True)
-class ProcessPath:
-    """One process's share of the path."""
-
-    files: tuple[str, ...]  # in order of first execution
-    step_only: frozenset[str]  # those that ran only under EngineCore.step
-    functions: dict[str, tuple[str, ...]]  # file -> its functions, in order of first execution
-    left_out: tuple[str, ...]  # "process: task or role: file"
-
-
-def order_events(events: Sequence[Sequence[Any]], t_send: float, name: str) -> ProcessPath:
-    """Cut one process's log (tests/system/traced.py) to the chunk's path."""
-    kept: list[tuple[float, str, str, str]] = []
-    left_out: set[str] = set()
-    for t, file, function, thread, task, role in events:
-        if task in BACKGROUND_TASKS or role in BACKGROUND_ROLES:
-            left_out.add(f"{name}: {task or role}: {file}")
-        else:
-            kept.append((t, file, function, "step" if role == "step" else thread))
-    loop_events = [event[0] for event in kept if event[3] == "MainThread" and event[0] >= t_send]
-    if not loop_events:
-        raise RuntimeError(f"{name}: no event on its event loop after the chunk was sent")
-    start = min(loop_events)
-    functions: dict[str, list[str]] = {}
-    outside_step: set[str] = set()
-    for t, file, function, context in sorted(kept):
-        if t < start:
-            continue
-        seen = functions.setdefault(file, [])
-        if function not in seen:
-            seen.append(function)
-        if context != "step":
-            outside_step.add(file)
-    return ProcessPath(
-        files=tuple(functions),
-        step_only=frozenset(functions) - outside_step,
-        functions={file: tuple(names) for file, names in functions.items()},
-        left_out=tuple(sorted(left_out)),
-    )
 
 
 @dataclass
@@ -232,8 +142,8 @@ def measure(workdir: Path) -> ChunkPath:
     seen = {(task, role) for *_head, task, role in events["worker"]}
     if not any(role == "step" for _task, role in seen):
         raise RuntimeError("no worker event ran under EngineCore.step: update ROLE_MARKERS (traced.py)")
-    if not any(task == "TokenLogWriter.run" for task, _role in seen):
-        raise RuntimeError("the token-log flush task did not run: update BACKGROUND_TASKS")
+    if not any(task == TOKEN_LOG_FLUSH_TASK for task, _role in seen):
+        raise RuntimeError(f"no event of the task {TOKEN_LOG_FLUSH_TASK}: update path_cut.py")
     on_gateway = order_events(events["gateway"], t_send, "gateway")
     on_worker = order_events(events["worker"], t_send, "worker")
     return ChunkPath(
@@ -243,58 +153,6 @@ def measure(workdir: Path) -> ChunkPath:
         left_out=on_gateway.left_out + on_worker.left_out,
         functions={"gateway": on_gateway.functions, "worker": on_worker.functions},
     )
-
-
-# ---- docs/design.md ---------------------------------------------------------------------------
-
-_ROW: Final = re.compile(r"^\|\s*\d+\s*\|\s*`([^`]+)`\s*\|\s*(.*?)\s*\|\s*$")
-
-
-def _section(doc: str | None) -> str:
-    text = DESIGN_DOC.read_text() if doc is None else doc
-    match = re.search(rf"^## [\d. ]*{SECTION_TITLE}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
-    if match is None:
-        raise ValueError(f"docs/design.md has no section '{SECTION_TITLE}'")
-    return match.group(1)
-
-
-def documented_counts(doc: str | None = None) -> tuple[int, int]:
-    """The section's (files on the path, files with the engine step)."""
-    pattern = re.escape(COUNTS_LINE).replace(r"\{path\}", r"(\d+)").replace(r"\{all\}", r"(\d+)")
-    match = re.search(pattern, _section(doc))
-    if match is None:
-        raise ValueError(f"the section has no line '{COUNTS_LINE}'")
-    return int(match.group(1)), int(match.group(2))
-
-
-def documented(doc: str | None = None) -> dict[str, list[tuple[str, str]]]:
-    """The section's tables: group -> [(file, role)], in the doc's order."""
-    tables: dict[str, list[tuple[str, str]]] = {}
-    current: str | None = None
-    for line in _section(doc).splitlines():
-        if line.startswith("### "):
-            heading = line[4:]
-            current = next((key for key, title in GROUPS.items() if heading.startswith(title)), None)
-            if current is not None:
-                tables[current] = []
-        elif current is not None and (row := _ROW.match(line)):
-            tables[current].append((row.group(1), row.group(2)))
-    return tables
-
-
-def markdown(path: ChunkPath, doc: str | None = None) -> str:
-    """The section's tables for `path`; each file's role is carried over from the doc (TODO if new)."""
-    try:
-        tables = documented(doc)
-    except ValueError:  # no section yet: every role is a TODO
-        tables = {}
-    lines = [COUNTS_LINE.format(path=path.path_files, all=path.all_files)]
-    for key, title in GROUPS.items():
-        roles = dict(tables.get(key, []))
-        files = path.group(key)
-        lines += ["", f"### {title} ({len(files)} files)", "", "| # | file | role |", "|---|---|---|"]
-        lines += [f"| {i} | `{file}` | {roles.get(file, 'TODO')} |" for i, file in enumerate(files, 1)]
-    return "\n".join(lines)
 
 
 def report(path: ChunkPath, *, functions: bool = False) -> str:

@@ -10,16 +10,9 @@ from __future__ import annotations
 import pytest
 
 from tests.shared.redis_servers import ServerUnavailable
-from tests.system.chunk_path import (
-    COMMAND,
-    GROUPS,
-    ChunkPath,
-    documented,
-    documented_counts,
-    markdown,
-    measure,
-    order_events,
-)
+from tests.system.chunk_path import COMMAND, measure
+from tests.system.path_cut import GROUPS, ChunkPath, order_events
+from tests.system.path_doc import documented, documented_counts, markdown
 
 # Issue #7: "The design document lists, in order, the files one chunk passes through from the
 # client frame to the engine step and back: at most 16 (today 28)."
