@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from typing import Any, Final
 
 from websockets.sync.client import ClientConnection, connect
 
+from shared.processes import spawn
 from tests.processes import REPO, Proc, http_get, stop
 from tests.shared.redis_servers import free_port, running_server
 from tests.system.path_cut import GROUPS, TOKEN_LOG_FLUSH_TASK, ChunkPath, order_events
@@ -44,6 +44,7 @@ CHUNK_TOKENS: Final = (11, 12, 13, 14, 15, 16, 17, 18)
 OUTPUT_TOKENS: Final = 4
 _READY_TIMEOUT_S: Final = 60.0
 _SIGNAL_TIMEOUT_S: Final = 10.0
+_STOP_TIMEOUT_S: Final = 10.0
 # An hour: no heartbeat and no idle expiry comes near the window.
 QUIET_FLAGS: Final = ["--idle-timeout-s", "3600"]
 QUIET_WORKER_FLAGS: Final = ["--heartbeat-s", "3600"]
@@ -73,12 +74,12 @@ def _traced(name: str, command: str, flags: list[str], workdir: Path) -> Iterato
     port = free_port()
     args = [sys.executable, "-m", "tests.system.traced", "shared.cli", command]
     args += ["--host", "127.0.0.1", "--port", str(port), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", OUT_ENV: str(workdir)}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env = {"OMP_NUM_THREADS": "1", OUT_ENV: str(workdir)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     log_path = workdir / f"{name}.log"
     with open(log_path, "wb") as log:
-        popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    proc = Proc(name, port, args, log_path, popen)
+        child = spawn(name, args, _STOP_TIMEOUT_S, log, env=env, cwd=REPO, die_with_parent=False)
+    proc = Proc(name, port, args, log_path, child)
     try:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         while not _ready(proc):
