@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Final
 
 import redis.asyncio as redis
@@ -47,6 +48,34 @@ return 0
 """
 
 
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """One finished turn as the reply path hands it over; encoded only by the flush task."""
+
+    seq: int
+    tokens: tuple[int, ...]
+    inputs: int
+    tail: TextTail
+
+    def record(self) -> bytes:
+        tail = self.tail
+        return encode_log_record(
+            self.seq, self.tokens, inputs=self.inputs, tail_text=tail.text, tail_context=tail.context
+        )
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A session's turns not yet flushed, oldest first, and what its log key's TTL must be."""
+
+    turns: list[_Turn]
+    ttl_s: float
+
+    @property
+    def last_seq(self) -> int:
+        return self.turns[-1].seq
+
+
 class TokenLogWriter:
     def __init__(self, client: redis.Redis, schema: KeySchema, *, grace_s: float, worker_id: str) -> None:
         self.client = client
@@ -58,8 +87,9 @@ class TokenLogWriter:
         # append already on its way (which would re-create a closed session's log), and a rewrite
         # never interleaves with an append.
         self._redis_turn = asyncio.Lock()
-        # sid -> (encoded records not yet flushed, last seq among them, idle timeout)
-        self._pending: dict[str, tuple[bytearray, int, float]] = {}
+        # sid -> its turns not yet flushed. Kept as turns, not bytes: encoding a record is the flush
+        # task's work, so the reply path only appends to a list.
+        self._pending: dict[str, _Queued] = {}
         self._mirror: dict[str, bytearray] = {}
         self._durable: dict[str, int] = {}
         self._wakeup = asyncio.Event()
@@ -86,13 +116,13 @@ class TokenLogWriter:
         """Queue turn `seq`'s tokens (its `inputs` input tokens, then its outputs) and the session's
         text tail after its input. A turn that added nothing is still recorded: its seq is what
         tells a restoring worker that the turn was done."""
-        record = encode_log_record(seq, tokens, inputs=inputs, tail_text=tail.text, tail_context=tail.context)
+        turn = _Turn(seq, tuple(tokens), inputs, tail)
         queued = self._pending.get(sid)
         if queued is None:
-            self._pending[sid] = (bytearray(record), seq, idle_timeout_s)
+            self._pending[sid] = _Queued([turn], idle_timeout_s)
         else:
-            queued[0].extend(record)
-            self._pending[sid] = (queued[0], seq, idle_timeout_s)
+            queued.turns.append(turn)
+            queued.ttl_s = idle_timeout_s
         self._wakeup.set()
 
     def durable_seq(self, sid: str) -> int | None:
@@ -137,11 +167,12 @@ class TokenLogWriter:
         if not self._pending:
             return True
         batch, self._pending = self._pending, {}
+        records = {sid: b"".join(turn.record() for turn in queued.turns) for sid, queued in batch.items()}
         pipe = self.client.pipeline(transaction=False)
-        for sid, (data, _seq, idle_timeout_s) in batch.items():
+        for sid, queued in batch.items():
             key = self.schema.log(sid)
-            pipe.append(key, bytes(data))
-            pipe.pexpire(key, int((idle_timeout_s + self.grace_s) * 1000))
+            pipe.append(key, records[sid])
+            pipe.pexpire(key, int((queued.ttl_s + self.grace_s) * 1000))
         try:
             async with self._redis_turn:
                 await pipe.execute()
@@ -150,21 +181,22 @@ class TokenLogWriter:
             # that did land before the failure is written twice; the reader skips the duplicate.
             self.failures += 1
             self._outage.failed(exc)
-            for sid, (data, seq, ttl) in batch.items():
+            for sid, queued in batch.items():
                 if sid not in self._mirror:
                     continue  # the session ended meanwhile: its log must not come back
                 later = self._pending.get(sid)
                 if later is not None:
-                    data.extend(later[0])
-                self._pending[sid] = (data, seq if later is None else later[1], ttl)
+                    queued.turns.extend(later.turns)
+                    queued.ttl_s = later.ttl_s
+                self._pending[sid] = queued
             return False
         self._outage.succeeded()
         self.flushes += 1
-        for sid, (data, seq, _ttl) in batch.items():
+        for sid, queued in batch.items():
             mirror = self._mirror.get(sid)
             if mirror is not None:  # None: the session ended while its append was on its way
-                mirror.extend(data)
-                self._durable[sid] = seq
+                mirror.extend(records[sid])
+                self._durable[sid] = queued.last_seq
         return True
 
     async def run(self) -> None:
