@@ -43,10 +43,10 @@ from typing import Any, Final
 from redis.exceptions import RedisError
 from starlette.websockets import WebSocket
 
+from gateway.lifecycle import Phase, Request, SessionEnded, SessionLifecycle
 from gateway.limits import SessionLimits, check_frame_size
 from gateway.links import Link
 from gateway.outbox import Outbox
-from gateway.restore_flow import Phase, SessionEnded
 from gateway.services import GatewayServices
 from gateway.session_auth import Principal, SessionAuth
 from gateway.session_flows import PendingOpen, SessionFlows
@@ -54,7 +54,6 @@ from gateway.tail import UndurableTail
 from shared.errors import (
     BadSequence,
     InternalError,
-    InvalidMessage,
     MicroturnError,
     WorkerUnavailable,
     error_from_code,
@@ -94,9 +93,6 @@ from shared.registry import SessionRecord
 
 logger = logging.getLogger(__name__)
 
-# What a client is told to wait before resending an `output.cancel` refused while its session moves
-# (chunks are held then, not refused).
-MOVING_RETRY_MS: Final = 250
 # How long a fatal error and its close may take to go out once the receive loop has stopped.
 CLOSE_FLUSH_S: Final = 5.0
 
@@ -123,7 +119,7 @@ class ClientSession(SessionFlows):
                 limits = dataclasses.replace(limits, max_chunks_per_s=self._auth.chunks_per_s)
         self._limits = SessionLimits(limits)
         self.outbox = Outbox(ws, encoding, services.metrics, self._limits.observe_turn)
-        self.phase = Phase.IDLE
+        self.life = SessionLifecycle()  # its phase, changed only through `life.move` (lifecycle.py)
         self.sid: str | None = None
         self._config = OpenConfig()
         self._record: SessionRecord | None = None
@@ -135,8 +131,6 @@ class ClientSession(SessionFlows):
         self._in_flight: dict[int, float] = {}
         self._tail = UndurableTail()
         self._last_done_seq: int | None = None
-        # True once the worker side is over for this socket: no detach, no close to send.
-        self._session_gone = False
         self._length = 0  # the session's length after its last done: a turn's tokens are the growth
         self._expire_task: asyncio.Task[None] | None = None
 
@@ -193,7 +187,7 @@ class ClientSession(SessionFlows):
 
     async def _release(self) -> None:
         """The socket is gone: stop restoring, and detach the session if it is still ours."""
-        self.phase = Phase.ENDED
+        self.life.end_socket()
         if self._restore_task is not None:
             self._restore_task.cancel()
             await asyncio.gather(self._restore_task, return_exceptions=True)
@@ -205,7 +199,7 @@ class ClientSession(SessionFlows):
             return
         link = self._s.pool.bound_link(sid, self)
         self._s.pool.unbind(sid, self)
-        if link is not None and not self._session_gone:
+        if link is not None and not self.life.gone:
             # A worker that cannot be reached is gone, and its loss ends the session there anyway.
             with contextlib.suppress(WorkerUnavailable):
                 await link.send(LinkDetach(sid))
@@ -228,41 +222,41 @@ class ClientSession(SessionFlows):
 
     async def _start(self, flow: Coroutine[Any, Any, None]) -> None:
         """Run an open or resume flow; on a recoverable failure the socket is back to IDLE."""
-        if self.phase is not Phase.IDLE:
+        refusal = self.life.refusal(Request.OPEN)
+        if refusal is not None:
             flow.close()
-            raise InvalidMessage(f"this socket already has a session ({self.phase.value})")
-        self.phase = Phase.OPENING
+            raise refusal
+        self.life.move(Phase.OPENING)
         try:
             await flow
         except BaseException:
-            if self.phase is Phase.OPENING:
+            if self.life.phase is Phase.OPENING:
                 self._forget_session()
                 if self._auth is not None:
                     await self._auth.release()
             raise
-        if self._auth is not None and self.phase is Phase.ACTIVE:
+        if self._auth is not None and self.life.phase is Phase.ACTIVE:
             self._auth.start()
 
     def _forget_session(self) -> None:
         if self.sid is not None:
             self._s.pool.unbind(self.sid, self)
-        self.phase = Phase.IDLE
+        self.life.move(Phase.IDLE)
         self.sid = None
         self._record = None
         self._link = None
 
     async def _chunk(self, msg: InputChunk, received: float) -> None:
-        if self.phase is Phase.RESTORING and self.sid is not None:
+        link, sid = self._link, self.sid
+        if self.life.phase is not Phase.ACTIVE or link is None or sid is None:
+            self.life.check(Request.CHUNK)  # served otherwise only while RESTORING
+            if self.life.phase is not Phase.RESTORING or sid is None:
+                raise InternalError(f"a {self.life.phase.value} session without a link")
             # Held, not refused: it goes to the new worker with the tail, or right after its restore.
             self._admit(msg)
             self._in_flight[msg.seq] = received
-            self._tail.add(chunk_to_link(self.sid, msg), sent=False)
+            self._tail.add(chunk_to_link(sid, msg), sent=False)
             return
-        link, sid = self._link, self.sid
-        if self.phase is not Phase.ACTIVE or link is None or sid is None:
-            raise InvalidMessage(
-                f"no active session ({self.phase.value}): send session.open or session.resume first"
-            )
         self._admit(msg)
         # In flight before the write: the done can arrive while the write is still draining.
         self._in_flight[msg.seq] = received
@@ -294,34 +288,34 @@ class ClientSession(SessionFlows):
         )
 
     async def _cancel(self, msg: OutputCancel) -> None:
-        if self.phase is Phase.RESTORING:
-            raise WorkerUnavailable("the session is moving to another worker", retry_after_ms=MOVING_RETRY_MS)
-        if self.phase is not Phase.ACTIVE or self._link is None or self.sid is None:
-            raise InvalidMessage(f"no active session ({self.phase.value})")
+        self.life.check(Request.CANCEL)
+        if self._link is None or self.sid is None:
+            raise InternalError("an active session without a link")
         await self._link.send(LinkCancel(self.sid, msg.seq))
 
     async def _close(self) -> None:
-        if self.phase is Phase.RESTORING and self._restore_task is not None:
+        if self.life.phase is Phase.RESTORING and self._restore_task is not None:
             await asyncio.gather(self._restore_task, return_exceptions=True)
-        if self.phase is not Phase.ACTIVE or self._link is None or self.sid is None:
-            if self.phase is Phase.IDLE:  # nothing to close: say so politely and hang up
-                self.outbox.put(SessionClosed("closed"))
-                self._end(CLOSE_NORMAL)
-                return
-            raise InvalidMessage(f"no active session to close ({self.phase.value})")
+        self.life.check(Request.CLOSE)
+        if self.life.phase is Phase.IDLE:  # nothing to close: say so politely and hang up
+            self.outbox.put(SessionClosed("closed"))
+            self._end(CLOSE_NORMAL)
+            return
         sid, link = self.sid, self._link
-        self.phase = Phase.CLOSING
+        if sid is None or link is None:
+            raise InternalError("an active session without a link")
+        self.life.move(Phase.CLOSING)
         self._closed_future = asyncio.get_running_loop().create_future()
         try:
             await link.send(LinkClose(sid))
             reason = await asyncio.wait_for(self._closed_future, self._s.settings.open_timeout_s)
         except (WorkerUnavailable, TimeoutError):
             reason = None
-        if reason is None and not self._session_gone:
+        if reason is None and not self.life.gone:
             # The worker could not confirm: end the session here, so it cannot be resumed.
             logger.warning("worker did not confirm close of %s; deleting its keys", sid)
             self._s.pool.unbind(sid, self)
-            self._session_gone = True
+            self.life.end_session()
             await self._s.store.delete(sid)
             self.outbox.put(SessionClosed("closed"))
             self._end(CLOSE_NORMAL)
@@ -344,7 +338,7 @@ class ClientSession(SessionFlows):
             self._on_closed(frame.reason)
         elif isinstance(frame, LinkMigrate):
             self._tail.durable(frame.durable_seq)
-            if self.phase is Phase.ACTIVE and self._link is not None:
+            if self.life.phase is Phase.ACTIVE and self._link is not None:
                 self._s.metrics.sessions_migrated += 1
                 self._move(self._link, "its worker is draining")
         elif isinstance(frame, LinkError) and frame.seq is None and self._pending is not None:
@@ -378,13 +372,13 @@ class ClientSession(SessionFlows):
                 self._tail.refused(frame.seq)
             self.outbox.put(error_to_client(frame))
             if frame.fatal:
-                self._session_gone = True
+                self.life.end_session()
                 if self.sid is not None:
                     self._s.pool.unbind(self.sid, self)
                 self._end(close_code_for(frame.code))
 
     def _on_closed(self, reason: CloseReason) -> None:
-        self._session_gone = True
+        self.life.end_session()
         if self.sid is not None:
             self._s.pool.unbind(self.sid, self)
         self._fail_pending(SessionEnded())

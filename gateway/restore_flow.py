@@ -14,13 +14,13 @@ arrives meanwhile is either held (and sent here) or sent by the receive loop aft
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from redis.exceptions import RedisError
 
+from gateway.lifecycle import Phase, SessionEnded, SessionLifecycle
 from gateway.links import Link
 from gateway.services import GatewayServices
 from gateway.tail import UndurableTail
@@ -43,19 +43,6 @@ logger = logging.getLogger(__name__)
 RESTORE_BACKOFF_S: Final = (0.0, 0.25, 0.5, 1.0)
 
 
-class Phase(enum.Enum):
-    IDLE = "idle"  # no session yet: open or resume
-    OPENING = "opening"  # open or resume in progress
-    ACTIVE = "active"
-    RESTORING = "restoring"  # the worker was lost; moving to another one
-    CLOSING = "closing"  # session.close sent to the worker
-    ENDED = "ended"  # the socket is closing
-
-
-class SessionEnded(Exception):
-    """The session ended (closed, taken over) while a request for it was in flight: already told."""
-
-
 class RestoreFlow:
     """Mixed into `ClientSession`: the restore flow and the link-loss / migrate entry points."""
 
@@ -64,10 +51,9 @@ class RestoreFlow:
     _record: SessionRecord | None
     _tail: UndurableTail
     _last_done_seq: int | None
-    _session_gone: bool
     _restore_task: asyncio.Task[None] | None
     _closed_future: asyncio.Future[CloseReason | None] | None
-    phase: Phase
+    life: SessionLifecycle
     sid: str | None
 
     if TYPE_CHECKING:  # provided by ClientSession
@@ -148,17 +134,17 @@ class RestoreFlow:
             # session.resume (when a worker has room again) restores it.
             logger.warning("could not restore session %s: %s", sid, exc)
             self._s.pool.unbind(sid, self)
-            self._session_gone = True
+            self.life.end_session()
             self._error(exc, fatal=True)
         except RedisError as exc:
             logger.warning("session store error while restoring %s: %r", sid, exc)
-            self._session_gone = True
+            self.life.end_session()
             self._error(
                 WorkerUnavailable("the session store is unavailable", retry_after_ms=1000), fatal=True
             )
         except Exception:
             logger.exception("restore of session %s crashed", sid)
-            self._session_gone = True
+            self.life.end_session()
             self._error(InternalError("internal gateway error"), fatal=True)
 
     def on_link_lost(self, link: Link) -> None:
@@ -169,7 +155,7 @@ class RestoreFlow:
 
     def _move(self, link: Link, why: str) -> None:
         """Restore the session on another worker with its undurable tail (a crash or a drain)."""
-        if self.phase is not Phase.ACTIVE or self.sid is None or self._record is None:
+        if self.life.phase is not Phase.ACTIVE or self.sid is None or self._record is None:
             return
         logger.warning(
             "session %s leaves worker %s (%s); restoring with %d undurable chunk(s)",
@@ -179,7 +165,7 @@ class RestoreFlow:
             len(self._tail),
         )
         self._s.pool.unbind(self.sid, self)  # the old worker's late frames are not ours any more
-        self.phase = Phase.RESTORING
+        self.life.move(Phase.RESTORING)
         self._restore_task = asyncio.create_task(
             self._restore_after_loss(self.sid, self._record), name=f"restore {self.sid}"
         )

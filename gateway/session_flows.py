@@ -26,10 +26,11 @@ from typing import Final
 
 from redis.exceptions import RedisError
 
+from gateway.lifecycle import Phase, SessionEnded, SessionLifecycle
 from gateway.limits import SessionLimits
 from gateway.links import Link
 from gateway.outbox import Outbox
-from gateway.restore_flow import Phase, RestoreFlow, SessionEnded
+from gateway.restore_flow import RestoreFlow
 from gateway.services import GatewayServices
 from gateway.session_auth import SessionAuth
 from shared.errors import (
@@ -81,7 +82,7 @@ class SessionFlows(RestoreFlow, abc.ABC):
     _auth: SessionAuth | None
     _limits: SessionLimits
     outbox: Outbox
-    phase: Phase
+    life: SessionLifecycle
     sid: str | None
     _config: OpenConfig
     _record: SessionRecord | None
@@ -89,7 +90,6 @@ class SessionFlows(RestoreFlow, abc.ABC):
     _pending: PendingOpen | None
     _last_done_seq: int | None
     _length: int
-    _session_gone: bool
     _expire_task: asyncio.Task[None] | None
 
     # The link pool routes the session's frames to these (gateway/links.py `LinkListener`).
@@ -106,7 +106,7 @@ class SessionFlows(RestoreFlow, abc.ABC):
             self._end(close_code_for(exc.code))
 
     def _end(self, code: int) -> None:
-        self.phase = Phase.ENDED
+        self.life.end_socket()
         self.outbox.close(code)
 
     def _fail_pending(self, exc: BaseException) -> None:
@@ -141,7 +141,7 @@ class SessionFlows(RestoreFlow, abc.ABC):
         self._record = record
         self._last_done_seq = opened.last_seq
         self._length = opened.length
-        self.phase = Phase.ACTIVE
+        self.life.move(Phase.ACTIVE)
 
     async def _open(self, config: OpenConfig) -> None:
         s = self._s
@@ -219,20 +219,20 @@ class SessionFlows(RestoreFlow, abc.ABC):
     # ---- credential limits (called by SessionAuth's timers and on_done: no awaiting here) ----------
 
     def _warn_expiring(self, warning: SessionExpiring) -> None:
-        if self.phase is not Phase.ENDED:
+        if not self.life.ended:
             self.outbox.put(warning)
 
     def _expire(self, why: str) -> None:
         """The session reached a limit of its credential: it ends on the worker, the client is told."""
         sid, link = self.sid, self._link
-        if self.phase is Phase.ENDED or sid is None:
+        if self.life.ended or sid is None:
             return
         logger.info("session %s expired: %s", sid, why)
         self._fail_pending(SessionEnded())
         self._s.pool.unbind(sid, self)
-        if not self._session_gone and link is not None:
+        if link is not None:
             self._expire_task = asyncio.create_task(self._close_on_worker(link, sid), name=f"expire {sid}")
-        self._session_gone = True
+        self.life.end_session()
         self._error(SessionExpired(why), fatal=True)
 
     async def _close_on_worker(self, link: Link, sid: str) -> None:
