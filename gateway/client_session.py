@@ -130,7 +130,10 @@ class ClientSession(SessionFlows):
         # seq -> monotonic arrival time, for every chunk forwarded and not yet answered.
         self._in_flight: dict[int, float] = {}
         self._tail = UndurableTail()
-        self._last_done_seq: int | None = None
+        # The last seq the session finished, as this socket knows it (the worker's at `opened`, then
+        # each done; None: none): every done up to it has been queued for the client, and a chunk at
+        # or below it can only be refused (the worker's seq ordering is past it).
+        self._finished_seq: int | None = None
         self._length = 0  # the session's length after its last done: a turn's tokens are the growth
         self._expire_task: asyncio.Task[None] | None = None
 
@@ -161,11 +164,12 @@ class ClientSession(SessionFlows):
                 text: str | None = message.get("text")
                 data: str | bytes | None = text if text is not None else message.get("bytes")
                 if data is not None:
-                    await self._handle_frame(data, received)
-        except Exception:  # _handle_frame answers every error itself: this is the socket failing
+                    await self.handle_frame(data, received)
+        except Exception:  # handle_frame answers every error itself: this is the socket failing
             logger.exception("receive loop of session %s failed", self.sid)
 
-    async def _handle_frame(self, data: str | bytes, received: float) -> None:
+    async def handle_frame(self, data: str | bytes, received: float) -> None:
+        """One client frame: decoded, checked, served; every error is answered here."""
         seq: int | None = None
         try:
             limit = self._s.limits.max_frame_bytes
@@ -275,6 +279,12 @@ class ClientSession(SessionFlows):
         """Every check that can refuse a chunk; raises having changed nothing, or charges its limits."""
         if msg.seq in self._in_flight:
             raise BadSequence(f"seq {msg.seq} is already running")
+        finished = self._finished_seq
+        if finished is not None and msg.seq <= finished:
+            # The worker would refuse it too, but forwarding it would replace the turn's entry in the
+            # undurable tail (its delivered output) with a chunk to run: a restore would then run,
+            # log and answer the turn a second time.
+            raise BadSequence(f"seq {msg.seq} is not above the last finished seq {finished}")
         if self._auth is not None:
             self._auth.check_chunk()
         wants_output = (
@@ -358,8 +368,8 @@ class ClientSession(SessionFlows):
                 return
             started = self._in_flight.pop(frame.seq, None)
             self._limits.settle(frame.seq)
-            if self._last_done_seq is None or frame.seq > self._last_done_seq:
-                self._last_done_seq = frame.seq
+            if self._finished_seq is None or frame.seq > self._finished_seq:
+                self._finished_seq = frame.seq
             self.outbox.put(done_to_client(frame), started)
             # In + out: the growth of the session (at least its outputs, should truncation shrink it).
             grown, self._length = max(frame.length - self._length, len(frame.tokens)), frame.length

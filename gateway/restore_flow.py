@@ -50,7 +50,7 @@ class RestoreFlow:
     _config: OpenConfig
     _record: SessionRecord | None
     _tail: UndurableTail
-    _last_done_seq: int | None
+    _finished_seq: int | None
     _restore_task: asyncio.Task[None] | None
     _closed_future: asyncio.Future[CloseReason | None] | None
     life: SessionLifecycle
@@ -79,9 +79,10 @@ class RestoreFlow:
         sid: str,
         record: SessionRecord,
         reply: Callable[[LinkOpened], list[ServerMessage]],
-        last_seq: int | None,
+        seen_seq: int | None,
     ) -> None:
-        """Place the session on a live worker and rebuild it there from its token log."""
+        """Place the session on a live worker and rebuild it there from its token log; `seen_seq` is
+        the last output seq the client saw (`LinkRestore.seen_seq`)."""
         s = self._s
         last: MicroturnError = WorkerUnavailable("no worker could take the session")
         for delay in RESTORE_BACKOFF_S:
@@ -95,7 +96,7 @@ class RestoreFlow:
             link = s.pool.link(placed.url, placed.record.worker)
             tail = self._tail.snapshot()
             frame = LinkRestore(
-                sid, self._config, None, last_seq, placed.record.token_sha256, placed.record.created_ms, tail
+                sid, self._config, None, seen_seq, placed.record.token_sha256, placed.record.created_ms, tail
             )
             try:
                 opened = await self._request(sid, link, frame, reply)
@@ -126,7 +127,8 @@ class RestoreFlow:
             return [SessionRestored(sid, opened.length)]
 
         try:
-            await self._restore(sid, record, restored, self._last_done_seq)
+            # Every done up to the finished seq has been queued for the client: it is what it saw.
+            await self._restore(sid, record, restored, self._finished_seq)
         except SessionEnded:
             pass
         except MicroturnError as exc:

@@ -88,7 +88,7 @@ class SessionFlows(RestoreFlow, abc.ABC):
     _record: SessionRecord | None
     _link: Link | None
     _pending: PendingOpen | None
-    _last_done_seq: int | None
+    _finished_seq: int | None
     _length: int
     _expire_task: asyncio.Task[None] | None
 
@@ -139,7 +139,7 @@ class SessionFlows(RestoreFlow, abc.ABC):
     def _activate(self, link: Link, record: SessionRecord, opened: LinkOpened) -> None:
         self._link = link
         self._record = record
-        self._last_done_seq = opened.last_seq
+        self._finished_seq = opened.last_seq
         self._length = opened.length
         self.life.move(Phase.ACTIVE)
 
