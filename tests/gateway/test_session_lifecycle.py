@@ -20,6 +20,14 @@ from shared.protocol import (
     ClientMessage,
     Error,
     InputChunk,
+    OpenConfig,
+    OutputCancel,
+    OutputDone,
+    SessionClose,
+    SessionClosed,
+    SessionOpen,
+)
+from shared.protocol.link import (
     LinkAttach,
     LinkChunk,
     LinkClose,
@@ -27,18 +35,9 @@ from shared.protocol import (
     LinkDetach,
     LinkOpen,
     LinkRestore,
-    OpenConfig,
-    OutputCancel,
-    OutputDone,
-    SessionClose,
-    SessionClosed,
-    SessionOpen,
-    SessionOpened,
-    SessionRestored,
-    SessionResume,
-    SessionResumed,
     TailTurn,
 )
+from shared.protocol.messages import SessionOpened, SessionRestored, SessionResume, SessionResumed
 from tests.gateway.session_fakes import Gateway, Socket
 
 OPEN = SessionOpen(OpenConfig())
@@ -144,7 +143,8 @@ def test_link_loss_restores_with_the_tail_and_holds_chunks_meanwhile() -> None:
         assert await sock.send(chunk(3)) == []  # held, not refused
         [restore] = gw.workers["w2"].received
         assert isinstance(restore, LinkRestore) and restore.seen_seq == 1
-        assert restore.tail == (TailTurn(LinkChunk(sid, 1, (1, 2)), (7,)), TailTurn(LinkChunk(sid, 2, (1, 2))))
+        delivered, in_flight = TailTurn(LinkChunk(sid, 1, (1, 2)), (7,)), TailTurn(LinkChunk(sid, 2, (1, 2)))
+        assert restore.tail == (delivered, in_flight)
         gw.workers["w2"].answering = True  # the new worker answers the restore, then the held chunk
         gw.pool.dispatch(gw.link("w2"), gw.workers["w2"].answer(restore)[0])
         restore_task = sock.session._restore_task
