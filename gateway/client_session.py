@@ -10,8 +10,10 @@ all on the event loop, none blocking the others:
   those only update state and queue messages in the `Outbox`, never await;
 - a restore task, started when the worker link breaks (docs/design.md section 5 "Worker loss").
 
-Open, resume and restore (the flows that place the session on a worker) live in the base class,
-`SessionFlows` (session_flows.py); this module is the socket, the chunks and the worker's frames.
+All three change the session's phase only through `self.life` (lifecycle.py: the phases, the allowed
+moves and the requests each phase serves). Open, resume and restore (the flows that place the session
+on a worker) live in the base class, `SessionFlows` (session_flows.py); this module is the socket,
+the chunks and the worker's frames.
 
 Invariants:
 - Redis is touched only at open, resume, close and restore, all through `SessionStore`
@@ -25,9 +27,8 @@ Invariants:
   while the session moves are held in the tail and sent once it is restored.
 - Every check that can refuse a chunk runs before the chunk is forwarded; a refused chunk leaves the
   session untouched (recoverable error, socket stays open).
-- The session (`sid`) is bound in the link pool before open/attach/restore is sent, so the answer
-  cannot arrive unrouted; `detach` is sent on disconnect only while this socket is still the
-  bound listener and the session has not ended (closed, taken over).
+- `detach` is sent on disconnect only while this socket is still the bound listener and the phase
+  is not GONE (closed, taken over, expired, lost for good).
 """
 
 from __future__ import annotations
@@ -65,7 +66,6 @@ from shared.protocol import (
     Encoding,
     InputChunk,
     LinkCancel,
-    LinkClose,
     LinkClosed,
     LinkDelta,
     LinkDetach,
@@ -302,33 +302,6 @@ class ClientSession(SessionFlows):
         if self._link is None or self.sid is None:
             raise InternalError("an active session without a link")
         await self._link.send(LinkCancel(self.sid, msg.seq))
-
-    async def _close(self) -> None:
-        if self.life.phase is Phase.RESTORING and self._restore_task is not None:
-            await asyncio.gather(self._restore_task, return_exceptions=True)
-        self.life.check(Request.CLOSE)
-        if self.life.phase is Phase.IDLE:  # nothing to close: say so politely and hang up
-            self.outbox.put(SessionClosed("closed"))
-            self._end(CLOSE_NORMAL)
-            return
-        sid, link = self.sid, self._link
-        if sid is None or link is None:
-            raise InternalError("an active session without a link")
-        self.life.move(Phase.CLOSING)
-        self._closed_future = asyncio.get_running_loop().create_future()
-        try:
-            await link.send(LinkClose(sid))
-            reason = await asyncio.wait_for(self._closed_future, self._s.settings.open_timeout_s)
-        except (WorkerUnavailable, TimeoutError):
-            reason = None
-        if reason is None and not self.life.gone:
-            # The worker could not confirm: end the session here, so it cannot be resumed.
-            logger.warning("worker did not confirm close of %s; deleting its keys", sid)
-            self._s.pool.unbind(sid, self)
-            self.life.end_session()
-            await self._s.store.delete(sid)
-            self.outbox.put(SessionClosed("closed"))
-            self._end(CLOSE_NORMAL)
 
     # ---- worker frames (called by the link reader: no awaiting here) --------------------------
 

@@ -1,10 +1,11 @@
-"""Opening and resuming a client's session (the flows that place it on a worker), and ending it
-when it outlives its credential.
+"""Opening, resuming and closing a client's session (the flows that place it on a worker and end
+it there), and ending it when it outlives its credential.
 
-Why apart from client_session.py: these are the only steps of a socket's life that await Redis and
-a worker's `opened` (docs/design.md section 5: placement, resume, worker loss); the per-chunk path and the
-worker-frame dispatch never call them. `SessionFlows` is the base of `ClientSession`, which owns the
-state both share (declared below) and answers the link's callbacks.
+Why apart from client_session.py: these are the steps of a socket's life that await Redis and a
+worker's `opened` or `closed` (docs/design.md section 5: placement, resume, worker loss); the
+per-chunk path and the worker-frame dispatch never call them. `SessionFlows` is the base of
+`ClientSession`, which owns the state both share (declared below and in `RestoreFlow`) and answers
+the link's callbacks.
 
 Invariants (see client_session.py for the whole picture):
 - The session (`sid`) is bound in the link pool before open/attach/restore is sent, so the answer
@@ -26,27 +27,29 @@ from typing import Final
 
 from redis.exceptions import RedisError
 
-from gateway.lifecycle import Phase, SessionEnded, SessionLifecycle
+from gateway.lifecycle import Phase, Request, SessionEnded
 from gateway.limits import SessionLimits
 from gateway.links import Link
 from gateway.outbox import Outbox
 from gateway.restore_flow import RestoreFlow
-from gateway.services import GatewayServices
 from gateway.session_auth import SessionAuth
 from shared.errors import (
     CapacityExhausted,
+    InternalError,
     MicroturnError,
     SessionExpired,
     SessionNotFound,
     WorkerUnavailable,
 )
 from shared.protocol import (
+    CLOSE_NORMAL,
     LinkAttach,
     LinkClose,
     LinkOpen,
     LinkOpened,
     OpenConfig,
     ServerMessage,
+    SessionClosed,
     SessionExpiring,
     SessionOpened,
     SessionRestored,
@@ -75,20 +78,14 @@ class PendingOpen:
 
 
 class SessionFlows(RestoreFlow, abc.ABC):
-    """Open and resume for one socket (restore: `RestoreFlow`); `ClientSession` holds the state and
-    the callbacks."""
+    """Open, resume and close for one socket (restore: `RestoreFlow`); `ClientSession` holds the state
+    and the callbacks. The state only these flows and the socket share (the rest: `RestoreFlow`):"""
 
-    _s: GatewayServices
     _auth: SessionAuth | None
     _limits: SessionLimits
     outbox: Outbox
-    life: SessionLifecycle
-    sid: str | None
-    _config: OpenConfig
-    _record: SessionRecord | None
     _link: Link | None
     _pending: PendingOpen | None
-    _finished_seq: int | None
     _length: int
     _expire_task: asyncio.Task[None] | None
 
@@ -113,7 +110,7 @@ class SessionFlows(RestoreFlow, abc.ABC):
         if self._pending is not None and not self._pending.future.done():
             self._pending.future.set_exception(exc)
 
-    # ---- open, resume, restore ----------------------------------------------------------------
+    # ---- open, resume, close ----------------------------------------------------------------
 
     async def _request(
         self, sid: str, link: Link, frame: ToWorker, reply: Callable[[LinkOpened], list[ServerMessage]]
@@ -215,6 +212,34 @@ class SessionFlows(RestoreFlow, abc.ABC):
 
         await self._restore(sid, record, resumed_elsewhere, msg.last_seq)
         s.metrics.sessions_resumed += 1
+
+    async def _close(self) -> None:
+        """`session.close`: the worker ends the session and confirms; unconfirmed, it ends here."""
+        if self.life.phase is Phase.RESTORING and self._restore_task is not None:
+            await asyncio.gather(self._restore_task, return_exceptions=True)
+        self.life.check(Request.CLOSE)
+        if self.life.phase is Phase.IDLE:  # nothing to close: say so politely and hang up
+            self.outbox.put(SessionClosed("closed"))
+            self._end(CLOSE_NORMAL)
+            return
+        sid, link = self.sid, self._link
+        if sid is None or link is None:
+            raise InternalError("an active session without a link")
+        self.life.move(Phase.CLOSING)
+        self._closed_future = asyncio.get_running_loop().create_future()
+        try:
+            await link.send(LinkClose(sid))
+            reason = await asyncio.wait_for(self._closed_future, self._s.settings.open_timeout_s)
+        except (WorkerUnavailable, TimeoutError):
+            reason = None
+        if reason is None and not self.life.gone:
+            # The worker could not confirm: end the session here, so it cannot be resumed.
+            logger.warning("worker did not confirm close of %s; deleting its keys", sid)
+            self._s.pool.unbind(sid, self)
+            self.life.end_session()
+            await self._s.store.delete(sid)
+            self.outbox.put(SessionClosed("closed"))
+            self._end(CLOSE_NORMAL)
 
     # ---- credential limits (called by SessionAuth's timers and on_done: no awaiting here) ----------
 
