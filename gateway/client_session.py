@@ -11,9 +11,10 @@ all on the event loop, none blocking the others:
 - a restore task, started when the worker link breaks (docs/design.md section 5 "Worker loss").
 
 All three change the session's phase only through `self.life` (lifecycle.py: the phases, the allowed
-moves and the requests each phase serves). Open, resume and restore (the flows that place the session
-on a worker) live in the base class, `SessionFlows` (session_flows.py); this module is the socket,
-the chunks and the worker's frames.
+moves and the requests each phase serves). Open, resume and close (session_flows.py) and restore
+(restore_flow.py), the flows that place the session on a worker and end it there, live in the base
+classes `SessionFlows` <- `RestoreFlow` <- `ClientSession`; this module is the socket, the chunks
+and the worker's frames.
 
 Invariants:
 - Redis is touched only at open, resume, close and restore, all through `SessionStore`
@@ -48,9 +49,10 @@ from gateway.lifecycle import Phase, Request, SessionEnded, SessionLifecycle
 from gateway.limits import SessionLimits, check_frame_size
 from gateway.links import Link
 from gateway.outbox import Outbox
+from gateway.restore_flow import RestoreFlow
 from gateway.services import GatewayServices
 from gateway.session_auth import Principal, SessionAuth
-from gateway.session_flows import PendingOpen, SessionFlows
+from gateway.session_flows import PendingOpen
 from gateway.tail import UndurableTail
 from shared.errors import (
     BadSequence,
@@ -104,7 +106,7 @@ def _frame_bytes(data: str | bytes, limit: int) -> int:
     return len(data.encode())
 
 
-class ClientSession(SessionFlows):
+class ClientSession(RestoreFlow):
     def __init__(
         self, ws: WebSocket, encoding: Encoding, services: GatewayServices, principal: Principal | None = None
     ) -> None:

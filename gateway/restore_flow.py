@@ -4,7 +4,8 @@ Why apart from client_session.py: this is the one flow that runs beside the sock
 (a task started from the link reader's callbacks) and it owns the exactly-once machinery of
 docs/failover.md: the restore frame carries the undurable tail (gateway/tail.py), chunks that arrive
 meanwhile are held and sent once the new worker answered, and nothing in flight is failed back.
-`ClientSession` mixes this in; the state it reads is the session's own (declared below).
+`RestoreFlow` extends `SessionFlows` (whose primitives it uses) and `ClientSession` extends it; the
+state it reads is the session's own (declared once, in `SessionFlows`).
 
 Invariant: the session stays RESTORING until every held chunk has been sent on the new link and the
 link is still the bound one; no await separates that check from becoming ACTIVE, so a chunk that
@@ -16,24 +17,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from redis.exceptions import RedisError
 
-from gateway.lifecycle import Phase, SessionEnded, SessionLifecycle
+from gateway.lifecycle import Phase, SessionEnded
 from gateway.links import Link
-from gateway.services import GatewayServices
-from gateway.tail import UndurableTail
+from gateway.session_flows import SessionFlows
 from shared.errors import CapacityExhausted, InternalError, MicroturnError, WorkerUnavailable
 from shared.protocol import (
-    CloseReason,
     LinkOpened,
     LinkRestore,
-    OpenConfig,
     ServerMessage,
     SessionRestored,
-    ToGateway,
-    ToWorker,
 )
 from shared.registry import SessionRecord
 
@@ -43,36 +39,8 @@ logger = logging.getLogger(__name__)
 RESTORE_BACKOFF_S: Final = (0.0, 0.25, 0.5, 1.0)
 
 
-class RestoreFlow:
-    """Mixed into `ClientSession`: the restore flow and the link-loss / migrate entry points."""
-
-    _s: GatewayServices
-    _config: OpenConfig
-    _record: SessionRecord | None
-    _tail: UndurableTail
-    _finished_seq: int | None
-    _restore_task: asyncio.Task[None] | None
-    _closed_future: asyncio.Future[CloseReason | None] | None
-    life: SessionLifecycle
-    sid: str | None
-
-    if TYPE_CHECKING:  # provided by ClientSession
-
-        async def _request(
-            self, sid: str, link: Link, frame: ToWorker, reply: Callable[[LinkOpened], list[ServerMessage]]
-        ) -> LinkOpened: ...
-
-        def _activate(self, link: Link, record: SessionRecord, opened: LinkOpened) -> None: ...
-
-        def _error(
-            self, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None
-        ) -> None: ...
-
-        def _fail_pending(self, exc: BaseException) -> None: ...
-
-        def on_frame(self, frame: ToGateway) -> None: ...
-
-        def on_taken_over(self) -> None: ...
+class RestoreFlow(SessionFlows):
+    """The restore flow and the link-loss / migrate entry points; `ClientSession` extends it."""
 
     async def _restore(
         self,

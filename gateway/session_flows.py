@@ -27,12 +27,13 @@ from typing import Final
 
 from redis.exceptions import RedisError
 
-from gateway.lifecycle import Phase, Request, SessionEnded
+from gateway.lifecycle import Phase, Request, SessionEnded, SessionLifecycle
 from gateway.limits import SessionLimits
 from gateway.links import Link
 from gateway.outbox import Outbox
-from gateway.restore_flow import RestoreFlow
+from gateway.services import GatewayServices
 from gateway.session_auth import SessionAuth
+from gateway.tail import UndurableTail
 from shared.errors import (
     CapacityExhausted,
     InternalError,
@@ -43,6 +44,7 @@ from shared.errors import (
 )
 from shared.protocol import (
     CLOSE_NORMAL,
+    CloseReason,
     LinkAttach,
     LinkClose,
     LinkOpen,
@@ -77,16 +79,26 @@ class PendingOpen:
     reply: Callable[[LinkOpened], list[ServerMessage]]
 
 
-class SessionFlows(RestoreFlow, abc.ABC):
-    """Open, resume and close for one socket (restore: `RestoreFlow`); `ClientSession` holds the state
-    and the callbacks. The state only these flows and the socket share (the rest: `RestoreFlow`):"""
+class SessionFlows(abc.ABC):
+    """Open, resume and close for one socket, and the primitives every flow uses (send a request and
+    await `opened`, activate, fail). `RestoreFlow` extends it with the restore; `ClientSession`, at
+    the end of the chain, sets every field declared here and answers the link's callbacks."""
 
+    _s: GatewayServices
     _auth: SessionAuth | None
     _limits: SessionLimits
     outbox: Outbox
+    life: SessionLifecycle
+    sid: str | None
+    _config: OpenConfig
+    _record: SessionRecord | None
     _link: Link | None
     _pending: PendingOpen | None
+    _tail: UndurableTail
+    _finished_seq: int | None
     _length: int
+    _closed_future: asyncio.Future[CloseReason | None] | None
+    _restore_task: asyncio.Task[None] | None
     _expire_task: asyncio.Task[None] | None
 
     # The link pool routes the session's frames to these (gateway/links.py `LinkListener`).
@@ -94,7 +106,20 @@ class SessionFlows(RestoreFlow, abc.ABC):
     def on_frame(self, frame: ToGateway) -> None: ...
 
     @abc.abstractmethod
+    def on_link_lost(self, link: Link) -> None: ...
+
+    @abc.abstractmethod
     def on_taken_over(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _restore(
+        self,
+        sid: str,
+        record: SessionRecord,
+        reply: Callable[[LinkOpened], list[ServerMessage]],
+        seen_seq: int | None,
+    ) -> None:
+        """Place the session on a live worker and rebuild it there (restore_flow.py)."""
 
     def _error(self, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None) -> None:
         message = error_message_from(exc, seq, fatal=fatal)
