@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Final
 
 from redis.exceptions import RedisError
 
 from gateway.lifecycle import Phase, SessionEnded
 from gateway.links import Link
-from gateway.session_flows import SessionFlows
+from gateway.session_flows import Reply, SessionFlows
 from shared.errors import CapacityExhausted, InternalError, MicroturnError, WorkerUnavailable
 from shared.protocol import (
     LinkOpened,
@@ -42,13 +41,7 @@ RESTORE_BACKOFF_S: Final = (0.0, 0.25, 0.5, 1.0)
 class RestoreFlow(SessionFlows):
     """The restore flow and the link-loss / migrate entry points; `ClientSession` extends it."""
 
-    async def _restore(
-        self,
-        sid: str,
-        record: SessionRecord,
-        reply: Callable[[LinkOpened], list[ServerMessage]],
-        seen_seq: int | None,
-    ) -> None:
+    async def _restore(self, sid: str, record: SessionRecord, reply: Reply, seen_seq: int | None) -> None:
         """Place the session on a live worker and rebuild it there from its token log; `seen_seq` is
         the last output seq the client saw (`LinkRestore.seen_seq`)."""
         s = self._s

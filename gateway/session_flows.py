@@ -23,7 +23,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeAlias
 
 from redis.exceptions import RedisError
 
@@ -71,12 +71,16 @@ logger = logging.getLogger(__name__)
 PLACEMENT_ATTEMPTS: Final = 3
 
 
+# Builds the client's answer to an open/attach/restore from the worker's `opened`.
+Reply: TypeAlias = Callable[[LinkOpened], list[ServerMessage]]
+
+
 @dataclass(slots=True)
 class PendingOpen:
     """An open/attach/restore awaiting `opened`; `reply` builds the client's answer from it."""
 
     future: asyncio.Future[LinkOpened]
-    reply: Callable[[LinkOpened], list[ServerMessage]]
+    reply: Reply
 
 
 class SessionFlows(abc.ABC):
@@ -112,13 +116,7 @@ class SessionFlows(abc.ABC):
     def on_taken_over(self) -> None: ...
 
     @abc.abstractmethod
-    async def _restore(
-        self,
-        sid: str,
-        record: SessionRecord,
-        reply: Callable[[LinkOpened], list[ServerMessage]],
-        seen_seq: int | None,
-    ) -> None:
+    async def _restore(self, sid: str, record: SessionRecord, reply: Reply, seen_seq: int | None) -> None:
         """Place the session on a live worker and rebuild it there (restore_flow.py)."""
 
     def _error(self, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None) -> None:
@@ -137,9 +135,7 @@ class SessionFlows(abc.ABC):
 
     # ---- open, resume, close ----------------------------------------------------------------
 
-    async def _request(
-        self, sid: str, link: Link, frame: ToWorker, reply: Callable[[LinkOpened], list[ServerMessage]]
-    ) -> LinkOpened:
+    async def _request(self, sid: str, link: Link, frame: ToWorker, reply: Reply) -> LinkOpened:
         """Send open/attach/restore on `link` and await `opened`; `reply` is queued when it arrives."""
         future: asyncio.Future[LinkOpened] = asyncio.get_running_loop().create_future()
         self._pending = PendingOpen(future, reply)
