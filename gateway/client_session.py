@@ -10,8 +10,11 @@ all on the event loop, none blocking the others:
   those only update state and queue messages in the `Outbox`, never await;
 - a restore task, started when the worker link breaks (docs/design.md section 5 "Worker loss").
 
-Open, resume and restore (the flows that place the session on a worker) live in the base class,
-`SessionFlows` (session_flows.py); this module is the socket, the chunks and the worker's frames.
+All three change the session's phase only through `self.life` (lifecycle.py: the phases, the allowed
+moves and the requests each phase serves). Open, resume and close (session_flows.py) and restore
+(restore_flow.py), the flows that place the session on a worker and end it there, live in the base
+classes `SessionFlows` <- `RestoreFlow` <- `ClientSession`; this module is the socket, the chunks
+and the worker's frames.
 
 Invariants:
 - Redis is touched only at open, resume, close and restore, all through `SessionStore`
@@ -25,9 +28,8 @@ Invariants:
   while the session moves are held in the tail and sent once it is restored.
 - Every check that can refuse a chunk runs before the chunk is forwarded; a refused chunk leaves the
   session untouched (recoverable error, socket stays open).
-- The session (`sid`) is bound in the link pool before open/attach/restore is sent, so the answer
-  cannot arrive unrouted; `detach` is sent on disconnect only while this socket is still the
-  bound listener and the session has not ended (closed, taken over).
+- `detach` is sent on disconnect only while this socket is still the bound listener and the phase
+  is not GONE (closed, taken over, expired, lost for good).
 """
 
 from __future__ import annotations
@@ -43,18 +45,18 @@ from typing import Any, Final
 from redis.exceptions import RedisError
 from starlette.websockets import WebSocket
 
+from gateway.lifecycle import Phase, Request, SessionEnded, SessionLifecycle
 from gateway.limits import SessionLimits, check_frame_size
 from gateway.links import Link
 from gateway.outbox import Outbox
-from gateway.restore_flow import Phase, SessionEnded
+from gateway.restore_flow import RestoreFlow
 from gateway.services import GatewayServices
 from gateway.session_auth import Principal, SessionAuth
-from gateway.session_flows import PendingOpen, SessionFlows
+from gateway.session_flows import PendingOpen
 from gateway.tail import UndurableTail
 from shared.errors import (
     BadSequence,
     InternalError,
-    InvalidMessage,
     MicroturnError,
     WorkerUnavailable,
     error_from_code,
@@ -66,7 +68,6 @@ from shared.protocol import (
     Encoding,
     InputChunk,
     LinkCancel,
-    LinkClose,
     LinkClosed,
     LinkDelta,
     LinkDetach,
@@ -94,9 +95,6 @@ from shared.registry import SessionRecord
 
 logger = logging.getLogger(__name__)
 
-# What a client is told to wait before resending an `output.cancel` refused while its session moves
-# (chunks are held then, not refused).
-MOVING_RETRY_MS: Final = 250
 # How long a fatal error and its close may take to go out once the receive loop has stopped.
 CLOSE_FLUSH_S: Final = 5.0
 
@@ -108,7 +106,7 @@ def _frame_bytes(data: str | bytes, limit: int) -> int:
     return len(data.encode())
 
 
-class ClientSession(SessionFlows):
+class ClientSession(RestoreFlow):
     def __init__(
         self, ws: WebSocket, encoding: Encoding, services: GatewayServices, principal: Principal | None = None
     ) -> None:
@@ -123,7 +121,7 @@ class ClientSession(SessionFlows):
                 limits = dataclasses.replace(limits, max_chunks_per_s=self._auth.chunks_per_s)
         self._limits = SessionLimits(limits)
         self.outbox = Outbox(ws, encoding, services.metrics, self._limits.observe_turn)
-        self.phase = Phase.IDLE
+        self.life = SessionLifecycle()  # its phase, changed only through `life.move` (lifecycle.py)
         self.sid: str | None = None
         self._config = OpenConfig()
         self._record: SessionRecord | None = None
@@ -134,9 +132,10 @@ class ClientSession(SessionFlows):
         # seq -> monotonic arrival time, for every chunk forwarded and not yet answered.
         self._in_flight: dict[int, float] = {}
         self._tail = UndurableTail()
-        self._last_done_seq: int | None = None
-        # True once the worker side is over for this socket: no detach, no close to send.
-        self._session_gone = False
+        # The last seq the session finished, as this socket knows it (the worker's at `opened`, then
+        # each done; None: none): every done up to it has been queued for the client, and a chunk at
+        # or below it can only be refused (the worker's seq ordering is past it).
+        self._finished_seq: int | None = None
         self._length = 0  # the session's length after its last done: a turn's tokens are the growth
         self._expire_task: asyncio.Task[None] | None = None
 
@@ -167,11 +166,12 @@ class ClientSession(SessionFlows):
                 text: str | None = message.get("text")
                 data: str | bytes | None = text if text is not None else message.get("bytes")
                 if data is not None:
-                    await self._handle_frame(data, received)
-        except Exception:  # _handle_frame answers every error itself: this is the socket failing
+                    await self.handle_frame(data, received)
+        except Exception:  # handle_frame answers every error itself: this is the socket failing
             logger.exception("receive loop of session %s failed", self.sid)
 
-    async def _handle_frame(self, data: str | bytes, received: float) -> None:
+    async def handle_frame(self, data: str | bytes, received: float) -> None:
+        """One client frame: decoded, checked, served; every error is answered here."""
         seq: int | None = None
         try:
             limit = self._s.limits.max_frame_bytes
@@ -193,7 +193,7 @@ class ClientSession(SessionFlows):
 
     async def _release(self) -> None:
         """The socket is gone: stop restoring, and detach the session if it is still ours."""
-        self.phase = Phase.ENDED
+        self.life.end_socket()
         if self._restore_task is not None:
             self._restore_task.cancel()
             await asyncio.gather(self._restore_task, return_exceptions=True)
@@ -205,7 +205,7 @@ class ClientSession(SessionFlows):
             return
         link = self._s.pool.bound_link(sid, self)
         self._s.pool.unbind(sid, self)
-        if link is not None and not self._session_gone:
+        if link is not None and not self.life.gone:
             # A worker that cannot be reached is gone, and its loss ends the session there anyway.
             with contextlib.suppress(WorkerUnavailable):
                 await link.send(LinkDetach(sid))
@@ -228,41 +228,41 @@ class ClientSession(SessionFlows):
 
     async def _start(self, flow: Coroutine[Any, Any, None]) -> None:
         """Run an open or resume flow; on a recoverable failure the socket is back to IDLE."""
-        if self.phase is not Phase.IDLE:
+        refusal = self.life.refusal(Request.OPEN)
+        if refusal is not None:
             flow.close()
-            raise InvalidMessage(f"this socket already has a session ({self.phase.value})")
-        self.phase = Phase.OPENING
+            raise refusal
+        self.life.move(Phase.OPENING)
         try:
             await flow
         except BaseException:
-            if self.phase is Phase.OPENING:
+            if self.life.phase is Phase.OPENING:
                 self._forget_session()
                 if self._auth is not None:
                     await self._auth.release()
             raise
-        if self._auth is not None and self.phase is Phase.ACTIVE:
+        if self._auth is not None and self.life.phase is Phase.ACTIVE:
             self._auth.start()
 
     def _forget_session(self) -> None:
         if self.sid is not None:
             self._s.pool.unbind(self.sid, self)
-        self.phase = Phase.IDLE
+        self.life.move(Phase.IDLE)
         self.sid = None
         self._record = None
         self._link = None
 
     async def _chunk(self, msg: InputChunk, received: float) -> None:
-        if self.phase is Phase.RESTORING and self.sid is not None:
+        link, sid = self._link, self.sid
+        if self.life.phase is not Phase.ACTIVE or link is None or sid is None:
+            self.life.check(Request.CHUNK)  # served otherwise only while RESTORING
+            if self.life.phase is not Phase.RESTORING or sid is None:
+                raise InternalError(f"a {self.life.phase.value} session without a link")
             # Held, not refused: it goes to the new worker with the tail, or right after its restore.
             self._admit(msg)
             self._in_flight[msg.seq] = received
-            self._tail.add(chunk_to_link(self.sid, msg), sent=False)
+            self._tail.add(chunk_to_link(sid, msg), sent=False)
             return
-        link, sid = self._link, self.sid
-        if self.phase is not Phase.ACTIVE or link is None or sid is None:
-            raise InvalidMessage(
-                f"no active session ({self.phase.value}): send session.open or session.resume first"
-            )
         self._admit(msg)
         # In flight before the write: the done can arrive while the write is still draining.
         self._in_flight[msg.seq] = received
@@ -281,6 +281,12 @@ class ClientSession(SessionFlows):
         """Every check that can refuse a chunk; raises having changed nothing, or charges its limits."""
         if msg.seq in self._in_flight:
             raise BadSequence(f"seq {msg.seq} is already running")
+        finished = self._finished_seq
+        if finished is not None and msg.seq <= finished:
+            # The worker would refuse it too, but forwarding it would replace the turn's entry in the
+            # undurable tail (its delivered output) with a chunk to run: a restore would then run,
+            # log and answer the turn a second time.
+            raise BadSequence(f"seq {msg.seq} is not above the last finished seq {finished}")
         if self._auth is not None:
             self._auth.check_chunk()
         wants_output = (
@@ -294,37 +300,10 @@ class ClientSession(SessionFlows):
         )
 
     async def _cancel(self, msg: OutputCancel) -> None:
-        if self.phase is Phase.RESTORING:
-            raise WorkerUnavailable("the session is moving to another worker", retry_after_ms=MOVING_RETRY_MS)
-        if self.phase is not Phase.ACTIVE or self._link is None or self.sid is None:
-            raise InvalidMessage(f"no active session ({self.phase.value})")
+        self.life.check(Request.CANCEL)
+        if self._link is None or self.sid is None:
+            raise InternalError("an active session without a link")
         await self._link.send(LinkCancel(self.sid, msg.seq))
-
-    async def _close(self) -> None:
-        if self.phase is Phase.RESTORING and self._restore_task is not None:
-            await asyncio.gather(self._restore_task, return_exceptions=True)
-        if self.phase is not Phase.ACTIVE or self._link is None or self.sid is None:
-            if self.phase is Phase.IDLE:  # nothing to close: say so politely and hang up
-                self.outbox.put(SessionClosed("closed"))
-                self._end(CLOSE_NORMAL)
-                return
-            raise InvalidMessage(f"no active session to close ({self.phase.value})")
-        sid, link = self.sid, self._link
-        self.phase = Phase.CLOSING
-        self._closed_future = asyncio.get_running_loop().create_future()
-        try:
-            await link.send(LinkClose(sid))
-            reason = await asyncio.wait_for(self._closed_future, self._s.settings.open_timeout_s)
-        except (WorkerUnavailable, TimeoutError):
-            reason = None
-        if reason is None and not self._session_gone:
-            # The worker could not confirm: end the session here, so it cannot be resumed.
-            logger.warning("worker did not confirm close of %s; deleting its keys", sid)
-            self._s.pool.unbind(sid, self)
-            self._session_gone = True
-            await self._s.store.delete(sid)
-            self.outbox.put(SessionClosed("closed"))
-            self._end(CLOSE_NORMAL)
 
     # ---- worker frames (called by the link reader: no awaiting here) --------------------------
 
@@ -344,7 +323,7 @@ class ClientSession(SessionFlows):
             self._on_closed(frame.reason)
         elif isinstance(frame, LinkMigrate):
             self._tail.durable(frame.durable_seq)
-            if self.phase is Phase.ACTIVE and self._link is not None:
+            if self.life.phase is Phase.ACTIVE and self._link is not None:
                 self._s.metrics.sessions_migrated += 1
                 self._move(self._link, "its worker is draining")
         elif isinstance(frame, LinkError) and frame.seq is None and self._pending is not None:
@@ -364,8 +343,8 @@ class ClientSession(SessionFlows):
                 return
             started = self._in_flight.pop(frame.seq, None)
             self._limits.settle(frame.seq)
-            if self._last_done_seq is None or frame.seq > self._last_done_seq:
-                self._last_done_seq = frame.seq
+            if self._finished_seq is None or frame.seq > self._finished_seq:
+                self._finished_seq = frame.seq
             self.outbox.put(done_to_client(frame), started)
             # In + out: the growth of the session (at least its outputs, should truncation shrink it).
             grown, self._length = max(frame.length - self._length, len(frame.tokens)), frame.length
@@ -378,13 +357,13 @@ class ClientSession(SessionFlows):
                 self._tail.refused(frame.seq)
             self.outbox.put(error_to_client(frame))
             if frame.fatal:
-                self._session_gone = True
+                self.life.end_session()
                 if self.sid is not None:
                     self._s.pool.unbind(self.sid, self)
                 self._end(close_code_for(frame.code))
 
     def _on_closed(self, reason: CloseReason) -> None:
-        self._session_gone = True
+        self.life.end_session()
         if self.sid is not None:
             self._s.pool.unbind(self.sid, self)
         self._fail_pending(SessionEnded())

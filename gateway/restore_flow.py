@@ -4,7 +4,8 @@ Why apart from client_session.py: this is the one flow that runs beside the sock
 (a task started from the link reader's callbacks) and it owns the exactly-once machinery of
 docs/failover.md: the restore frame carries the undurable tail (gateway/tail.py), chunks that arrive
 meanwhile are held and sent once the new worker answered, and nothing in flight is failed back.
-`ClientSession` mixes this in; the state it reads is the session's own (declared below).
+`RestoreFlow` extends `SessionFlows` (whose primitives it uses) and `ClientSession` extends it; the
+state it reads is the session's own (declared once, in `SessionFlows`).
 
 Invariant: the session stays RESTORING until every held chunk has been sent on the new link and the
 link is still the bound one; no await separates that check from becoming ACTIVE, so a chunk that
@@ -14,26 +15,20 @@ arrives meanwhile is either held (and sent here) or sent by the receive loop aft
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from redis.exceptions import RedisError
 
+from gateway.lifecycle import Phase, SessionEnded
 from gateway.links import Link
-from gateway.services import GatewayServices
-from gateway.tail import UndurableTail
+from gateway.session_flows import Reply, SessionFlows
 from shared.errors import CapacityExhausted, InternalError, MicroturnError, WorkerUnavailable
 from shared.protocol import (
-    CloseReason,
     LinkOpened,
     LinkRestore,
-    OpenConfig,
     ServerMessage,
     SessionRestored,
-    ToGateway,
-    ToWorker,
 )
 from shared.registry import SessionRecord
 
@@ -43,59 +38,12 @@ logger = logging.getLogger(__name__)
 RESTORE_BACKOFF_S: Final = (0.0, 0.25, 0.5, 1.0)
 
 
-class Phase(enum.Enum):
-    IDLE = "idle"  # no session yet: open or resume
-    OPENING = "opening"  # open or resume in progress
-    ACTIVE = "active"
-    RESTORING = "restoring"  # the worker was lost; moving to another one
-    CLOSING = "closing"  # session.close sent to the worker
-    ENDED = "ended"  # the socket is closing
+class RestoreFlow(SessionFlows):
+    """The restore flow and the link-loss / migrate entry points; `ClientSession` extends it."""
 
-
-class SessionEnded(Exception):
-    """The session ended (closed, taken over) while a request for it was in flight: already told."""
-
-
-class RestoreFlow:
-    """Mixed into `ClientSession`: the restore flow and the link-loss / migrate entry points."""
-
-    _s: GatewayServices
-    _config: OpenConfig
-    _record: SessionRecord | None
-    _tail: UndurableTail
-    _last_done_seq: int | None
-    _session_gone: bool
-    _restore_task: asyncio.Task[None] | None
-    _closed_future: asyncio.Future[CloseReason | None] | None
-    phase: Phase
-    sid: str | None
-
-    if TYPE_CHECKING:  # provided by ClientSession
-
-        async def _request(
-            self, sid: str, link: Link, frame: ToWorker, reply: Callable[[LinkOpened], list[ServerMessage]]
-        ) -> LinkOpened: ...
-
-        def _activate(self, link: Link, record: SessionRecord, opened: LinkOpened) -> None: ...
-
-        def _error(
-            self, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None
-        ) -> None: ...
-
-        def _fail_pending(self, exc: BaseException) -> None: ...
-
-        def on_frame(self, frame: ToGateway) -> None: ...
-
-        def on_taken_over(self) -> None: ...
-
-    async def _restore(
-        self,
-        sid: str,
-        record: SessionRecord,
-        reply: Callable[[LinkOpened], list[ServerMessage]],
-        last_seq: int | None,
-    ) -> None:
-        """Place the session on a live worker and rebuild it there from its token log."""
+    async def _restore(self, sid: str, record: SessionRecord, reply: Reply, seen_seq: int | None) -> None:
+        """Place the session on a live worker and rebuild it there from its token log; `seen_seq` is
+        the last output seq the client saw (`LinkRestore.seen_seq`)."""
         s = self._s
         last: MicroturnError = WorkerUnavailable("no worker could take the session")
         for delay in RESTORE_BACKOFF_S:
@@ -109,7 +57,7 @@ class RestoreFlow:
             link = s.pool.link(placed.url, placed.record.worker)
             tail = self._tail.snapshot()
             frame = LinkRestore(
-                sid, self._config, None, last_seq, placed.record.token_sha256, placed.record.created_ms, tail
+                sid, self._config, None, seen_seq, placed.record.token_sha256, placed.record.created_ms, tail
             )
             try:
                 opened = await self._request(sid, link, frame, reply)
@@ -140,7 +88,8 @@ class RestoreFlow:
             return [SessionRestored(sid, opened.length)]
 
         try:
-            await self._restore(sid, record, restored, self._last_done_seq)
+            # Every done up to the finished seq has been queued for the client: it is what it saw.
+            await self._restore(sid, record, restored, self._finished_seq)
         except SessionEnded:
             pass
         except MicroturnError as exc:
@@ -148,17 +97,17 @@ class RestoreFlow:
             # session.resume (when a worker has room again) restores it.
             logger.warning("could not restore session %s: %s", sid, exc)
             self._s.pool.unbind(sid, self)
-            self._session_gone = True
+            self.life.end_session()
             self._error(exc, fatal=True)
         except RedisError as exc:
             logger.warning("session store error while restoring %s: %r", sid, exc)
-            self._session_gone = True
+            self.life.end_session()
             self._error(
                 WorkerUnavailable("the session store is unavailable", retry_after_ms=1000), fatal=True
             )
         except Exception:
             logger.exception("restore of session %s crashed", sid)
-            self._session_gone = True
+            self.life.end_session()
             self._error(InternalError("internal gateway error"), fatal=True)
 
     def on_link_lost(self, link: Link) -> None:
@@ -169,7 +118,7 @@ class RestoreFlow:
 
     def _move(self, link: Link, why: str) -> None:
         """Restore the session on another worker with its undurable tail (a crash or a drain)."""
-        if self.phase is not Phase.ACTIVE or self.sid is None or self._record is None:
+        if self.life.phase is not Phase.ACTIVE or self.sid is None or self._record is None:
             return
         logger.warning(
             "session %s leaves worker %s (%s); restoring with %d undurable chunk(s)",
@@ -179,7 +128,7 @@ class RestoreFlow:
             len(self._tail),
         )
         self._s.pool.unbind(self.sid, self)  # the old worker's late frames are not ours any more
-        self.phase = Phase.RESTORING
+        self.life.move(Phase.RESTORING)
         self._restore_task = asyncio.create_task(
             self._restore_after_loss(self.sid, self._record), name=f"restore {self.sid}"
         )

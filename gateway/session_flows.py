@@ -1,10 +1,11 @@
-"""Opening and resuming a client's session (the flows that place it on a worker), and ending it
-when it outlives its credential.
+"""Opening, resuming and closing a client's session (the flows that place it on a worker and end
+it there), and ending it when it outlives its credential.
 
-Why apart from client_session.py: these are the only steps of a socket's life that await Redis and
-a worker's `opened` (docs/design.md section 5: placement, resume, worker loss); the per-chunk path and the
-worker-frame dispatch never call them. `SessionFlows` is the base of `ClientSession`, which owns the
-state both share (declared below) and answers the link's callbacks.
+Why apart from client_session.py: these are the steps of a socket's life that await Redis and a
+worker's `opened` or `closed` (docs/design.md section 5: placement, resume, worker loss); the
+per-chunk path and the worker-frame dispatch never call them. `SessionFlows` is the base of
+`ClientSession`, which owns the state both share (declared below and in `RestoreFlow`) and answers
+the link's callbacks.
 
 Invariants (see client_session.py for the whole picture):
 - The session (`sid`) is bound in the link pool before open/attach/restore is sent, so the answer
@@ -22,30 +23,35 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeAlias
 
 from redis.exceptions import RedisError
 
+from gateway.lifecycle import Phase, Request, SessionEnded, SessionLifecycle
 from gateway.limits import SessionLimits
 from gateway.links import Link
 from gateway.outbox import Outbox
-from gateway.restore_flow import Phase, RestoreFlow, SessionEnded
 from gateway.services import GatewayServices
 from gateway.session_auth import SessionAuth
+from gateway.tail import UndurableTail
 from shared.errors import (
     CapacityExhausted,
+    InternalError,
     MicroturnError,
     SessionExpired,
     SessionNotFound,
     WorkerUnavailable,
 )
 from shared.protocol import (
+    CLOSE_NORMAL,
+    CloseReason,
     LinkAttach,
     LinkClose,
     LinkOpen,
     LinkOpened,
     OpenConfig,
     ServerMessage,
+    SessionClosed,
     SessionExpiring,
     SessionOpened,
     SessionRestored,
@@ -65,31 +71,38 @@ logger = logging.getLogger(__name__)
 PLACEMENT_ATTEMPTS: Final = 3
 
 
+# Builds the client's answer to an open/attach/restore from the worker's `opened`.
+Reply: TypeAlias = Callable[[LinkOpened], list[ServerMessage]]
+
+
 @dataclass(slots=True)
 class PendingOpen:
     """An open/attach/restore awaiting `opened`; `reply` builds the client's answer from it."""
 
     future: asyncio.Future[LinkOpened]
-    reply: Callable[[LinkOpened], list[ServerMessage]]
+    reply: Reply
 
 
-class SessionFlows(RestoreFlow, abc.ABC):
-    """Open and resume for one socket (restore: `RestoreFlow`); `ClientSession` holds the state and
-    the callbacks."""
+class SessionFlows(abc.ABC):
+    """Open, resume and close for one socket, and the primitives every flow uses (send a request and
+    await `opened`, activate, fail). `RestoreFlow` extends it with the restore; `ClientSession`, at
+    the end of the chain, sets every field declared here and answers the link's callbacks."""
 
     _s: GatewayServices
     _auth: SessionAuth | None
     _limits: SessionLimits
     outbox: Outbox
-    phase: Phase
+    life: SessionLifecycle
     sid: str | None
     _config: OpenConfig
     _record: SessionRecord | None
     _link: Link | None
     _pending: PendingOpen | None
-    _last_done_seq: int | None
+    _tail: UndurableTail
+    _finished_seq: int | None
     _length: int
-    _session_gone: bool
+    _closed_future: asyncio.Future[CloseReason | None] | None
+    _restore_task: asyncio.Task[None] | None
     _expire_task: asyncio.Task[None] | None
 
     # The link pool routes the session's frames to these (gateway/links.py `LinkListener`).
@@ -97,7 +110,14 @@ class SessionFlows(RestoreFlow, abc.ABC):
     def on_frame(self, frame: ToGateway) -> None: ...
 
     @abc.abstractmethod
+    def on_link_lost(self, link: Link) -> None: ...
+
+    @abc.abstractmethod
     def on_taken_over(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _restore(self, sid: str, record: SessionRecord, reply: Reply, seen_seq: int | None) -> None:
+        """Place the session on a live worker and rebuild it there (restore_flow.py)."""
 
     def _error(self, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None) -> None:
         message = error_message_from(exc, seq, fatal=fatal)
@@ -106,18 +126,16 @@ class SessionFlows(RestoreFlow, abc.ABC):
             self._end(close_code_for(exc.code))
 
     def _end(self, code: int) -> None:
-        self.phase = Phase.ENDED
+        self.life.end_socket()
         self.outbox.close(code)
 
     def _fail_pending(self, exc: BaseException) -> None:
         if self._pending is not None and not self._pending.future.done():
             self._pending.future.set_exception(exc)
 
-    # ---- open, resume, restore ----------------------------------------------------------------
+    # ---- open, resume, close ----------------------------------------------------------------
 
-    async def _request(
-        self, sid: str, link: Link, frame: ToWorker, reply: Callable[[LinkOpened], list[ServerMessage]]
-    ) -> LinkOpened:
+    async def _request(self, sid: str, link: Link, frame: ToWorker, reply: Reply) -> LinkOpened:
         """Send open/attach/restore on `link` and await `opened`; `reply` is queued when it arrives."""
         future: asyncio.Future[LinkOpened] = asyncio.get_running_loop().create_future()
         self._pending = PendingOpen(future, reply)
@@ -139,9 +157,9 @@ class SessionFlows(RestoreFlow, abc.ABC):
     def _activate(self, link: Link, record: SessionRecord, opened: LinkOpened) -> None:
         self._link = link
         self._record = record
-        self._last_done_seq = opened.last_seq
+        self._finished_seq = opened.last_seq
         self._length = opened.length
-        self.phase = Phase.ACTIVE
+        self.life.move(Phase.ACTIVE)
 
     async def _open(self, config: OpenConfig) -> None:
         s = self._s
@@ -216,23 +234,51 @@ class SessionFlows(RestoreFlow, abc.ABC):
         await self._restore(sid, record, resumed_elsewhere, msg.last_seq)
         s.metrics.sessions_resumed += 1
 
+    async def _close(self) -> None:
+        """`session.close`: the worker ends the session and confirms; unconfirmed, it ends here."""
+        if self.life.phase is Phase.RESTORING and self._restore_task is not None:
+            await asyncio.gather(self._restore_task, return_exceptions=True)
+        self.life.check(Request.CLOSE)
+        if self.life.phase is Phase.IDLE:  # nothing to close: say so politely and hang up
+            self.outbox.put(SessionClosed("closed"))
+            self._end(CLOSE_NORMAL)
+            return
+        sid, link = self.sid, self._link
+        if sid is None or link is None:
+            raise InternalError("an active session without a link")
+        self.life.move(Phase.CLOSING)
+        self._closed_future = asyncio.get_running_loop().create_future()
+        try:
+            await link.send(LinkClose(sid))
+            reason = await asyncio.wait_for(self._closed_future, self._s.settings.open_timeout_s)
+        except (WorkerUnavailable, TimeoutError):
+            reason = None
+        if reason is None and not self.life.gone:
+            # The worker could not confirm: end the session here, so it cannot be resumed.
+            logger.warning("worker did not confirm close of %s; deleting its keys", sid)
+            self._s.pool.unbind(sid, self)
+            self.life.end_session()
+            await self._s.store.delete(sid)
+            self.outbox.put(SessionClosed("closed"))
+            self._end(CLOSE_NORMAL)
+
     # ---- credential limits (called by SessionAuth's timers and on_done: no awaiting here) ----------
 
     def _warn_expiring(self, warning: SessionExpiring) -> None:
-        if self.phase is not Phase.ENDED:
+        if not self.life.ended:
             self.outbox.put(warning)
 
     def _expire(self, why: str) -> None:
         """The session reached a limit of its credential: it ends on the worker, the client is told."""
         sid, link = self.sid, self._link
-        if self.phase is Phase.ENDED or sid is None:
+        if self.life.ended or sid is None:
             return
         logger.info("session %s expired: %s", sid, why)
         self._fail_pending(SessionEnded())
         self._s.pool.unbind(sid, self)
-        if not self._session_gone and link is not None:
+        if link is not None:
             self._expire_task = asyncio.create_task(self._close_on_worker(link, sid), name=f"expire {sid}")
-        self._session_gone = True
+        self.life.end_session()
         self._error(SessionExpired(why), fatal=True)
 
     async def _close_on_worker(self, link: Link, sid: str) -> None:

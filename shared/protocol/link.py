@@ -71,8 +71,8 @@ class LinkOpen:
 class LinkAttach:
     op: ClassVar[str] = "attach"
     sid: str
-    # The last output seq the client saw: the worker replays the `done` frames after it.
-    last_seq: int | None = None
+    # The last output seq the client saw (None: none): the worker replays the `done` frames after it.
+    seen_seq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +95,10 @@ class LinkRestore:
     config: OpenConfig
     # The session's token log; None lets the worker read it from Redis itself.
     tokens: tuple[int, ...] | None = None
-    # The last seq the session finished, so seq ordering carries on.
-    last_seq: int | None = None
+    # The last output seq the client saw (None: none), as in `attach`: if this worker still holds the
+    # session it replays the `done` frames after it; a rebuilt session never accepts a seq at or below
+    # it again (a turn the client saw is finished, whether or not the log holds it).
+    seen_seq: int | None = None
     token_sha256: str | None = None  # as in `open`
     created_ms: int | None = None
     # The gateway's undurable tail, in seq order; turns the log already holds are skipped.
@@ -143,6 +145,7 @@ class LinkOpened:
     op: ClassVar[str] = "opened"
     sid: str
     length: int
+    # The last seq the session finished (None: none yet); chunks at or below it are refused.
     last_seq: int | None = None
     # The last seq whose turn the token log holds in Redis (None: none yet).
     durable_seq: int | None = None
@@ -291,9 +294,9 @@ def _tail(r: FieldReader, sid: str) -> tuple[TailTurn, ...]:
 
 
 def _restore(r: FieldReader) -> LinkRestore:
-    sid, config, tokens, last_seq = _sid(r), _config(r), r.opt_integers("tokens"), r.opt_integer("last_seq")
+    sid, config, tokens, seen_seq = _sid(r), _config(r), r.opt_integers("tokens"), r.opt_integer("seen_seq")
     token_sha256, created_ms = r.opt_string("token_sha256"), r.opt_integer("created_ms")
-    return LinkRestore(sid, config, tokens, last_seq, token_sha256, created_ms, _tail(r, sid))
+    return LinkRestore(sid, config, tokens, seen_seq, token_sha256, created_ms, _tail(r, sid))
 
 
 _DECODERS: dict[str, Callable[[FieldReader], LinkFrame]] = {
@@ -304,7 +307,7 @@ _DECODERS: dict[str, Callable[[FieldReader], LinkFrame]] = {
         r.opt_string("token_sha256"),
         r.opt_integer("created_ms"),
     ),
-    LinkAttach.op: lambda r: LinkAttach(_sid(r), r.opt_integer("last_seq")),
+    LinkAttach.op: lambda r: LinkAttach(_sid(r), r.opt_integer("seen_seq")),
     LinkRestore.op: _restore,
     LinkChunk.op: _chunk,
     LinkCancel.op: lambda r: LinkCancel(_sid(r), r.integer("seq")),

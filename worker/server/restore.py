@@ -43,8 +43,10 @@ class ForcedTurn:
 @dataclass(frozen=True, slots=True)
 class RestorePlan:
     history: list[int]
-    # The seq ordering carries on from here (None: no turn yet).
-    last_seq: int | None
+    # The last seq the rebuilt session has finished (None: none yet): seq ordering carries on after
+    # it, so a chunk resent for a turn the log, the tail or the client's view already holds is
+    # refused, never run (and logged) a second time.
+    finished_seq: int | None
     # The last seq the log in Redis holds: what the new worker reports as durable at first.
     log_last_seq: int | None
     forced: list[ForcedTurn] = field(default_factory=list)
@@ -60,7 +62,7 @@ class RestorePlan:
 def plan_restore(
     log: bytes,
     tail: Sequence[TailTurn],
-    last_seq: int | None,
+    seen_seq: int | None,
     *,
     text: IncrementalTokenizer | None,
     max_output_tokens: int,
@@ -70,7 +72,8 @@ def plan_restore(
     `text` is the engine's incremental tokenizer: a forced turn's inputs are what the engine's
     admission committed, so they are recomputed the same way, statefully in seq order from the
     log's text tail (a re-encode of the chunk's text alone would give other tokens).
-    `max_output_tokens` is the session's default per chunk.
+    `max_output_tokens` is the session's default per chunk. `seen_seq` is the last output seq the
+    client saw (`LinkRestore.seen_seq`): that turn finished, so the rebuilt session is at least there.
     """
     first = tail[0].chunk.seq if tail else None
     state = decode_log(log, spans_after=None if first is None else first - 1)
@@ -100,11 +103,11 @@ def plan_restore(
         tokens = inputs + list(turn.output)
         history.extend(tokens)
         forced.append(ForcedTurn(chunk.seq, tokens, len(inputs), text_tail))
-    seqs = [s for s in (last_seq, log_last, *(f.seq for f in forced)) if s is not None]
-    resumed_at = max(seqs) if seqs else None
-    if rerun and resumed_at is not None:
-        resumed_at = min(resumed_at, rerun[0].seq - 1)
-    return RestorePlan(history, resumed_at, log_last, forced, rerun, answers, text_tail)
+    seqs = [s for s in (seen_seq, log_last, *(f.seq for f in forced)) if s is not None]
+    finished = max(seqs) if seqs else None
+    if rerun and finished is not None:
+        finished = min(finished, rerun[0].seq - 1)
+    return RestorePlan(history, finished, log_last, forced, rerun, answers, text_tail)
 
 
 def _answer(

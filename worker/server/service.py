@@ -202,7 +202,7 @@ class WorkerService:
         if binding.ready:
             durable = self.token_log.durable_seq(binding.sid)
             link.send(LinkOpened(binding.sid, binding.length, binding.last_seq, durable))
-            for done in binding.missed(frame.last_seq):
+            for done in binding.missed(frame.seen_seq):
                 link.send(done)
 
     def _bind(self, binding: SessionBinding, link: LinkPeer) -> None:
@@ -215,7 +215,7 @@ class WorkerService:
     def _restore(self, link: LinkPeer, frame: LinkRestore) -> None:
         existing = self.directory.get(frame.sid)
         if existing is not None:  # the gateway thought this worker lost, but the session lives
-            self._attach(link, LinkAttach(frame.sid, frame.last_seq))
+            self._attach(link, LinkAttach(frame.sid, frame.seen_seq))
             return
         if frame.tokens is not None:
             self._rebuild(link, frame, encode_log_record(NO_SEQ, frame.tokens))
@@ -237,7 +237,7 @@ class WorkerService:
         """Open the session from its log plus the gateway's undurable tail (worker/server/restore.py)."""
         out = frame.config.max_output_tokens
         try:
-            plan = plan_restore(log, frame.tail, frame.last_seq, text=self.engine.text, max_output_tokens=out)
+            plan = plan_restore(log, frame.tail, frame.seen_seq, text=self.engine.text, max_output_tokens=out)
         except ValueError as exc:
             logger.error("session %s cannot be restored: %s", frame.sid, exc)
             corrupt = SessionNotFound("the session's token log is corrupt")
@@ -254,7 +254,7 @@ class WorkerService:
             len(plan.forced),
             len(plan.rerun),
         )
-        self._open(link, frame, plan.history, last_seq=plan.last_seq, log=log, plan=plan)
+        self._open(link, frame, plan.history, last_seq=plan.finished_seq, log=log, plan=plan)
 
     def _close(self, link: LinkPeer, sid: str) -> None:
         binding = self.directory.remove(sid)

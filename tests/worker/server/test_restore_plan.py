@@ -31,7 +31,7 @@ def test_delivered_turns_past_the_log_are_forced_and_the_rest_re_run() -> None:
     assert plan.history == [1, 2, 90, 91, 3, 4, 92, 93, 5, 6, 94, 95]
     assert plan.forced == [ForcedTurn(3, [5, 6, 94, 95], 2, EMPTY_TAIL)]
     assert [c.seq for c in plan.rerun] == [4, 5]
-    assert (plan.last_seq, plan.log_last_seq, plan.answers) == (3, 2, [])
+    assert (plan.finished_seq, plan.log_last_seq, plan.answers) == (3, 2, [])
 
 
 def test_a_logged_turn_whose_answer_was_lost_is_answered_from_the_log() -> None:
@@ -39,7 +39,7 @@ def test_a_logged_turn_whose_answer_was_lost_is_answered_from_the_log() -> None:
     plan = plan_restore(LOG, tail, 1, text=None, max_output_tokens=2)
     [answer] = plan.answers
     assert (answer.seq, answer.tokens, answer.finish, answer.length) == (2, (92, 93), "length", 8)
-    assert [c.seq for c in plan.rerun] == [3] and plan.last_seq == 2
+    assert [c.seq for c in plan.rerun] == [3] and plan.finished_seq == 2
     assert plan.history == [1, 2, 90, 91, 3, 4, 92, 93]
 
 
@@ -47,9 +47,22 @@ def test_after_one_re_run_every_later_chunk_re_runs() -> None:
     tail = [TailTurn(chunk(3, [5]), None), TailTurn(chunk(4, [6]), (7,))]
     plan = plan_restore(LOG, tail, 4, text=None, max_output_tokens=1)
     assert [c.seq for c in plan.rerun] == [3, 4] and plan.forced == []
-    assert plan.last_seq == 2  # seq ordering resumes right before the first re-run
+    assert plan.finished_seq == 2  # seq ordering resumes right before the first re-run
 
 
 def test_a_corrupt_log_is_refused() -> None:
     with pytest.raises(ValueError):
         plan_restore(LOG[:-3], [], None, text=None, max_output_tokens=1)
+
+
+def test_a_restore_never_reopens_a_finished_turn_to_a_resent_chunk() -> None:
+    """The client's last seen seq (`LinkRestore.seen_seq`) may lag the log (its done was lost with the
+    socket) or lead it (the turn was not durable yet); either way the rebuilt session's seq ordering
+    is past every turn it holds or the client saw, so a resent chunk for one is refused by the
+    engine's admission, never run and logged a second time."""
+    lagging = plan_restore(LOG, [], 1, text=None, max_output_tokens=2)
+    assert (lagging.finished_seq, lagging.log_last_seq, lagging.rerun) == (2, 2, [])
+    leading = plan_restore(LOG, [], 3, text=None, max_output_tokens=2)
+    assert (leading.finished_seq, leading.history) == (3, [1, 2, 90, 91, 3, 4, 92, 93])
+    fresh = plan_restore(b"", [], None, text=None, max_output_tokens=2)
+    assert fresh.finished_seq is None  # one "none": no turn finished yet

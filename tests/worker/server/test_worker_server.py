@@ -137,13 +137,13 @@ def test_a_second_link_takes_over_and_gets_missed_outputs(worker: Proc) -> None:
             assert isinstance(await a.recv(), LinkOpened)
             await a.turn(chunk("t2", 1, (9, 9)))
             _, done2 = await a.turn(chunk("t2", 2, (8, 8)))
-            await b.send(LinkAttach("t2", last_seq=1))
+            await b.send(LinkAttach("t2", seen_seq=1))
             opened = await b.recv()
             assert isinstance(opened, LinkOpened)
             # durable_seq: whatever the batched log flush has confirmed by now (docs/failover.md).
             assert opened.durable_seq in (None, 1, 2)
             assert replace(opened, durable_seq=None) == LinkOpened("t2", done2.length, 2)
-            assert await b.recv() == done2  # the output after last_seq is replayed
+            assert await b.recv() == done2  # the output after seen_seq is replayed
             assert await a.recv() == LinkClosed("t2", "taken_over")
             _, done3 = await b.turn(chunk("t2", 3, (7,)))
             assert done3.length == done2.length + 1 + 3
@@ -168,7 +168,7 @@ def test_restore_rebuilds_from_the_token_log_on_another_worker(
                 sequence += [seq * 3, seq * 5, *done.tokens]
             await asyncio.sleep(0.2)  # appends are batched after the reply
             assert await read_log(client, SCHEMA, "t3") == sequence
-            await b.send(LinkRestore("t3", CONFIG, None, last_seq=4))
+            await b.send(LinkRestore("t3", CONFIG, None, seen_seq=4))
             # durable_seq: the log it was rebuilt from holds every turn up to seq 4.
             assert await b.recv() == LinkOpened("t3", len(sequence), 4, 4)
             _, original = await a.turn(chunk("t3", 5, (1, 2)))
