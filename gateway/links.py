@@ -268,7 +268,8 @@ class LinkPool:
     def dispatch(self, link: Link, frame: ToGateway) -> None:
         if not frame.sid:
             if isinstance(frame, LinkError):
-                logger.error("worker %s reports a link error: %s %s", link.url, frame.code, frame.message)
+                error = frame.error
+                logger.error("worker %s reports a link error: %s %s", link.url, error.code, error.message)
             return
         current = self._bindings.get(frame.sid)
         if current is None or current[1] is not link:

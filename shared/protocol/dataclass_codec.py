@@ -1,0 +1,212 @@
+"""One codec for messages as maps, driven by `dataclasses.fields`: add a field, and it travels.
+
+Why: the link (docs/link.md) carries the client's own messages inside its frames, and every hop
+between our own processes needs the same walk from a frozen dataclass to a map and back. The walk
+is written once, here, from each class's type hints (computed once per class and cached), so a new
+field or a new frame is one edit in its dataclass (mini-sglang's `message/` package is the model).
+
+- `to_wire(obj)`: a map of `obj`'s fields, `None` left out; nested dataclasses (and tuples of them)
+  become maps, enums their value. The client codec (codec.py) encodes with it too, so what a client
+  receives is exactly the dataclass's fields in declaration order.
+- `from_wire(cls, obj, where)`: the reverse, for *internal* input (the link). It checks each value
+  against its field's type (an int is an `int` in [0, 2**64), a float finite, a literal one of its
+  values, a tuple's items each), refuses unknown and missing fields, and raises `InvalidMessage`
+  naming the map and the field, so a version skew or a bug is a typed error, never a crash. It does
+  not apply the client protocol's ranges and rules: client input goes through the strict,
+  field-by-field codec (codec.py, fields.py), which is the one place those are written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
+
+from shared.errors import InvalidMessage
+from shared.protocol.fields import show
+
+_T = TypeVar("_T")
+# msgpack's unsigned range: every integer on the link (seq, length, token, ms...) is non-negative.
+_MAX_WIRE_INT: Final = 2**64 - 1
+
+# A converter takes (value, where, field name) and returns the typed value or raises.
+_Convert = Callable[[Any, str, str], Any]
+
+# How `to_wire` treats a field's value.
+_PLAIN, _NESTED, _NESTED_TUPLE, _ENUM = range(4)
+
+
+def _bad(where: str, name: str, want: str, value: object) -> InvalidMessage:
+    return InvalidMessage(f"{where}: field '{name}' must be {want}, got {show(value)}")
+
+
+def _int(value: Any, where: str, name: str) -> int:
+    if type(value) is not int or not 0 <= value <= _MAX_WIRE_INT:
+        raise _bad(where, name, "a non-negative integer", value)
+    return value
+
+
+def _float(value: Any, where: str, name: str) -> float:
+    if (type(value) is not float and type(value) is not int) or not math.isfinite(value):
+        raise _bad(where, name, "a finite number", value)
+    return float(value)
+
+
+def _exact(kind: type, want: str) -> _Convert:
+    def convert(value: Any, where: str, name: str) -> Any:
+        if type(value) is not kind:
+            raise _bad(where, name, want, value)
+        return value
+
+    return convert
+
+
+def _any(value: Any, where: str, name: str) -> Any:
+    return value
+
+
+def _literal(choices: tuple[object, ...]) -> _Convert:
+    def convert(value: Any, where: str, name: str) -> Any:
+        if type(value) is not str or value not in choices:
+            raise _bad(where, name, "one of " + ", ".join(map(str, choices)), value)
+        return value
+
+    return convert
+
+
+def _enum(cls: type[enum.Enum]) -> _Convert:
+    def convert(value: Any, where: str, name: str) -> Any:
+        try:
+            return cls(value)
+        except ValueError:
+            raise _bad(where, name, f"a {cls.__name__}", value) from None
+
+    return convert
+
+
+def _tuple(item: _Convert) -> _Convert:
+    def convert(value: Any, where: str, name: str) -> tuple[Any, ...]:
+        if type(value) is not list and type(value) is not tuple:
+            raise _bad(where, name, "a list", value)
+        # Token lists are the bulk of the link: one pass, no call per item.
+        if item is _int and all(type(x) is int and 0 <= x <= _MAX_WIRE_INT for x in value):
+            return tuple(value)
+        return tuple(item(x, where, name) for x in value)
+
+    return convert
+
+
+def _nested(cls: type) -> _Convert:
+    def convert(value: Any, where: str, name: str) -> Any:
+        if type(value) is not dict:
+            raise _bad(where, name, "a map", value)
+        return from_wire(cls, value, f"{where}.{name}")
+
+    return convert
+
+
+def _converter(hint: Any) -> tuple[_Convert, bool, int]:
+    """(converter, whether None is allowed, how `to_wire` treats it) for one type hint."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError(f"no wire form for the union {hint!r}: one type or None")
+        convert, _optional, mode = _converter(rest[0])
+        return convert, type(None) in args, mode
+    if origin is typing.Literal:
+        return _literal(args), False, _PLAIN
+    if origin is tuple:
+        item, _optional, mode = _converter(args[0])
+        return _tuple(item), False, _NESTED_TUPLE if mode == _NESTED else _PLAIN
+    if origin is dict:
+        return _exact(dict, "a map"), False, _PLAIN
+    if dataclasses.is_dataclass(hint):
+        return _nested(typing.cast(type, hint)), False, _NESTED
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return _enum(hint), False, _ENUM
+    simple: dict[Any, _Convert] = {
+        int: _int,
+        float: _float,
+        bool: _exact(bool, "a boolean"),
+        str: _exact(str, "a string"),
+        object: _any,
+    }
+    if hint not in simple:
+        raise TypeError(f"no wire form for the type {hint!r}")
+    return simple[hint], False, _PLAIN
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Field:
+    name: str
+    convert: _Convert
+    # No default and None not allowed: absent on the wire is an error.
+    required: bool
+    # No default but None allowed: absent on the wire means None (to_wire leaves None out).
+    none_if_absent: bool
+    mode: int
+
+
+_FIELDS: dict[type, tuple[_Field, ...]] = {}
+
+
+def _fields(cls: type) -> tuple[_Field, ...]:
+    """The cached field specs of a dataclass, built from its resolved type hints."""
+    specs = _FIELDS.get(cls)
+    if specs is None:
+        hints = typing.get_type_hints(cls)
+        built = []
+        for f in dataclasses.fields(cls):
+            convert, optional, mode = _converter(hints[f.name])
+            no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            built.append(_Field(f.name, convert, no_default and not optional, no_default and optional, mode))
+        specs = _FIELDS[cls] = tuple(built)
+    return specs
+
+
+def to_wire(obj: object, out: dict[str, object] | None = None) -> dict[str, object]:
+    """`obj`'s fields added to `out` (a new map by default), `None` left out, nested ones as maps."""
+    out = {} if out is None else out
+    for spec in _fields(type(obj)):
+        value = getattr(obj, spec.name)
+        if value is None:
+            continue
+        if spec.mode == _NESTED:
+            value = to_wire(value)
+        elif spec.mode == _NESTED_TUPLE:
+            value = [to_wire(item) for item in value]
+        elif spec.mode == _ENUM:
+            value = value.value
+        out[spec.name] = value
+    return out
+
+
+def from_wire(cls: type[_T], obj: object, where: str) -> _T:
+    """An instance of the dataclass `cls` from its map; raises `InvalidMessage` (see the docstring)."""
+    if type(obj) is not dict:
+        raise InvalidMessage(f"{where} must be a map, got {show(obj)}")
+    values: dict[str, Any] = {}
+    found = 0
+    for spec in _fields(cls):
+        if spec.name in obj:
+            found += 1
+            value = obj[spec.name]
+        else:
+            value = None
+        if value is None:
+            if spec.required:
+                raise InvalidMessage(f"{where}: missing field '{spec.name}'")
+            if spec.none_if_absent:
+                values[spec.name] = None
+            continue
+        values[spec.name] = spec.convert(value, where, spec.name)
+    if found != len(obj):
+        known = {spec.name for spec in _fields(cls)}
+        unknown = sorted(str(key) for key in obj if key not in known)
+        raise InvalidMessage(f"{where}: unknown field(s) {', '.join(unknown)}")
+    return cls(**values)
