@@ -65,6 +65,9 @@ def _exact(kind: type, want: str) -> _Convert:
     return convert
 
 
+_str: Final = _exact(str, "a string")
+
+
 def _any(value: Any, where: str, name: str) -> Any:
     return value
 
@@ -133,7 +136,7 @@ def _converter(hint: Any) -> tuple[_Convert, bool, int]:
         int: _int,
         float: _float,
         bool: _exact(bool, "a boolean"),
-        str: _exact(str, "a string"),
+        str: _str,
         object: _any,
     }
     if hint not in simple:
@@ -141,21 +144,17 @@ def _converter(hint: Any) -> tuple[_Convert, bool, int]:
     return simple[hint], False, _PLAIN
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Field:
-    name: str
-    convert: _Convert
-    # No default and None not allowed: absent on the wire is an error.
-    required: bool
-    # No default but None allowed: absent on the wire means None (to_wire leaves None out).
-    none_if_absent: bool
-    mode: int
+# One field's spec, a plain tuple (unpacked on every decode, the cheapest form):
+# (name, convert, required, none_if_absent, mode). `required`: no default and None not allowed,
+# so absent on the wire is an error; `none_if_absent`: no default but None allowed, so absent
+# means None (to_wire leaves None out); `mode`: how to_wire treats the value.
+_Spec = tuple[str, _Convert, bool, bool, int]
+_FIELDS: dict[type, tuple[_Spec, ...]] = {}
+_NAMES: dict[type, frozenset[str]] = {}
+_ABSENT: Final = object()
 
 
-_FIELDS: dict[type, tuple[_Field, ...]] = {}
-
-
-def _fields(cls: type) -> tuple[_Field, ...]:
+def _fields(cls: type) -> tuple[_Spec, ...]:
     """The cached field specs of a dataclass, built from its resolved type hints."""
     specs = _FIELDS.get(cls)
     if specs is None:
@@ -164,25 +163,26 @@ def _fields(cls: type) -> tuple[_Field, ...]:
         for f in dataclasses.fields(cls):
             convert, optional, mode = _converter(hints[f.name])
             no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            built.append(_Field(f.name, convert, no_default and not optional, no_default and optional, mode))
+            built.append((f.name, convert, no_default and not optional, no_default and optional, mode))
         specs = _FIELDS[cls] = tuple(built)
+        _NAMES[cls] = frozenset(spec[0] for spec in specs)
     return specs
 
 
 def to_wire(obj: object, out: dict[str, object] | None = None) -> dict[str, object]:
     """`obj`'s fields added to `out` (a new map by default), `None` left out, nested ones as maps."""
     out = {} if out is None else out
-    for spec in _fields(type(obj)):
-        value = getattr(obj, spec.name)
+    for name, _convert, _required, _none_if_absent, mode in _FIELDS.get(type(obj)) or _fields(type(obj)):
+        value = getattr(obj, name)
         if value is None:
             continue
-        if spec.mode == _NESTED:
+        if mode == _NESTED:
             value = to_wire(value)
-        elif spec.mode == _NESTED_TUPLE:
+        elif mode == _NESTED_TUPLE:
             value = [to_wire(item) for item in value]
-        elif spec.mode == _ENUM:
+        elif mode == _ENUM:
             value = value.value
-        out[spec.name] = value
+        out[name] = value
     return out
 
 
@@ -192,21 +192,29 @@ def from_wire(cls: type[_T], obj: object, where: str) -> _T:
         raise InvalidMessage(f"{where} must be a map, got {show(obj)}")
     values: dict[str, Any] = {}
     found = 0
-    for spec in _fields(cls):
-        if spec.name in obj:
+    for name, convert, required, none_if_absent, _mode in _FIELDS.get(cls) or _fields(cls):
+        value = obj.get(name, _ABSENT)
+        if value is not _ABSENT:
             found += 1
-            value = obj[spec.name]
-        else:
-            value = None
-        if value is None:
-            if spec.required:
-                raise InvalidMessage(f"{where}: missing field '{spec.name}'")
-            if spec.none_if_absent:
-                values[spec.name] = None
-            continue
-        values[spec.name] = spec.convert(value, where, spec.name)
+            if value is not None:
+                # The common scalars checked inline: a call per field is most of a decode's cost.
+                if convert is _int:
+                    if type(value) is not int or value < 0 or value > _MAX_WIRE_INT:
+                        raise _bad(where, name, "a non-negative integer", value)
+                elif convert is _str:
+                    if type(value) is not str:
+                        raise _bad(where, name, "a string", value)
+                else:
+                    value = convert(value, where, name)
+                values[name] = value
+                continue
+        if required:
+            raise InvalidMessage(f"{where}: missing field '{name}'")
+        if none_if_absent:
+            values[name] = None
     if found != len(obj):
-        known = {spec.name for spec in _fields(cls)}
-        unknown = sorted(str(key) for key in obj if key not in known)
+        if any(type(key) is not str for key in obj):
+            raise InvalidMessage(f"{where}: map keys must be strings")
+        unknown = sorted(key for key in obj if key not in _NAMES[cls])
         raise InvalidMessage(f"{where}: unknown field(s) {', '.join(unknown)}")
     return cls(**values)

@@ -35,7 +35,7 @@ import msgpack
 from shared.errors import InvalidMessage, MicroturnError
 from shared.protocol.codec import check_one_input
 from shared.protocol.dataclass_codec import from_wire, to_wire
-from shared.protocol.fields import FieldReader
+from shared.protocol.fields import show
 from shared.protocol.messages import (
     CloseReason,
     Error,
@@ -248,13 +248,16 @@ def decode_link(data: bytes | bytearray | memoryview | str) -> LinkFrame:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
         raise InvalidMessage(f"malformed msgpack: {str(e) or type(e).__name__}") from e
-    op = FieldReader(obj, "link frame").raw("op")  # a map with string keys
+    if type(obj) is not dict:
+        raise InvalidMessage(f"a link frame must be a map, got {show(obj)}")
+    op = obj.pop("op", None)
     if type(op) is not str:
+        if any(type(key) is not str for key in obj):
+            raise InvalidMessage("link frame: map keys must be strings")
         raise InvalidMessage("a link frame needs a string field 'op'")
     cls = FRAME_CLASSES.get(op)
     if cls is None:
         raise InvalidMessage(f"unknown link op {op[:40]!r}")
-    del obj["op"]
     frame = from_wire(cls, obj, f"link {op}")
     _check(frame)
     return frame
