@@ -28,12 +28,26 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
 
 
+# Every typed error by its code (filled as the classes below are declared): what a receiving side
+# rebuilds from an `error` message's code.
+ERROR_TYPES: dict[ErrorCode, type[MicroturnError]] = {}
+
+
 class MicroturnError(Exception):
-    """Base of every typed error; `code` is the protocol's error code."""
+    """Base of every typed error; `code` is the protocol's error code.
+
+    A subclass names its code (and whether the session survives it) in its class line, which also
+    registers it in `ERROR_TYPES`: `class Backpressure(MicroturnError, code=ErrorCode.BACKPRESSURE)`.
+    """
 
     code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
     # Whether the session stays usable after this error (the protocol's `fatal` is the negation).
     recoverable: ClassVar[bool] = True
+
+    def __init_subclass__(cls, *, code: ErrorCode, recoverable: bool = True, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.code, cls.recoverable = code, recoverable
+        ERROR_TYPES[code] = cls
 
     def __init__(self, message: str, *, retry_after_ms: int | None = None) -> None:
         super().__init__(message)
@@ -44,85 +58,60 @@ class MicroturnError(Exception):
         return f"{type(self).__name__}({self.message!r})"
 
 
-class InvalidMessage(MicroturnError):
-    code = ErrorCode.INVALID_MESSAGE
+class InvalidMessage(MicroturnError, code=ErrorCode.INVALID_MESSAGE):
+    pass
 
 
-class UnknownType(MicroturnError):
-    code = ErrorCode.UNKNOWN_TYPE
+class UnknownType(MicroturnError, code=ErrorCode.UNKNOWN_TYPE):
+    pass
 
 
-class BadSequence(MicroturnError):
-    code = ErrorCode.BAD_SEQUENCE
+class BadSequence(MicroturnError, code=ErrorCode.BAD_SEQUENCE):
+    pass
 
 
-class TokenOutOfRange(MicroturnError):
-    code = ErrorCode.TOKEN_OUT_OF_RANGE
+class TokenOutOfRange(MicroturnError, code=ErrorCode.TOKEN_OUT_OF_RANGE):
+    pass
 
 
-class ChunkTooLarge(MicroturnError):
-    code = ErrorCode.CHUNK_TOO_LARGE
+class ChunkTooLarge(MicroturnError, code=ErrorCode.CHUNK_TOO_LARGE):
+    pass
 
 
-class RateLimited(MicroturnError):
-    code = ErrorCode.RATE_LIMITED
+class RateLimited(MicroturnError, code=ErrorCode.RATE_LIMITED):
+    pass
 
 
-class Backpressure(MicroturnError):
-    code = ErrorCode.BACKPRESSURE
+class Backpressure(MicroturnError, code=ErrorCode.BACKPRESSURE):
+    pass
 
 
-class ContextFull(MicroturnError):
-    code = ErrorCode.CONTEXT_FULL
+class ContextFull(MicroturnError, code=ErrorCode.CONTEXT_FULL):
+    pass
 
 
-class CapacityExhausted(MicroturnError):
-    code = ErrorCode.CAPACITY_EXHAUSTED
+class CapacityExhausted(MicroturnError, code=ErrorCode.CAPACITY_EXHAUSTED):
+    pass
 
 
-class SessionNotFound(MicroturnError):
-    code = ErrorCode.SESSION_NOT_FOUND
-    recoverable = False
+class SessionNotFound(MicroturnError, code=ErrorCode.SESSION_NOT_FOUND, recoverable=False):
+    pass
 
 
-class SessionExpired(MicroturnError):
-    code = ErrorCode.SESSION_EXPIRED
-    recoverable = False
+class SessionExpired(MicroturnError, code=ErrorCode.SESSION_EXPIRED, recoverable=False):
+    pass
 
 
-class Unauthorized(MicroturnError):
-    code = ErrorCode.UNAUTHORIZED
-    recoverable = False
+class Unauthorized(MicroturnError, code=ErrorCode.UNAUTHORIZED, recoverable=False):
+    pass
 
 
-class WorkerUnavailable(MicroturnError):
-    code = ErrorCode.WORKER_UNAVAILABLE
+class WorkerUnavailable(MicroturnError, code=ErrorCode.WORKER_UNAVAILABLE):
+    pass
 
 
-class InternalError(MicroturnError):
-    code = ErrorCode.INTERNAL
-    recoverable = False
-
-
-ERROR_TYPES: dict[ErrorCode, type[MicroturnError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidMessage,
-        UnknownType,
-        BadSequence,
-        TokenOutOfRange,
-        ChunkTooLarge,
-        RateLimited,
-        Backpressure,
-        ContextFull,
-        CapacityExhausted,
-        SessionNotFound,
-        SessionExpired,
-        Unauthorized,
-        WorkerUnavailable,
-        InternalError,
-    )
-}
+class InternalError(MicroturnError, code=ErrorCode.INTERNAL, recoverable=False):
+    pass
 
 
 def error_from_code(code: str, message: str, *, retry_after_ms: int | None = None) -> MicroturnError:
