@@ -35,12 +35,7 @@ from gateway.metrics import GatewayMetrics
 from shared.errors import InvalidMessage, WorkerUnavailable
 from shared.placement import SUSPECT_TTL_S
 from shared.protocol import (
-    LinkClosed,
-    LinkDelta,
-    LinkDone,
     LinkError,
-    LinkMigrate,
-    LinkOpened,
     ToGateway,
     ToWorker,
     decode_link,
@@ -58,8 +53,6 @@ LINK_MAX_FRAME_BYTES: Final = 16 * 2**20
 # Keepalive: a worker host that vanished without a FIN is noticed within interval + timeout.
 LINK_PING_INTERVAL_S: Final = 5.0
 LINK_PING_TIMEOUT_S: Final = 10.0
-
-_TO_GATEWAY: Final = (LinkOpened, LinkDelta, LinkDone, LinkError, LinkClosed, LinkMigrate)
 
 
 class LinkListener(Protocol):
@@ -168,7 +161,7 @@ class Link:
                     # A version skew or a worker bug: say so loudly, but keep the other sessions going.
                     logger.error("undecodable frame from %s: %s", self.url, exc.message)
                     continue
-                if not isinstance(frame, _TO_GATEWAY):
+                if not isinstance(frame, ToGateway):
                     logger.error("worker %s sent a gateway-side op %r", self.url, frame.op)
                     continue
                 self._pool.dispatch(self, frame)
