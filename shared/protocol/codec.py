@@ -122,7 +122,8 @@ def config_from_reader(r: FieldReader) -> OpenConfig:
 
 
 def config_from_map(obj: object, where: str = "config") -> OpenConfig:
-    """Validate a `session.open` config map (also the `config` of link `open` / `restore`)."""
+    """Validate a `session.open` config map; also the one check of a config that enters any other
+    way: read back from the session record in Redis, or given by hand to `Engine.open_session`."""
     return config_from_reader(FieldReader(obj, where))
 
 
