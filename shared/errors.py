@@ -28,26 +28,12 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
 
 
-# Every typed error by its code (filled as the classes below are declared): what a receiving side
-# rebuilds from an `error` message's code.
-ERROR_TYPES: dict[ErrorCode, type[MicroturnError]] = {}
-
-
 class MicroturnError(Exception):
-    """Base of every typed error; `code` is the protocol's error code.
-
-    A subclass names its code (and whether the session survives it) in its class line, which also
-    registers it in `ERROR_TYPES`: `class Backpressure(MicroturnError, code=ErrorCode.BACKPRESSURE)`.
-    """
+    """Base of every typed error; `code` is the protocol's error code."""
 
     code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
     # Whether the session stays usable after this error (the protocol's `fatal` is the negation).
     recoverable: ClassVar[bool] = True
-
-    def __init_subclass__(cls, *, code: ErrorCode, recoverable: bool = True, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.code, cls.recoverable = code, recoverable
-        ERROR_TYPES[code] = cls
 
     def __init__(self, message: str, *, retry_after_ms: int | None = None) -> None:
         super().__init__(message)
@@ -58,60 +44,85 @@ class MicroturnError(Exception):
         return f"{type(self).__name__}({self.message!r})"
 
 
-class InvalidMessage(MicroturnError, code=ErrorCode.INVALID_MESSAGE):
-    pass
+class InvalidMessage(MicroturnError):
+    code = ErrorCode.INVALID_MESSAGE
 
 
-class UnknownType(MicroturnError, code=ErrorCode.UNKNOWN_TYPE):
-    pass
+class UnknownType(MicroturnError):
+    code = ErrorCode.UNKNOWN_TYPE
 
 
-class BadSequence(MicroturnError, code=ErrorCode.BAD_SEQUENCE):
-    pass
+class BadSequence(MicroturnError):
+    code = ErrorCode.BAD_SEQUENCE
 
 
-class TokenOutOfRange(MicroturnError, code=ErrorCode.TOKEN_OUT_OF_RANGE):
-    pass
+class TokenOutOfRange(MicroturnError):
+    code = ErrorCode.TOKEN_OUT_OF_RANGE
 
 
-class ChunkTooLarge(MicroturnError, code=ErrorCode.CHUNK_TOO_LARGE):
-    pass
+class ChunkTooLarge(MicroturnError):
+    code = ErrorCode.CHUNK_TOO_LARGE
 
 
-class RateLimited(MicroturnError, code=ErrorCode.RATE_LIMITED):
-    pass
+class RateLimited(MicroturnError):
+    code = ErrorCode.RATE_LIMITED
 
 
-class Backpressure(MicroturnError, code=ErrorCode.BACKPRESSURE):
-    pass
+class Backpressure(MicroturnError):
+    code = ErrorCode.BACKPRESSURE
 
 
-class ContextFull(MicroturnError, code=ErrorCode.CONTEXT_FULL):
-    pass
+class ContextFull(MicroturnError):
+    code = ErrorCode.CONTEXT_FULL
 
 
-class CapacityExhausted(MicroturnError, code=ErrorCode.CAPACITY_EXHAUSTED):
-    pass
+class CapacityExhausted(MicroturnError):
+    code = ErrorCode.CAPACITY_EXHAUSTED
 
 
-class SessionNotFound(MicroturnError, code=ErrorCode.SESSION_NOT_FOUND, recoverable=False):
-    pass
+class SessionNotFound(MicroturnError):
+    code = ErrorCode.SESSION_NOT_FOUND
+    recoverable = False
 
 
-class SessionExpired(MicroturnError, code=ErrorCode.SESSION_EXPIRED, recoverable=False):
-    pass
+class SessionExpired(MicroturnError):
+    code = ErrorCode.SESSION_EXPIRED
+    recoverable = False
 
 
-class Unauthorized(MicroturnError, code=ErrorCode.UNAUTHORIZED, recoverable=False):
-    pass
+class Unauthorized(MicroturnError):
+    code = ErrorCode.UNAUTHORIZED
+    recoverable = False
 
 
-class WorkerUnavailable(MicroturnError, code=ErrorCode.WORKER_UNAVAILABLE):
-    pass
+class WorkerUnavailable(MicroturnError):
+    code = ErrorCode.WORKER_UNAVAILABLE
 
 
-class InternalError(MicroturnError, code=ErrorCode.INTERNAL, recoverable=False):
-    pass
+class InternalError(MicroturnError):
+    code = ErrorCode.INTERNAL
+    recoverable = False
+
+
+ERROR_TYPES: dict[ErrorCode, type[MicroturnError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidMessage,
+        UnknownType,
+        BadSequence,
+        TokenOutOfRange,
+        ChunkTooLarge,
+        RateLimited,
+        Backpressure,
+        ContextFull,
+        CapacityExhausted,
+        SessionNotFound,
+        SessionExpired,
+        Unauthorized,
+        WorkerUnavailable,
+        InternalError,
+    )
+}
 
 
 def error_from_code(code: str, message: str, *, retry_after_ms: int | None = None) -> MicroturnError:
