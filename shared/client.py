@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, TypedDict, TypeVar, Unpack
 
 from websockets.asyncio.client import ClientConnection as AsyncConnection
 from websockets.asyncio.client import connect as async_connect
@@ -60,6 +60,7 @@ MAX_FRAME_BYTES: Final = 16 * 2**20
 __all__ = [
     "NO_RETRY",
     "ClientCore",
+    "ConnectOptions",
     "ConnectionLost",
     "EncodingName",
     "Feed",
@@ -76,14 +77,22 @@ __all__ = [
 # ---- what both shells share --------------------------------------------------------------------
 
 
-def _connect_options(
-    enc: Encoding, open_timeout: float, headers: Mapping[str, str] | None, api_key: str | None
-) -> dict[str, Any]:
+class ConnectOptions(TypedDict, total=False):
+    """What `connect` takes besides the URL and the encoding (both shells take the same)."""
+
+    open_timeout: float  # seconds for the handshake (default 10)
+    headers: Mapping[str, str] | None  # extra handshake headers
+    api_key: str | None  # sent as `Authorization: Bearer`
+    # How refused chunks are resent (None: `RetryPolicy()`; `NO_RETRY` turns it off).
+    retry: RetryPolicy | None
+
+
+def _connect_options(enc: Encoding, options: ConnectOptions) -> dict[str, Any]:
     """The handshake both shells make (websockets' asyncio and sync `connect` take the same)."""
     return {
         "subprotocols": [enc.subprotocol],
-        "open_timeout": open_timeout,
-        "additional_headers": handshake_headers(headers, api_key),
+        "open_timeout": options.get("open_timeout", 10.0),
+        "additional_headers": handshake_headers(options.get("headers"), options.get("api_key")),
         "max_size": MAX_FRAME_BYTES,
         "compression": None,
         "proxy": None,
@@ -132,19 +141,11 @@ class RealtimeClient(_ClientShell[AsyncConnection]):
 
     @classmethod
     async def connect(
-        cls,
-        url: str,
-        encoding: EncodingName | Encoding = "json",
-        *,
-        open_timeout: float = 10.0,
-        headers: Mapping[str, str] | None = None,
-        api_key: str | None = None,
-        retry: RetryPolicy | None = None,
+        cls, url: str, encoding: EncodingName | Encoding = "json", **options: Unpack[ConnectOptions]
     ) -> RealtimeClient:
-        """`retry`: how refused chunks are resent (default `RetryPolicy()`; `NO_RETRY` turns it off)."""
+        """`options`: see `ConnectOptions`."""
         enc = encoding_of(encoding)
-        ws = await async_connect(url, **_connect_options(enc, open_timeout, headers, api_key))
-        return cls(ws, enc, retry)
+        return cls(await async_connect(url, **_connect_options(enc, options)), enc, options.get("retry"))
 
     async def __aenter__(self) -> RealtimeClient:
         return self
@@ -259,18 +260,10 @@ class SyncRealtimeClient(_ClientShell[SyncConnection]):
 
     @classmethod
     def connect(
-        cls,
-        url: str,
-        encoding: EncodingName | Encoding = "json",
-        *,
-        open_timeout: float = 10.0,
-        headers: Mapping[str, str] | None = None,
-        api_key: str | None = None,
-        retry: RetryPolicy | None = None,
+        cls, url: str, encoding: EncodingName | Encoding = "json", **options: Unpack[ConnectOptions]
     ) -> SyncRealtimeClient:
         enc = encoding_of(encoding)
-        ws = sync_connect(url, **_connect_options(enc, open_timeout, headers, api_key))
-        return cls(ws, enc, retry)
+        return cls(sync_connect(url, **_connect_options(enc, options)), enc, options.get("retry"))
 
     def __enter__(self) -> SyncRealtimeClient:
         return self
