@@ -99,7 +99,7 @@ def choose_encoding(offered: Iterable[str]) -> Encoding | None:
 # ---- config -------------------------------------------------------------------------------------
 
 
-def config_from_reader(r: FieldReader) -> OpenConfig:
+def _config_from_reader(r: FieldReader) -> OpenConfig:
     """Read an `OpenConfig` off `r` (absent and null fields take their defaults) and finish `r`."""
     default = OpenConfig()
     policy = r.opt_choice("context_policy", CONTEXT_POLICIES)
@@ -124,7 +124,7 @@ def config_from_reader(r: FieldReader) -> OpenConfig:
 def config_from_map(obj: object, where: str = "config") -> OpenConfig:
     """Validate a `session.open` config map; also the one check of a config that enters any other
     way: read back from the session record in Redis, or given by hand to `Engine.open_session`."""
-    return config_from_reader(FieldReader(obj, where))
+    return _config_from_reader(FieldReader(obj, where))
 
 
 def config_to_map(config: OpenConfig) -> dict[str, object]:
@@ -199,7 +199,7 @@ def _decode(obj: object, decoders: dict[str, Callable[[FieldReader], _M]]) -> _M
 
 def _session_open(r: FieldReader) -> SessionOpen:
     sub = r.submap("config", required=False)
-    return SessionOpen(OpenConfig() if sub is None else config_from_reader(sub))
+    return SessionOpen(OpenConfig() if sub is None else _config_from_reader(sub))
 
 
 def check_one_input(tokens: object, text: object, where: str) -> None:
