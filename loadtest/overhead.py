@@ -44,9 +44,8 @@ from shared.protocol.link import (
     LinkError,
     LinkOpen,
     LinkOpened,
-    decode_link,
-    encode_link,
 )
+from shared.protocol.link_codec import decode_link, encode_link
 from shared.protocol.messages import InputChunk, OpenConfig
 from shared.redis_schema import KeySchema
 from shared.stack import Stack, StackOptions

@@ -43,10 +43,9 @@ from shared.protocol.link import (
     TailTurn,
     ToGateway,
     ToWorker,
-    decode_link,
-    encode_link,
     link_error_from,
 )
+from shared.protocol.link_codec import decode_link, encode_link
 from shared.protocol.messages import (
     ClientMessage,
     CloseReason,

@@ -30,8 +30,8 @@ from typing import TypeVar, cast
 import msgpack
 
 from shared.errors import InvalidMessage, UnknownType
-from shared.protocol.dataclass_codec import to_wire
 from shared.protocol.fields import MAX_TOKEN_ID, FieldReader, show
+from shared.protocol.link_codec import check_one_input, to_wire
 from shared.protocol.messages import (
     CLOSE_REASONS,
     CONTEXT_POLICIES,
@@ -200,12 +200,6 @@ def _decode(obj: object, decoders: dict[str, Callable[[FieldReader], _M]]) -> _M
 def _session_open(r: FieldReader) -> SessionOpen:
     sub = r.submap("config", required=False)
     return SessionOpen(OpenConfig() if sub is None else _config_from_reader(sub))
-
-
-def check_one_input(tokens: object, text: object, where: str) -> None:
-    """A chunk carries exactly one of `tokens` or `text` (also checked on the link's chunks)."""
-    if (tokens is None) == (text is None):
-        raise InvalidMessage(f"{where}: exactly one of 'tokens' or 'text' is required")
 
 
 def _input_chunk(r: FieldReader) -> InputChunk:

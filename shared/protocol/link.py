@@ -8,7 +8,7 @@ not a copy of its fields: the gateway forwards what it decoded and relays what i
 field of a client message travels the link with no edit here. Only link-only fields sit beside it.
 
 The link is internal and authenticated, so it is decoded by the field-driven codec
-(dataclass_codec.py), not the client protocol's strict rules; but a version skew or a bug still
+(link_codec.py), not the client protocol's strict rules; but a version skew or a bug still
 fails loudly and typed: every malformed frame raises `InvalidMessage`.
 
 Ops: gateway -> worker `open`, `attach` (resume), `restore` (rebuild from the token log), `chunk`,
@@ -26,16 +26,10 @@ restoring worker in `restore.tail`.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import ClassVar, Final, TypeAlias
 
-import msgpack
-
-from shared.errors import InvalidMessage, MicroturnError
-from shared.protocol.codec import check_one_input
-from shared.protocol.dataclass_codec import from_wire, to_wire
-from shared.protocol.fields import show
+from shared.errors import MicroturnError
 from shared.protocol.messages import (
     CloseReason,
     Error,
@@ -192,7 +186,7 @@ ToWorker: TypeAlias = LinkOpen | LinkAttach | LinkRestore | LinkChunk | LinkCanc
 ToGateway: TypeAlias = LinkOpened | LinkDelta | LinkDone | LinkError | LinkClosed | LinkMigrate
 LinkFrame: TypeAlias = ToWorker | ToGateway
 
-# Every frame class by its op: the registry `decode_link` (and the round-trip test) walks.
+# Every frame class by its op: the registry `decode_link` (link_codec.py) and the round-trip test walk.
 FRAME_CLASSES: Final[dict[str, type[LinkFrame]]] = {
     cls.op: cls
     for cls in (
@@ -211,56 +205,6 @@ FRAME_CLASSES: Final[dict[str, type[LinkFrame]]] = {
         LinkMigrate,
     )
 }
-
-
-# ---- codec --------------------------------------------------------------------------------------
-
-
-def encode_link(frame: LinkFrame) -> bytes:
-    """One binary link frame: the frame's fields (`None` left out) under its `op`."""
-    packed: bytes = msgpack.packb(to_wire(frame, {"op": frame.op}), use_bin_type=True)
-    return packed
-
-
-def _check(frame: LinkFrame) -> None:
-    """The rules a frame's types cannot say: a named session, one input per chunk, and so on."""
-    if not frame.sid and not isinstance(frame, LinkError):
-        raise InvalidMessage(f"link {frame.op}: field 'sid' must be a non-empty string")
-    if isinstance(frame, LinkChunk):
-        check_one_input(frame.chunk.tokens, frame.chunk.text, "link chunk")
-    elif isinstance(frame, LinkDone):
-        done = frame.done
-        if done.logprobs is not None and len(done.logprobs) != len(done.tokens):
-            raise InvalidMessage(f"link done: {len(done.logprobs)} logprobs for {len(done.tokens)} tokens")
-    elif isinstance(frame, LinkRestore):
-        for turn in frame.tail:
-            check_one_input(turn.chunk.tokens, turn.chunk.text, "link restore tail")
-        seqs = [turn.chunk.seq for turn in frame.tail]
-        if any(a >= b for a, b in itertools.pairwise(seqs)):
-            raise InvalidMessage("link restore: tail seqs must increase")
-
-
-def decode_link(data: bytes | bytearray | memoryview | str) -> LinkFrame:
-    """Parse and check one link frame (either direction); raises `InvalidMessage`."""
-    if isinstance(data, str):
-        raise InvalidMessage("text frame on the worker link: frames are binary msgpack")
-    try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
-        raise InvalidMessage(f"malformed msgpack: {str(e) or type(e).__name__}") from e
-    if type(obj) is not dict:
-        raise InvalidMessage(f"a link frame must be a map, got {show(obj)}")
-    op = obj.pop("op", None)
-    if type(op) is not str:
-        if any(type(key) is not str for key in obj):
-            raise InvalidMessage("link frame: map keys must be strings")
-        raise InvalidMessage("a link frame needs a string field 'op'")
-    cls = FRAME_CLASSES.get(op)
-    if cls is None:
-        raise InvalidMessage(f"unknown link op {op[:40]!r}")
-    frame = from_wire(cls, obj, f"link {op}")
-    _check(frame)
-    return frame
 
 
 def link_error_from(

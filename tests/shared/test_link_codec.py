@@ -1,4 +1,4 @@
-"""The field-driven link codec, checked against the registry of frame classes.
+"""The field-driven link codec (shared/protocol/link_codec.py), checked against the registry of frame classes.
 
 Every frame is built from its own type hints (a sample value per field), so a new frame class or a
 new field (of a frame or of a client message it carries) is covered here with no edit.
@@ -16,7 +16,8 @@ import msgpack
 import pytest
 
 from shared.errors import InvalidMessage
-from shared.protocol.link import FRAME_CLASSES, LinkFrame, decode_link, encode_link
+from shared.protocol.link import FRAME_CLASSES, LinkFrame
+from shared.protocol.link_codec import decode_link, encode_link
 from shared.protocol.messages import InputChunk
 
 CLASSES = sorted(FRAME_CLASSES.values(), key=lambda cls: cls.op)

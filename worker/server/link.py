@@ -17,10 +17,9 @@ from shared.protocol.close_codes import CLOSE_TRY_AGAIN_LATER
 from shared.protocol.link import (
     ToGateway,
     ToWorker,
-    decode_link,
-    encode_link,
     link_error_from,
 )
+from shared.protocol.link_codec import decode_link, encode_link
 from worker.server.service import WorkerService
 
 logger = logging.getLogger(__name__)

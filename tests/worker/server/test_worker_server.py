@@ -30,9 +30,8 @@ from shared.protocol.link import (
     LinkOpened,
     LinkRestore,
     ToWorker,
-    decode_link,
-    encode_link,
 )
+from shared.protocol.link_codec import decode_link, encode_link
 from shared.protocol.messages import InputChunk, OpenConfig, OutputDelta
 from shared.redis_schema import KeySchema
 from shared.registry import SessionRecord, read_worker, write_session

@@ -14,20 +14,27 @@ field or a new frame is one edit in its dataclass (mini-sglang's `message/` pack
   naming the map and the field, so a version skew or a bug is a typed error, never a crash. It does
   not apply the client protocol's ranges and rules: client input goes through the strict,
   field-by-field codec (codec.py, fields.py), which is the one place those are written.
+- `encode_link` / `decode_link`: a link frame (shared/protocol/link.py) <-> one msgpack frame, with
+  the checks a frame's types cannot say. They live here, beside the walk, rather than beside the
+  frame declarations: one file runs per frame on each side (docs/design.md, "The path of one chunk").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import math
 import types
 import typing
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
+import msgpack
+
 from shared.errors import InvalidMessage
 from shared.protocol.fields import show
+from shared.protocol.link import FRAME_CLASSES, LinkChunk, LinkDone, LinkError, LinkFrame, LinkRestore
 
 _T = TypeVar("_T")
 # msgpack's unsigned range: every integer on the link (seq, length, token, ms...) is non-negative.
@@ -218,3 +225,59 @@ def from_wire(cls: type[_T], obj: object, where: str) -> _T:
         unknown = sorted(key for key in obj if key not in _NAMES[cls])
         raise InvalidMessage(f"{where}: unknown field(s) {', '.join(unknown)}")
     return cls(**values)
+
+
+def check_one_input(tokens: object, text: object, where: str) -> None:
+    """A chunk carries exactly one of `tokens` or `text` (also checked on the link's chunks)."""
+    if (tokens is None) == (text is None):
+        raise InvalidMessage(f"{where}: exactly one of 'tokens' or 'text' is required")
+
+
+# ---- the link's frames ---------------------------------------------------------------------------
+
+
+def encode_link(frame: LinkFrame) -> bytes:
+    """One binary link frame: the frame's fields (`None` left out) under its `op`."""
+    packed: bytes = msgpack.packb(to_wire(frame, {"op": frame.op}), use_bin_type=True)
+    return packed
+
+
+def _check(frame: LinkFrame) -> None:
+    """The rules a frame's types cannot say: a named session, one input per chunk, and so on."""
+    if not frame.sid and not isinstance(frame, LinkError):
+        raise InvalidMessage(f"link {frame.op}: field 'sid' must be a non-empty string")
+    if isinstance(frame, LinkChunk):
+        check_one_input(frame.chunk.tokens, frame.chunk.text, "link chunk")
+    elif isinstance(frame, LinkDone):
+        done = frame.done
+        if done.logprobs is not None and len(done.logprobs) != len(done.tokens):
+            raise InvalidMessage(f"link done: {len(done.logprobs)} logprobs for {len(done.tokens)} tokens")
+    elif isinstance(frame, LinkRestore):
+        for turn in frame.tail:
+            check_one_input(turn.chunk.tokens, turn.chunk.text, "link restore tail")
+        seqs = [turn.chunk.seq for turn in frame.tail]
+        if any(a >= b for a, b in itertools.pairwise(seqs)):
+            raise InvalidMessage("link restore: tail seqs must increase")
+
+
+def decode_link(data: bytes | bytearray | memoryview | str) -> LinkFrame:
+    """Parse and check one link frame (either direction); raises `InvalidMessage`."""
+    if isinstance(data, str):
+        raise InvalidMessage("text frame on the worker link: frames are binary msgpack")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
+        raise InvalidMessage(f"malformed msgpack: {str(e) or type(e).__name__}") from e
+    if type(obj) is not dict:
+        raise InvalidMessage(f"a link frame must be a map, got {show(obj)}")
+    op = obj.pop("op", None)
+    if type(op) is not str:
+        if any(type(key) is not str for key in obj):
+            raise InvalidMessage("link frame: map keys must be strings")
+        raise InvalidMessage("a link frame needs a string field 'op'")
+    cls = FRAME_CLASSES.get(op)
+    if cls is None:
+        raise InvalidMessage(f"unknown link op {op[:40]!r}")
+    frame = from_wire(cls, obj, f"link {op}")
+    _check(frame)
+    return frame
