@@ -59,7 +59,6 @@ from shared.errors import (
     InternalError,
     MicroturnError,
     WorkerUnavailable,
-    error_from_code,
 )
 from shared.protocol import (
     CLOSE_NORMAL,
@@ -68,6 +67,7 @@ from shared.protocol import (
     Encoding,
     InputChunk,
     LinkCancel,
+    LinkChunk,
     LinkClosed,
     LinkDelta,
     LinkDetach,
@@ -84,12 +84,8 @@ from shared.protocol import (
     SessionOpen,
     SessionResume,
     ToGateway,
-    chunk_to_link,
     close_code_for,
     decode_client,
-    delta_to_client,
-    done_to_client,
-    error_to_client,
 )
 from shared.registry import SessionRecord
 
@@ -261,12 +257,12 @@ class ClientSession(RestoreFlow):
             # Held, not refused: it goes to the new worker with the tail, or right after its restore.
             self._admit(msg)
             self._in_flight[msg.seq] = received
-            self._tail.add(chunk_to_link(sid, msg), sent=False)
+            self._tail.add(LinkChunk(sid, msg), sent=False)
             return
         self._admit(msg)
         # In flight before the write: the done can arrive while the write is still draining.
         self._in_flight[msg.seq] = received
-        frame = chunk_to_link(sid, msg)
+        frame = LinkChunk(sid, msg)
         self._tail.add(frame, sent=True)
         try:
             await link.send(frame)
@@ -326,41 +322,42 @@ class ClientSession(RestoreFlow):
             if self.life.phase is Phase.ACTIVE and self._link is not None:
                 self._s.metrics.sessions_migrated += 1
                 self._move(self._link, "its worker is draining")
-        elif isinstance(frame, LinkError) and frame.seq is None and self._pending is not None:
+        elif isinstance(frame, LinkError) and frame.error.seq is None and self._pending is not None:
             if not self._pending.future.done():
-                exc = error_from_code(frame.code, frame.message, retry_after_ms=frame.retry_after_ms)
-                self._pending.future.set_exception(exc)
+                self._pending.future.set_exception(frame.error.to_exception())
         elif self._pending is not None:
             # A delta/done of an earlier binding racing our attach: the worker replays the dones
             # after `opened`, so forwarding this one too would deliver it twice.
             logger.debug("session %s: dropping %s before opened", frame.sid, frame.op)
         elif isinstance(frame, LinkDelta):
             if self._tail.delta_is_new(frame):
-                self.outbox.put(delta_to_client(frame))
+                self.outbox.put(frame.delta)
         elif isinstance(frame, LinkDone):
+            done = frame.done
             if not self._tail.delivered(frame):
-                logger.info("session %s: dropping a second done for seq %d", frame.sid, frame.seq)
+                logger.info("session %s: dropping a second done for seq %d", frame.sid, done.seq)
                 return
-            started = self._in_flight.pop(frame.seq, None)
-            self._limits.settle(frame.seq)
-            if self._finished_seq is None or frame.seq > self._finished_seq:
-                self._finished_seq = frame.seq
-            self.outbox.put(done_to_client(frame), started)
+            started = self._in_flight.pop(done.seq, None)
+            self._limits.settle(done.seq)
+            if self._finished_seq is None or done.seq > self._finished_seq:
+                self._finished_seq = done.seq
+            self.outbox.put(done, started)
             # In + out: the growth of the session (at least its outputs, should truncation shrink it).
-            grown, self._length = max(frame.length - self._length, len(frame.tokens)), frame.length
+            grown, self._length = max(frame.length - self._length, len(done.tokens)), frame.length
             if self._auth is not None:
                 self._auth.on_done(grown)
         elif isinstance(frame, LinkError):
-            if frame.seq is not None:
-                self._in_flight.pop(frame.seq, None)
-                self._limits.settle(frame.seq)
-                self._tail.refused(frame.seq)
-            self.outbox.put(error_to_client(frame))
-            if frame.fatal:
+            error = frame.error
+            if error.seq is not None:
+                self._in_flight.pop(error.seq, None)
+                self._limits.settle(error.seq)
+                self._tail.refused(error.seq)
+            self.outbox.put(error)
+            if error.fatal:
                 self.life.end_session()
                 if self.sid is not None:
                     self._s.pool.unbind(self.sid, self)
-                self._end(close_code_for(frame.code))
+                self._end(close_code_for(error.code))
 
     def _on_closed(self, reason: CloseReason) -> None:
         self.life.end_session()

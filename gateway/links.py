@@ -35,12 +35,7 @@ from gateway.metrics import GatewayMetrics
 from shared.errors import InvalidMessage, WorkerUnavailable
 from shared.placement import SUSPECT_TTL_S
 from shared.protocol import (
-    LinkClosed,
-    LinkDelta,
-    LinkDone,
     LinkError,
-    LinkMigrate,
-    LinkOpened,
     ToGateway,
     ToWorker,
     decode_link,
@@ -58,8 +53,6 @@ LINK_MAX_FRAME_BYTES: Final = 16 * 2**20
 # Keepalive: a worker host that vanished without a FIN is noticed within interval + timeout.
 LINK_PING_INTERVAL_S: Final = 5.0
 LINK_PING_TIMEOUT_S: Final = 10.0
-
-_TO_GATEWAY: Final = (LinkOpened, LinkDelta, LinkDone, LinkError, LinkClosed, LinkMigrate)
 
 
 class LinkListener(Protocol):
@@ -168,7 +161,7 @@ class Link:
                     # A version skew or a worker bug: say so loudly, but keep the other sessions going.
                     logger.error("undecodable frame from %s: %s", self.url, exc.message)
                     continue
-                if not isinstance(frame, _TO_GATEWAY):
+                if not isinstance(frame, ToGateway):
                     logger.error("worker %s sent a gateway-side op %r", self.url, frame.op)
                     continue
                 self._pool.dispatch(self, frame)
@@ -268,7 +261,8 @@ class LinkPool:
     def dispatch(self, link: Link, frame: ToGateway) -> None:
         if not frame.sid:
             if isinstance(frame, LinkError):
-                logger.error("worker %s reports a link error: %s %s", link.url, frame.code, frame.message)
+                error = frame.error
+                logger.error("worker %s reports a link error: %s %s", link.url, error.code, error.message)
             return
         current = self._bindings.get(frame.sid)
         if current is None or current[1] is not link:

@@ -39,7 +39,7 @@ class UndurableTail:
         return len(self._entries)
 
     def add(self, chunk: LinkChunk, *, sent: bool) -> None:
-        self._entries[chunk.seq] = _Entry(chunk, sent=sent)
+        self._entries[chunk.chunk.seq] = _Entry(chunk, sent=sent)
 
     def refused(self, seq: int) -> None:
         """The worker refused the chunk (an error with its seq): it is not part of the session."""
@@ -47,22 +47,23 @@ class UndurableTail:
 
     def delivered(self, frame: LinkDone) -> bool:
         """Record the chunk's output; False when the client already had a `done` for it."""
-        entry = self._entries.get(frame.seq)
+        entry = self._entries.get(frame.done.seq)
         if entry is None:
             return True  # not ours to judge (e.g. dones an attach replays)
         if entry.output is not None:
             return False
-        entry.output = frame.tokens
+        entry.output = frame.done.tokens
         self.durable(frame.durable_seq)
         return True
 
     def delta_is_new(self, frame: LinkDelta) -> bool:
-        entry = self._entries.get(frame.seq)
+        delta = frame.delta
+        entry = self._entries.get(delta.seq)
         if entry is None:
             return True
-        if entry.output is not None or frame.index < entry.deltas:
+        if entry.output is not None or delta.index < entry.deltas:
             return False
-        entry.deltas = frame.index + 1
+        entry.deltas = delta.index + 1
         return True
 
     def durable(self, seq: int | None) -> None:
@@ -79,7 +80,7 @@ class UndurableTail:
         """The whole tail, for a `restore` frame; every entry counts as sent from now on."""
         for entry in self._entries.values():
             entry.sent = True
-        return tuple(TailTurn(e.chunk, e.output) for e in self._entries.values())
+        return tuple(TailTurn(e.chunk.chunk, e.output) for e in self._entries.values())
 
     def take_unsent(self) -> list[LinkChunk]:
         """Chunks held since the restore frame was built, in seq order; marked sent."""

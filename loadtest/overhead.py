@@ -44,10 +44,9 @@ from shared.protocol.link import (
     LinkError,
     LinkOpen,
     LinkOpened,
-    decode_link,
-    encode_link,
 )
-from shared.protocol.messages import OpenConfig
+from shared.protocol.link_codec import decode_link, encode_link
+from shared.protocol.messages import InputChunk, OpenConfig
 from shared.redis_schema import KeySchema
 from shared.settings import AUTH_MODES, BENCH_MODEL, copy_fields
 from shared.stack import Stack, StackOptions
@@ -173,19 +172,21 @@ class DirectPath:
         return cls(ws, sid, config.output_tokens)
 
     async def round_trip(self, seq: int, tokens: tuple[int, ...]) -> tuple[float, tuple[int, ...]]:
-        frame = encode_link(LinkChunk(self.sid, seq, tokens, None, self.output_tokens))
+        frame = encode_link(LinkChunk(self.sid, InputChunk(seq, tokens, None, self.output_tokens)))
         started = time.perf_counter_ns()
         await self.ws.send(frame)
         while True:
             reply = decode_link(await asyncio.wait_for(self.ws.recv(), _TIMEOUT_S))
-            if isinstance(reply, LinkDone) and reply.seq == seq:
+            if isinstance(reply, LinkDone) and reply.done.seq == seq:
                 break
             if isinstance(reply, LinkError):
-                raise RoundTripError(f"direct: error for seq {seq}: {reply.code} {reply.message}")
+                error = reply.error
+                raise RoundTripError(f"direct: error for seq {seq}: {error.code} {error.message}")
         elapsed_ms = (time.perf_counter_ns() - started) / 1e6
-        if reply.sid != self.sid or len(reply.tokens) != self.output_tokens or reply.finish != "length":
+        done = reply.done
+        if reply.sid != self.sid or len(done.tokens) != self.output_tokens or done.finish != "length":
             raise RoundTripError(f"direct: unexpected done for seq {seq}: {reply}")
-        return elapsed_ms, reply.tokens
+        return elapsed_ms, done.tokens
 
     async def close(self) -> None:
         await self.ws.close()

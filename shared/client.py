@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Generic, TypedDict, TypeVar, Unpack
 
 from websockets.asyncio.client import ClientConnection as AsyncConnection
 from websockets.asyncio.client import connect as async_connect
@@ -51,6 +51,7 @@ from shared.protocol import (
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
+C = TypeVar("C", AsyncConnection, SyncConnection)
 
 DEFAULT_TIMEOUT_S: Final = 30.0
 # Server frames are small; this only bounds a misbehaving server.
@@ -59,6 +60,7 @@ MAX_FRAME_BYTES: Final = 16 * 2**20
 __all__ = [
     "NO_RETRY",
     "ClientCore",
+    "ConnectOptions",
     "ConnectionLost",
     "EncodingName",
     "Feed",
@@ -72,45 +74,37 @@ __all__ = [
 ]
 
 
-# ---- asyncio ------------------------------------------------------------------------------------
+# ---- what both shells share --------------------------------------------------------------------
 
 
-class RealtimeClient:
-    """One client socket (one session) on asyncio. Use `await RealtimeClient.connect(url)`."""
+class ConnectOptions(TypedDict, total=False):
+    """What `connect` takes besides the URL and the encoding (both shells take the same)."""
 
-    def __init__(self, ws: AsyncConnection, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
-        self.ws = ws
+    open_timeout: float  # seconds for the handshake (default 10)
+    headers: Mapping[str, str] | None  # extra handshake headers
+    api_key: str | None  # sent as `Authorization: Bearer`
+    # How refused chunks are resent (None: `RetryPolicy()`; `NO_RETRY` turns it off).
+    retry: RetryPolicy | None
+
+
+def _connect_options(enc: Encoding, options: ConnectOptions) -> dict[str, Any]:
+    """The handshake both shells make (websockets' asyncio and sync `connect` take the same)."""
+    return {
+        "subprotocols": [enc.subprotocol],
+        "open_timeout": options.get("open_timeout", 10.0),
+        "additional_headers": handshake_headers(options.get("headers"), options.get("api_key")),
+        "max_size": MAX_FRAME_BYTES,
+        "compression": None,
+        "proxy": None,
+    }
+
+
+class _ClientShell(Generic[C]):
+    """A socket and the core that decides everything else; the views of the core's state."""
+
+    def __init__(self, ws: C, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
+        self.ws: C = ws
         self._core = ClientCore(encoding, retry)
-
-    @classmethod
-    async def connect(
-        cls,
-        url: str,
-        encoding: EncodingName | Encoding = "json",
-        *,
-        open_timeout: float = 10.0,
-        headers: Mapping[str, str] | None = None,
-        api_key: str | None = None,
-        retry: RetryPolicy | None = None,
-    ) -> RealtimeClient:
-        """`retry`: how refused chunks are resent (default `RetryPolicy()`; `NO_RETRY` turns it off)."""
-        enc = encoding_of(encoding)
-        ws = await async_connect(
-            url,
-            subprotocols=[enc.subprotocol],  # type: ignore[list-item]  # Subprotocol is a NewType of str
-            open_timeout=open_timeout,
-            additional_headers=handshake_headers(headers, api_key),
-            max_size=MAX_FRAME_BYTES,
-            compression=None,
-            proxy=None,
-        )
-        return cls(ws, enc, retry)
-
-    async def __aenter__(self) -> RealtimeClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.disconnect()
 
     @property
     def encoding(self) -> Encoding:
@@ -133,6 +127,31 @@ class RealtimeClient:
     def buffered(self) -> tuple[ServerMessage, ...]:
         """Messages received while a request waited for its answer, not yet handed out by recv()."""
         return tuple(self._core.buffer)
+
+    @property
+    def close_code(self) -> int | None:
+        return self.ws.close_code
+
+
+# ---- asyncio ------------------------------------------------------------------------------------
+
+
+class RealtimeClient(_ClientShell[AsyncConnection]):
+    """One client socket (one session) on asyncio. Use `await RealtimeClient.connect(url)`."""
+
+    @classmethod
+    async def connect(
+        cls, url: str, encoding: EncodingName | Encoding = "json", **options: Unpack[ConnectOptions]
+    ) -> RealtimeClient:
+        """`options`: see `ConnectOptions`."""
+        enc = encoding_of(encoding)
+        return cls(await async_connect(url, **_connect_options(enc, options)), enc, options.get("retry"))
+
+    async def __aenter__(self) -> RealtimeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.disconnect()
 
     async def send(self, msg: ClientMessage) -> None:
         try:
@@ -232,70 +251,25 @@ class RealtimeClient:
         """Close the socket without ending the session: it stays resumable until its idle timeout."""
         await self.ws.close()
 
-    @property
-    def close_code(self) -> int | None:
-        return self.ws.close_code
-
 
 # ---- blocking (gevent-friendly) -----------------------------------------------------------------
 
 
-class SyncRealtimeClient:
+class SyncRealtimeClient(_ClientShell[SyncConnection]):
     """The same client on `websockets.sync` (threads or gevent, no asyncio)."""
-
-    def __init__(self, ws: SyncConnection, encoding: Encoding, retry: RetryPolicy | None = None) -> None:
-        self.ws = ws
-        self._core = ClientCore(encoding, retry)
 
     @classmethod
     def connect(
-        cls,
-        url: str,
-        encoding: EncodingName | Encoding = "json",
-        *,
-        open_timeout: float = 10.0,
-        headers: Mapping[str, str] | None = None,
-        api_key: str | None = None,
-        retry: RetryPolicy | None = None,
+        cls, url: str, encoding: EncodingName | Encoding = "json", **options: Unpack[ConnectOptions]
     ) -> SyncRealtimeClient:
         enc = encoding_of(encoding)
-        ws = sync_connect(
-            url,
-            subprotocols=[enc.subprotocol],  # type: ignore[list-item]  # Subprotocol is a NewType of str
-            open_timeout=open_timeout,
-            additional_headers=handshake_headers(headers, api_key),
-            max_size=MAX_FRAME_BYTES,
-            compression=None,
-            proxy=None,
-        )
-        return cls(ws, enc, retry)
+        return cls(sync_connect(url, **_connect_options(enc, options)), enc, options.get("retry"))
 
     def __enter__(self) -> SyncRealtimeClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.disconnect()
-
-    @property
-    def encoding(self) -> Encoding:
-        return self._core.encoding
-
-    @property
-    def session_id(self) -> str | None:
-        return self._core.session_id
-
-    @property
-    def resume_token(self) -> str | None:
-        return self._core.resume_token
-
-    @property
-    def last_deltas(self) -> list[OutputDelta]:
-        return self._core.last_deltas
-
-    @property
-    def buffered(self) -> tuple[ServerMessage, ...]:
-        """Messages received while a request waited for its answer, not yet handed out by recv()."""
-        return tuple(self._core.buffer)
 
     def send(self, msg: ClientMessage) -> None:
         try:
@@ -393,7 +367,3 @@ class SyncRealtimeClient:
 
     def disconnect(self) -> None:
         self.ws.close()
-
-    @property
-    def close_code(self) -> int | None:
-        return self.ws.close_code

@@ -36,6 +36,8 @@ from typing import Final
 
 import numpy as np
 
+from shared.protocol.fields import MAX_TOKEN_ID
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX: Final = "mt"
@@ -63,7 +65,6 @@ SESSION_CREATED_MS: Final = "created_ms"
 SESSION_CONFIG: Final = "config"
 
 TOKEN_BYTES: Final = 4
-MAX_TOKEN_ID: Final = 2**32 - 1
 NO_SEQ: Final = -1  # the seq of a log record that belongs to no turn
 _LOG_DTYPE: Final = np.dtype("<u4")  # explicit byte order: the log must read the same on any host
 _RECORD_HEADER: Final = np.dtype(

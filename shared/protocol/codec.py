@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import fields
 from enum import Enum
 from typing import TypeVar, cast
 
@@ -32,6 +31,7 @@ import msgpack
 
 from shared.errors import InvalidMessage, UnknownType
 from shared.protocol.fields import MAX_TOKEN_ID, FieldReader, show
+from shared.protocol.link_codec import check_one_input, to_wire
 from shared.protocol.messages import (
     CLOSE_REASONS,
     CONTEXT_POLICIES,
@@ -99,7 +99,7 @@ def choose_encoding(offered: Iterable[str]) -> Encoding | None:
 # ---- config -------------------------------------------------------------------------------------
 
 
-def config_from_reader(r: FieldReader) -> OpenConfig:
+def _config_from_reader(r: FieldReader) -> OpenConfig:
     """Read an `OpenConfig` off `r` (absent and null fields take their defaults) and finish `r`."""
     default = OpenConfig()
     policy = r.opt_choice("context_policy", CONTEXT_POLICIES)
@@ -122,13 +122,14 @@ def config_from_reader(r: FieldReader) -> OpenConfig:
 
 
 def config_from_map(obj: object, where: str = "config") -> OpenConfig:
-    """Validate a `session.open` config map (also the `config` of link `open` / `restore`)."""
-    return config_from_reader(FieldReader(obj, where))
+    """Validate a `session.open` config map; also the one check of a config that enters any other
+    way: read back from the session record in Redis, or given by hand to `Engine.open_session`."""
+    return _config_from_reader(FieldReader(obj, where))
 
 
 def config_to_map(config: OpenConfig) -> dict[str, object]:
     """The wire map of a config; `None` fields are left out."""
-    return fields_to_map(config, {})
+    return to_wire(config)
 
 
 def _or(value: _T | None, default: _T) -> _T:
@@ -198,15 +199,12 @@ def _decode(obj: object, decoders: dict[str, Callable[[FieldReader], _M]]) -> _M
 
 def _session_open(r: FieldReader) -> SessionOpen:
     sub = r.submap("config", required=False)
-    return SessionOpen(OpenConfig() if sub is None else config_from_reader(sub))
+    return SessionOpen(OpenConfig() if sub is None else _config_from_reader(sub))
 
 
 def _input_chunk(r: FieldReader) -> InputChunk:
-    seq = r.integer("seq")
-    tokens = r.token_ids("tokens")
-    text = r.opt_string("text")
-    if (tokens is None) == (text is None):
-        raise InvalidMessage("input.chunk: exactly one of 'tokens' or 'text' is required")
+    seq, tokens, text = r.integer("seq"), r.token_ids("tokens"), r.opt_string("text")
+    check_one_input(tokens, text, "input.chunk")
     return InputChunk(
         seq,
         tokens,
@@ -306,30 +304,6 @@ def decode_server(data: str | bytes | bytearray | memoryview, encoding: Encoding
 _JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _field_names(cls: type) -> tuple[str, ...]:
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
-    return names
-
-
-def fields_to_map(obj: object, out: dict[str, object]) -> dict[str, object]:
-    """Add `obj`'s dataclass fields to `out`, leaving out None; nested dataclasses become maps."""
-    for name in _field_names(type(obj)):
-        value = getattr(obj, name)
-        if value is None:
-            continue
-        if isinstance(value, OpenConfig | Timing):
-            value = fields_to_map(value, {})
-        elif isinstance(value, Enum):
-            value = value.value
-        out[name] = value
-    return out
-
-
 def _dump(obj: dict[str, object], encoding: Encoding) -> str | bytes:
     if encoding is Encoding.JSON:
         return _JSON.encode(obj)
@@ -342,9 +316,9 @@ def encode_server(message: ServerMessage, encoding: Encoding) -> str | bytes:
 
     Floats must be finite (JSON has no NaN or infinity): a non-finite one raises ValueError.
     """
-    return _dump(fields_to_map(message, {"type": message.type}), encoding)
+    return _dump(to_wire(message, {"type": message.type}), encoding)
 
 
 def encode_client(message: ClientMessage, encoding: Encoding) -> str | bytes:
     """The frame for one client message (the Python client's side); see `encode_server`."""
-    return _dump(fields_to_map(message, {"type": message.type}), encoding)
+    return _dump(to_wire(message, {"type": message.type}), encoding)

@@ -1,4 +1,4 @@
-"""Typed reading of one decoded map (a client message, a link frame, a config), Sans-I/O.
+"""Typed reading of one decoded map (a client message, a session config), Sans-I/O.
 
 Split from codec.py: every accessor here checks one field's type and range and, on failure, raises
 `InvalidMessage` naming the map and the field (or `TokenOutOfRange` for a token id that cannot be

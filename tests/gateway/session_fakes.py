@@ -24,22 +24,25 @@ from shared.errors import BadSequence, CapacityExhausted, SessionNotFound, Unaut
 from shared.protocol import (
     ClientMessage,
     Encoding,
+    InputChunk,
     LinkAttach,
     LinkChunk,
     LinkClose,
     LinkClosed,
     LinkDone,
-    LinkError,
     LinkOpen,
     LinkOpened,
     LinkRestore,
     OpenConfig,
+    OutputDone,
     ServerMessage,
     SessionOpened,
+    Timing,
     ToGateway,
     ToWorker,
     config_to_map,
     encode_client,
+    link_error_from,
 )
 from shared.registry import SessionRecord, hash_token
 from shared.settings import GatewaySettings
@@ -69,10 +72,10 @@ class FakeWorker:
             return self._rebuild(frame)
         if isinstance(frame, LinkOpen | LinkAttach):
             if sid not in self.finished:
-                return [LinkError(sid, SessionNotFound.code, "no such session", fatal=True)]
+                return [link_error_from(sid, SessionNotFound("no such session"), fatal=True)]
             return [LinkOpened(sid, self.length[sid], self.finished[sid], self.finished[sid])]
         if isinstance(frame, LinkChunk):
-            return self._run(frame)
+            return self._run(sid, frame.chunk)
         if isinstance(frame, LinkClose):
             self.finished.pop(sid, None)
             return [LinkClosed(sid, "closed")]
@@ -91,19 +94,17 @@ class FakeWorker:
         self.finished[sid] = finished
         self.length[sid] = sum(len(t.chunk.tokens or ()) + len(t.output or ()) for t in delivered)
         opened = LinkOpened(sid, self.length[sid], finished, None)
-        return [opened, *(reply for chunk in reruns for reply in self._run(chunk))]
+        return [opened, *(reply for chunk in reruns for reply in self._run(sid, chunk))]
 
-    def _run(self, frame: LinkChunk) -> list[ToGateway]:
-        sid = frame.sid
+    def _run(self, sid: str, chunk: InputChunk) -> list[ToGateway]:
         last = self.finished.get(sid)
-        if last is not None and frame.seq <= last:
-            error = BadSequence(f"seq {frame.seq} is not above {last}")
-            return [LinkError(sid, error.code, error.message, fatal=False, seq=frame.seq)]
-        self.finished[sid] = frame.seq
-        self.length[sid] += len(frame.tokens or ()) + 1
-        durable = frame.seq if self.durable else None
-        length = self.length[sid]
-        return [LinkDone(sid, frame.seq, (7,), None, "length", 0.0, 1.0, length, durable_seq=durable)]
+        if last is not None and chunk.seq <= last:
+            return [link_error_from(sid, BadSequence(f"seq {chunk.seq} is not above {last}"), chunk.seq)]
+        self.finished[sid] = chunk.seq
+        self.length[sid] += len(chunk.tokens or ()) + 1
+        durable = chunk.seq if self.durable else None
+        done = OutputDone(chunk.seq, (7,), None, "length", Timing(0.0, 1.0))
+        return [LinkDone(sid, done, self.length[sid], durable_seq=durable)]
 
 
 class FakeLink(Link):

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from gateway.tail import UndurableTail
 from shared.protocol.link import LinkChunk, LinkDelta, LinkDone
+from shared.protocol.messages import InputChunk, OutputDelta, OutputDone, Timing
 
 
 def done(seq: int, tokens: tuple[int, ...], durable: int | None) -> LinkDone:
-    return LinkDone("s", seq, tokens, None, "length", 0.0, 0.0, 10, None, durable_seq=durable)
+    return LinkDone("s", OutputDone(seq, tokens, None, "length", Timing(0.0, 0.0)), 10, durable_seq=durable)
 
 
 def test_entries_leave_once_delivered_and_durable_and_duplicates_are_refused() -> None:
     tail = UndurableTail()
     for seq in (1, 2, 3):
-        tail.add(LinkChunk("s", seq, (seq,)), sent=True)
+        tail.add(LinkChunk("s", InputChunk(seq, (seq,))), sent=True)
     assert tail.delivered(done(1, (9,), None)) and len(tail) == 3
     assert not tail.delivered(done(1, (9,), None))  # a second done for seq 1
     assert tail.delivered(done(2, (8,), 1)) and len(tail) == 2  # 1 is durable now
@@ -27,13 +28,13 @@ def test_entries_leave_once_delivered_and_durable_and_duplicates_are_refused() -
 
 def test_held_chunks_are_sent_once_and_repeated_deltas_are_dropped() -> None:
     tail = UndurableTail()
-    tail.add(LinkChunk("s", 1, (1,)), sent=True)
-    tail.add(LinkChunk("s", 2, (2,)), sent=False)
-    tail.add(LinkChunk("s", 3, (3,)), sent=False)
-    assert [c.seq for c in tail.take_unsent()] == [2, 3] and tail.take_unsent() == []
-    first = LinkDelta("s", 1, 0, 5)
+    tail.add(LinkChunk("s", InputChunk(1, (1,))), sent=True)
+    tail.add(LinkChunk("s", InputChunk(2, (2,))), sent=False)
+    tail.add(LinkChunk("s", InputChunk(3, (3,))), sent=False)
+    assert [c.chunk.seq for c in tail.take_unsent()] == [2, 3] and tail.take_unsent() == []
+    first = LinkDelta("s", OutputDelta(1, 0, 5))
     assert tail.delta_is_new(first) and not tail.delta_is_new(first)  # a re-run repeats it
-    assert tail.delta_is_new(LinkDelta("s", 1, 1, 6))
+    assert tail.delta_is_new(LinkDelta("s", OutputDelta(1, 1, 6)))
 
 
 def test_the_new_link_fields_round_trip_and_bad_tails_are_refused() -> None:
@@ -44,7 +45,7 @@ def test_the_new_link_fields_round_trip_and_bad_tails_are_refused() -> None:
     from shared.protocol import OpenConfig, decode_link, encode_link
     from shared.protocol.link import LinkMigrate, LinkOpened, LinkRestore, TailTurn
 
-    tail = (TailTurn(LinkChunk("s", 4, (1, 2)), (7,)), TailTurn(LinkChunk("s", 5, None, "hi", 3), None))
+    tail = (TailTurn(InputChunk(4, (1, 2)), (7,)), TailTurn(InputChunk(5, None, "hi", 3), None))
     frames = [
         LinkRestore("s", OpenConfig(), None, 3, "ab" * 32, 123, tail),
         LinkRestore("s", OpenConfig()),
@@ -54,8 +55,7 @@ def test_the_new_link_fields_round_trip_and_bad_tails_are_refused() -> None:
     ]
     for frame in frames:
         assert decode_link(encode_link(frame)) == frame
-    bad = msgpack.packb(
-        {"op": "restore", "sid": "s", "tail": [{"seq": 5, "tokens": [1]}, {"seq": 4, "tokens": [2]}]}
-    )
-    with pytest.raises(InvalidMessage):
+    turns = [{"chunk": {"seq": 5, "tokens": [1]}}, {"chunk": {"seq": 4, "tokens": [2]}}]
+    bad = msgpack.packb({"op": "restore", "sid": "s", "config": {}, "tail": turns})
+    with pytest.raises(InvalidMessage, match="tail seqs must increase"):
         decode_link(bad)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from gateway.links import Link, LinkPool
 from gateway.metrics import GatewayMetrics
 from shared.errors import ErrorCode
-from shared.protocol import LinkClosed, LinkDone, LinkError, ToGateway
+from shared.protocol import Error, LinkClosed, LinkDone, LinkError, OutputDone, Timing, ToGateway
 
 
 class Recorder:
@@ -28,7 +28,7 @@ class Recorder:
 
 
 def done(sid: str, seq: int = 1) -> LinkDone:
-    return LinkDone(sid, seq, (1,), None, "length", 0.0, 1.0, 5)
+    return LinkDone(sid, OutputDone(seq, (1,), None, "length", Timing(0.0, 1.0)), 5)
 
 
 def test_frames_reach_the_listener_bound_on_that_link_only() -> None:
@@ -40,7 +40,7 @@ def test_frames_reach_the_listener_bound_on_that_link_only() -> None:
     pool.dispatch(a, done("s1"))
     pool.dispatch(b, LinkClosed("s1", "idle_timeout"))  # the session moved off b: stale
     pool.dispatch(a, done("s2"))  # nobody here listens for s2
-    pool.dispatch(a, LinkError("", ErrorCode.INVALID_MESSAGE, "bad frame", fatal=False))
+    pool.dispatch(a, LinkError("", Error(ErrorCode.INVALID_MESSAGE, "bad frame", fatal=False)))
     assert listener.frames == [done("s1")]
 
 

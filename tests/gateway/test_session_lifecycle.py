@@ -79,7 +79,7 @@ def test_open_places_the_session_and_a_chunk_is_answered() -> None:
         sock = await opened(gw)
         assert [type(f) for f in sock.worker.received] == [LinkOpen]
         assert dones(await sock.send(chunk(1))) == [1]
-        assert sock.worker.received[-1] == LinkChunk(sock.session.sid or "", 1, (1, 2))
+        assert sock.worker.received[-1] == LinkChunk(sock.session.sid or "", InputChunk(1, (1, 2)))
 
     run(test)
 
@@ -143,7 +143,7 @@ def test_link_loss_restores_with_the_tail_and_holds_chunks_meanwhile() -> None:
         assert await sock.send(chunk(3)) == []  # held, not refused
         [restore] = gw.workers["w2"].received
         assert isinstance(restore, LinkRestore) and restore.seen_seq == 1
-        delivered, in_flight = TailTurn(LinkChunk(sid, 1, (1, 2)), (7,)), TailTurn(LinkChunk(sid, 2, (1, 2)))
+        delivered, in_flight = TailTurn(InputChunk(1, (1, 2)), (7,)), TailTurn(InputChunk(2, (1, 2)))
         assert restore.tail == (delivered, in_flight)
         gw.workers["w2"].answering = True  # the new worker answers the restore, then the held chunk
         gw.pool.dispatch(gw.link("w2"), gw.workers["w2"].answer(restore)[0])
@@ -153,7 +153,7 @@ def test_link_loss_restores_with_the_tail_and_holds_chunks_meanwhile() -> None:
         replies = sock.replies()
         assert isinstance(replies[0], SessionRestored) and dones(replies) == [3]
         assert sock.session.life.phase is Phase.ACTIVE and gw.store.records[sid][0].worker == "w2"
-        assert [f.seq for f in gw.workers["w2"].received if isinstance(f, LinkChunk)] == [3]
+        assert [f.chunk.seq for f in gw.workers["w2"].received if isinstance(f, LinkChunk)] == [3]
 
     run(test)
 
@@ -229,7 +229,6 @@ def test_a_resent_answered_chunk_is_refused_and_its_turn_is_restored_once() -> N
 
     async def test(gw: Gateway) -> None:
         sock = await opened(gw)
-        sid = sock.session.sid or ""
         assert dones(await sock.send(chunk(1))) == [1]
         gw.workers["w1"].answering = False  # the link breaks before any refusal comes back
         [refused] = await sock.send(chunk(1))
@@ -239,7 +238,7 @@ def test_a_resent_answered_chunk_is_refused_and_its_turn_is_restored_once() -> N
         assert restore_task is not None
         await restore_task
         [restore] = [f for f in gw.workers["w2"].received if isinstance(f, LinkRestore)]
-        assert restore.tail == (TailTurn(LinkChunk(sid, 1, (1, 2)), (7,)),)
+        assert restore.tail == (TailTurn(InputChunk(1, (1, 2)), (7,)),)
         assert dones(sock.replies()) == []  # no second answer for seq 1
         assert dones(await sock.send(chunk(2))) == [2]
 

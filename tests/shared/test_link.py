@@ -1,4 +1,4 @@
-"""Worker link frames: round trips, strict validation, translation to client messages."""
+"""Worker link frames: round trips, typed refusal of malformed frames, the client messages they carry."""
 
 from __future__ import annotations
 
@@ -28,12 +28,8 @@ from shared.protocol import (
     OutputDelta,
     OutputDone,
     Timing,
-    chunk_to_link,
     decode_link,
-    delta_to_client,
-    done_to_client,
     encode_link,
-    error_to_client,
     link_error_from,
 )
 
@@ -46,20 +42,20 @@ FRAMES: list[LinkFrame] = [
     LinkAttach("s1", 12),
     LinkRestore("s1", CONFIG, tuple(range(5000)), 99),
     LinkRestore("s1", OpenConfig()),
-    LinkChunk("s1", 0, tokens=(5, 6)),
-    LinkChunk("s1", 1, text="hi", max_output_tokens=4, logprobs=True),
+    LinkChunk("s1", InputChunk(0, tokens=(5, 6))),
+    LinkChunk("s1", InputChunk(1, text="hi", max_output_tokens=4, logprobs=True)),
     LinkCancel("s1", 3),
     LinkDetach("s1"),
     LinkClose("s1"),
     LinkClose("s1", "idle_timeout"),
     LinkOpened("s1", 0),
     LinkOpened("s1", 1234, 17),
-    LinkDelta("s1", 3, 0, 42, "Hi", -0.5),
-    LinkDelta("s1", 3, 1, 43),
-    LinkDone("s1", 3, (42, 43), "Hi!", "length", 0.25, 9.5, 1500, (-0.5, -0.125)),
-    LinkDone("s1", 4, (), None, "cancelled", 0.0, 0.0, 1500),
-    LinkError("s1", ErrorCode.BACKPRESSURE, "queue full", False, 5, 100),
-    LinkError("", ErrorCode.INVALID_MESSAGE, "bad frame", False),
+    LinkDelta("s1", OutputDelta(3, 0, 42, "Hi", -0.5)),
+    LinkDelta("s1", OutputDelta(3, 1, 43)),
+    LinkDone("s1", OutputDone(3, (42, 43), "Hi!", "length", Timing(0.25, 9.5), (-0.5, -0.125)), 1500),
+    LinkDone("s1", OutputDone(4, (), None, "cancelled", Timing(0.0, 0.0)), 1500),
+    LinkError("s1", Error(ErrorCode.BACKPRESSURE, "queue full", False, 5, 100)),
+    LinkError("", Error(ErrorCode.INVALID_MESSAGE, "bad frame", False)),
     LinkClosed("s1", "evicted"),
 ]
 
@@ -114,40 +110,51 @@ FAILURES: list[tuple[bytes, str]] = [
     (_pack({"sid": "s"}), "'op'"),
     (_pack({"op": 3, "sid": "s"}), "'op'"),
     (_pack({"op": "explode", "sid": "s"}), "explode"),
-    (_pack({"op": "chunk", "seq": 1, "tokens": [1]}), "'sid'"),
-    (_pack({"op": "chunk", "sid": "", "seq": 1, "tokens": [1]}), "'sid'"),
-    (_pack({"op": "chunk", "sid": b"s", "seq": 1, "tokens": [1]}), "'sid'"),
-    (_pack({"op": "chunk", "sid": "s", "seq": True, "tokens": [1]}), "'seq'"),
-    (_pack({"op": "chunk", "sid": "s", "seq": -1, "tokens": [1]}), "'seq'"),
-    (_pack({"op": "chunk", "sid": "s", "seq": 1}), "exactly one"),
-    (_pack({"op": "chunk", "sid": "s", "seq": 1, "tokens": [1], "text": "a"}), "exactly one"),
-    (_pack({"op": "chunk", "sid": "s", "seq": 1, "tokens": [1], "extra": 0}), "extra"),
+    (_pack({"op": "chunk", "chunk": {"seq": 1, "tokens": [1]}}), "'sid'"),
+    (_pack({"op": "chunk", "sid": "", "chunk": {"seq": 1, "tokens": [1]}}), "'sid'"),
+    (_pack({"op": "chunk", "sid": b"s", "chunk": {"seq": 1, "tokens": [1]}}), "'sid'"),
+    (_pack({"op": "chunk", "sid": "s", "chunk": {"seq": True, "tokens": [1]}}), "'seq'"),
+    (_pack({"op": "chunk", "sid": "s", "chunk": {"seq": -1, "tokens": [1]}}), "'seq'"),
+    (_pack({"op": "chunk", "sid": "s", "chunk": {"seq": 1}}), "exactly one"),
+    (_pack({"op": "chunk", "sid": "s", "chunk": {"seq": 1, "tokens": [1], "text": "a"}}), "exactly one"),
+    (_pack({"op": "chunk", "sid": "s", "chunk": {"seq": 1, "tokens": [1]}, "extra": 0}), "extra"),
     (_pack({"op": "open", "sid": "s", "config": {"temperatur": 0}}), "temperatur"),
     (_pack({"op": "open", "sid": "s", "history": [1, None]}), "history"),
-    (_pack({"op": "restore", "sid": "s", "tokens": [1, 2.5]}), "tokens"),
+    (_pack({"op": "restore", "sid": "s", "config": {}, "tokens": [1, 2.5]}), "tokens"),
     (_pack({"op": "close", "sid": "s", "reason": "whatever"}), "reason"),
     (_pack({"op": "cancel", "sid": "s"}), "'seq'"),
     (_pack({"op": "opened", "sid": "s", "length": "3"}), "length"),
-    (_pack({"op": "delta", "sid": "s", "seq": 1, "index": 0, "token": -1}), "token"),
+    (_pack({"op": "delta", "sid": "s", "delta": {"seq": 1, "index": 0, "token": -1}}), "token"),
     (
         _pack(
             {
                 "op": "done",
                 "sid": "s",
-                "seq": 1,
-                "tokens": [1, 2],
-                "finish": "stop",
-                "queue_ms": 0,
-                "compute_ms": 1,
+                "done": {
+                    "seq": 1,
+                    "tokens": [1, 2],
+                    "finish": "stop",
+                    "timing": {"queue_ms": 0, "compute_ms": 1},
+                    "logprobs": [-1.0],
+                },
                 "length": 9,
-                "logprobs": [-1.0],
             }
         ),
         "logprobs",
     ),
-    (_pack({"op": "done", "sid": "s", "seq": 1, "tokens": [], "finish": "stop", "length": 9}), "queue_ms"),
-    (_pack({"op": "error", "sid": "s", "code": "nope", "message": "m", "fatal": True}), "'code'"),
-    (_pack({"op": "error", "sid": "s", "code": "internal", "message": "m", "fatal": 1}), "fatal"),
+    (
+        _pack(
+            {
+                "op": "done",
+                "sid": "s",
+                "done": {"seq": 1, "tokens": [], "finish": "stop", "timing": {"compute_ms": 1}},
+                "length": 9,
+            }
+        ),
+        "queue_ms",
+    ),
+    (_pack({"op": "error", "sid": "s", "error": {"code": "nope", "message": "m", "fatal": True}}), "'code'"),
+    (_pack({"op": "error", "sid": "s", "error": {"code": "internal", "message": "m", "fatal": 1}}), "fatal"),
     (_pack({"op": "closed", "sid": "s"}), "reason"),
 ]
 
@@ -165,25 +172,33 @@ def test_text_frames_are_refused() -> None:
         decode_link('{"op": "detach", "sid": "s"}')
 
 
-def test_translation_to_client_messages() -> None:
+def test_frames_carry_the_client_messages_they_relay() -> None:
     chunk = InputChunk(4, tokens=(1, 2), max_output_tokens=3, logprobs=True)
-    assert chunk_to_link("s1", chunk) == LinkChunk("s1", 4, (1, 2), None, 3, True)
-    assert delta_to_client(LinkDelta("s1", 4, 1, 9, "x", -0.5)) == OutputDelta(4, 1, 9, "x", -0.5)
-    done = LinkDone("s1", 4, (9, 10), "xy", "stop", 0.5, 7.0, 300, (-0.5, -1.5))
-    assert done_to_client(done) == OutputDone(4, (9, 10), "xy", "stop", Timing(0.5, 7.0), (-0.5, -1.5))
-    error = LinkError("s1", ErrorCode.BACKPRESSURE, "full", False, 4, 50)
-    assert error_to_client(error) == Error(ErrorCode.BACKPRESSURE, "full", False, 4, 50)
+    decoded_chunk = decode_link(encode_link(LinkChunk("s1", chunk)))
+    assert isinstance(decoded_chunk, LinkChunk) and decoded_chunk.chunk == chunk
+    delta = OutputDelta(4, 1, 9, "x", -0.5)
+    decoded_delta = decode_link(encode_link(LinkDelta("s1", delta)))
+    assert isinstance(decoded_delta, LinkDelta) and decoded_delta.delta == delta
+    done = OutputDone(4, (9, 10), "xy", "stop", Timing(0.5, 7.0), (-0.5, -1.5), committed_tokens=2)
+    decoded_done = decode_link(encode_link(LinkDone("s1", done, 300, durable_seq=3)))
+    assert isinstance(decoded_done, LinkDone)
+    assert (decoded_done.done, decoded_done.length, decoded_done.durable_seq) == (done, 300, 3)
+    error = Error(ErrorCode.BACKPRESSURE, "full", False, 4, 50)
+    decoded_error = decode_link(encode_link(LinkError("s1", error)))
+    assert isinstance(decoded_error, LinkError) and decoded_error.error == error
 
 
 def test_link_error_from_exception() -> None:
     frame = link_error_from("s1", Backpressure("queue full", retry_after_ms=20), seq=6)
-    assert frame == LinkError("s1", ErrorCode.BACKPRESSURE, "queue full", False, 6, 20)
-    assert link_error_from("s1", InternalError("boom")).fatal is True
-    assert link_error_from("s1", Backpressure("x"), fatal=True).fatal is True
+    assert frame == LinkError("s1", Error(ErrorCode.BACKPRESSURE, "queue full", False, 6, 20))
+    assert link_error_from("s1", InternalError("boom")).error.fatal is True
+    assert link_error_from("s1", Backpressure("x"), fatal=True).error.fatal is True
     assert decode_link(encode_link(frame)) == frame
 
 
 def test_decoded_frames_are_immutable() -> None:
-    frame: Any = decode_link(encode_link(LinkChunk("s1", 1, tokens=(1,))))
+    frame: Any = decode_link(encode_link(LinkChunk("s1", InputChunk(1, tokens=(1,)))))
     with pytest.raises(AttributeError):
-        frame.seq = 2
+        frame.sid = "s2"
+    with pytest.raises(AttributeError):
+        frame.chunk.seq = 2

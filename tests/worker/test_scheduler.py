@@ -2,14 +2,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from worker.engine.config import SessionConfig
+from shared.protocol.messages import OpenConfig
 from worker.engine.scheduler import Scheduler
 from worker.engine.session import Session
 from worker.engine.turn import Turn
 
 
 def session(name: str, total: int, cached: int, wants_output: bool = True) -> Session:
-    s = Session(name, SessionConfig(), history=list(range(total)), now=0.0, seed=0)
+    s = Session(name, OpenConfig(), history=list(range(total)), now=0.0, seed=0)
     s.num_cached = cached
     s.active = Turn(
         seq=1,

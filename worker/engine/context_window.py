@@ -10,17 +10,17 @@ re-prefilled.
 from __future__ import annotations
 
 from shared.errors import ContextFull, InvalidMessage
-from worker.engine.config import SessionConfig
+from shared.protocol.messages import OpenConfig
 
 
-def session_limit(config: SessionConfig, engine_limit: int) -> int:
+def session_limit(config: OpenConfig, engine_limit: int) -> int:
     """The longest sequence this session may reach."""
     if config.max_context_tokens is None:
         return engine_limit
     return min(config.max_context_tokens, engine_limit)
 
 
-def opening_history(history: list[int], config: SessionConfig, limit: int) -> list[int]:
+def opening_history(history: list[int], config: OpenConfig, limit: int) -> list[int]:
     """The history a session opens (or is restored) with; raises when it cannot fit under `error`."""
     if config.keep_prefix_tokens >= limit:
         raise InvalidMessage(
@@ -35,7 +35,7 @@ def opening_history(history: list[int], config: SessionConfig, limit: int) -> li
     )
 
 
-def window(tokens: list[int], config: SessionConfig, limit: int, grows_by: int) -> list[int]:
+def window(tokens: list[int], config: OpenConfig, limit: int, grows_by: int) -> list[int]:
     """The history to keep so `grows_by` more tokens fit; `tokens` itself (the same list) if all fit."""
     if len(tokens) + grows_by <= limit:
         return tokens

@@ -20,14 +20,15 @@ from shared.errors import (
     MicroturnError,
     SessionNotFound,
 )
+from shared.protocol.messages import FinishReason, OpenConfig
 from worker.engine.admission import admit
-from worker.engine.config import EngineConfig, SessionConfig
+from worker.engine.config import EngineConfig
 from worker.engine.context_window import opening_history, session_limit, window
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
 from worker.engine.stats import EngineStats
-from worker.engine.turn import FinishReason, TokenDelta, Turn, TurnResult
+from worker.engine.turn import TokenDelta, Turn, TurnResult
 from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
 from worker.model_runner import ForwardRow, ModelRunner
 from worker.sampling import SamplingParams
@@ -80,7 +81,7 @@ class EngineCore:
     def open_session(
         self,
         session_id: str,
-        config: SessionConfig,
+        config: OpenConfig,
         history: list[int],
         last_seq: int | None = None,
         text_tail: TextTail = EMPTY_TAIL,
@@ -378,7 +379,7 @@ class EngineCore:
         configured = session.config.stop_token_ids
         return self.eos_token_ids if configured is None else configured
 
-    def _context_limit(self, config: SessionConfig) -> int:
+    def _context_limit(self, config: OpenConfig) -> int:
         return session_limit(config, self.context_limit)
 
     def _get(self, session_id: str) -> Session:

@@ -15,14 +15,16 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import fields
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
 
 from shared.errors import ChunkTooLarge, InvalidMessage, MicroturnError, TokenOutOfRange
+from shared.protocol.codec import config_from_map
 from shared.protocol.fields import is_valid_text
-from worker.engine.config import EngineConfig, SessionConfig
+from shared.protocol.messages import OpenConfig
+from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore
 from worker.engine.stats import EngineStats
 from worker.engine.turn import TokenListener, Turn, TurnResult
@@ -39,7 +41,6 @@ T = TypeVar("T")
 # CPU pools are sized by bytes: the pool is touched at start so its memory is resident, not lazy.
 CPU_KV_BYTES = 512 * 2**20
 CPU_KV_TOKENS_CAP = 131072
-_SESSION_FIELDS = {f.name for f in fields(SessionConfig)}
 # Text longer than this many characters per allowed token could not fit a chunk: refused before
 # tokenizing (which is the cost being bounded). The exact token count is checked on commit.
 MAX_CHARS_PER_TOKEN = 32
@@ -124,19 +125,25 @@ class Engine:
         history: Sequence[int] = (),
         last_seq: int | None = None,
         text_tail: TextTail = EMPTY_TAIL,
-        **config: Any,
+        config: OpenConfig | None = None,
+        **options: Any,
     ) -> tuple[str, Future[str]]:
-        unknown = set(config) - _SESSION_FIELDS
-        if unknown:
-            raise InvalidMessage(f"unknown session option(s): {', '.join(sorted(unknown))}")
-        if "stop_token_ids" in config and config["stop_token_ids"] is not None:
-            config["stop_token_ids"] = tuple(self._check_tokens(config["stop_token_ids"]))
-        session_config = SessionConfig(**config)
+        """Open a session with `config`, or with `options` given by hand (tests, the bench, the console).
+
+        `config` has been validated where it entered (the client codec, or the session record read
+        back from Redis); hand-given `options` enter here, so the same rules check them.
+        """
+        if config is None:
+            config = config_from_map(options, "session options")
+        elif options:
+            raise TypeError("give either a config or options, not both")
+        if config.stop_token_ids is not None:  # within the model's vocabulary, not just uint32
+            config = replace(config, stop_token_ids=tuple(self._check_tokens(config.stop_token_ids)))
         history_tokens = self._check_tokens(history)
         sid = session_id or uuid.uuid4().hex
 
         def open_it() -> str:
-            self._core.open_session(sid, session_config, history_tokens, last_seq, text_tail)
+            self._core.open_session(sid, config, history_tokens, last_seq, text_tail)
             return sid
 
         return sid, self._call(open_it)
@@ -147,12 +154,13 @@ class Engine:
         session_id: str | None = None,
         history: Sequence[int] = (),
         text_tail: TextTail = EMPTY_TAIL,
-        **config: Any,
+        config: OpenConfig | None = None,
+        **options: Any,
     ) -> str:
         """Open a session (optionally rebuilt from a token history and the text its old worker held
         back, `text_tail`) and return its id."""
         _sid, future = self.open_session_async(
-            session_id=session_id, history=history, text_tail=text_tail, **config
+            session_id=session_id, history=history, text_tail=text_tail, config=config, **options
         )
         return future.result()
 
@@ -188,7 +196,7 @@ class Engine:
 
         def accept() -> None:
             session = self._core.sessions.get(session_id)
-            session_config = session.config if session is not None else SessionConfig()
+            session_config = session.config if session is not None else OpenConfig()
             turn = Turn(
                 seq=seq if seq is not None else self._core.next_seq(session_id),
                 input_tokens=chunk,

@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from worker.engine.config import SessionConfig
+from shared.protocol.messages import OpenConfig
 from worker.engine.turn import Turn
 from worker.incremental_tokenizer import EMPTY_TAIL, TextTail
 
@@ -24,7 +24,7 @@ class Session:
     def __init__(
         self,
         session_id: str,
-        config: SessionConfig,
+        config: OpenConfig,
         *,
         history: list[int],
         now: float,

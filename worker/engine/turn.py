@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
 
+from shared.protocol.messages import FinishReason
 from worker.incremental_tokenizer import EMPTY_TAIL, TextTail
-
-FinishReason = Literal["length", "stop", "cancelled"]
 
 
 @dataclass(frozen=True)

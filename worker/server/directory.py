@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.protocol.link import LinkChunk, LinkDone, ToGateway
-from shared.protocol.messages import OpenConfig
+from shared.protocol.link import LinkDone, ToGateway
+from shared.protocol.messages import InputChunk, OpenConfig
 from worker.server.restore import RestorePlan
 
 REPLAY_DONES = 32
@@ -34,7 +34,7 @@ class SessionBinding:
     last_seq: int | None = None
     # False while the session is being opened or rebuilt; chunks that arrive meanwhile wait here.
     ready: bool = False
-    waiting: list[LinkChunk] = field(default_factory=list)
+    waiting: list[InputChunk] = field(default_factory=list)
     replay: deque[LinkDone] = field(default_factory=lambda: deque(maxlen=REPLAY_DONES))
     # What the session record holds, so this worker can re-write it after Redis lost its data.
     config: OpenConfig = field(default_factory=OpenConfig)
@@ -50,10 +50,10 @@ class SessionBinding:
     def record(self, done: LinkDone) -> None:
         self.replay.append(done)
         self.length = done.length
-        self.last_seq = done.seq
+        self.last_seq = done.done.seq
 
     def missed(self, last_seq: int | None) -> list[LinkDone]:
-        return [d for d in self.replay if last_seq is None or d.seq > last_seq]
+        return [d for d in self.replay if last_seq is None or d.done.seq > last_seq]
 
 
 class SessionDirectory:

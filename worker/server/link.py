@@ -15,24 +15,16 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from shared.errors import InvalidMessage, MicroturnError
 from shared.protocol.close_codes import CLOSE_TRY_AGAIN_LATER
 from shared.protocol.link import (
-    LinkAttach,
-    LinkCancel,
-    LinkChunk,
-    LinkClose,
-    LinkDetach,
-    LinkOpen,
-    LinkRestore,
     ToGateway,
-    decode_link,
-    encode_link,
+    ToWorker,
     link_error_from,
 )
+from shared.protocol.link_codec import decode_link, encode_link
 from worker.server.service import WorkerService
 
 logger = logging.getLogger(__name__)
 
 MAX_QUEUED_FRAMES = 65536
-FROM_GATEWAY = (LinkOpen, LinkAttach, LinkRestore, LinkChunk, LinkCancel, LinkDetach, LinkClose)
 
 
 class LinkConnection:
@@ -74,7 +66,7 @@ class LinkConnection:
                 except MicroturnError as error:
                     self.send(link_error_from("", error))
                     continue
-                if not isinstance(frame, FROM_GATEWAY):
+                if not isinstance(frame, ToWorker):
                     self.send(
                         link_error_from(frame.sid, InvalidMessage(f"{frame.op} is not sent to a worker"))
                     )

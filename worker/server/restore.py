@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.protocol.link import LinkChunk, LinkDone, TailTurn
-from shared.protocol.messages import FinishReason
+from shared.protocol.link import LinkDone, TailTurn
+from shared.protocol.messages import FinishReason, InputChunk, OutputDone, Timing
 from shared.redis_schema import decode_log
 from worker.engine.admission import commit_chunk, flushes
 from worker.incremental_tokenizer import IncrementalTokenizer, TextTail
@@ -51,7 +51,7 @@ class RestorePlan:
     log_last_seq: int | None
     forced: list[ForcedTurn] = field(default_factory=list)
     # Chunks to run again, in seq order, once the session is open.
-    rerun: list[LinkChunk] = field(default_factory=list)
+    rerun: list[InputChunk] = field(default_factory=list)
     # `done` frames for turns the log holds but the client never got an answer for.
     answers: list[LinkDone] = field(default_factory=list)
     # The text the session holds back once the history is in: the new session starts from it, so
@@ -60,6 +60,7 @@ class RestorePlan:
 
 
 def plan_restore(
+    sid: str,
     log: bytes,
     tail: Sequence[TailTurn],
     seen_seq: int | None,
@@ -81,13 +82,13 @@ def plan_restore(
     log_last = state.last_seq
     text_tail = TextTail(state.tail_text, state.tail_context)
     forced: list[ForcedTurn] = []
-    rerun: list[LinkChunk] = []
+    rerun: list[InputChunk] = []
     answers: list[LinkDone] = []
     for turn in tail:
         chunk = turn.chunk
         if not rerun and log_last is not None and chunk.seq <= log_last:
             if turn.output is None and chunk.seq in state.spans:
-                answers.append(_answer(chunk, state.tokens, state.spans[chunk.seq], max_output_tokens))
+                answers.append(_answer(sid, chunk, state.tokens, state.spans[chunk.seq], max_output_tokens))
             continue
         if rerun or turn.output is None:
             rerun.append(chunk)
@@ -111,7 +112,7 @@ def plan_restore(
 
 
 def _answer(
-    chunk: LinkChunk, tokens: list[int], span: tuple[int, int, int], max_output_tokens: int
+    sid: str, chunk: InputChunk, tokens: list[int], span: tuple[int, int, int], max_output_tokens: int
 ) -> LinkDone:
     start, inputs_end, end = span
     output = tuple(tokens[inputs_end:end])  # the record says where its committed input ends
@@ -120,4 +121,5 @@ def _answer(
     # cancelled turn that was answered from the log reads as `stop` too).
     finish: FinishReason = "length" if len(output) >= limit else "stop"
     committed = inputs_end - start
-    return LinkDone(chunk.sid, chunk.seq, output, None, finish, 0.0, 0.0, end, committed_tokens=committed)
+    done = OutputDone(chunk.seq, output, None, finish, Timing(0.0, 0.0), committed_tokens=committed)
+    return LinkDone(sid, done, end)

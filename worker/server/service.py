@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
 
 import redis.asyncio as redis
 
@@ -33,7 +32,7 @@ from shared.protocol.link import (
     ToWorker,
     link_error_from,
 )
-from shared.protocol.messages import CloseReason, OpenConfig
+from shared.protocol.messages import CloseReason, InputChunk, OutputDelta, OutputDone, Timing
 from shared.redis_schema import NO_SEQ, KeySchema, encode_log_record
 from shared.registry import HeldSession
 from shared.session_log import read_log_bytes
@@ -48,22 +47,6 @@ from worker.server.restore import RestorePlan, plan_restore
 from worker.server.token_log import TokenLogWriter
 
 logger = logging.getLogger(__name__)
-
-
-def engine_options(config: OpenConfig, default_idle_timeout_s: float) -> dict[str, Any]:
-    return {
-        "max_output_tokens": config.max_output_tokens,
-        "temperature": config.temperature,
-        "top_k": config.top_k,
-        "top_p": config.top_p,
-        "seed": config.seed,
-        "logprobs": config.logprobs,
-        "idle_timeout_s": config.idle_timeout_s or default_idle_timeout_s,
-        "max_context_tokens": config.max_context_tokens,
-        "context_policy": config.context_policy,
-        "keep_prefix_tokens": config.keep_prefix_tokens,
-        "stop_token_ids": None if config.stop_token_ids is None else tuple(config.stop_token_ids),
-    }
 
 
 class WorkerService:
@@ -94,7 +77,7 @@ class WorkerService:
 
     def dispatch(self, link: LinkPeer, frame: ToWorker) -> None:
         if isinstance(frame, LinkChunk):
-            self._chunk(frame, link)
+            self._chunk(frame.sid, frame.chunk, link)
         elif isinstance(frame, LinkOpen):
             self._open(link, frame, list(frame.history), last_seq=None)
         elif isinstance(frame, LinkAttach):
@@ -136,7 +119,7 @@ class WorkerService:
         if self.directory.get(sid) is not None:
             self._send_error(link, sid, InvalidMessage(f"session {sid} is already open here"), fatal=True)
             return
-        idle = config.idle_timeout_s or self.settings.idle_timeout_s
+        idle = config.idle_timeout_s or self.settings.idle_timeout_s  # the worker's default applies
         binding = SessionBinding(sid, config.stream, idle, link, length=len(history), last_seq=last_seq)
         binding.config = config
         binding.token_sha256 = frame.token_sha256
@@ -152,7 +135,7 @@ class WorkerService:
                 history=history,
                 last_seq=last_seq,
                 text_tail=EMPTY_TAIL if plan is None else plan.text_tail,
-                **engine_options(config, self.settings.idle_timeout_s),
+                config=replace(config, idle_timeout_s=idle),
             )
         except MicroturnError as error:
             self.directory.remove(sid)
@@ -169,7 +152,7 @@ class WorkerService:
             self._send_error(binding.link, binding.sid, error, fatal=True)
             for chunk in binding.waiting:
                 self._send_error(
-                    binding.link, chunk.sid, SessionNotFound("the session failed to open"), seq=chunk.seq
+                    binding.link, binding.sid, SessionNotFound("the session failed to open"), seq=chunk.seq
                 )
             return
         binding.ready = True
@@ -183,13 +166,13 @@ class WorkerService:
         if plan is not None:
             for answer in plan.answers:  # turns the log holds whose done the client never got
                 tokenizer = self.engine.tokenizer
-                text = tokenizer.decode(list(answer.tokens)) if tokenizer is not None else None
-                done = replace(answer, text=text, durable_seq=durable)
+                text = tokenizer.decode(list(answer.done.tokens)) if tokenizer is not None else None
+                done = replace(answer, done=replace(answer.done, text=text), durable_seq=durable)
                 binding.replay.append(done)
                 binding.send(done)
         waiting, binding.waiting = binding.waiting, []
         for chunk in waiting:
-            self._chunk(chunk, binding.link)
+            self._chunk(binding.sid, chunk, binding.link)
 
     def _attach(self, link: LinkPeer, frame: LinkAttach) -> None:
         binding = self.directory.get(frame.sid)
@@ -237,7 +220,8 @@ class WorkerService:
         """Open the session from its log plus the gateway's undurable tail (worker/server/restore.py)."""
         out = frame.config.max_output_tokens
         try:
-            plan = plan_restore(log, frame.tail, frame.seen_seq, text=self.engine.text, max_output_tokens=out)
+            text = self.engine.text
+            plan = plan_restore(frame.sid, log, frame.tail, frame.seen_seq, text=text, max_output_tokens=out)
         except ValueError as exc:
             logger.error("session %s cannot be restored: %s", frame.sid, exc)
             corrupt = SessionNotFound("the session's token log is corrupt")
@@ -284,16 +268,16 @@ class WorkerService:
 
     # ---- the hot path -------------------------------------------------------------------------
 
-    def _chunk(self, frame: LinkChunk, link: LinkPeer | None) -> None:
-        binding = self.directory.get(frame.sid)
-        if binding is None and frame.sid in self.handing_over:
+    def _chunk(self, sid: str, chunk: InputChunk, link: LinkPeer | None) -> None:
+        binding = self.directory.get(sid)
+        if binding is None and sid in self.handing_over:
             return  # the gateway has it in its tail: it runs on the session's next worker
         if binding is None:
-            missing = SessionNotFound(f"no session {frame.sid} on this worker")
-            self._send_error(link, frame.sid, missing, seq=frame.seq, fatal=True)
+            missing = SessionNotFound(f"no session {sid} on this worker")
+            self._send_error(link, sid, missing, seq=chunk.seq, fatal=True)
             return
         if not binding.ready:
-            binding.waiting.append(frame)
+            binding.waiting.append(chunk)
             return
         decoder = IncrementalDecoder(self.engine.tokenizer) if binding.stream else None
         on_token = None
@@ -304,24 +288,25 @@ class WorkerService:
 
         def submit() -> None:
             future = self.engine.submit(
-                frame.sid,
-                tokens=frame.tokens,
-                text=frame.text,
-                seq=frame.seq,
-                max_output_tokens=frame.max_output_tokens,
-                logprobs=frame.logprobs,
-                flush=bool(frame.flush),
+                sid,
+                tokens=chunk.tokens,
+                text=chunk.text,
+                seq=chunk.seq,
+                max_output_tokens=chunk.max_output_tokens,
+                logprobs=chunk.logprobs,
+                flush=bool(chunk.flush),
                 on_token=on_token,
             )
             future.add_done_callback(
-                lambda f: self.loop.call_soon_threadsafe(self._done, binding, frame.seq, f)
+                lambda f: self.loop.call_soon_threadsafe(self._done, binding, chunk.seq, f)
             )
 
-        self._guard(frame.sid, frame.seq, submit)
+        self._guard(sid, chunk.seq, submit)
 
     def _delta(self, binding: SessionBinding, decoder: IncrementalDecoder, delta: TokenDelta) -> None:
         text = decoder.feed(delta.token)
-        binding.send(LinkDelta(binding.sid, delta.seq, delta.index, delta.token, text, delta.logprob))
+        delta_message = OutputDelta(delta.seq, delta.index, delta.token, text, delta.logprob)
+        binding.send(LinkDelta(binding.sid, delta_message))
 
     def _done(self, binding: SessionBinding, seq: int, future: Future[TurnResult]) -> None:
         error = future.exception()
@@ -331,15 +316,16 @@ class WorkerService:
         result = future.result()
         done = LinkDone(
             sid=binding.sid,
-            seq=result.seq,
-            tokens=result.tokens,
-            text=result.text,
-            finish=result.finish,
-            queue_ms=result.queue_ms,
-            compute_ms=result.compute_ms,
+            done=OutputDone(
+                seq=result.seq,
+                tokens=result.tokens,
+                text=result.text,
+                finish=result.finish,
+                timing=Timing(result.queue_ms, result.compute_ms),
+                logprobs=result.logprobs,
+                committed_tokens=len(result.inputs),
+            ),
             length=result.length,
-            logprobs=result.logprobs,
-            committed_tokens=len(result.inputs),
             durable_seq=self.token_log.durable_seq(binding.sid),
         )
         binding.record(done)

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from shared.protocol.link import LinkChunk, TailTurn
+from shared.protocol.link import TailTurn
+from shared.protocol.messages import InputChunk
 from shared.redis_schema import encode_log_record
 from worker.engine import Engine, TurnResult
 from worker.incremental_tokenizer import EMPTY_TAIL
@@ -28,10 +29,10 @@ OUT = 2
 CONFIG: dict[str, Any] = {"max_output_tokens": OUT, "stop_token_ids": ()}
 
 
-def chunks() -> list[LinkChunk]:
+def chunks() -> list[InputChunk]:
     """7-character pieces; every third asks for output (and so commits the whole tail)."""
     pieces = [TEXT[i : i + 7] for i in range(0, len(TEXT), 7)]
-    return [LinkChunk("s", seq, None, piece, OUT if seq % 3 == 2 else 0) for seq, piece in enumerate(pieces)]
+    return [InputChunk(seq, None, piece, OUT if seq % 3 == 2 else 0) for seq, piece in enumerate(pieces)]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def test_a_restored_text_session_equals_the_uninterrupted_one(
             TailTurn(c, reference[c.seq].tokens if c.seq <= delivered else None)
             for c in all_chunks[durable + 1 :]
         ]
-        plan = plan_restore(log, tail, delivered, text=engine.text, max_output_tokens=OUT)
+        plan = plan_restore("s", log, tail, delivered, text=engine.text, max_output_tokens=OUT)
         for forced in plan.forced:
             expected = reference[forced.seq]
             assert (forced.tokens, forced.inputs) == (
@@ -126,9 +127,9 @@ def test_the_log_answers_a_text_turn_with_its_committed_input_count(reference: l
     asked = next(r for r in reference if r.tokens and r.seq > 0)
     log = b"".join(record(r) for r in reference[: asked.seq + 1])
     lost = [TailTurn(c, None) for c in chunks()[asked.seq : asked.seq + 1]]
-    plan = plan_restore(log, lost, asked.seq - 1, text=None, max_output_tokens=OUT)
+    plan = plan_restore("s", log, lost, asked.seq - 1, text=None, max_output_tokens=OUT)
     [answer] = plan.answers
-    assert (answer.tokens, answer.committed_tokens, answer.length) == (
+    assert (answer.done.tokens, answer.done.committed_tokens, answer.length) == (
         asked.tokens,
         len(asked.inputs),
         asked.length,

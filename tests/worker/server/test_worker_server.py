@@ -30,10 +30,9 @@ from shared.protocol.link import (
     LinkOpened,
     LinkRestore,
     ToWorker,
-    decode_link,
-    encode_link,
 )
-from shared.protocol.messages import OpenConfig
+from shared.protocol.link_codec import decode_link, encode_link
+from shared.protocol.messages import InputChunk, OpenConfig, OutputDelta
 from shared.redis_schema import KeySchema
 from shared.registry import SessionRecord, read_worker, write_session
 from shared.session_log import read_log
@@ -78,13 +77,13 @@ class Link:
     async def recv(self, timeout: float = 20.0) -> LinkFrame:
         return decode_link(await asyncio.wait_for(self.connection.recv(), timeout))
 
-    async def turn(self, chunk: LinkChunk) -> tuple[list[LinkDelta], LinkDone]:
+    async def turn(self, chunk: LinkChunk) -> tuple[list[OutputDelta], LinkDone]:
         await self.send(chunk)
         deltas = []
         while True:
             frame = await self.recv()
             if isinstance(frame, LinkDelta):
-                deltas.append(frame)
+                deltas.append(frame.delta)
             elif isinstance(frame, LinkDone):
                 return deltas, frame
             else:
@@ -101,7 +100,7 @@ def stats(worker: Proc) -> dict[str, Any]:
 
 
 def chunk(sid: str, seq: int, tokens: tuple[int, ...], k: int = 3) -> LinkChunk:
-    return LinkChunk(sid, seq, tokens, None, k, None)
+    return LinkChunk(sid, InputChunk(seq, tokens, None, k, None))
 
 
 def test_turns_stream_deltas_and_match_the_engine(worker: Proc, reference: Engine) -> None:
@@ -113,9 +112,9 @@ def test_turns_stream_deltas_and_match_the_engine(worker: Proc, reference: Engin
             outputs: list[tuple[int, ...]] = []
             for seq in range(1, 6):
                 deltas, done = await link.turn(chunk("t1", seq, (seq, seq + 1, seq + 2)))
-                assert [d.token for d in deltas] == list(done.tokens) and len(done.tokens) == 3
-                assert "".join(d.text or "" for d in deltas) == done.text
-                outputs.append(done.tokens)
+                assert [d.token for d in deltas] == list(done.done.tokens) and len(done.done.tokens) == 3
+                assert "".join(d.text or "" for d in deltas) == done.done.text
+                outputs.append(done.done.tokens)
             await link.send(LinkClose("t1"))
             assert await link.recv() == LinkClosed("t1", "closed")
             return outputs
@@ -165,7 +164,7 @@ def test_restore_rebuilds_from_the_token_log_on_another_worker(
             sequence: list[int] = []
             for seq in range(1, 5):
                 _, done = await a.turn(chunk("t3", seq, (seq * 3, seq * 5)))
-                sequence += [seq * 3, seq * 5, *done.tokens]
+                sequence += [seq * 3, seq * 5, *done.done.tokens]
             await asyncio.sleep(0.2)  # appends are batched after the reply
             assert await read_log(client, SCHEMA, "t3") == sequence
             await b.send(LinkRestore("t3", CONFIG, None, seen_seq=4))
@@ -173,7 +172,7 @@ def test_restore_rebuilds_from_the_token_log_on_another_worker(
             assert await b.recv() == LinkOpened("t3", len(sequence), 4, 4)
             _, original = await a.turn(chunk("t3", 5, (1, 2)))
             _, rebuilt = await b.turn(chunk("t3", 5, (1, 2)))
-            assert rebuilt.tokens == original.tokens and rebuilt.length == original.length
+            assert rebuilt.done.tokens == original.done.tokens and rebuilt.length == original.length
             for link in (a, b):
                 await link.send(LinkClose("t3"))
                 assert isinstance(await link.recv(), LinkClosed)
@@ -210,7 +209,9 @@ def test_bad_frames_get_typed_errors_and_the_link_stays_usable(worker: Proc) -> 
             await connection.send(b"\xc1 not msgpack")
             error = await link.recv()
             assert (
-                isinstance(error, LinkError) and error.code == ErrorCode.INVALID_MESSAGE and error.sid == ""
+                isinstance(error, LinkError)
+                and error.error.code == ErrorCode.INVALID_MESSAGE
+                and error.sid == ""
             )
             await link.send(LinkOpen("t5", CONFIG))
             await link.recv()
@@ -218,16 +219,16 @@ def test_bad_frames_get_typed_errors_and_the_link_stays_usable(worker: Proc) -> 
             error = await link.recv()
             assert (
                 isinstance(error, LinkError)
-                and error.code == ErrorCode.TOKEN_OUT_OF_RANGE
-                and not error.fatal
+                and error.error.code == ErrorCode.TOKEN_OUT_OF_RANGE
+                and not error.error.fatal
             )
             await link.send(LinkAttach("no-such-session"))
             error = await link.recv()
-            assert isinstance(error, LinkError) and error.code == ErrorCode.SESSION_NOT_FOUND
+            assert isinstance(error, LinkError) and error.error.code == ErrorCode.SESSION_NOT_FOUND
             await link.send(chunk("no-such-session", 3, (1,)))  # answered, never dropped silently
             error = await link.recv()
-            assert isinstance(error, LinkError) and error.code == ErrorCode.SESSION_NOT_FOUND
-            assert error.seq == 3 and error.fatal
+            assert isinstance(error, LinkError) and error.error.code == ErrorCode.SESSION_NOT_FOUND
+            assert error.error.seq == 3 and error.error.fatal
             _, done = await link.turn(chunk("t5", 2, (1,)))
             assert done.length == 4
             await link.send(LinkClose("t5"))
@@ -264,7 +265,7 @@ def test_sigterm_drains_hands_sessions_over_and_leaves_the_registry(redis_url: s
             _, done = await link.turn(chunk("t7", 1, (1, 2)))
             worker.popen.send_signal(signal.SIGTERM)
             assert await link.recv() == LinkMigrate("t7", 1)  # the log holds seq 1 already
-            assert await read_log(client, SCHEMA, "t7") == [1, 2, *done.tokens]
+            assert await read_log(client, SCHEMA, "t7") == [1, 2, *done.done.tokens]
         assert worker.popen.wait(20) == 0
         assert await read_worker(client, SCHEMA, "w-drain") is None
         assert await client.zscore(SCHEMA.workers(), "w-drain") is None
