@@ -9,7 +9,7 @@ from worker.engine.turn import Turn
 
 
 def session(name: str, total: int, cached: int, wants_output: bool = True) -> Session:
-    s = Session(name, OpenConfig(), history=list(range(total)), now=0.0, seed=0)
+    s = Session(name, OpenConfig(), history=list(range(total)), now=0.0, seed=0, context_limit=4096)
     s.num_cached = cached
     s.active = Turn(
         seq=1,

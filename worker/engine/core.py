@@ -93,7 +93,8 @@ class EngineCore:
                 f"worker carries its maximum of {self.config.max_sessions} sessions",
                 retry_after_ms=CAPACITY_RETRY_MS,
             )
-        history = opening_history(history, config, self._context_limit(config))
+        context_limit = session_limit(config, self.context_limit)
+        history = opening_history(history, config, context_limit)
         seed = (
             config.seed
             if config.seed is not None
@@ -105,6 +106,7 @@ class EngineCore:
             history=history,
             now=self.clock(),
             seed=seed,
+            context_limit=context_limit,
             last_seq=-1 if last_seq is None else last_seq,
             tail=text_tail,
         )
@@ -112,9 +114,7 @@ class EngineCore:
     def submit(self, session_id: str, turn: Turn) -> None:
         """Validate, tokenize and queue `turn`; raises having changed nothing, or accepts it whole."""
         session = self._get(session_id)
-        tokens, tail = admit(
-            session, turn, self.text, self.config, context_limit=self._context_limit(session.config)
-        )
+        tokens, tail = admit(session, turn, self.text, self.config)
         turn.before = (session.last_seq, session.tail)
         turn.input_tokens = tokens
         turn.tail_after = tail
@@ -249,9 +249,7 @@ class EngineCore:
         owner.absorbed = turns[:-1]
         inputs = [t for turn in turns for t in turn.input_tokens]
         outputs = owner.max_output_tokens if owner.wants_output else 0
-        history = window(
-            session.tokens, session.config, self._context_limit(session.config), len(inputs) + outputs
-        )
+        history = window(session.tokens, session.config, session.context_limit, len(inputs) + outputs)
         truncating = history is not session.tokens
         # A truncated window is re-prefilled into fresh pages; the session's old pages come back first.
         held = 0 if truncating else len(session.pages)
@@ -378,9 +376,6 @@ class EngineCore:
     def _stop_ids(self, session: Session) -> tuple[int, ...]:
         configured = session.config.stop_token_ids
         return self.eos_token_ids if configured is None else configured
-
-    def _context_limit(self, config: OpenConfig) -> int:
-        return session_limit(config, self.context_limit)
 
     def _get(self, session_id: str) -> Session:
         try:

@@ -29,11 +29,14 @@ class Session:
         history: list[int],
         now: float,
         seed: int,
+        context_limit: int,
         last_seq: int = -1,
         tail: TextTail = EMPTY_TAIL,
     ) -> None:
         self.session_id = session_id
         self.config = config
+        # The longest this session's sequence may grow (worker/engine/context_window.py), fixed at open.
+        self.context_limit = context_limit
         self.tokens: list[int] = history
         self.num_cached = 0
         self.pages: list[int] = []

@@ -1,11 +1,11 @@
-"""The worker's Starlette app: `/v1/link`, health, readiness, metrics; registry lifecycle in the lifespan."""
+"""The worker's Starlette app: `/v1/link` (worker/server/link.py), health, readiness, metrics; the
+registry lifecycle in the lifespan."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import logging
 import uuid
@@ -16,17 +16,15 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
-from starlette.websockets import WebSocket
 
-from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION, CLOSE_TRY_AGAIN_LATER
-from shared.protocol.link import LINK_PATH, LINK_SECRET_HEADER
+from shared.protocol.link import LINK_PATH
 from shared.redis_client import resilient_redis
 from shared.redis_schema import KeySchema
 from shared.registry import WorkerInfo, deregister, mark_draining, register_worker
 from shared.settings import WorkerSettings
 from worker.engine import Engine
 from worker.server.heartbeat import HEARTBEATS_PER_TTL, heartbeat_loop, worker_info
-from worker.server.link import LinkConnection
+from worker.server.link import LinkAcceptor
 from worker.server.service import WorkerService
 
 logger = logging.getLogger(__name__)
@@ -104,17 +102,9 @@ class WorkerRuntime:
             await asyncio.gather(*tasks, return_exceptions=True)
             await client.aclose()
 
-    async def link(self, websocket: WebSocket) -> None:
-        secret = self.settings.link_secret
-        offered = websocket.headers.get(LINK_SECRET_HEADER, "")
-        if secret and not hmac.compare_digest(offered.encode(), secret.encode()):
-            await websocket.close(code=CLOSE_POLICY_VIOLATION)
-            return
-        if self.service is None or self.draining.is_set():
-            await websocket.close(code=CLOSE_TRY_AGAIN_LATER)
-            return
-        await websocket.accept()
-        await LinkConnection(websocket, self.service).serve()
+    @property
+    def link_secret(self) -> str:
+        return self.settings.link_secret
 
     async def healthz(self, _request: Request) -> Response:
         return PlainTextResponse("ok")
@@ -137,7 +127,7 @@ class WorkerRuntime:
 def create_worker_app(runtime: WorkerRuntime) -> Starlette:
     return Starlette(
         routes=[
-            WebSocketRoute(LINK_PATH, runtime.link),
+            WebSocketRoute(LINK_PATH, LinkAcceptor(runtime).accept),
             Route("/healthz", runtime.healthz),
             Route("/readyz", runtime.readyz),
             Route("/metrics", runtime.metrics),

@@ -40,8 +40,8 @@ from shared.settings import WorkerSettings
 from worker.detokenize import IncrementalDecoder
 from worker.engine import Engine, TokenDelta, TurnResult
 from worker.incremental_tokenizer import EMPTY_TAIL
-from worker.server.directory import LinkPeer, SessionBinding, SessionDirectory
 from worker.server.handover import held_sessions, migrate_all
+from worker.server.link import LinkPeer, SessionBinding, SessionDirectory
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
 from worker.server.token_log import TokenLogWriter
