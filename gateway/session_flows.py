@@ -157,7 +157,7 @@ class SessionFlows(abc.ABC):
     def _activate(self, link: Link, record: SessionRecord, opened: LinkOpened) -> None:
         self._link = link
         self._record = record
-        self._finished_seq = opened.last_seq
+        self._finished_seq = opened.finished_seq
         self._length = opened.length
         self.life.move(Phase.ACTIVE)
 
@@ -214,7 +214,7 @@ class SessionFlows(abc.ABC):
         self.sid, self._config, self._record = sid, config, record
 
         def resumed(opened: LinkOpened) -> list[ServerMessage]:
-            return [SessionResumed(sid, opened.length, opened.last_seq)]
+            return [SessionResumed(sid, opened.length, opened.finished_seq)]
 
         url = await s.store.worker_url(record.worker)
         if url is not None:

@@ -134,7 +134,7 @@ class LinkOpened:
     sid: str
     length: int
     # The last seq the session finished (None: none yet); chunks at or below it are refused.
-    last_seq: int | None = None
+    finished_seq: int | None = None
     # The last seq whose turn the token log holds in Redis (None: none yet).
     durable_seq: int | None = None
 

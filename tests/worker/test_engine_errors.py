@@ -186,10 +186,10 @@ def test_capacity_refusal_also_refuses_the_chunks_queued_behind() -> None:
         assert engine.run_turn(sid, tokens=[4], timeout=30).length == 1
 
 
-def test_seqs_may_start_at_zero_and_a_rebuilt_session_keeps_its_last_seq(tiny: Engine) -> None:
+def test_seqs_may_start_at_zero_and_a_rebuilt_session_keeps_its_accepted_seq(tiny: Engine) -> None:
     fresh = tiny.open_session()
     assert tiny.run_turn(fresh, tokens=[1], seq=0, timeout=30).seq == 0
-    rebuilt = tiny.open_session(history=[1, 2, 3], last_seq=41)
+    rebuilt = tiny.open_session(history=[1, 2, 3], accepted_seq=41)
     with pytest.raises(BadSequence):
         tiny.run_turn(rebuilt, tokens=[4], seq=41, timeout=30)
     assert tiny.run_turn(rebuilt, tokens=[4], seq=42, timeout=30).length == 4

@@ -28,8 +28,8 @@ def admit(
     config: EngineConfig,
 ) -> tuple[list[int], TextTail]:
     """(tokens `turn` appends, the session's next text tail), or a typed error."""
-    if turn.seq <= session.last_seq:
-        raise BadSequence(f"seq {turn.seq} is not above the last accepted seq {session.last_seq}")
+    if session.accepted_seq is not None and turn.seq <= session.accepted_seq:
+        raise BadSequence(f"seq {turn.seq} is not above the last accepted seq {session.accepted_seq}")
     tokens, tail = commit_input(session, turn, text, config.max_chunk_tokens)
     check_queue(session, turn, len(tokens), config)
     check_context(session, turn, len(tokens), session.context_limit)

@@ -83,7 +83,7 @@ class EngineCore:
         session_id: str,
         config: OpenConfig,
         history: list[int],
-        last_seq: int | None = None,
+        accepted_seq: int | None = None,
         text_tail: TextTail = EMPTY_TAIL,
     ) -> None:
         if session_id in self.sessions:
@@ -107,7 +107,7 @@ class EngineCore:
             now=self.clock(),
             seed=seed,
             context_limit=context_limit,
-            last_seq=-1 if last_seq is None else last_seq,
+            accepted_seq=accepted_seq,
             tail=text_tail,
         )
 
@@ -115,10 +115,10 @@ class EngineCore:
         """Validate, tokenize and queue `turn`; raises having changed nothing, or accepts it whole."""
         session = self._get(session_id)
         tokens, tail = admit(session, turn, self.text, self.config)
-        turn.before = (session.last_seq, session.tail)
+        turn.before = (session.accepted_seq, session.tail)
         turn.input_tokens = tokens
         turn.tail_after = tail
-        session.last_seq = turn.seq
+        session.accepted_seq = turn.seq
         session.tail = tail
         session.last_activity = self.clock()
         session.pending.append(turn)
@@ -126,7 +126,8 @@ class EngineCore:
             self.waiting[session_id] = session
 
     def next_seq(self, session_id: str) -> int:
-        return self._get(session_id).last_seq + 1
+        accepted = self._get(session_id).accepted_seq
+        return 0 if accepted is None else accepted + 1
 
     def cancel(self, session_id: str, seq: int | None) -> None:
         session = self._get(session_id)
@@ -265,7 +266,7 @@ class EngineCore:
             # Later chunks were sent assuming this one lands: refuse them too rather than reorder input,
             # and forget all of them (seq and text included), so each may be sent again as it was.
             assert turns[0].before is not None
-            session.last_seq, session.tail = turns[0].before
+            session.accepted_seq, session.tail = turns[0].before
             for turn in [*turns, *session.pending]:
                 self._reject(turn, error)
             session.pending.clear()

@@ -123,7 +123,7 @@ class Engine:
         *,
         session_id: str | None = None,
         history: Sequence[int] = (),
-        last_seq: int | None = None,
+        accepted_seq: int | None = None,
         text_tail: TextTail = EMPTY_TAIL,
         config: OpenConfig | None = None,
         **options: Any,
@@ -143,7 +143,7 @@ class Engine:
         sid = session_id or uuid.uuid4().hex
 
         def open_it() -> str:
-            self._core.open_session(sid, config, history_tokens, last_seq, text_tail)
+            self._core.open_session(sid, config, history_tokens, accepted_seq, text_tail)
             return sid
 
         return sid, self._call(open_it)

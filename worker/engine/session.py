@@ -30,7 +30,7 @@ class Session:
         now: float,
         seed: int,
         context_limit: int,
-        last_seq: int = -1,
+        accepted_seq: int | None = None,
         tail: TextTail = EMPTY_TAIL,
     ) -> None:
         self.session_id = session_id
@@ -42,8 +42,9 @@ class Session:
         self.pages: list[int] = []
         self.active: Turn | None = None
         self.pending: deque[Turn] = deque()
-        # Seqs only increase; -1 lets a session start at 0. A restored session keeps its client's.
-        self.last_seq = last_seq
+        # The last chunk seq this session accepted (None: none yet, so any seq may start it); chunks
+        # must pass it. A restored session starts from the last seq its old worker finished.
+        self.accepted_seq = accepted_seq
         # Text received but not yet safe to tokenize (worker/incremental_tokenizer.py). A restored
         # session starts from the text its old worker held back (worker/server/restore.py).
         self.tail: TextTail = tail

@@ -68,9 +68,9 @@ class Turn:
     text: str | None = None
     # Commit the session's text tail with this chunk (implied by a token chunk or by asking for output).
     flush: bool = False
-    # The session's (last_seq, text tail) before this turn was accepted: a refusal after acceptance
-    # (capacity) puts them back, so the client can send the same chunk again with the same seq.
-    before: tuple[int, TextTail] | None = None
+    # The session's (accepted_seq, text tail) before this turn was accepted: a refusal after
+    # acceptance (capacity) puts them back, so the client can send the same chunk again, same seq.
+    before: tuple[int | None, TextTail] | None = None
     # The session's text tail once this turn's input was committed (set at admission). Each chunk
     # folded into a merged append keeps its own, so each logged record carries the right one.
     tail_after: TextTail = EMPTY_TAIL

@@ -118,7 +118,8 @@ class SessionBinding:
     idle_timeout_s: float
     link: LinkPeer | None
     length: int = 0
-    last_seq: int | None = None
+    # The last seq the session finished here (None: none yet), as `opened` reports it.
+    finished_seq: int | None = None
     # False while the session is being opened or rebuilt; chunks that arrive meanwhile wait here.
     ready: bool = False
     waiting: list[InputChunk] = field(default_factory=list)
@@ -137,10 +138,11 @@ class SessionBinding:
     def record(self, done: LinkDone) -> None:
         self.replay.append(done)
         self.length = done.length
-        self.last_seq = done.done.seq
+        self.finished_seq = done.done.seq
 
-    def missed(self, last_seq: int | None) -> list[LinkDone]:
-        return [d for d in self.replay if last_seq is None or d.done.seq > last_seq]
+    def missed(self, seen_seq: int | None) -> list[LinkDone]:
+        """The dones after the last one the client saw, as far as the replay buffer reaches."""
+        return [d for d in self.replay if seen_seq is None or d.done.seq > seen_seq]
 
 
 class SessionDirectory:

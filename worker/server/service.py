@@ -79,7 +79,7 @@ class WorkerService:
         if isinstance(frame, LinkChunk):
             self._chunk(frame.sid, frame.chunk, link)
         elif isinstance(frame, LinkOpen):
-            self._open(link, frame, list(frame.history), last_seq=None)
+            self._open(link, frame, list(frame.history), finished_seq=None)
         elif isinstance(frame, LinkAttach):
             self._attach(link, frame)
         elif isinstance(frame, LinkRestore):
@@ -108,7 +108,7 @@ class WorkerService:
         frame: LinkOpen | LinkRestore,
         history: list[int],
         *,
-        last_seq: int | None,
+        finished_seq: int | None,
         log: bytes = b"",
         plan: RestorePlan | None = None,
     ) -> None:
@@ -120,7 +120,8 @@ class WorkerService:
             self._send_error(link, sid, InvalidMessage(f"session {sid} is already open here"), fatal=True)
             return
         idle = config.idle_timeout_s or self.settings.idle_timeout_s  # the worker's default applies
-        binding = SessionBinding(sid, config.stream, idle, link, length=len(history), last_seq=last_seq)
+        length = len(history)
+        binding = SessionBinding(sid, config.stream, idle, link, length=length, finished_seq=finished_seq)
         binding.config = config
         binding.token_sha256 = frame.token_sha256
         binding.created_ms = frame.created_ms or time.time_ns() // 1_000_000
@@ -133,7 +134,7 @@ class WorkerService:
             _sid, future = self.engine.open_session_async(
                 session_id=sid,
                 history=history,
-                last_seq=last_seq,
+                accepted_seq=finished_seq,
                 text_tail=EMPTY_TAIL if plan is None else plan.text_tail,
                 config=replace(config, idle_timeout_s=idle),
             )
@@ -162,7 +163,7 @@ class WorkerService:
                 sid, idle = binding.sid, binding.idle_timeout_s
                 self.token_log.append(sid, turn.seq, turn.tokens, idle, inputs=turn.inputs, tail=turn.tail)
         durable = self.token_log.durable_seq(binding.sid)
-        binding.send(LinkOpened(binding.sid, binding.length, binding.last_seq, durable))
+        binding.send(LinkOpened(binding.sid, binding.length, binding.finished_seq, durable))
         if plan is not None:
             for answer in plan.answers:  # turns the log holds whose done the client never got
                 tokenizer = self.engine.tokenizer
@@ -184,7 +185,7 @@ class WorkerService:
         self._bind(binding, link)
         if binding.ready:
             durable = self.token_log.durable_seq(binding.sid)
-            link.send(LinkOpened(binding.sid, binding.length, binding.last_seq, durable))
+            link.send(LinkOpened(binding.sid, binding.length, binding.finished_seq, durable))
             for done in binding.missed(frame.seen_seq):
                 link.send(done)
 
@@ -238,7 +239,7 @@ class WorkerService:
             len(plan.forced),
             len(plan.rerun),
         )
-        self._open(link, frame, plan.history, last_seq=plan.finished_seq, log=log, plan=plan)
+        self._open(link, frame, plan.history, finished_seq=plan.finished_seq, log=log, plan=plan)
 
     def _close(self, link: LinkPeer, sid: str) -> None:
         binding = self.directory.remove(sid)

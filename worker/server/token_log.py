@@ -97,11 +97,11 @@ class TokenLogWriter:
         self.flushes = 0
         self.failures = 0
 
-    def start(self, sid: str, log: bytes, last_seq: int | None) -> None:
+    def start(self, sid: str, log: bytes, durable_seq: int | None) -> None:
         """A session opened or restored here: `log` is what Redis holds for it (its records)."""
         self._mirror[sid] = bytearray(log)
-        if last_seq is not None:
-            self._durable[sid] = last_seq
+        if durable_seq is not None:
+            self._durable[sid] = durable_seq
 
     def append(
         self,

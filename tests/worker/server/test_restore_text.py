@@ -106,7 +106,7 @@ def test_a_restored_text_session_equals_the_uninterrupted_one(
         held = reference[delivered].tail if delivered >= 0 else EMPTY_TAIL
         assert plan.text_tail == held
         sid = engine.open_session(
-            history=plan.history, last_seq=plan.finished_seq, text_tail=plan.text_tail, **CONFIG
+            history=plan.history, accepted_seq=plan.finished_seq, text_tail=plan.text_tail, **CONFIG
         )
         for chunk in plan.rerun:
             result = engine.run_turn(
