@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections.abc import Sequence
 
@@ -18,24 +17,13 @@ from redis.exceptions import RedisError
 
 from shared.api_keys import KeyExists, KeyLimits, KeyStore
 from shared.redis_schema import KeySchema
-from shared.settings import CommonSettings
-
-_DEFAULTS = CommonSettings()
+from shared.settings import RedisSettings, add_arguments, from_sources
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="microturn keys", description="Manage API keys.")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--redis-url",
-        default=os.environ.get("MT_REDIS_URL", _DEFAULTS.redis_url),
-        help="Redis or Valkey URL (env MT_REDIS_URL)",
-    )
-    common.add_argument(
-        "--key-prefix",
-        default=os.environ.get("MT_KEY_PREFIX", _DEFAULTS.key_prefix),
-        help="prefix of every Redis key (env MT_KEY_PREFIX)",
-    )
+    add_arguments(common, RedisSettings)  # a flag wins over MT_REDIS_URL / MT_KEY_PREFIX, as everywhere
     sub = parser.add_subparsers(dest="action", required=True)
     create = sub.add_parser("create", parents=[common], help="create a key; prints it as the last line")
     create.add_argument("--name", required=True, help="a unique name (what list and revoke use)")
@@ -54,9 +42,10 @@ def _limit(value: float) -> str:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    redis = Redis.from_url(args.redis_url, decode_responses=False)
+    settings = from_sources(RedisSettings, args)
+    redis = Redis.from_url(settings.redis_url, decode_responses=False)
     try:
-        store = KeyStore(redis, KeySchema(args.key_prefix))
+        store = KeyStore(redis, KeySchema(settings.key_prefix))
         if args.action == "create":
             limits = KeyLimits(
                 args.max_sessions, args.chunks_per_s, args.max_session_s, args.max_tokens_per_day

@@ -42,11 +42,17 @@ BENCH_MODEL: Final = "tiny"
 
 
 @dataclass(frozen=True)
-class CommonSettings:
-    """What the gateway and the worker must agree on."""
+class RedisSettings:
+    """Which Redis a deployment keeps its state in: every command that touches it (`keys` too)."""
 
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis or Valkey URL"})
     key_prefix: str = field(default="mt", metadata={"help": "prefix of every Redis key"})
+
+
+@dataclass(frozen=True)
+class CommonSettings(RedisSettings):
+    """What the gateway and the worker must agree on."""
+
     idle_timeout_s: float = field(default=300.0, metadata={"help": "idle timeout of sessions that set none"})
     session_grace_s: float = field(default=30.0, metadata={"help": "session keys live this long past idle"})
 
