@@ -64,11 +64,15 @@ def test_capacity_report_has_the_issue_shape(capacity_run: tuple[int, dict[str, 
     assert set(report["modes"]) == {"streaming", "no_session"}
     for mode in report["modes"].values():
         assert isinstance(mode["sessions"], int)
-        (step,) = mode["steps"]
-        assert step["sessions"] == 2
-        assert {"sessions", "p50_ms", "p99_ms", "errors"} <= set(step)
-        assert step["p50_ms"] <= step["p99_ms"]
-        assert mode["sessions"] == (2 if step["within_limit"] else 0)
+        steps = mode["steps"]
+        # The search starts where it was told and cannot go above --max-sessions; on a loaded machine
+        # 2 sessions may miss the latency limit and it steps down, so no step count is assumed.
+        assert steps[0]["sessions"] == 2 and all(1 <= step["sessions"] <= 2 for step in steps)
+        for step in steps:
+            assert {"sessions", "p50_ms", "p99_ms", "errors"} <= set(step)
+            assert step["p50_ms"] <= step["p99_ms"]
+        within = [step["sessions"] for step in steps if step["within_limit"]]
+        assert mode["sessions"] == max(within, default=0)
     assert (out / "cap.png").stat().st_size > 0
     assert "streaming" in table and "no_session" in table
 
