@@ -31,7 +31,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from shared.api_keys import KeyStore
-from shared.redis_schema import KeySchema
+from shared.redis_schema import KeySchema, lua_script
 
 logger = logging.getLogger(__name__)
 
@@ -39,42 +39,6 @@ LEASE_S: Final = 5.0
 REFRESH_S: Final = 1.0
 # The session-hash field holding a budgeted session's tokens spent so far.
 SESSION_USED_FIELD: Final = "auth_used"
-
-_NOW_MS_LUA: Final = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-# KEYS[1] the key's ZSET; ARGV sid, max sessions (0: none), lease ms. 1 admitted, 0 full. A session
-# already a member (a resume, or a second socket of this gateway) is renewed, never refused.
-_ADMIT_LUA: Final = (
-    _NOW_MS_LUA
-    + """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  local max = tonumber(ARGV[2])
-  if max > 0 and redis.call('ZCARD', KEYS[1]) >= max then return 0 end
-end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
-)
-# KEYS[1] the key's ZSET; ARGV lease ms, sid... Re-adds a member that lapsed (this gateway stalled
-# past the lease): the session is live, so it counts.
-_RENEW_LUA: Final = (
-    _NOW_MS_LUA
-    + """
-local lease = tonumber(ARGV[1])
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], now + lease, ARGV[i]) end
-redis.call('PEXPIRE', KEYS[1], lease)
-return #ARGV - 1
-"""
-)
-# KEYS[1] a session hash; only touched while it exists (HINCRBY alone would recreate it, TTL-less).
-_ADD_USED_LUA: Final = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-return redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
-"""
 
 
 def _merge(into: dict[str, int], counts: dict[str, int]) -> None:
@@ -89,9 +53,9 @@ class KeyLedger:
         self.redis = redis
         self.schema = schema
         self.keys = keys
-        self._admit = redis.register_script(_ADMIT_LUA)
-        self._renew = redis.register_script(_RENEW_LUA)
-        self._add_used = redis.register_script(_ADD_USED_LUA)
+        self._admit = redis.register_script(lua_script("now_ms", "key_admit"))
+        self._renew = redis.register_script(lua_script("now_ms", "key_renew"))
+        self._add_used = redis.register_script(lua_script("session_add_used"))
         # digest -> sid -> sockets of this gateway holding that session's slot (a take-over on the
         # same gateway briefly has two; the member goes only when the last one lets go).
         self._held: dict[str, dict[str, int]] = defaultdict(dict)

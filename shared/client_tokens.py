@@ -25,7 +25,7 @@ from typing import Final
 from redis.asyncio import Redis
 
 from shared.api_keys import CLIENT_TOKEN_PREFIX, ApiKey, digest, new_secret, text_map
-from shared.redis_schema import KeySchema
+from shared.redis_schema import KeySchema, lua_script
 
 __all__ = ["ClientToken", "ClientTokenStore", "TokenLimits"]
 
@@ -34,30 +34,6 @@ _SID: Final = "sid"
 _MAX_SESSION_S: Final = "max_session_s"
 _MAX_TOKENS: Final = "max_tokens"
 _EXPIRES_AT_MS: Final = "expires_at_ms"
-
-# Returns 1 when the token now belongs to ARGV[1] (claimed now or before by the same session), 0
-# when it is gone or belongs to another session. EXISTS first: HSET on an expired token would
-# recreate it as a hash without a TTL.
-_CLAIM_LUA: Final = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local owner = redis.call('HGET', KEYS[1], 'sid')
-if owner then
-  if owner == ARGV[1] then return 1 end
-  return 0
-end
-redis.call('HSET', KEYS[1], 'sid', ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-
-# Gives the token back when the session it was claimed for never opened (no worker had room):
-# only the claimant may, and the token gets its original start window back (gone if it is over).
-_UNCLAIM_LUA: Final = """
-if redis.call('HGET', KEYS[1], 'sid') ~= ARGV[1] then return 0 end
-redis.call('HDEL', KEYS[1], 'sid')
-redis.call('PEXPIREAT', KEYS[1], ARGV[2])
-return 1
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +75,8 @@ class ClientTokenStore:
     def __init__(self, redis: Redis, schema: KeySchema) -> None:
         self.redis = redis
         self.schema = schema
-        self._claim = redis.register_script(_CLAIM_LUA)
-        self._unclaim = redis.register_script(_UNCLAIM_LUA)
+        self._claim = redis.register_script(lua_script("claim_token"))
+        self._unclaim = redis.register_script(lua_script("unclaim_token"))
 
     async def mint(self, key: ApiKey, limits: TokenLimits, ttl_s: float) -> tuple[str, ClientToken]:
         """A new token for `key` (its limits already capped); the secret is returned once."""

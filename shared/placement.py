@@ -15,15 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection
-from functools import cache
-from importlib import resources
 from typing import Final
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from shared.errors import CapacityExhausted
-from shared.redis_schema import KeySchema
+from shared.redis_schema import KeySchema, lua_script
 from shared.registry import Placement
 
 logger = logging.getLogger(__name__)
@@ -47,10 +45,9 @@ __all__ = [
 ]
 
 
-@cache
 def place_script_source() -> str:
-    """The script's text, read once from the installed package (it ships as package data)."""
-    return resources.files("shared").joinpath("lua", "place.lua").read_text(encoding="utf-8")
+    """The script's text (shared/lua/place.lua, shipped as package data)."""
+    return lua_script("place")
 
 
 def load_place_script(redis: Redis) -> AsyncScript:

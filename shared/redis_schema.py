@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
 from typing import Final
 
 import numpy as np
@@ -39,6 +41,16 @@ import numpy as np
 from shared.protocol.fields import MAX_TOKEN_ID
 
 logger = logging.getLogger(__name__)
+
+
+@cache
+def lua_script(*names: str) -> str:
+    """The text of `shared/lua/<name>.lua` for each name, in order (a prelude first), read once from
+    the installed package. Every Lua script lives in that folder, one file each, with its KEYS and
+    ARGV documented at its top."""
+    lua = resources.files("shared").joinpath("lua")
+    return "".join(lua.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in names)
+
 
 DEFAULT_PREFIX: Final = "mt"
 

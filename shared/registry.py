@@ -48,20 +48,13 @@ from shared.redis_schema import (
     WORKER_STATE,
     WORKER_URL,
     KeySchema,
+    lua_script,
 )
 
 logger = logging.getLogger(__name__)
 
 WORKER_STATES: Final = frozenset({STATE_READY, STATE_DRAINING})
 RESUME_TOKEN_BYTES: Final = 32  # 256 bits of entropy: unguessable, and short enough for a URL or header
-
-# Sets `state` only on a live hash: a plain HSET on an expired worker would recreate its hash with
-# no TTL, an immortal ghost the placement script would keep seeing as live.
-_MARK_DRAINING_LUA: Final = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-return 1
-"""
 
 
 def load_score(sessions: int, max_sessions: int) -> float:
@@ -205,7 +198,7 @@ async def mark_draining(redis: Redis, schema: KeySchema, worker_id: str) -> bool
 
     Returns False when the worker's hash no longer exists (nothing to drain; nothing is created).
     """
-    script = redis.register_script(_MARK_DRAINING_LUA)
+    script = redis.register_script(lua_script("mark_draining"))
     done = await script(keys=[schema.worker(worker_id)], args=[WORKER_STATE, STATE_DRAINING])
     if done:
         logger.info("worker %s marked draining", worker_id)

@@ -26,7 +26,7 @@ from typing import Final
 import redis.asyncio as redis
 
 from shared.redis_client import OutageLog
-from shared.redis_schema import KeySchema, encode_log_record
+from shared.redis_schema import KeySchema, encode_log_record, lua_script
 from worker.incremental_tokenizer import TextTail
 
 logger = logging.getLogger(__name__)
@@ -35,17 +35,6 @@ FLUSH_INTERVAL_S: Final = 0.02
 # After a failed flush the next try waits this, doubling up to the cap: an outage is not a hot loop.
 RETRY_BASE_S: Final = 0.05
 RETRY_MAX_S: Final = 1.0
-
-# Deletes a session record that names this worker (or none is left); says whether the log may go.
-# One key, so it runs on Redis Cluster; the log key lives in another slot and is deleted after.
-DELETE_IF_OWNED = """
-local owner = redis.call('HGET', KEYS[1], 'worker')
-if owner == false or owner == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +71,7 @@ class TokenLogWriter:
         self.schema = schema
         self.grace_s = grace_s
         self.worker_id = worker_id
-        self._delete_if_owned = client.register_script(DELETE_IF_OWNED)
+        self._delete_if_owned = client.register_script(lua_script("delete_session_if_owned"))
         # Held while a flush, a rewrite or a delete talks to Redis: a delete never lands before an
         # append already on its way (which would re-create a closed session's log), and a rewrite
         # never interleaves with an append.
