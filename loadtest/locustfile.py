@@ -50,10 +50,9 @@ from loadtest.capacity.workload import (
     SESSION_NAME,
     ChunkLoad,
 )
-from shared.client_core import handshake_headers
+from shared.client_core import MAX_SERVER_FRAME_BYTES, handshake_headers
 from shared.errors import ErrorCode, MicroturnError
 from shared.protocol import (
-    MAX_FRAME_BYTES,
     ClientMessage,
     Error,
     InputChunk,
@@ -231,7 +230,7 @@ class RealtimeUser(User):
                 subprotocols=[subprotocol],
                 additional_headers=handshake_headers(None, self.api_key),
                 open_timeout=_OPEN_TIMEOUT_S,
-                max_size=MAX_FRAME_BYTES,
+                max_size=MAX_SERVER_FRAME_BYTES,
                 compression=None,
                 proxy=None,
             ).__enter__()

@@ -22,6 +22,7 @@ from websockets.sync.client import ClientConnection as SyncConnection
 from websockets.sync.client import connect as sync_connect
 
 from shared.client_core import (
+    MAX_SERVER_FRAME_BYTES,
     ClientCore,
     ConnectionLost,
     EncodingName,
@@ -54,8 +55,6 @@ R = TypeVar("R")
 C = TypeVar("C", AsyncConnection, SyncConnection)
 
 DEFAULT_TIMEOUT_S: Final = 30.0
-# Server frames are small; this only bounds a misbehaving server.
-MAX_FRAME_BYTES: Final = 16 * 2**20
 
 __all__ = [
     "NO_RETRY",
@@ -93,7 +92,7 @@ def _connect_options(enc: Encoding, options: ConnectOptions) -> dict[str, Any]:
         "subprotocols": [enc.subprotocol],
         "open_timeout": options.get("open_timeout", 10.0),
         "additional_headers": handshake_headers(options.get("headers"), options.get("api_key")),
-        "max_size": MAX_FRAME_BYTES,
+        "max_size": MAX_SERVER_FRAME_BYTES,
         "compression": None,
         "proxy": None,
     }

@@ -11,7 +11,7 @@ import enum
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Final, Generic, Literal, TypeVar
 
 from websockets.exceptions import ConnectionClosed
 
@@ -41,6 +41,10 @@ from shared.protocol import (
 
 EncodingName = Literal["json", "msgpack"]
 R = TypeVar("R")
+
+# The largest server frame a client accepts (its socket's max_size). Server frames are small; this
+# only bounds a misbehaving server.
+MAX_SERVER_FRAME_BYTES: Final = 16 * 2**20
 
 
 class SessionClosedError(Exception):

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
+from loadtest.bench.config import STREAMING
 from loadtest.capacity.locust_run import LocustStats
 from loadtest.capacity.metrics import ServerCounts
 from loadtest.capacity.search import best_passing
 from loadtest.capacity.workload import ChunkLoad
 from shared.settings import BENCH_MODEL
 
-STREAMING: Final = "streaming"
 NO_SESSION: Final = "no_session"
 MODES: Final = (STREAMING, NO_SESSION)
 P99_LIMIT_MS: Final = 200.0

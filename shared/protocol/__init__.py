@@ -13,7 +13,6 @@ from shared.protocol.close_codes import (
     error_message_from,
 )
 from shared.protocol.codec import (
-    MAX_FRAME_BYTES,
     Encoding,
     choose_encoding,
     config_from_map,
@@ -74,7 +73,6 @@ from shared.protocol.messages import (
 __all__ = [
     "CLOSE_CODES",
     "CLOSE_NORMAL",
-    "MAX_FRAME_BYTES",
     "MAX_INT",
     "MAX_TOKEN_ID",
     "ClientMessage",

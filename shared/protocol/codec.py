@@ -16,7 +16,7 @@ are decoded with `surrogateescape`, so invalid UTF-8 there is refused the same w
 
 No I/O here (websockets' Sans-I/O core is the model): callers hand in the frame they received and
 get back a message, or hand in a message and get back the frame to send. The frame-size limit is
-the caller's (`MAX_FRAME_BYTES` is the default), checked before decoding.
+the caller's, checked before decoding (the gateway's `max_frame_bytes`, gateway/limits.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ from shared.protocol.messages import (
     Timing,
 )
 
-MAX_FRAME_BYTES = 1 << 20
 MAX_SEED = 2**64 - 1
 _T = TypeVar("_T")
 _M = TypeVar("_M")

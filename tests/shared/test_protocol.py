@@ -22,7 +22,6 @@ from shared.errors import (
 )
 from shared.protocol import (
     CLOSE_CODES,
-    MAX_FRAME_BYTES,
     ClientMessage,
     Encoding,
     Error,
@@ -163,10 +162,6 @@ def test_missing_or_null_config_fields_take_defaults() -> None:
     assert isinstance(cfg, SessionOpen)
     assert cfg.config.temperature == 1.0
     assert type(cfg.config.temperature) is float
-
-
-def test_max_frame_bytes_default() -> None:
-    assert MAX_FRAME_BYTES == 1 << 20
 
 
 # ---- validation: JSON ---------------------------------------------------------------------------
