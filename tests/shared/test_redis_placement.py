@@ -305,7 +305,7 @@ async def append_turn(
     """Append one turn's record the way the worker does: its batched log writer, flushed at once."""
     writer = TokenLogWriter(r, schema, grace_s=0.0, worker_id="w")
     writer.start(sid, b"", None)
-    writer.append(sid, seq, tokens, ttl_s, inputs=len(tokens), tail=EMPTY_TAIL)
+    writer.append(sid, seq, tuple(tokens), (), ttl_s, tail=EMPTY_TAIL)
     assert await writer.flush()
 
 

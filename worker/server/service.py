@@ -161,7 +161,8 @@ class WorkerService:
         if plan is not None:
             for turn in plan.forced:  # delivered turns the log lacked: now in the history
                 sid, idle = binding.sid, binding.idle_timeout_s
-                self.token_log.append(sid, turn.seq, turn.tokens, idle, inputs=turn.inputs, tail=turn.tail)
+                inputs, outputs = tuple(turn.tokens[: turn.inputs]), tuple(turn.tokens[turn.inputs :])
+                self.token_log.append(sid, turn.seq, inputs, outputs, idle, tail=turn.tail)
         durable = self.token_log.durable_seq(binding.sid)
         binding.send(LinkOpened(binding.sid, binding.length, binding.finished_seq, durable))
         if plan is not None:
@@ -338,12 +339,7 @@ class WorkerService:
         self.directory.touched.add(binding.sid)
         # Only once the reply is out: the log is for rebuilding, never on the client's critical path.
         self.token_log.append(
-            binding.sid,
-            result.seq,
-            result.inputs + result.tokens,
-            binding.idle_timeout_s,
-            inputs=len(result.inputs),
-            tail=result.tail,
+            binding.sid, result.seq, result.inputs, result.tokens, binding.idle_timeout_s, tail=result.tail
         )
 
     # ---- errors -------------------------------------------------------------------------------

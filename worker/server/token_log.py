@@ -42,14 +42,18 @@ class _Turn:
     """One finished turn as the reply path hands it over; encoded only by the flush task."""
 
     seq: int
-    tokens: tuple[int, ...]
-    inputs: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
     tail: TextTail
 
     def record(self) -> bytes:
-        tail = self.tail
+        inputs, tail = self.inputs, self.tail
         return encode_log_record(
-            self.seq, self.tokens, inputs=self.inputs, tail_text=tail.text, tail_context=tail.context
+            self.seq,
+            inputs + self.outputs,
+            inputs=len(inputs),
+            tail_text=tail.text,
+            tail_context=tail.context,
         )
 
 
@@ -96,16 +100,17 @@ class TokenLogWriter:
         self,
         sid: str,
         seq: int,
-        tokens: list[int] | tuple[int, ...],
+        inputs: tuple[int, ...],
+        outputs: tuple[int, ...],
         idle_timeout_s: float,
         *,
-        inputs: int,
         tail: TextTail,
     ) -> None:
-        """Queue turn `seq`'s tokens (its `inputs` input tokens, then its outputs) and the session's
-        text tail after its input. A turn that added nothing is still recorded: its seq is what
-        tells a restoring worker that the turn was done."""
-        turn = _Turn(seq, tuple(tokens), inputs, tail)
+        """Queue turn `seq`'s committed input and output tokens and the session's text tail after
+        its input. A turn that added nothing is still recorded: its seq is what tells a restoring
+        worker that the turn was done. Nothing is copied or encoded here (the reply path): the flush
+        task builds the record."""
+        turn = _Turn(seq, inputs, outputs, tail)
         queued = self._pending.get(sid)
         if queued is None:
             self._pending[sid] = _Queued([turn], idle_timeout_s)
