@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -35,7 +36,13 @@ def drain(stack: Stack, worker_id: str) -> tuple[int, float]:
     proc = stack.workers[worker_id]
     started = time.monotonic()
     proc.popen.send_signal(signal.SIGTERM)
-    code = proc.popen.wait(DRAIN_LIMIT_S + 10)
+    try:
+        code = proc.popen.wait(DRAIN_LIMIT_S + 10)
+    except subprocess.TimeoutExpired:
+        # Keep the evidence: pytest rotates its temp dirs, and with them the worker's log.
+        raise AssertionError(
+            f"{worker_id} did not exit after SIGTERM; its log ends:\n{proc.log_tail()}"
+        ) from None
     return code, time.monotonic() - started
 
 
