@@ -6,6 +6,7 @@ The only engine module that touches the device. Per step it builds the attention
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class ModelRunner:
         )
 
     def metadata(self, rows: Sequence[ForwardRow]) -> AttentionMetadata:
+        """The step's attention metadata, built on the host from the rows' page tables."""
         page_size = self.page_size
         q_lens = tuple(len(row.token_ids) for row in rows)
         kv_lens = tuple(row.start + n for row, n in zip(rows, q_lens, strict=True))
@@ -107,11 +109,12 @@ class ModelRunner:
         return AttentionMetadata(
             qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),
             kv_page_indptr=torch.tensor(page_indptr, dtype=torch.int32),
-            kv_page_indices=torch.tensor(page_indices, dtype=torch.int32, device=self.device),
+            kv_page_indices=torch.tensor(page_indices, dtype=torch.int32),
             kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64),
             q_lens=q_lens,
             kv_lens=kv_lens,
+            device=self.device,
         )
 
     def close(self) -> None:
@@ -122,24 +125,34 @@ class ModelRunner:
     def step(self, rows: Sequence[ForwardRow]) -> list[SampledToken | None]:
         """One forward over `rows`; writes their KV and returns a token for every sampling row."""
         meta = self.metadata(rows)
+        num_tokens = len(meta.positions)
         if self.device.type == "cpu":
-            small = len(meta.positions) <= CPU_SINGLE_THREAD_MAX_TOKENS
+            small = num_tokens <= CPU_SINGLE_THREAD_MAX_TOKENS
             small = small and sum(meta.kv_lens) <= CPU_SINGLE_THREAD_MAX_CONTEXT
             wanted = 1 if small else self.cpu_threads
             if torch.get_num_threads() != wanted:
                 torch.set_num_threads(wanted)
-        input_ids = torch.tensor(
-            [t for row in rows for t in row.token_ids], dtype=torch.int64, device=self.device
-        )
-        self.attention.plan(meta)
-        hidden = self.model.forward(input_ids, meta.positions, self.attention)
-
         sampled_rows = [i for i, row in enumerate(rows) if row.sampling is not None]
+        # The step's inputs reach the device in one copy: token ids, positions, and the index of
+        # every sampled row's last token.
+        row_ends = list(itertools.accumulate(meta.q_lens))
+        last_tokens = [row_ends[i] - 1 for i in sampled_rows]
+        host = torch.cat(
+            [
+                torch.tensor([t for row in rows for t in row.token_ids], dtype=torch.int64),
+                meta.positions,
+                torch.tensor(last_tokens, dtype=torch.int64),
+            ]
+        )
+        on_device = host.to(self.device)
+        input_ids, positions = on_device[:num_tokens], on_device[num_tokens : 2 * num_tokens]
+        self.attention.plan(meta)
+        hidden = self.model.forward(input_ids, positions, self.attention)
+
         results: list[SampledToken | None] = [None] * len(rows)
         if not sampled_rows:
             return results
-        last_token = torch.tensor([int(meta.qo_indptr[i + 1]) - 1 for i in sampled_rows], device=self.device)
-        logits = self.model.logits(hidden[last_token])
+        logits = self.model.logits(hidden[on_device[2 * num_tokens :]])
         params = [p for p in (rows[i].sampling for i in sampled_rows) if p is not None]
         generators = [g for g in (rows[i].generator for i in sampled_rows) if g is not None]
         tokens, logprobs = sample(logits, params, generators)

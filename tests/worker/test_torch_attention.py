@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,7 +16,7 @@ HEADS, KV_HEADS, DIM, PAGE = 4, 2, 16, 4
 # path) and long ones (SDPA; a fresh prefill and an append onto history), crossing pages.
 ROWS = [(9, 1), (0, 7), (13, 5), (3, 1), (6, 6), (0, 70), (5, 70)]
 PAGES_PER_ROW = 20
-POOL_PAGES = 160
+POOL_PAGES = 2 * len(ROWS) * PAGES_PER_ROW  # room for contiguous and scattered tables apart
 
 
 def metadata(tables: list[list[int]], rows: list[tuple[int, int]]) -> AttentionMetadata:
@@ -35,6 +36,7 @@ def metadata(tables: list[list[int]], rows: list[tuple[int, int]]) -> AttentionM
         positions=torch.tensor([p for start, n in rows for p in range(start, start + n)]),
         q_lens=q_lens,
         kv_lens=kv_lens,
+        device=torch.device("cpu"),
     )
 
 
@@ -76,15 +78,55 @@ def dense(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> torc
     return torch.stack(outputs)
 
 
-@pytest.mark.parametrize("scattered", [False, True])
-def test_ragged_step_matches_dense_attention(scattered: bool) -> None:
+def page_tables(layout: str) -> list[list[int]]:
+    """Every row's page table: consecutive pages, scattered ones, or a mix of both."""
+    n = len(ROWS)
+    contiguous = [list(range(PAGES_PER_ROW * i, PAGES_PER_ROW * (i + 1))) for i in range(n)]
+    # Out of order and interleaved with the other rows' pages.
+    scattered = [[POOL_PAGES - 1 - n * j - i for j in range(PAGES_PER_ROW)] for i in range(n)]
+    if layout == "contiguous":
+        return contiguous
+    if layout == "scattered":
+        return scattered
+    mixed = [contiguous[i] if i % 2 == 0 else scattered[i] for i in range(n)]
+    # Consecutive but for one page in the middle of the pages row 2 reads: gathered, not sliced.
+    mixed[2][2] = scattered[2][2]
+    return mixed
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "scattered", "mixed"])
+def test_ragged_step_matches_dense_attention(layout: str) -> None:
     generator = torch.Generator().manual_seed(0)
     k = [torch.randn(start + n, KV_HEADS, DIM, generator=generator, dtype=torch.float64) for start, n in ROWS]
     v = [torch.randn(start + n, KV_HEADS, DIM, generator=generator, dtype=torch.float64) for start, n in ROWS]
     q = torch.randn(sum(n for _, n in ROWS), HEADS, DIM, generator=generator, dtype=torch.float64)
-    n = len(ROWS)
-    if scattered:  # every session's pages out of order and interleaved with the others'
-        tables = [[POOL_PAGES - 1 - n * j - i for j in range(PAGES_PER_ROW)] for i in range(n)]
-    else:
-        tables = [list(range(PAGES_PER_ROW * i, PAGES_PER_ROW * (i + 1))) for i in range(n)]
-    assert torch.allclose(run(tables, q, k, v), dense(q, k, v), atol=1e-10)
+    assert torch.allclose(run(page_tables(layout), q, k, v), dense(q, k, v), atol=1e-10)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "mixed"])
+def test_a_step_reads_nothing_back_from_the_device(layout: str) -> None:
+    """Plan and forward on the `meta` device, whose tensors hold no data: any read of a device
+    tensor to decide something on the host (a sync on CUDA) raises there."""
+    meta_device = torch.device("meta")
+    pool = KVPool(
+        num_layers=1,
+        num_pages=POOL_PAGES,
+        page_size=PAGE,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        dtype=torch.float32,
+        device=meta_device,
+        layout=TorchAttention.kv_layout,
+    )
+    attention = TorchAttention(pool, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    step = dataclasses.replace(metadata(page_tables(layout), ROWS), device=meta_device)
+    tokens = sum(n for _, n in ROWS)
+    attention.plan(step)
+    out = attention.forward(
+        0,
+        torch.empty(tokens, HEADS, DIM, device=meta_device),
+        torch.empty(tokens, KV_HEADS, DIM, device=meta_device),
+        torch.empty(tokens, KV_HEADS, DIM, device=meta_device),
+    )
+    assert out.shape == (tokens, HEADS, DIM)
+    assert out.device == meta_device

@@ -7,6 +7,11 @@ query j of row i sees keys k <= kv_lens[i] - q_lens[i] + j, i.e. a chunk attends
 session before it. Positions equal KV indices (position p lives in page p // page_size, slot
 p % page_size of that row's page list).
 
+The metadata lives on the host: the model runner builds it from its page tables with no device
+involved, and each backend's `plan` derives what its kernels need there, then copies it to
+`device` in one transfer. So a step never reads a device tensor back to decide anything (on CUDA
+such a read stalls the host until the GPU queue drains).
+
 `plan` runs once per step; `forward` runs once per layer and reuses the plan.
 """
 
@@ -23,14 +28,15 @@ from worker.kv_pool import KVLayout, KVPool
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    qo_indptr: torch.Tensor  # [rows + 1] int32, host
-    kv_page_indptr: torch.Tensor  # [rows + 1] int32, host
-    kv_page_indices: torch.Tensor  # [sum of pages] int32, on the KV pool's device
-    kv_last_page_len: torch.Tensor  # [rows] int32, host; 1 <= len <= page_size
-    positions: torch.Tensor  # [tokens] int64, on the device
-    # Host-side copies of the lengths, so backends never sync with the device to read them.
+    # Every tensor here is on the host (CPU memory), whatever device the step runs on.
+    qo_indptr: torch.Tensor  # [rows + 1] int32
+    kv_page_indptr: torch.Tensor  # [rows + 1] int32
+    kv_page_indices: torch.Tensor  # [sum of pages] int32
+    kv_last_page_len: torch.Tensor  # [rows] int32; 1 <= len <= page_size
+    positions: torch.Tensor  # [tokens] int64
     q_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
+    device: torch.device  # where the step runs: the KV pool's device
 
     @property
     def num_rows(self) -> int:

@@ -50,40 +50,57 @@ class TorchAttention(AttentionBackend):
     _plan: _Plan | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
-        device = meta.positions.device
+        # Everything is decided on the host from the page tables; the slot ids go to the device
+        # in one copy at the end. Nothing here reads a device tensor (no host-device sync).
+        device = meta.device
         page_size = self.kv_pool.page_size
-        indices = meta.kv_page_indices.to(torch.int64)
-        q_lens = torch.tensor(meta.q_lens, device=device)
-        row_of_token = torch.repeat_interleave(torch.arange(meta.num_rows, device=device), q_lens)
-        page_starts = meta.kv_page_indptr.to(device, torch.int64)
-        token_pages = indices[
-            page_starts[row_of_token] + torch.div(meta.positions, page_size, rounding_mode="floor")
+        page_ids = meta.kv_page_indices.to(torch.int64)
+        page_bounds = meta.kv_page_indptr.tolist()
+        all_pages = meta.kv_page_indices.tolist()
+        row_of_token = torch.repeat_interleave(torch.arange(meta.num_rows), torch.tensor(meta.q_lens))
+        token_pages = page_ids[
+            meta.kv_page_indptr.to(torch.int64)[row_of_token]
+            + torch.div(meta.positions, page_size, rounding_mode="floor")
         ]
-        write_slots = token_pages * page_size + meta.positions % page_size
+        slot_ids = [token_pages * page_size + meta.positions % page_size]  # the write slots first
+        slot_count = len(meta.positions)
+
+        # Per row: a slice of the pool when its pages are consecutive, else where its gathered
+        # slot ids sit in the one device copy (start, length).
+        row_kv: list[slice | tuple[int, int]] = []
+        for i, kv_len in enumerate(meta.kv_lens):
+            pages = all_pages[page_bounds[i] : page_bounds[i + 1]]
+            first_page = pages[0]
+            if pages == list(range(first_page, first_page + len(pages))):
+                row_kv.append(slice(first_page * page_size, first_page * page_size + kv_len))
+            else:
+                kv_positions = torch.arange(kv_len)
+                row_pages = page_ids[page_bounds[i] : page_bounds[i + 1]]
+                slot_ids.append(
+                    row_pages[torch.div(kv_positions, page_size, rounding_mode="floor")] * page_size
+                    + kv_positions % page_size
+                )
+                row_kv.append((slot_count, kv_len))
+                slot_count += kv_len
+        on_device = torch.cat(slot_ids).to(device)
 
         rows = []
-        page_bounds = meta.kv_page_indptr.tolist()
-        for i, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True)):
-            pages = indices[page_bounds[i] : page_bounds[i + 1]]
-            first_page = int(pages[0])
-            if int(pages[-1]) - first_page == len(pages) - 1 and bool((pages.diff() == 1).all()):
-                kv: slice | torch.Tensor = slice(first_page * page_size, first_page * page_size + kv_len)
-            else:
-                positions = torch.arange(kv_len, device=device)
-                kv = (
-                    pages[torch.div(positions, page_size, rounding_mode="floor")] * page_size
-                    + positions % page_size
-                )
-            mask = None
-            if q_len > 1:
-                queries = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
-                visible = torch.arange(kv_len, device=device).unsqueeze(0) <= queries
-                if q_len <= FOLDED_MAX_QUERY:
-                    mask = ~visible.repeat(self.num_heads // self.num_kv_heads, 1)
-                elif q_len < kv_len:
-                    mask = visible
-            rows.append(_Row(int(meta.qo_indptr[i]), q_len, kv, mask))
-        self._plan = _Plan(write_slots, tuple(rows))
+        first_token = 0
+        for q_len, kv_len, kv in zip(meta.q_lens, meta.kv_lens, row_kv, strict=True):
+            slots = kv if isinstance(kv, slice) else on_device[kv[0] : kv[0] + kv[1]]
+            rows.append(_Row(first_token, q_len, slots, self._mask(q_len, kv_len, device)))
+            first_token += q_len
+        self._plan = _Plan(on_device[: len(meta.positions)], tuple(rows))
+
+    def _mask(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
+        """The row's bottom-right-aligned causal mask, built on the device (see `_Row.mask`)."""
+        if q_len == 1:
+            return None
+        queries = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
+        visible = torch.arange(kv_len, device=device).unsqueeze(0) <= queries
+        if q_len <= FOLDED_MAX_QUERY:
+            return ~visible.repeat(self.num_heads // self.num_kv_heads, 1)
+        return visible if q_len < kv_len else None
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self._plan
