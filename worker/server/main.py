@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,13 @@ from worker.engine import Engine, EngineConfig
 from worker.server.app import WorkerRuntime, create_worker_app
 
 logger = logging.getLogger(__name__)
+
+# After the drain every session is handed over: connections still open this long after it are cut.
+SHUTDOWN_GRACE_S = 5  # uvicorn takes whole seconds
+# A worker still alive this long after its drain's deadline (a stuck thread, a hung close) prints
+# every thread's stack to its log and exits 1: a deploy never waits on it forever, and the log
+# says where it stuck.
+EXIT_WATCHDOG_S = SHUTDOWN_GRACE_S + 10.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -41,6 +49,7 @@ class DrainingServer(uvicorn.Server):
             super().handle_exit(sig, frame)
             return
         self._draining = True
+        faulthandler.dump_traceback_later(self._timeout_s + EXIT_WATCHDOG_S, exit=True)
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit(sig, frame)))
 
     async def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -59,7 +68,12 @@ def main(argv: list[str]) -> int:
     engine = Engine.from_config(EngineConfig.from_settings(settings))
     runtime = WorkerRuntime(settings, engine)
     config = uvicorn.Config(
-        create_worker_app(runtime), host=settings.host, port=settings.port, log_level="info", lifespan="on"
+        create_worker_app(runtime),
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        lifespan="on",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     try:
         DrainingServer(config, runtime.drain, settings.drain_timeout_s).run()
