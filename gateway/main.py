@@ -15,7 +15,7 @@ from typing import Final
 import uvicorn
 
 from gateway.app import create_app
-from shared.settings import GatewaySettings, parse_settings
+from shared.settings import SHUTDOWN_GRACE_S, GatewaySettings, parse_settings
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ def uvicorn_config(settings: GatewaySettings) -> uvicorn.Config:
         ws_per_message_deflate=False,
         log_config=None,  # keep the process's logging setup (shared/cli.py configures it)
         access_log=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
 
 

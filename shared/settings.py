@@ -39,6 +39,9 @@ DEFAULT_MODEL: Final = "smollm2-135m"
 # The benchmarks' default (`microturn bench`, `--capacity`, `--gateway-overhead`): random weights of a
 # small shape, so a run measures the serving path on any machine.
 BENCH_MODEL: Final = "tiny"
+# Seconds a stopping server (gateway, or worker after its drain) waits for open connections before
+# it cuts them: a stop is bounded even when a peer never closes. uvicorn takes whole seconds.
+SHUTDOWN_GRACE_S: Final = 5
 
 
 @dataclass(frozen=True)

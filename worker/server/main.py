@@ -11,14 +11,12 @@ from types import FrameType
 
 import uvicorn
 
-from shared.settings import WorkerSettings, parse_settings
+from shared.settings import SHUTDOWN_GRACE_S, WorkerSettings, parse_settings
 from worker.engine import Engine, EngineConfig
 from worker.server.app import WorkerRuntime, create_worker_app
 
 logger = logging.getLogger(__name__)
 
-# After the drain every session is handed over: connections still open this long after it are cut.
-SHUTDOWN_GRACE_S = 5  # uvicorn takes whole seconds
 # A worker still alive this long after its drain's deadline (a stuck thread, a hung close) prints
 # every thread's stack to its log and exits 1: a deploy never waits on it forever, and the log
 # says where it stuck.
