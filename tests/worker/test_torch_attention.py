@@ -40,18 +40,22 @@ def metadata(tables: list[list[int]], rows: list[tuple[int, int]]) -> AttentionM
     )
 
 
-def run(tables: list[list[int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def make_attention(device: torch.device, dtype: torch.dtype) -> TorchAttention:
     pool = KVPool(
         num_layers=1,
         num_pages=POOL_PAGES,
         page_size=PAGE,
         num_kv_heads=KV_HEADS,
         head_dim=DIM,
-        dtype=torch.float64,
-        device=torch.device("cpu"),
+        dtype=dtype,
+        device=device,
         layout=TorchAttention.kv_layout,
     )
-    attention = TorchAttention(pool, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    return TorchAttention(pool, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+
+
+def run(tables: list[list[int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    attention = make_attention(torch.device("cpu"), torch.float64)
     history = [(0, start) for start, _ in ROWS]
     hist_rows = [r for r in history if r[1] > 0]
     hist_tables = [t for t, r in zip(tables, history, strict=True) if r[1] > 0]
@@ -108,17 +112,7 @@ def test_a_step_reads_nothing_back_from_the_device(layout: str) -> None:
     """Plan and forward on the `meta` device, whose tensors hold no data: any read of a device
     tensor to decide something on the host (a sync on CUDA) raises there."""
     meta_device = torch.device("meta")
-    pool = KVPool(
-        num_layers=1,
-        num_pages=POOL_PAGES,
-        page_size=PAGE,
-        num_kv_heads=KV_HEADS,
-        head_dim=DIM,
-        dtype=torch.float32,
-        device=meta_device,
-        layout=TorchAttention.kv_layout,
-    )
-    attention = TorchAttention(pool, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    attention = make_attention(meta_device, torch.float32)
     step = dataclasses.replace(metadata(page_tables(layout), ROWS), device=meta_device)
     tokens = sum(n for _, n in ROWS)
     attention.plan(step)
