@@ -14,6 +14,7 @@ from typing import Any
 
 from loadtest import report_files
 from loadtest.bench.config import HF, REPREFILL, RSS_FLAT_TOLERANCE, STREAMING, BenchConfig
+from loadtest.bench.floor import FLOOR_TARGET_X, Floor
 from loadtest.bench.memory import RssSamples
 from loadtest.bench.results import ModeRun, ModeSummary, speedup, summarize
 
@@ -57,6 +58,7 @@ class BenchReport:
     checks: Checks
     wall_s: float
     host: dict[str, Any]
+    floor: Floor
     summaries: dict[str, ModeSummary] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +85,23 @@ class BenchReport:
                 value = speedups[name]["last10"]
                 result[name] = None if value is None else value >= target
         return result
+
+    def floor_multiples(self) -> dict[str, float | None]:
+        """Streaming's average and last-10 latency as multiples of the bandwidth floor."""
+        base, floor_ms = self.summaries[STREAMING], self.floor.turn_ms
+        return {
+            "avg": None if base.avg_ms is None else base.avg_ms / floor_ms,
+            "last10": None if base.last10_ms is None else base.last10_ms / floor_ms,
+        }
+
+    def faster_than_hf(self) -> tuple[int, int] | None:
+        """(turns where streaming's mean beats hf's, turns both timed); None without hf."""
+        if HF not in self.runs:
+            return None
+        streaming, hf = self.runs[STREAMING], self.runs[HF]
+        both = sorted(set(streaming.timed_turns) & set(hf.timed_turns))
+        faster = sum(streaming.turn_mean_ms(t) < hf.turn_mean_ms(t) for t in both)
+        return faster, len(both)
 
     def to_json(self) -> dict[str, Any]:
         modes: dict[str, Any] = {}
@@ -128,9 +147,24 @@ class BenchReport:
                 },
                 "ok": checks.ok,
             },
+            "floor": {
+                "weight_bytes_per_step": self.floor.weight_bytes,
+                "copy_gbps": self.floor.copy_gbps,
+                "step_ms": self.floor.step_ms,
+                "steps_per_turn": self.floor.steps_per_turn,
+                "steps_per_turn_taken": self.floor.steps_per_turn_taken,
+                "turn_ms": self.floor.turn_ms,
+                "streaming_x": self.floor_multiples(),
+                "target_x": FLOOR_TARGET_X,
+            },
+            "faster_than_hf": _faster_json(self.faster_than_hf()),
             "wall_s": self.wall_s,
             "host": self.host,
         }
+
+
+def _faster_json(faster: tuple[int, int] | None) -> dict[str, int] | None:
+    return None if faster is None else {"turns": faster[1], "streaming_faster": faster[0]}
 
 
 def describe_turns(turns: tuple[int, ...] | list[int]) -> str:
@@ -195,6 +229,7 @@ def format_report(report: BenchReport) -> str:
                 f"  vs {name:<10} last10 {_times(values['last10']):>9}   "
                 f"avg {_times(values['avg']):>9}{verdict}"
             )
+    lines += _floor_lines(report)
     rss = report.rss
     flat = rss.flat(RSS_FLAT_TOLERANCE)
     lines += [
@@ -216,6 +251,29 @@ def format_report(report: BenchReport) -> str:
     ]
     lines += _check_lines(report)
     return "\n".join(lines)
+
+
+def _floor_lines(report: BenchReport) -> list[str]:
+    floor = report.floor
+    lines = [
+        "",
+        f"bandwidth floor: {floor.weight_bytes / 1e9:.3f} GB of weights per step at "
+        f"{floor.copy_gbps:.1f} GB/s (copy, read + write) = {floor.step_ms:.3f} ms/step; "
+        f"{floor.steps_per_turn} steps/turn "
+        f"(streaming took {floor.steps_per_turn_taken:.2f}) = {floor.turn_ms:.3f} ms/turn",
+    ]
+    multiples = report.floor_multiples()
+    figures = [
+        f"{name} {value:.2f}x ({'met' if value <= FLOOR_TARGET_X else 'NOT met'})"
+        for name, value in multiples.items()
+        if value is not None
+    ]
+    if figures:
+        lines.append(f"  streaming against the floor (target <= {FLOOR_TARGET_X}x): {', '.join(figures)}")
+    faster = report.faster_than_hf()
+    if faster is not None:
+        lines.append(f"  streaming faster than hf at {faster[0]} of the {faster[1]} turns both timed")
+    return lines
 
 
 def _check_lines(report: BenchReport) -> list[str]:

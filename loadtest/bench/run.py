@@ -23,6 +23,7 @@ from loadtest.bench.config import (
     TEXT,
     BenchConfig,
 )
+from loadtest.bench.floor import Floor, copy_bandwidth_gbps, steps_per_turn
 from loadtest.bench.hf import run_hf
 from loadtest.bench.host import HostProbe
 from loadtest.bench.memory import peak_rss_mib
@@ -78,7 +79,10 @@ def run_bench(config: BenchConfig) -> BenchReport:
             seed=config.seed,
         )
         logger.info("streaming: %d sessions x %d turns", config.sessions, config.turns)
+        steps_before = engine.stats().steps
         runs[STREAMING], rss = run_streaming(engine, workload, config)
+        streaming_steps = engine.stats().steps - steps_before
+        weight_bytes = engine.weight_bytes_per_step
         if TEXT in config.modes:
             logger.info("text: %d sessions x %d turns of text cut mid-word", config.sessions, config.turns)
             runs[TEXT] = run_text(engine, config)
@@ -88,6 +92,13 @@ def run_bench(config: BenchConfig) -> BenchReport:
     finally:
         engine.shutdown()
     del engine
+    # Measured once the engine is gone, so the copy has its memory (and no engine thread beside it).
+    floor = Floor(
+        weight_bytes=weight_bytes,
+        copy_gbps=copy_bandwidth_gbps(torch.device(config.device)),
+        steps_per_turn=steps_per_turn(config.output_tokens),
+        steps_per_turn_taken=streaming_steps / config.turns,
+    )
     if HF in config.modes:
         logger.info("hf: transformers with past_key_values, %d sessions one after another", config.sessions)
         loaded = load_model(
@@ -104,7 +115,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
         hf_mismatch_limit=HF_MISMATCH_FAIL_FRACTION,
     )
     return BenchReport(
-        config, runs, rss, peak_rss_mib(), checks, time.perf_counter() - started, host.finish()
+        config, runs, rss, peak_rss_mib(), checks, time.perf_counter() - started, host.finish(), floor
     )
 
 

@@ -93,6 +93,38 @@ def test_modes_agree_on_outputs(bench_run: tuple[int, dict[str, object], Path, s
     assert isinstance(rss, dict) and rss["early_mib"] > 0 and rss["last_mib"] > 0 and rss["peak_mib"] > 0
 
 
+def test_the_floor_is_the_weights_read_per_step(bench_run: tuple[int, dict[str, object], Path, str]) -> None:
+    _, report, _, stdout = bench_run
+    floor = report["floor"]
+    assert isinstance(floor, dict)
+    tiny = load_model("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    assert floor["weight_bytes_per_step"] == tiny.weights.bytes_read_per_step()
+    assert floor["copy_gbps"] > 0
+    assert floor["steps_per_turn"] == BenchConfig().output_tokens  # one append, then a decode per token
+    # Sessions share steps, so the run takes at least a turn's steps per turn, never fewer.
+    assert floor["steps_per_turn_taken"] >= floor["steps_per_turn"]
+    assert floor["turn_ms"] == pytest.approx(floor["step_ms"] * floor["steps_per_turn"])
+    streaming = report["modes"]["streaming"]  # type: ignore[index]
+    assert floor["streaming_x"]["avg"] == pytest.approx(streaming["avg_ms"] / floor["turn_ms"])
+    faster = report["faster_than_hf"]
+    assert isinstance(faster, dict) and faster["turns"] == TURNS and 0 <= faster["streaming_faster"] <= TURNS
+    assert "bandwidth floor:" in stdout and f"of the {TURNS} turns both timed" in stdout
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_step_reads_every_weight_but_an_untied_embedding(kind: str, tmp_path: Path) -> None:
+    original = write_checkpoint(kind, tmp_path)  # untied: lm_head is its own matrix
+    loaded = load_model(str(tmp_path), device=torch.device("cpu"), dtype=torch.float32)
+    read = sum(
+        param.numel() * param.element_size()
+        for name, param in original.named_parameters()
+        if name != "model.embed_tokens.weight"
+    )
+    assert loaded.weights.bytes_read_per_step() == read
+    embed = original.get_input_embeddings().weight
+    assert loaded.weights.num_bytes() == read + embed.numel() * embed.element_size()
+
+
 def test_plot_is_a_png(bench_run: tuple[int, dict[str, object], Path, str]) -> None:
     _, _, png_path, _ = bench_run
     data = png_path.read_bytes()

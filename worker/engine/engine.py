@@ -108,6 +108,11 @@ class Engine:
         return self._core.runner.attention_name
 
     @property
+    def weight_bytes_per_step(self) -> int:
+        """What one forward step reads of the weights (see `ModelWeights.bytes_read_per_step`)."""
+        return self._core.runner.model.weights.bytes_read_per_step()
+
+    @property
     def text(self) -> IncrementalTokenizer | None:
         """The exact incremental tokenizer admission runs (None: the model has no tokenizer)."""
         return self._core.text

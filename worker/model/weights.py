@@ -90,7 +90,7 @@ class ModelWeights:
             lm_head=embed if tied else take("lm_head.weight"),
         )
 
-    def num_bytes(self) -> int:
+    def _tensors(self) -> list[torch.Tensor]:
         tensors = [self.embed, self.final_norm]
         if self.lm_head is not self.embed:
             tensors.append(self.lm_head)
@@ -105,4 +105,13 @@ class ModelWeights:
             ]
             if layer.qkv_bias is not None:
                 tensors.append(layer.qkv_bias)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return tensors
+
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def bytes_read_per_step(self) -> int:
+        """The bytes a forward step reads whole, whatever its batch: every weight but an untied
+        embedding table, of which a step gathers only its tokens' rows (the memory-bandwidth floor)."""
+        untied_embed = self.embed.numel() * self.embed.element_size() if self.lm_head is not self.embed else 0
+        return self.num_bytes() - untied_embed
