@@ -87,8 +87,13 @@ class SessionStore:
             try:
                 return await place_session(self.redis, self.schema, exclude=self.suspects())
             except CapacityExhausted:
-                if time.monotonic() >= deadline or await self.redis.zcard(self.schema.workers()):
+                if time.monotonic() >= deadline:
                     raise
+                if await self.redis.zcard(self.schema.workers()):
+                    # Workers are registered, so they were full, unless the first of them
+                    # registered between the placement and this count (a heartbeat re-filling the
+                    # registry): one more placement decides, and its refusal stands.
+                    return await place_session(self.redis, self.schema, exclude=self.suspects())
             await asyncio.sleep(EMPTY_REGISTRY_POLL_S)
 
     async def place_new(self, sid: str, token: str, config: OpenConfig) -> Placed:
