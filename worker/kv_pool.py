@@ -52,5 +52,9 @@ class KVPool:
         return self.buffer[layer, 1]
 
     @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    @property
     def num_bytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()

@@ -114,7 +114,6 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64),
             q_lens=q_lens,
             kv_lens=kv_lens,
-            device=self.device,
         )
 
     def close(self) -> None:

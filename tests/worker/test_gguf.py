@@ -168,7 +168,6 @@ def _our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
             positions=torch.arange(n),
             q_lens=(n,),
             kv_lens=(n,),
-            device=CPU,
         )
     )
     return model.logits(model.forward(torch.tensor(ids), torch.arange(n), attention))

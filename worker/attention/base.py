@@ -8,9 +8,11 @@ session before it. Positions equal KV indices (position p lives in page p // pag
 p % page_size of that row's page list).
 
 The metadata lives on the host: the model runner builds it from its page tables with no device
-involved, and each backend's `plan` derives what its kernels need there, then copies it to
-`device` in one transfer. So a step never reads a device tensor back to decide anything (on CUDA
-such a read stalls the host until the GPU queue drains).
+involved, and each backend's `plan` derives what its kernels need there, then copies it to the KV
+pool's device in one transfer. So a step never reads a device tensor back to decide anything (on
+CUDA such a read waits for the GPU's queue to drain). The host-to-device copies themselves are
+still plain copies from pageable memory, which CUDA completes before returning; pinned staging
+buffers and non-blocking copies belong to the GPU work, which has not run on a GPU yet.
 
 `plan` runs once per step; `forward` runs once per layer and reuses the plan.
 """
@@ -36,7 +38,6 @@ class AttentionMetadata:
     positions: torch.Tensor  # [tokens] int64
     q_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
-    device: torch.device  # where the step runs: the KV pool's device
 
     @property
     def num_rows(self) -> int:

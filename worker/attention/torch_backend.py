@@ -51,13 +51,15 @@ class TorchAttention(AttentionBackend):
 
     def plan(self, meta: AttentionMetadata) -> None:
         # Everything is decided on the host from the page tables; the slot ids go to the device
-        # in one copy at the end. Nothing here reads a device tensor (no host-device sync).
-        device = meta.device
+        # in one copy at the end. Nothing here reads a device tensor back.
+        device = self.kv_pool.device
         page_size = self.kv_pool.page_size
         page_ids = meta.kv_page_indices.to(torch.int64)
         page_bounds = meta.kv_page_indptr.tolist()
         all_pages = meta.kv_page_indices.tolist()
-        row_of_token = torch.repeat_interleave(torch.arange(meta.num_rows), torch.tensor(meta.q_lens))
+        row_of_token = torch.repeat_interleave(
+            torch.arange(meta.num_rows), torch.tensor(meta.q_lens, dtype=torch.int64)
+        )
         token_pages = page_ids[
             meta.kv_page_indptr.to(torch.int64)[row_of_token]
             + torch.div(meta.positions, page_size, rounding_mode="floor")
