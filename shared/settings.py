@@ -39,6 +39,8 @@ DEFAULT_MODEL: Final = "smollm2-135m"
 # The benchmarks' default (`microturn bench`, `--capacity`, `--gateway-overhead`): random weights of a
 # small shape, so a run measures the serving path on any machine.
 BENCH_MODEL: Final = "tiny"
+# The weight and KV dtypes an engine runs in, by torch's names (worker/engine/engine.py maps them).
+DTYPE_NAMES: Final = ("float32", "bfloat16", "float16")
 # Seconds a stopping server (gateway, or worker after its drain) waits for open connections before
 # it cuts them: a stop is bounded even when a peer never closes. uvicorn takes whole seconds.
 SHUTDOWN_GRACE_S: Final = 5
@@ -69,7 +71,7 @@ class EngineSettings:
 
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "preset, HF directory or .gguf file"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
-    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    dtype: str = field(default="float32", metadata={"help": " or ".join(DTYPE_NAMES)})
     attention: str = field(default="auto", metadata={"help": "auto, torch or flashinfer"})
     kv_tokens: int = field(default=0, metadata={"help": "KV capacity in tokens; 0 sizes it automatically"})
     kv_memory_fraction: float = field(

@@ -33,13 +33,11 @@ from loadtest.bench.results import ModeRun
 from loadtest.bench.streaming import run_streaming
 from loadtest.bench.text_mode import run_text
 from loadtest.bench.workload import Workload
-from shared.settings import copy_fields
-from worker.engine import Engine
+from shared.settings import DTYPE_NAMES, copy_fields
+from worker.engine import Engine, torch_dtype
 from worker.model.loader import load_model
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _check_capacity(engine: Engine, config: BenchConfig) -> None:
@@ -102,7 +100,10 @@ def run_bench(config: BenchConfig) -> BenchReport:
     if HF in config.modes:
         logger.info("hf: transformers with past_key_values, %d sessions one after another", config.sessions)
         loaded = load_model(
-            config.model, device=torch.device(config.device), dtype=_DTYPES[config.dtype], seed=weights_seed
+            config.model,
+            device=torch.device(config.device),
+            dtype=torch_dtype(config.dtype),
+            seed=weights_seed,
         )
         runs[HF] = run_hf(loaded, workload, config)
     reprefill = runs.get(REPREFILL)
@@ -129,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         "--model", default=defaults.model, help="preset (tiny, smollm2-135m, ...) or HF directory"
     )
     parser.add_argument("--device", default=defaults.device)
-    parser.add_argument("--dtype", default=defaults.dtype, choices=sorted(_DTYPES))
+    parser.add_argument("--dtype", default=defaults.dtype, choices=DTYPE_NAMES)
     parser.add_argument("--sessions", type=int, default=defaults.sessions, help="concurrent sessions")
     parser.add_argument("--turns", type=int, default=defaults.turns, help="micro-turns per session")
     parser.add_argument("--input-tokens", type=int, default=defaults.input_tokens, help="chunk size per turn")

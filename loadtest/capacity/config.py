@@ -21,6 +21,7 @@ P99_LIMIT_MS: Final = 200.0
 class CapacityConfig:
     model: str = BENCH_MODEL
     device: str | None = None  # None: cuda if torch sees a GPU, else cpu
+    dtype: str | None = None  # None: the worker's default
     duration_s: float = 60.0
     load: ChunkLoad = field(default_factory=ChunkLoad)
     p99_limit_ms: float = P99_LIMIT_MS

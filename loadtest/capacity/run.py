@@ -25,23 +25,31 @@ from loadtest.capacity.report import CapacityReport, table, write_json, write_pl
 from loadtest.capacity.search import next_sessions
 from loadtest.capacity.workload import ENCODINGS, ChunkLoad
 from shared.processes import free_port
-from shared.settings import copy_fields
+from shared.settings import DTYPE_NAMES, copy_fields
 from shared.stack import Stack, StackOptions
 
 logger = logging.getLogger(__name__)
 
 
-def run_mode(config: CapacityConfig, mode: str, work_dir: Path) -> ModeResult:
-    worker_port = free_port()
-    options = StackOptions(
+def stack_options(config: CapacityConfig, mode: str, work_dir: Path) -> StackOptions:
+    """The stack one mode runs on: the worker as `microturn up` starts it, plus the mode's flags."""
+    return StackOptions(
         model=config.model,
         device=config.device,
         port=free_port(),
-        worker_port=worker_port,
+        worker_port=free_port(),
         kv_tokens=config.kv_tokens,
-        worker_args=("--no-session",) if mode == NO_SESSION else (),
+        worker_args=(
+            *(("--no-session",) if mode == NO_SESSION else ()),
+            *(("--dtype", config.dtype) if config.dtype else ()),
+        ),
         log_path=work_dir / f"{mode}-stack.log",
     )
+
+
+def run_mode(config: CapacityConfig, mode: str, work_dir: Path) -> ModeResult:
+    options = stack_options(config, mode, work_dir)
+    worker_port = options.worker_port
     stack = Stack(options)
     result = ModeResult(mode)
     try:
@@ -107,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default=defaults.model)
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="default: the worker's")
     parser.add_argument("--duration-s", type=float, default=defaults.duration_s, help="seconds per step")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, run in this order")
     parser.add_argument("--p99-ms", type=float, default=defaults.p99_limit_ms, help="the latency limit")

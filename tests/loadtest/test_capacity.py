@@ -21,7 +21,7 @@ import pytest
 from loadtest.capacity.config import CapacityConfig, Step
 from loadtest.capacity.locust_run import LocustStats, locust_command, percentile, stats_from_json
 from loadtest.capacity.metrics import ServerCounts, Snapshot, parse_prometheus
-from loadtest.capacity.run import main
+from loadtest.capacity.run import build_parser, config_from_args, main, stack_options
 from loadtest.capacity.search import next_sessions
 from loadtest.capacity.workload import CHUNK_NAME, OPEN_NAME, REPLY_NAME, ChunkLoad
 
@@ -200,3 +200,20 @@ def test_the_benchmark_never_imports_locust_or_gevent() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_each_mode_starts_its_worker_with_the_modes_flags_and_the_dtype(
+    dtype: str | None, tmp_path: Path
+) -> None:
+    argv = ["--model", "tiny", *(["--dtype", dtype] if dtype else [])]
+    config = config_from_args(build_parser().parse_args(argv))
+    assert config.dtype == dtype
+    dtype_args = ("--dtype", dtype) if dtype else ()
+    assert stack_options(config, "streaming", tmp_path).worker_args == dtype_args
+    assert stack_options(config, "no_session", tmp_path).worker_args == ("--no-session", *dtype_args)
+
+
+def test_an_unknown_dtype_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--dtype", "float64"])

@@ -24,6 +24,7 @@ from shared.errors import ChunkTooLarge, InvalidMessage, MicroturnError, TokenOu
 from shared.protocol.codec import config_from_map
 from shared.protocol.fields import is_valid_text
 from shared.protocol.messages import OpenConfig
+from shared.settings import DTYPE_NAMES
 from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore
 from worker.engine.stats import EngineStats
@@ -46,12 +47,13 @@ CPU_KV_TOKENS_CAP = 131072
 MAX_CHARS_PER_TOKEN = 32
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    try:
-        return dtypes[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(dtypes)}") from None
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of one of DTYPE_NAMES."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 def _kv_pages(config: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
@@ -72,7 +74,7 @@ class Engine:
         self.model_config = loaded.config
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         device = torch.device(config.device)
-        dtype = _dtype(config.dtype)
+        dtype = torch_dtype(config.dtype)
         runner = ModelRunner(
             loaded,
             device=device,
@@ -99,7 +101,10 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         loaded = load_model(
-            config.model, device=torch.device(config.device), dtype=_dtype(config.dtype), seed=config.seed
+            config.model,
+            device=torch.device(config.device),
+            dtype=torch_dtype(config.dtype),
+            seed=config.seed,
         )
         return cls(config, loaded)
 
