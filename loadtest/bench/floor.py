@@ -41,7 +41,11 @@ class Floor:
 
 
 def steps_per_turn(output_tokens: int) -> int:
-    """One append step samples the first output token; each further output token is a decode step."""
+    """One append step samples the first output token; each further output token is a decode step.
+
+    A turn with no output is its one append step, which samples nothing and so skips lm_head: the
+    floor then overstates it by that matrix (it exists for turns that answer).
+    """
     return max(output_tokens, 1)
 
 

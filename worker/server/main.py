@@ -17,10 +17,14 @@ from worker.server.app import WorkerRuntime, create_worker_app
 
 logger = logging.getLogger(__name__)
 
+# What a clean stop may take after the connections are cut: the lifespan's shutdown (a last token
+# log flush, deregistering) and joining the engine thread after its current step.
+STOP_AFTER_GRACE_S = 10.0
 # A worker still alive this long after its drain's deadline (a stuck thread, a hung close) prints
 # every thread's stack to its log and exits 1: a deploy never waits on it forever, and the log
-# says where it stuck.
-EXIT_WATCHDOG_S = SHUTDOWN_GRACE_S + 10.0
+# says where it stuck. With the default 10 s drain that is 25 s after SIGTERM, inside compose's
+# 30 s stop_grace_period; a longer --drain-timeout-s needs a longer grace period there too.
+EXIT_WATCHDOG_S = SHUTDOWN_GRACE_S + STOP_AFTER_GRACE_S
 
 
 class DrainingServer(uvicorn.Server):
