@@ -6,7 +6,6 @@ The only engine module that touches the device. Per step it builds the attention
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,8 +133,8 @@ class ModelRunner:
         sampled_rows = [i for i, row in enumerate(rows) if row.sampling is not None]
         # The step's inputs reach the device in one copy: token ids, positions, and the index of
         # every sampled row's last token.
-        row_ends = list(itertools.accumulate(meta.q_lens))
-        last_tokens = [row_ends[i] - 1 for i in sampled_rows]
+        row_starts = meta.qo_indptr.tolist()
+        last_tokens = [row_starts[i + 1] - 1 for i in sampled_rows]
         host = torch.cat(
             [
                 torch.tensor([t for row in rows for t in row.token_ids], dtype=torch.int64),

@@ -87,11 +87,10 @@ class TorchAttention(AttentionBackend):
         on_device = torch.cat(slot_ids).to(device)
 
         rows = []
-        first_token = 0
-        for q_len, kv_len, kv in zip(meta.q_lens, meta.kv_lens, row_kv, strict=True):
+        row_starts = meta.qo_indptr[:-1].tolist()
+        for first_token, q_len, kv_len, kv in zip(row_starts, meta.q_lens, meta.kv_lens, row_kv, strict=True):
             slots = kv if isinstance(kv, slice) else on_device[kv[0] : kv[0] + kv[1]]
             rows.append(_Row(first_token, q_len, slots, self._mask(q_len, kv_len, device)))
-            first_token += q_len
         self._plan = _Plan(on_device[: len(meta.positions)], tuple(rows))
 
     def _mask(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
