@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -46,7 +47,9 @@ def worker_info(worker_id: str, *, sessions: int = 0) -> WorkerInfo:
     )
 
 
-def pick(redis_url: str, before_first_refusal: WorkerInfo | None = None) -> Placement:
+def pick(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, before_first_refusal: WorkerInfo | None = None
+) -> Placement:
     """`SessionStore._pick` on an empty registry; `before_first_refusal` registers just after the
     first placement found nothing, before the refusal reaches the store."""
 
@@ -55,35 +58,35 @@ def pick(redis_url: str, before_first_refusal: WorkerInfo | None = None) -> Plac
         schema = KeySchema(f"t{uuid.uuid4().hex[:10]}")
         refused = 0
 
-        async def placement(*args: object, **kwargs: object) -> Placement:
+        async def placement(*args: Any, **kwargs: Any) -> Placement:
             nonlocal refused
             try:
-                return await place_session(redis, schema, exclude=())
+                return await place_session(*args, **kwargs)
             except CapacityExhausted:
                 refused += 1
                 if refused == 1 and before_first_refusal is not None:
                     await register_worker(redis, schema, before_first_refusal, TTL_S)
                 raise
 
+        monkeypatch.setattr(session_store, "place_session", placement)
         store = session_store.SessionStore(redis, schema, grace_s=1.0, default_idle_timeout_s=60.0)
-        original = session_store.place_session
-        session_store.place_session = placement  # type: ignore[assignment]
         try:
             return await store._pick()
         finally:
-            session_store.place_session = original
             await redis.aclose()
 
     return asyncio.run(body())
 
 
-def test_an_open_lands_on_a_worker_that_registers_just_after_placement_found_none(redis_url: str) -> None:
-    assert pick(redis_url, before_first_refusal=worker_info("w-late")).worker_id == "w-late"
+def test_an_open_lands_on_a_worker_that_registers_just_after_placement_found_none(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert pick(redis_url, monkeypatch, before_first_refusal=worker_info("w-late")).worker_id == "w-late"
 
 
-def test_full_workers_are_refused_without_waiting(redis_url: str) -> None:
+def test_full_workers_are_refused_without_waiting(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(CapacityExhausted):
-        pick(redis_url, before_first_refusal=worker_info("w-full", sessions=2))
+        pick(redis_url, monkeypatch, before_first_refusal=worker_info("w-full", sessions=2))
 
 
 def test_an_empty_registry_is_refused_once_the_wait_is_over(
@@ -91,4 +94,4 @@ def test_an_empty_registry_is_refused_once_the_wait_is_over(
 ) -> None:
     monkeypatch.setattr(session_store, "EMPTY_REGISTRY_WAIT_S", 0.3)
     with pytest.raises(CapacityExhausted):
-        pick(redis_url)
+        pick(redis_url, monkeypatch)
