@@ -27,18 +27,18 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from gateway.auth import bearer_credential
+from gateway.auth.credentials import bearer_credential
+from gateway.auth.session_auth import UNAUTHORIZED_MESSAGE, Principal
 from gateway.client_session import ClientSession
 from gateway.handshake import negotiate
 from gateway.links import LinkPool
 from gateway.metrics import GatewayMetrics
 from gateway.services import GatewayServices
-from gateway.session_auth import UNAUTHORIZED_MESSAGE, Principal
 from shared.errors import ErrorCode, MicroturnError, Unauthorized, WorkerUnavailable
 from shared.protocol import Encoding, close_code_for, encode_server, error_message_from
 from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION
-from shared.redis_client import redacted_url, resilient_redis
 from shared.settings import GatewaySettings, is_loopback_host
+from shared.store.connection import redacted_url, resilient_redis
 
 logger = logging.getLogger(__name__)
 

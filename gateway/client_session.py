@@ -45,13 +45,13 @@ from typing import Any, Final
 from redis.exceptions import RedisError
 from starlette.websockets import WebSocket
 
+from gateway.auth.session_auth import Principal, SessionAuth
 from gateway.lifecycle import Phase, Request, SessionEnded, SessionLifecycle
 from gateway.limits import SessionLimits, check_frame_size
 from gateway.links import Link
 from gateway.outbox import Outbox
 from gateway.restore_flow import RestoreFlow
 from gateway.services import GatewayServices
-from gateway.session_auth import Principal, SessionAuth
 from gateway.session_flows import PendingOpen
 from gateway.tail import UndurableTail
 from shared.errors import (
@@ -87,7 +87,7 @@ from shared.protocol import (
     close_code_for,
     decode_client,
 )
-from shared.registry import SessionRecord
+from shared.store.registry import SessionRecord
 
 logger = logging.getLogger(__name__)
 

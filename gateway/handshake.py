@@ -5,7 +5,7 @@ subprotocols we do not speak must be refused at the handshake (HTTP 403), before
 frame we would misread. No subprotocol at all means JSON, and then none is echoed back (echoing
 one the client did not offer would make a conforming client fail the handshake).
 
-A `microturn.bearer.<token>` subprotocol carries a browser's credential (gateway/auth.py), not an
+A `microturn.bearer.<token>` subprotocol carries a browser's credential (gateway/auth/credentials.py), not an
 encoding: it is left out of the negotiation, so it is never echoed back, and offering only it means
 JSON with no subprotocol in the answer.
 """

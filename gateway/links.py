@@ -32,8 +32,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from gateway.metrics import GatewayMetrics
+from gateway.placement import SUSPECT_TTL_S
 from shared.errors import InvalidMessage, WorkerUnavailable
-from shared.placement import SUSPECT_TTL_S
 from shared.protocol import (
     LinkError,
     ToGateway,

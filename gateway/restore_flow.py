@@ -30,7 +30,7 @@ from shared.protocol import (
     ServerMessage,
     SessionRestored,
 )
-from shared.registry import SessionRecord
+from shared.store.registry import SessionRecord
 
 logger = logging.getLogger(__name__)
 

@@ -12,17 +12,17 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from gateway.auth import Authenticator
-from gateway.key_ledger import KeyLedger
+from gateway.auth.api_keys import KeyStore
+from gateway.auth.client_tokens import ClientTokenStore
+from gateway.auth.credentials import Authenticator
+from gateway.auth.key_ledger import KeyLedger
+from gateway.auth.session_auth import AuthDeps
 from gateway.limits import LimitValues
 from gateway.links import LinkPool
 from gateway.metrics import GatewayMetrics
-from gateway.session_auth import AuthDeps
 from gateway.session_store import SessionStore
-from shared.api_keys import KeyStore
-from shared.client_tokens import ClientTokenStore
-from shared.redis_schema import KeySchema
 from shared.settings import GatewaySettings
+from shared.store.schema import KeySchema
 
 
 @dataclass

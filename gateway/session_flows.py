@@ -27,12 +27,12 @@ from typing import Final, TypeAlias
 
 from redis.exceptions import RedisError
 
+from gateway.auth.session_auth import SessionAuth
 from gateway.lifecycle import Phase, Request, SessionEnded, SessionLifecycle
 from gateway.limits import SessionLimits
 from gateway.links import Link
 from gateway.outbox import Outbox
 from gateway.services import GatewayServices
-from gateway.session_auth import SessionAuth
 from gateway.tail import UndurableTail
 from shared.errors import (
     CapacityExhausted,
@@ -62,7 +62,7 @@ from shared.protocol import (
     close_code_for,
     error_message_from,
 )
-from shared.registry import SessionRecord, new_resume_token
+from shared.store.registry import SessionRecord, new_resume_token
 
 logger = logging.getLogger(__name__)
 

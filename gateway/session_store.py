@@ -18,11 +18,10 @@ from typing import Final
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from gateway.placement import Placement, mark_suspect, place_session
 from shared.errors import CapacityExhausted, InvalidMessage, SessionNotFound, Unauthorized
-from shared.placement import Placement, mark_suspect, place_session
 from shared.protocol import OpenConfig, config_from_map, config_to_map
-from shared.redis_schema import KeySchema
-from shared.registry import (
+from shared.store.registry import (
     SessionRecord,
     delete_session,
     hash_token,
@@ -31,6 +30,7 @@ from shared.registry import (
     verify_token,
     write_session,
 )
+from shared.store.schema import KeySchema
 
 logger = logging.getLogger(__name__)
 

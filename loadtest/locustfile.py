@@ -15,7 +15,7 @@ asks of a client; only a refusal past that is a failure. After a disconnect the 
 session (`session.resume` with the last output it saw) or, if the session is gone, opens a new one.
 
 Why gevent-specific: Locust runs users as greenlets under gevent's monkey-patching, where the
-asyncio client of `shared.client` cannot run; `websockets.sync.client` can. Each user has two
+asyncio client of `shared.client.clients` cannot run; `websockets.sync.client` can. Each user has two
 greenlets: its task (the paced sender) and a receiver. Only the Locust process imports this file,
 so the monkey-patching never reaches a microturn process (`microturn bench --capacity` runs
 Locust as a subprocess).
@@ -50,7 +50,7 @@ from loadtest.capacity.workload import (
     SESSION_NAME,
     ChunkLoad,
 )
-from shared.client_core import MAX_SERVER_FRAME_BYTES, handshake_headers
+from shared.client.core import MAX_SERVER_FRAME_BYTES, handshake_headers
 from shared.errors import ErrorCode, MicroturnError
 from shared.protocol import (
     ClientMessage,

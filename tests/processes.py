@@ -1,6 +1,6 @@
 """Real microturn processes for integration tests: started on free ports, stopped at teardown.
 
-Every process is a supervised child (shared/processes.py, as `microturn up` runs them) with a free
+Every process is a supervised child (shared/cli/processes.py, as `microturn up` runs them) with a free
 port and a log file, waited for on its `/readyz`; a start that fails is retried on another port,
 and `stop` sends the signal, then SIGKILL, so nothing leaks.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from shared.processes import Child, free_port, http_ready, spawn
+from shared.cli.processes import Child, free_port, http_ready, spawn
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ _PORT_ATTEMPTS: Final = 3
 
 @dataclass
 class Proc:
-    """A supervised child (shared/processes.py) on a known port, with its log file."""
+    """A supervised child (shared/cli/processes.py) on a known port, with its log file."""
 
     name: str
     port: int

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from worker.detokenize import IncrementalDecoder
 from worker.engine import Engine, TokenDelta
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.detokenize import IncrementalDecoder
+from worker.tokenizer.tokenizer import Tokenizer
 
 CHUNK_TOKENS = 4
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.client import SyncRealtimeClient
+from shared.client.clients import SyncRealtimeClient
 from tests.e2e.up import running_up
 
 pytestmark = pytest.mark.slow

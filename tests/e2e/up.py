@@ -110,7 +110,16 @@ def launch(workdir: Path, *args: str) -> Up:
     log = workdir / f"up-{port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MT_")}  # embedded Valkey, defaults
     env["PYTHONUNBUFFERED"] = "1"
-    argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--worker-port", str(worker_port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "shared.cli",
+        "up",
+        "--port",
+        str(port),
+        "--worker-port",
+        str(worker_port),
+    ]
     with log.open("wb") as sink:
         proc = subprocess.Popen([*argv, *args], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=env)
     return Up(proc, port, worker_port, log)

@@ -26,10 +26,10 @@ from typing import Final
 import pytest
 from redis.asyncio import Redis
 
-from shared.client import ConnectionLost, RealtimeClient, SessionClosedError
+from shared.client.clients import ConnectionLost, RealtimeClient, SessionClosedError
 from shared.protocol import Error, OutputDone, ServerMessage, SessionClosed, SessionRestored
-from shared.redis_schema import KeySchema
-from shared.registry import read_session
+from shared.store.registry import read_session
+from shared.store.schema import KeySchema
 from tests.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
 from tests.gateway.reference import SESSION_CONFIG, stream, text_stream
 from tests.gateway.stack import Stack, running_stack, stop

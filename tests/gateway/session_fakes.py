@@ -44,8 +44,8 @@ from shared.protocol import (
     encode_client,
     link_error_from,
 )
-from shared.registry import SessionRecord, hash_token
 from shared.settings import GatewaySettings
+from shared.store.registry import SessionRecord, hash_token
 
 
 @dataclass

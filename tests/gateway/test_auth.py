@@ -26,9 +26,9 @@ import pytest
 from redis.asyncio import Redis
 from websockets.asyncio.client import connect
 
+from gateway.auth.api_keys import KeyLimits, KeyStore
 from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX
-from shared.api_keys import KeyLimits, KeyStore
-from shared.client import ConnectionLost, RealtimeClient
+from shared.client.clients import ConnectionLost, RealtimeClient
 from shared.errors import ErrorCode, RateLimited, SessionNotFound, WorkerUnavailable
 from shared.protocol import (
     Encoding,
@@ -40,7 +40,7 @@ from shared.protocol import (
     encode_client,
 )
 from shared.protocol.messages import SessionOpen, SessionResume
-from shared.redis_schema import KeySchema
+from shared.store.schema import KeySchema
 from tests.gateway.stack import Proc, Stack, running_stack, stop
 from tests.processes import REPO
 from tests.shared.redis_servers import ServerUnavailable, running_server
@@ -164,7 +164,7 @@ def test_no_wrong_or_revoked_credential_is_unauthorized_with_one_answer(stack: S
 
 
 def _name_of(secret: str, keys: list[Any]) -> str:
-    from shared.api_keys import digest
+    from gateway.auth.api_keys import digest
 
     return next(key.name for key in keys if key.digest == digest(secret))
 
@@ -513,7 +513,7 @@ def test_a_browser_token_resumes_its_own_session_only(stack: Stack) -> None:
 
 def test_a_token_is_claimed_by_one_session_and_given_back_only_by_it(stack: Stack) -> None:
     async def body(keys: KeyStore) -> None:
-        from shared.client_tokens import ClientTokenStore, TokenLimits
+        from gateway.auth.client_tokens import ClientTokenStore, TokenLimits
 
         _, key = await keys.create(new_name(), KeyLimits())
         tokens = ClientTokenStore(keys.redis, keys.schema)
@@ -549,7 +549,7 @@ def test_a_session_resumed_near_its_end_is_warned_at_once_then_expires(stack: St
 
 
 def test_a_live_session_keeps_its_slot_past_the_lease(stack: Stack) -> None:
-    from gateway.key_ledger import LEASE_S
+    from gateway.auth.key_ledger import LEASE_S
 
     async def body(keys: KeyStore) -> None:
         secret, key = await keys.create(new_name(), KeyLimits(max_sessions=1))

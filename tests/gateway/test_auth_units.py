@@ -10,9 +10,7 @@ import logging
 import pytest
 
 from gateway.app import _warn_if_open
-from gateway.auth import bearer_credential
-from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX, negotiate
-from shared.api_keys import (
+from gateway.auth.api_keys import (
     API_KEY_PREFIX,
     ApiKey,
     KeyLimits,
@@ -21,11 +19,13 @@ from shared.api_keys import (
     new_secret,
     usage_day,
 )
-from shared.client_core import handshake_headers
-from shared.client_tokens import TokenLimits
+from gateway.auth.client_tokens import TokenLimits
+from gateway.auth.credentials import bearer_credential
+from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX, negotiate
+from shared.cli.stack import Stack, StackOptions
+from shared.client.core import handshake_headers
 from shared.protocol import Encoding, SessionExpiring, decode_server, encode_server
 from shared.settings import GatewaySettings, is_loopback_host, parse_settings
-from shared.stack import Stack, StackOptions
 
 TOKEN = "mtb_abc-DEF_123"
 

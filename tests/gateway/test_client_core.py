@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.client import ClientCore, ReplyWaiter, SessionClosedError, TurnWaiter, open_config
+from shared.client.clients import ClientCore, ReplyWaiter, SessionClosedError, TurnWaiter, open_config
 from shared.errors import BadSequence, ErrorCode, InvalidMessage, SessionNotFound
 from shared.protocol import (
     Encoding,

@@ -15,9 +15,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from shared.redis_client import resilient_redis
-from shared.redis_schema import KeySchema
-from shared.registry import read_session
+from shared.store.connection import resilient_redis
+from shared.store.registry import read_session
+from shared.store.schema import KeySchema
 from tests.gateway.faults import Streamer, fault_stack, tally
 from tests.gateway.reference import PendingReferences
 from tests.gateway.stack import Stack

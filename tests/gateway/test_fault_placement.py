@@ -1,7 +1,7 @@
 """Dead workers are not chosen (issue 9, item 2): placement honours suspects, on a real server.
 
 A gateway that loses its link to a worker excludes it itself at once and sets a short-lived suspect
-key that every gateway's placement (shared/lua/place.lua) honours; a worker that registers afresh
+key that every gateway's placement (shared/store/lua/place.lua) honours; a worker that registers afresh
 clears it. The end-to-end effect (a restore lands elsewhere on the first try) is in
 test_fault_worker.py.
 """
@@ -18,10 +18,10 @@ from redis.asyncio import Redis
 
 from gateway.links import LinkPool
 from gateway.metrics import GatewayMetrics
+from gateway.placement import mark_suspect, place_session
 from shared.errors import CapacityExhausted
-from shared.placement import mark_suspect, place_session
-from shared.redis_schema import KeySchema
-from shared.registry import WorkerInfo, register_worker
+from shared.store.registry import WorkerInfo, register_worker
+from shared.store.schema import KeySchema
 from tests.shared.redis_servers import SERVER_KINDS, ServerUnavailable, running_server
 
 TTL_S = 30.0

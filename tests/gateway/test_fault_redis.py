@@ -14,13 +14,13 @@ import asyncio
 import time
 from pathlib import Path
 
-from shared.client import RealtimeClient
-from shared.redis_client import resilient_redis
-from shared.redis_schema import KeySchema
-from shared.registry import read_session
-from shared.session_log import read_log
+from shared.client.clients import RealtimeClient
+from shared.store.connection import resilient_redis
+from shared.store.registry import read_session
+from shared.store.schema import KeySchema
 from tests.gateway.faults import Streamer, fault_stack, tally
 from tests.gateway.reference import SESSION_CONFIG, PendingReferences, stream
+from worker.server.session_log import read_log
 
 SEEDS = (20, 21, 22, 23)
 TURNS = 50

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.redis_client import resilient_redis
-from shared.redis_schema import KeySchema
+from shared.store.connection import resilient_redis
+from shared.store.schema import KeySchema
 from tests.gateway import reference
 from tests.gateway.faults import Streamer, fault_stack, kill_busiest_worker, tally
 

@@ -14,9 +14,9 @@ import asyncio
 import re
 from pathlib import Path
 
-from shared.redis_client import resilient_redis
-from shared.redis_schema import KeySchema
-from shared.registry import read_session
+from shared.store.connection import resilient_redis
+from shared.store.registry import read_session
+from shared.store.schema import KeySchema
 from tests.gateway.faults import Streamer, fault_stack, kill_busiest_worker, tally
 from tests.gateway.reference import PendingReferences
 

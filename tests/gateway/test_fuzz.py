@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 
-from shared.client import ConnectionLost, RealtimeClient
+from shared.client.clients import ConnectionLost, RealtimeClient
 from shared.errors import ErrorCode
 from shared.protocol import Error, Pong
 from tests.gateway.conftest import LINK_SECRET

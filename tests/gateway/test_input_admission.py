@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.client import RealtimeClient, RetryPolicy
-from shared.client_retry import NO_RETRY
+from shared.client.clients import RealtimeClient, RetryPolicy
+from shared.client.retry import NO_RETRY
 from shared.errors import CapacityExhausted, RateLimited
 from shared.protocol import Error, OutputDelta, OutputDone
 from tests.gateway.conftest import LINK_SECRET

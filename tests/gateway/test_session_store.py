@@ -16,10 +16,10 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway import session_store
+from gateway.placement import Placement, place_session
 from shared.errors import CapacityExhausted
-from shared.placement import Placement, place_session
-from shared.redis_schema import KeySchema
-from shared.registry import WorkerInfo, register_worker
+from shared.store.registry import WorkerInfo, register_worker
+from shared.store.schema import KeySchema
 from tests.shared.redis_servers import ServerUnavailable, running_server
 
 TTL_S = 60.0

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from shared.client import ConnectionLost, RealtimeClient, SyncRealtimeClient
+from shared.client.clients import ConnectionLost, RealtimeClient, SyncRealtimeClient
 from shared.errors import CapacityExhausted, ErrorCode, WorkerUnavailable
 from shared.protocol import (
     Error,
@@ -34,8 +34,8 @@ from shared.protocol import (
     SessionResume,
     close_code_for,
 )
-from shared.redis_schema import KeySchema
-from shared.registry import SessionRecord, WorkerInfo, read_session, register_worker
+from shared.store.registry import SessionRecord, WorkerInfo, read_session, register_worker
+from shared.store.schema import KeySchema
 from tests.gateway.conftest import LINK_SECRET, LOAD_SESSIONS, LOAD_TURNS, SMALL_SEEDS, SMALL_TURNS
 from tests.gateway.reference import OUTPUT_TOKENS, SESSION_CONFIG, PendingReferences, stream
 from tests.gateway.stack import Stack, http_get, stop

@@ -19,7 +19,7 @@ from typing import Final
 
 import redis
 
-from shared.processes import free_port
+from shared.cli.processes import free_port
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.client import TurnWaiter
-from shared.client_retry import NO_RETRY, ChunkRetries, RetryPolicy
+from shared.client.clients import TurnWaiter
+from shared.client.retry import NO_RETRY, ChunkRetries, RetryPolicy
 from shared.errors import ErrorCode, RateLimited
 from shared.protocol import Error, InputChunk, OutputDone, Timing
 

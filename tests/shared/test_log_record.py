@@ -1,10 +1,10 @@
-"""The token log's record format (shared/redis_schema.py): tokens, input count and text tail."""
+"""The token log's record format (shared/store/schema.py): tokens, input count and text tail."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.redis_schema import NO_SEQ, RECORD_HEADER_BYTES, LogState, decode_log, encode_log_record
+from shared.store.schema import NO_SEQ, RECORD_HEADER_BYTES, LogState, decode_log, encode_log_record
 
 
 def test_records_round_trip_with_their_input_counts_and_the_last_tail() -> None:

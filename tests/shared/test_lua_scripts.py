@@ -1,15 +1,15 @@
-"""Every Lua script is one file in shared/lua/, read through `lua_script`; none is inline or unused."""
+"""Every Lua script is one file in shared/store/lua/, read through `lua_script`; none is inline or unused."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from shared.redis_schema import lua_script
+from shared.store.schema import lua_script
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("shared", "gateway", "worker", "loadtest")
-LUA_DIR = REPO / "shared" / "lua"
+LUA_DIR = REPO / "shared" / "store" / "lua"
 
 
 def _python_files() -> list[Path]:

@@ -20,10 +20,9 @@ from typing import TypeVar
 import pytest
 from redis.asyncio import Redis
 
+from gateway.placement import place_script_source, place_session
 from shared.errors import CapacityExhausted
-from shared.placement import place_script_source, place_session
-from shared.redis_schema import NO_SEQ, STATE_DRAINING, KeySchema, LogState, decode_tokens, encode_tokens
-from shared.registry import (
+from shared.store.registry import (
     Placement,
     SessionRecord,
     WorkerInfo,
@@ -41,10 +40,11 @@ from shared.registry import (
     verify_token,
     write_session,
 )
-from shared.session_log import read_log, read_log_state
+from shared.store.schema import NO_SEQ, STATE_DRAINING, KeySchema, LogState, decode_tokens, encode_tokens
 from tests.shared.redis_servers import SERVER_KINDS, ServerUnavailable, running_server
-from worker.incremental_tokenizer import EMPTY_TAIL
+from worker.server.session_log import read_log, read_log_state
 from worker.server.token_log import TokenLogWriter
+from worker.tokenizer.incremental import EMPTY_TAIL
 
 T = TypeVar("T")
 LONG_TTL_S = 300.0

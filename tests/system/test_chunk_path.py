@@ -59,13 +59,13 @@ def test_events_before_the_frame_background_tasks_and_the_idle_sweep_are_left_ou
         [1.4, "worker/server/link.py", "LinkConnection.serve", "MainThread", "serve", ""],
         [1.5, "worker/engine/core.py", "EngineCore.submit", engine, "", ""],
         [1.6, "worker/engine/core.py", "EngineCore.step", engine, "", "step"],
-        [1.7, "worker/model_runner.py", "ModelRunner.run", engine, "", "step"],
+        [1.7, "worker/engine/model_runner.py", "ModelRunner.run", engine, "", "step"],
         [1.8, "worker/server/token_log.py", "TokenLogWriter.flush", "MainThread", "TokenLogWriter.run", ""],
         [1.9, "worker/server/link.py", "LinkConnection._write", "MainThread", "_write", ""],
     ]
     path = order_events(events, 1.0, "worker")
-    assert path.files == ("worker/server/link.py", "worker/engine/core.py", "worker/model_runner.py")
-    assert path.step_only == {"worker/model_runner.py"}
+    assert path.files == ("worker/server/link.py", "worker/engine/core.py", "worker/engine/model_runner.py")
+    assert path.step_only == {"worker/engine/model_runner.py"}
     assert path.functions["worker/engine/core.py"] == ("EngineCore.submit", "EngineCore.step")
     assert path.functions["worker/server/link.py"] == ("LinkConnection.serve", "LinkConnection._write")
     assert path.left_out == (

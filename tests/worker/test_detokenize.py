@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 
 from worker.console import chat
-from worker.detokenize import IncrementalDecoder
 from worker.engine import Engine
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.detokenize import IncrementalDecoder
+from worker.tokenizer.tokenizer import Tokenizer
 
 TOKENIZER = Tokenizer.byte_level(512)
 

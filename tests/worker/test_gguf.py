@@ -20,15 +20,15 @@ import regex
 import torch
 
 from worker.attention import AttentionMetadata, TorchAttention
-from worker.kv_pool import KVPool
-from worker.model.gguf_tokenizer import field_value, tokenizer_from_gguf
+from worker.engine.kv_pool import KVPool
 from worker.model.llama import LlamaModel
 from worker.model.loader import LoadedModel, load_model
 from worker.model.loader_gguf import config_from_gguf, llama3_scaling_from_divisors, load_gguf, unpermute_qk
 from worker.model.presets import smollm2_gguf_path
 from worker.model.rope import inverse_frequencies
 from worker.model.weights import ModelWeights
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.gguf import field_value, tokenizer_from_gguf
+from worker.tokenizer.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
 

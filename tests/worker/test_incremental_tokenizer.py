@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
-from worker.model.gguf_tokenizer import _LLAMA3_SPLIT, _QWEN2_SPLIT, _split_pre
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.gguf import _LLAMA3_SPLIT, _QWEN2_SPLIT, _split_pre
+from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail
+from worker.tokenizer.tokenizer import Tokenizer
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<s>", "</s>", "[INST]", "[/INST]"]
 PIECES = [
@@ -188,8 +188,8 @@ def test_metaspace_prefix_only_at_the_start(tmp_path: Path) -> None:
 def smollm2() -> Iterator[Tokenizer]:
     import gguf
 
-    from worker.model.gguf_tokenizer import tokenizer_from_gguf
     from worker.model.presets import smollm2_gguf_path
+    from worker.tokenizer.gguf import tokenizer_from_gguf
 
     try:
         path = smollm2_gguf_path()

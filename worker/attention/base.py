@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from worker.kv_pool import KVLayout, KVPool
+from worker.engine.kv_pool import KVLayout, KVPool
 
 
 @dataclass(frozen=True)

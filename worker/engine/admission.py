@@ -1,7 +1,7 @@
 """Whether a session takes a chunk, and what the chunk appends: checks only, nothing mutated.
 
 Split from core.py so every reason to refuse a chunk is in one place, in the order they run:
-sequence, input (text against the session's held-back tail, worker/incremental_tokenizer.py),
+sequence, input (text against the session's held-back tail, worker/tokenizer/incremental.py),
 queue cost, context. `admit` either raises a typed error or returns the tokens the chunk commits
 and the session's next text tail; the caller applies both, so a refusal leaves the session (seq and
 tail included) exactly as it was.
@@ -15,7 +15,7 @@ from shared.errors import Backpressure, BadSequence, ChunkTooLarge, ContextFull,
 from worker.engine.config import EngineConfig
 from worker.engine.session import Session
 from worker.engine.turn import Turn
-from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
+from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail
 
 # A session over its queue bound has a turn or more ahead of it: about one turn's time.
 BACKPRESSURE_RETRY_MS = 200

@@ -24,15 +24,15 @@ from shared.protocol.messages import FinishReason, OpenConfig
 from worker.engine.admission import admit
 from worker.engine.config import EngineConfig
 from worker.engine.context_window import opening_history, session_limit, window
+from worker.engine.model_runner import ForwardRow, ModelRunner
 from worker.engine.page_allocator import PageAllocator
+from worker.engine.sampling import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
 from worker.engine.stats import EngineStats
 from worker.engine.turn import TokenDelta, Turn, TurnResult
-from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
-from worker.model_runner import ForwardRow, ModelRunner
-from worker.sampling import SamplingParams
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail
+from worker.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

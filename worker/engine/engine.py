@@ -27,13 +27,13 @@ from shared.protocol.messages import OpenConfig
 from shared.settings import DTYPE_NAMES
 from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore
+from worker.engine.model_runner import ModelRunner
 from worker.engine.stats import EngineStats
 from worker.engine.turn import TokenListener, Turn, TurnResult
-from worker.incremental_tokenizer import EMPTY_TAIL, IncrementalTokenizer, TextTail
 from worker.model.config import ModelConfig
 from worker.model.loader import LoadedModel, load_model
-from worker.model_runner import ModelRunner
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail
+from worker.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class Engine:
         session (seq, backpressure, context) run on the engine thread, before anything is appended.
         Text is tokenized there too, against the session's held-back text tail: a text chunk
         commits only the tokens no later text can change, unless it asks for output or `flush`es
-        (see worker/incremental_tokenizer.py); `TurnResult.inputs` says what it committed.
+        (see worker/tokenizer/incremental.py); `TurnResult.inputs` says what it committed.
         """
         chunk = self._chunk_tokens(tokens, text)
         if not isinstance(flush, bool):

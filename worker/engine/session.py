@@ -17,7 +17,7 @@ import torch
 
 from shared.protocol.messages import OpenConfig
 from worker.engine.turn import Turn
-from worker.incremental_tokenizer import EMPTY_TAIL, TextTail
+from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
 
 
 class Session:
@@ -45,7 +45,7 @@ class Session:
         # The last chunk seq this session accepted (None: none yet, so any seq may start it); chunks
         # must pass it. A restored session starts from the last seq its old worker finished.
         self.accepted_seq = accepted_seq
-        # Text received but not yet safe to tokenize (worker/incremental_tokenizer.py). A restored
+        # Text received but not yet safe to tokenize (worker/tokenizer/incremental.py). A restored
         # session starts from the text its old worker held back (worker/server/restore.py).
         self.tail: TextTail = tail
         self.last_activity = now

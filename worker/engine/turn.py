@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from shared.protocol.messages import FinishReason
-from worker.incremental_tokenizer import EMPTY_TAIL, TextTail
+from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
 
 
 @dataclass(frozen=True)

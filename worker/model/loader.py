@@ -13,7 +13,7 @@ from shared.settings import DEFAULT_MODEL
 from worker.model.config import ModelConfig
 from worker.model.presets import SHAPES, TINY_SEED, random_weights, smollm2_gguf_path, tiny_tokenizer
 from worker.model.weights import ModelWeights
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

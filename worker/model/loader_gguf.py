@@ -22,10 +22,10 @@ import numpy.typing as npt
 import torch
 
 from worker.model.config import Llama3RopeScaling, ModelConfig
-from worker.model.gguf_tokenizer import field_value, special_token_ids, tokenizer_from_gguf
 from worker.model.rope import inverse_frequencies
 from worker.model.weights import ModelWeights
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.gguf import field_value, special_token_ids, tokenizer_from_gguf
+from worker.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from worker.model.config import ModelConfig
 from worker.model.weights import ModelWeights
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

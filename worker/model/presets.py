@@ -10,7 +10,7 @@ import torch
 
 from worker.model.config import ModelConfig
 from worker.model.weights import ModelWeights
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.tokenizer import Tokenizer
 
 TINY_SEED = 1234
 

@@ -18,10 +18,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from shared.protocol.link import LINK_PATH
-from shared.redis_client import resilient_redis
-from shared.redis_schema import KeySchema
-from shared.registry import WorkerInfo, deregister, mark_draining, register_worker
 from shared.settings import WorkerSettings
+from shared.store.connection import resilient_redis
+from shared.store.registry import WorkerInfo, deregister, mark_draining, register_worker
+from shared.store.schema import KeySchema
 from worker.engine import Engine
 from worker.server.heartbeat import HEARTBEATS_PER_TTL, heartbeat_loop, worker_info
 from worker.server.link import LinkAcceptor

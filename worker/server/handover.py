@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Final
 from shared.errors import WorkerUnavailable
 from shared.protocol.codec import config_to_map
 from shared.protocol.link import LinkMigrate, link_error_from
-from shared.registry import HeldSession, SessionRecord
+from shared.store.registry import HeldSession, SessionRecord
 
 if TYPE_CHECKING:
     from worker.server.service import WorkerService

@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 
 import redis.asyncio as redis
 
-from shared.redis_client import OutageLog
-from shared.redis_schema import KeySchema
-from shared.registry import WorkerInfo, heartbeat, rewrite_sessions, touch_sessions
+from shared.store.connection import OutageLog
+from shared.store.registry import WorkerInfo, heartbeat, rewrite_sessions, touch_sessions
+from shared.store.schema import KeySchema
 from worker.engine import Engine
 from worker.server.service import WorkerService
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from shared.protocol.link import LinkDone, TailTurn
 from shared.protocol.messages import FinishReason, InputChunk, OutputDone, Timing
-from shared.redis_schema import decode_log
+from shared.store.schema import decode_log
 from worker.engine.admission import commit_chunk, flushes
-from worker.incremental_tokenizer import IncrementalTokenizer, TextTail
+from worker.tokenizer.incremental import IncrementalTokenizer, TextTail
 
 
 @dataclass(frozen=True, slots=True)

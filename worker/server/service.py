@@ -33,18 +33,18 @@ from shared.protocol.link import (
     link_error_from,
 )
 from shared.protocol.messages import CloseReason, InputChunk, OutputDelta, OutputDone, Timing
-from shared.redis_schema import NO_SEQ, KeySchema, encode_log_record
-from shared.registry import HeldSession
-from shared.session_log import read_log_bytes
 from shared.settings import WorkerSettings
-from worker.detokenize import IncrementalDecoder
+from shared.store.registry import HeldSession
+from shared.store.schema import NO_SEQ, KeySchema, encode_log_record
 from worker.engine import Engine, TokenDelta, TurnResult
-from worker.incremental_tokenizer import EMPTY_TAIL
 from worker.server.handover import held_sessions, migrate_all
 from worker.server.link import LinkPeer, SessionBinding, SessionDirectory
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
+from worker.server.session_log import read_log_bytes
 from worker.server.token_log import TokenLogWriter
+from worker.tokenizer.detokenize import IncrementalDecoder
+from worker.tokenizer.incremental import EMPTY_TAIL
 
 logger = logging.getLogger(__name__)
 

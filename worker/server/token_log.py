@@ -1,6 +1,6 @@
 """Appends each finished turn to the session's log in Redis, batched, off the reply path.
 
-The log (`mt:log:<sid>`, one record per turn: shared/redis_schema.py) is what a session is rebuilt
+The log (`mt:log:<sid>`, one record per turn: shared/store/schema.py) is what a session is rebuilt
 from on another worker. Appends are queued when a `done` has gone out and flushed together every
 few milliseconds in one pipeline, so a chunk's round trip never waits on Redis. Order per session
 is the order of `append`.
@@ -25,9 +25,9 @@ from typing import Final
 
 import redis.asyncio as redis
 
-from shared.redis_client import OutageLog
-from shared.redis_schema import KeySchema, encode_log_record, lua_script
-from worker.incremental_tokenizer import TextTail
+from shared.store.connection import OutageLog
+from shared.store.schema import KeySchema, encode_log_record, lua_script
+from worker.tokenizer.incremental import TextTail
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import pytest
 
 from shared.protocol.link import TailTurn
 from shared.protocol.messages import InputChunk
-from shared.redis_schema import encode_log_record
-from worker.incremental_tokenizer import EMPTY_TAIL
+from shared.store.schema import encode_log_record
 from worker.server.restore import ForcedTurn, plan_restore
+from worker.tokenizer.incremental import EMPTY_TAIL
 
 
 def chunk(seq: int, tokens: list[int], max_out: int | None = None) -> InputChunk:

@@ -16,10 +16,10 @@ import pytest
 
 from shared.protocol.link import TailTurn
 from shared.protocol.messages import InputChunk
-from shared.redis_schema import encode_log_record
+from shared.store.schema import encode_log_record
 from worker.engine import Engine, TurnResult
-from worker.incremental_tokenizer import EMPTY_TAIL
 from worker.server.restore import plan_restore
+from worker.tokenizer.incremental import EMPTY_TAIL
 
 TEXT = (
     "<|im_start|>user\nThe quick brown fox jumps over 12345 lazy dogs; naïve café, 日本語 text.<|im_end|>\n"

@@ -33,12 +33,12 @@ from shared.protocol.link import (
 )
 from shared.protocol.link_codec import decode_link, encode_link
 from shared.protocol.messages import InputChunk, OpenConfig, OutputDelta
-from shared.redis_schema import KeySchema
-from shared.registry import SessionRecord, read_worker, write_session
-from shared.session_log import read_log
+from shared.store.registry import SessionRecord, read_worker, write_session
+from shared.store.schema import KeySchema
 from tests.processes import Proc, microturn, worker_args
 from tests.shared.redis_servers import running_server
 from worker.engine import Engine
+from worker.server.session_log import read_log
 
 CONFIG = OpenConfig(stop_token_ids=(), stream=True, logprobs=True)
 SCHEMA = KeySchema("mt")

@@ -17,7 +17,7 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

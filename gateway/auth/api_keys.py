@@ -6,13 +6,13 @@ gateway find the key's record with one HGETALL on `mt:apikey:<sha256>`. That loo
 answer never reveals whether a key exists: a wrong key and a revoked key take the very same path
 (hash, one HGETALL that comes back empty) and get the very same error.
 
-Keys (all under the deployment's prefix, see shared/redis_schema.py):
+Keys (all under the deployment's prefix, see shared/store/schema.py):
 - `mt:apikeys` HASH name -> digest: the index `microturn keys list|revoke` walks. Names are unique
   (HSETNX), so two `keys create --name x` cannot both succeed.
 - `mt:apikey:<digest>` HASH: the key's name and limits. Revoking deletes it (and the index entry);
   the next open with that key is refused, sessions already open run on.
 - `mt:clienttoken:<digest>` HASH: a browser token's key and limits, with a TTL (its start window).
-  `claim_client_token` binds it to the one session it may open (see shared/client_tokens.py).
+  `claim_client_token` binds it to the one session it may open (see gateway/auth/client_tokens.py).
 - `mt:keyusage:<digest>:<YYYYMMDD>` STRING: tokens spent per UTC day, grown by batched INCRBY.
 
 Limits use 0 for "no limit", so a record is a flat hash of numbers.
@@ -31,8 +31,8 @@ from typing import Final
 
 from redis.asyncio import Redis
 
-from shared.redis_schema import KeySchema
-from shared.registry import hash_token
+from shared.store.registry import hash_token
+from shared.store.schema import KeySchema
 
 logger = logging.getLogger(__name__)
 

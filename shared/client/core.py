@@ -1,8 +1,8 @@
 """The Sans-I/O core of the Python client: encoding, matching replies to requests, buffering.
 
-Split from shared/client.py so the two I/O shells there (asyncio and blocking) stay small and share
+Split from shared/client/clients.py so the two I/O shells there (asyncio and blocking) stay small and share
 every decision: which message answers a request, what is buffered for `recv()`, which error raises
-and which refusal is resent (shared/client_retry.py).
+and which refusal is resent (shared/client/retry.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Final, Generic, Literal, TypeVar
 
 from websockets.exceptions import ConnectionClosed
 
-from shared.client_retry import ChunkRetries, RetryPolicy
+from shared.client.retry import ChunkRetries, RetryPolicy
 from shared.protocol import (
     ClientMessage,
     CloseReason,

@@ -5,7 +5,7 @@ gateway holding the socket is the one that sees every chunk and every `done`, so
 limits without any Redis call on the hot path:
 
 - at `session.open` / `session.resume` (Redis allowed): the key's daily budget, a slot among the
-  key's concurrent sessions (gateway/key_ledger.py), the browser token claimed by its one session,
+  key's concurrent sessions (gateway/auth/key_ledger.py), the browser token claimed by its one session,
   the session's deadline (from its creation time, so a resume does not restart the clock) and its
   token budget (from what it already spent);
 - per chunk: one comparison of the key's known spend against its daily budget;
@@ -30,12 +30,12 @@ from typing import Final
 
 from redis.exceptions import RedisError
 
-from gateway.key_ledger import REFRESH_S, KeyLedger
-from shared.api_keys import ApiKey, ms_until_next_day, text_map
-from shared.client_tokens import ClientToken, ClientTokenStore
+from gateway.auth.api_keys import ApiKey, ms_until_next_day, text_map
+from gateway.auth.client_tokens import ClientToken, ClientTokenStore
+from gateway.auth.key_ledger import REFRESH_S, KeyLedger
 from shared.errors import RateLimited, SessionExpired, Unauthorized
 from shared.protocol import SessionExpiring
-from shared.redis_schema import KeySchema
+from shared.store.schema import KeySchema
 
 logger = logging.getLogger(__name__)
 

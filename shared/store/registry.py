@@ -2,7 +2,7 @@
 
 Worker side: a worker registers its hash and load score, then heartbeats them. The hash's TTL (a
 few heartbeat intervals) *is* the liveness signal: a worker that dies simply stops refreshing it,
-and placement (shared/lua/place.lua) drops it from the ZSET the next time it walks past it.
+and placement (shared/store/lua/place.lua) drops it from the ZSET the next time it walks past it.
 
 Gateway side: the session hash pins a session to a worker and holds the SHA-256 of its resume token
 (never the token: a leaked Redis dump must not let anyone resume a session); the token log holds the
@@ -31,7 +31,7 @@ from typing import Any, Final
 from redis.asyncio import Redis
 from redis.typing import EncodableT, FieldT
 
-from shared.redis_schema import (
+from shared.store.schema import (
     SESSION_CONFIG,
     SESSION_CREATED_MS,
     SESSION_MODEL,
@@ -64,7 +64,7 @@ def load_score(sessions: int, max_sessions: int) -> float:
     compare fairly: 4 of 8 is as loaded as 40 of 80. KV occupancy is deliberately left out: the
     worker answers KV pressure itself by dropping idle sessions' KV (docs/design.md section 7), and a score
     that one more session does not move would stop the placement charge from spreading concurrent
-    opens. shared/lua/place.lua computes the same value when it charges a pick.
+    opens. shared/store/lua/place.lua computes the same value when it charges a pick.
     """
     if max_sessions < 1:
         raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")

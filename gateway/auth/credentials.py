@@ -22,10 +22,10 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.auth.api_keys import API_KEY_PREFIX, CLIENT_TOKEN_PREFIX, KeyStore, digest
+from gateway.auth.client_tokens import ClientTokenStore, TokenLimits
+from gateway.auth.session_auth import UNAUTHORIZED_MESSAGE, Principal
 from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX
-from gateway.session_auth import UNAUTHORIZED_MESSAGE, Principal
-from shared.api_keys import API_KEY_PREFIX, CLIENT_TOKEN_PREFIX, KeyStore, digest
-from shared.client_tokens import ClientTokenStore, TokenLimits
 from shared.errors import ErrorCode, InvalidMessage
 from shared.protocol.codec import parse_json
 from shared.protocol.fields import FieldReader

@@ -1,9 +1,9 @@
 """The Python client of protocol v1: `RealtimeClient` (asyncio) and `SyncRealtimeClient` (blocking).
 
-Two shells around one Sans-I/O core (shared/client_core.py): tests and tools run on asyncio, Locust
+Two shells around one Sans-I/O core (shared/client/core.py): tests and tools run on asyncio, Locust
 on gevent, where only `websockets.sync` runs. The core decides everything that is not I/O (which
 message answers a request, what is buffered for `recv()` in order, which error raises, which refused
-chunk is resent after its `retry_after_ms`: shared/client_retry.py), so both behave identically. An
+chunk is resent after its `retry_after_ms`: shared/client/retry.py), so both behave identically. An
 error answering the request, any fatal error and an unsolicited `session.closed` raise.
 """
 
@@ -21,7 +21,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection as SyncConnection
 from websockets.sync.client import connect as sync_connect
 
-from shared.client_core import (
+from shared.client.core import (
     MAX_SERVER_FRAME_BYTES,
     ClientCore,
     ConnectionLost,
@@ -37,7 +37,7 @@ from shared.client_core import (
     lost,
     open_config,
 )
-from shared.client_retry import NO_RETRY, RetryPolicy
+from shared.client.retry import NO_RETRY, RetryPolicy
 from shared.protocol import (
     ClientMessage,
     Encoding,

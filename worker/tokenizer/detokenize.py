@@ -6,7 +6,7 @@ terminal chat (worker/console.py) both use it.
 
 from __future__ import annotations
 
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.tokenizer import Tokenizer
 
 # What the tokenizer decodes an incomplete UTF-8 sequence to.
 INCOMPLETE = "\ufffd"

@@ -14,10 +14,10 @@ import torch
 
 from worker.attention import backend_class, resolve_backend_name
 from worker.attention.base import AttentionMetadata
-from worker.kv_pool import KVPool
+from worker.engine.kv_pool import KVPool
+from worker.engine.sampling import SamplingParams, sample
 from worker.model.llama import LlamaModel
 from worker.model.loader import LoadedModel
-from worker.sampling import SamplingParams, sample
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from typing import Final
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from shared.api_keys import KeyStore
-from shared.redis_schema import KeySchema, lua_script
+from gateway.auth.api_keys import KeyStore
+from shared.store.schema import KeySchema, lua_script
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from shared.api_keys import KeyExists, KeyLimits, KeyStore
-from shared.redis_schema import KeySchema
+from gateway.auth.api_keys import KeyExists, KeyLimits, KeyStore
 from shared.settings import RedisSettings, add_arguments, from_sources
+from shared.store.schema import KeySchema
 
 
 def build_parser() -> argparse.ArgumentParser:

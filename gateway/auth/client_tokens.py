@@ -24,8 +24,8 @@ from typing import Final
 
 from redis.asyncio import Redis
 
-from shared.api_keys import CLIENT_TOKEN_PREFIX, ApiKey, digest, new_secret, text_map
-from shared.redis_schema import KeySchema, lua_script
+from gateway.auth.api_keys import CLIENT_TOKEN_PREFIX, ApiKey, digest, new_secret, text_map
+from shared.store.schema import KeySchema, lua_script
 
 __all__ = ["ClientToken", "ClientTokenStore", "TokenLimits"]
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Final
 
-from shared.processes import (
+from shared.cli.processes import (
     Child,
     StackError,
     free_port,
@@ -46,8 +46,8 @@ from shared.processes import (
     spawn,
     valkey_binary,
 )
-from shared.redis_client import redacted_url
 from shared.settings import UpSettings, copy_fields, is_loopback_host, parse_settings
+from shared.store.connection import redacted_url
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,16 @@ class Stack:
     def start_worker(self, device: str) -> None:
         options = self.options
         port = options.worker_port
-        argv = [sys.executable, "-m", "shared.cli", "worker", "--model", options.model, "--device", device]
+        argv = [
+            sys.executable,
+            "-m",
+            "shared.cli",
+            "worker",
+            "--model",
+            options.model,
+            "--device",
+            device,
+        ]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--redis-url", self.redis_url]
         argv += ["--advertise-url", f"ws://127.0.0.1:{port}"]
         if options.kv_tokens:

@@ -5,7 +5,7 @@ its pick, other gateways would read the same "least loaded" worker and all pile 
 script the read, the dead-member cleanup and the charge are one atomic step, so N concurrent opens
 spread over the workers exactly as if they had been made one after another.
 
-The script (shared/lua/place.lua) declares only the workers ZSET in KEYS and derives the worker hash
+The script (shared/store/lua/place.lua) declares only the workers ZSET in KEYS and derives the worker hash
 keys from a prefix in ARGV; every one of them carries the same `{prefix}` hash tag, so the script is
 single-slot and runs on Redis Cluster. The trade-off is spelled out at the top of the script.
 """
@@ -21,8 +21,8 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from shared.errors import CapacityExhausted
-from shared.redis_schema import KeySchema, lua_script
-from shared.registry import Placement
+from shared.store.registry import Placement
+from shared.store.schema import KeySchema, lua_script
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ __all__ = [
 
 
 def place_script_source() -> str:
-    """The script's text (shared/lua/place.lua, shipped as package data)."""
+    """The script's text (shared/store/lua/place.lua, shipped as package data)."""
     return lua_script("place")
 
 

@@ -37,7 +37,7 @@ import logging
 from dataclasses import dataclass
 from typing import Final
 
-from worker.tokenizer import Tokenizer
+from worker.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

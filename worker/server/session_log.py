@@ -1,4 +1,4 @@
-"""A session's token log in Redis, read as whole records (format: shared/redis_schema.py).
+"""A session's token log in Redis, read as whole records (format: shared/store/schema.py).
 
 The only writer is the worker's batched one (worker/server/token_log.py); these are the one-off
 reads a restoring worker makes.
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
-from shared.redis_schema import KeySchema, LogState, decode_log
+from shared.store.schema import KeySchema, LogState, decode_log
 
 
 async def read_log_bytes(redis: Redis, schema: KeySchema, sid: str) -> bytes:
-    """The log's raw bytes (records, shared/redis_schema.py); empty when absent or expired."""
+    """The log's raw bytes (records, shared/store/schema.py); empty when absent or expired."""
     data = await redis.get(schema.log(sid))
     if data is None:
         return b""

@@ -20,7 +20,7 @@ so the log can say which turn it ends at (`LogState.last_seq`): a restoring work
 gateway's undurable tail only the turns after it (docs/failover.md). `n_inputs` says where the
 turn's committed input ends and its output begins (a text chunk's input tokens cannot be recomputed
 from its text alone). The tail text and context are the session's uncommitted text right after the
-turn's input was committed (worker/incremental_tokenizer.py `TextTail`): a restored session starts
+turn's input was committed (worker/tokenizer/incremental.py `TextTail`): a restored session starts
 from the tail of the log's last record, so text held back at the durable point is not lost. Every
 length is in the header, so the log decodes in one pass. `seq` -1 marks tokens that
 belong to no turn (a prompt given at open). A record whose seq is not above the last one already
@@ -45,16 +45,16 @@ logger = logging.getLogger(__name__)
 
 @cache
 def lua_script(*names: str) -> str:
-    """The text of `shared/lua/<name>.lua` for each name, in order (a prelude first), read once from
+    """The text of `shared/store/lua/<name>.lua` for each name, in order (a prelude first), read once from
     the installed package. Every Lua script lives in that folder, one file each, with its KEYS and
     ARGV documented at its top."""
-    lua = resources.files("shared").joinpath("lua")
+    lua = resources.files("shared.store").joinpath("lua")
     return "".join(lua.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in names)
 
 
 DEFAULT_PREFIX: Final = "mt"
 
-# Fields of the worker hash `{mt}:worker:<id>`. shared/lua/place.lua spells the first four itself:
+# Fields of the worker hash `{mt}:worker:<id>`. shared/store/lua/place.lua spells the first four itself:
 # keep the two in step.
 WORKER_URL: Final = "url"
 WORKER_STATE: Final = "state"
@@ -139,7 +139,7 @@ class KeySchema:
             raise ValueError("empty session id")
         return f"{self.prefix}:session:{sid}"
 
-    # API keys (shared/api_keys.py). Each per-key key names one credential digest, so a script
+    # API keys (gateway/auth/api_keys.py). Each per-key key names one credential digest, so a script
     # that touches one of them is single-key and runs on Redis Cluster; none needs a hash tag.
 
     def api_keys(self) -> str:

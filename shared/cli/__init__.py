@@ -1,0 +1,1 @@
+"""Operations: the `microturn` command, `microturn up`, the keys CLI and process supervision."""

@@ -1,0 +1,1 @@
+"""Text: the tokenizer, exact incremental tokenization of text chunks, detokenization."""
