@@ -23,6 +23,7 @@ from shared.store.connection import resilient_redis
 from shared.store.registry import WorkerInfo, deregister, mark_draining, register_worker
 from shared.store.schema import KeySchema
 from worker.engine import Engine
+from worker.server.handover import migrate_all
 from worker.server.heartbeat import HEARTBEATS_PER_TTL, heartbeat_loop, worker_info
 from worker.server.link import LinkAcceptor
 from worker.server.service import WorkerService
@@ -57,7 +58,7 @@ class WorkerRuntime:
         self.draining.set()
         logger.info("draining worker %s", self.worker_id)
         await mark_draining(self.redis, self.schema, self.worker_id)
-        await self.service.drain()
+        await migrate_all(self.service)
         await self.service.token_log.flush()
         await deregister(self.redis, self.schema, self.worker_id)
         self.registered = False

@@ -20,15 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from shared.errors import WorkerUnavailable
 from shared.protocol.codec import config_to_map
 from shared.protocol.link import LinkMigrate, link_error_from
 from shared.store.registry import HeldSession, SessionRecord
-
-if TYPE_CHECKING:
-    from worker.server.service import WorkerService
+from worker.server.service import WorkerService
 
 logger = logging.getLogger(__name__)
 

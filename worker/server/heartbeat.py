@@ -19,6 +19,7 @@ from shared.store.connection import OutageLog
 from shared.store.registry import WorkerInfo, heartbeat, rewrite_sessions, touch_sessions
 from shared.store.schema import KeySchema
 from worker.engine import Engine
+from worker.server.handover import held_sessions
 from worker.server.service import WorkerService
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def worker_info(base: WorkerInfo, engine: Engine, *, draining: bool) -> WorkerIn
 async def rewrite_held(client: redis.Redis, schema: KeySchema, service: WorkerService) -> int:
     """Re-write every held session's record and log (no flush interleaves: same lock)."""
     async with service.token_log.redis_turn:
-        return await rewrite_sessions(client, schema, service.held_sessions())
+        return await rewrite_sessions(client, schema, held_sessions(service))
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,9 @@
-"""The worker's end of the links: admits a gateway's link, reads its frames into the service, writes
-the service's frames back in order, and knows which link each session answers to.
+"""The worker's end of the links: admits a gateway's link, reads its frames into the service and
+writes the service's frames back in order (which link each session answers to: bindings.py).
 
 Sending never blocks the service: frames go through a bounded queue to a writer task. A gateway
 that stops reading until the queue is full is cut off (its sessions detach and stay resumable)
 rather than letting one slow peer grow the worker's memory without bound.
-
-Binding invariant: a session is bound to at most one link, the last one that opened, attached or
-restored it. Its outputs go there and nowhere else; with no link bound (the client went away)
-outputs are kept only in the replay buffer, for an `attach` to send again.
 """
 
 from __future__ import annotations
@@ -15,29 +11,35 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from shared.errors import InvalidMessage, MicroturnError
 from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION, CLOSE_TRY_AGAIN_LATER
-from shared.protocol.link import LINK_SECRET_HEADER, LinkDone, ToGateway, ToWorker, link_error_from
+from shared.protocol.link import LINK_SECRET_HEADER, ToGateway, ToWorker, link_error_from
 from shared.protocol.link_codec import decode_link, encode_link
-from shared.protocol.messages import InputChunk, OpenConfig
-from worker.server.restore import RestorePlan
-
-if TYPE_CHECKING:  # the service imports the bindings below; the link only calls into it
-    from worker.server.service import WorkerService
+from worker.server.bindings import LinkPeer
+from worker.server.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
 MAX_QUEUED_FRAMES = 65536
 
 
+class FrameSink(Protocol):
+    """What a link hands its frames to (the worker's `WorkerService`); the link never imports it."""
+
+    @property
+    def metrics(self) -> WorkerMetrics: ...
+
+    def dispatch(self, link: LinkPeer, frame: ToWorker) -> None: ...
+
+    def link_gone(self, link: LinkPeer) -> None: ...
+
+
 class LinkConnection:
-    def __init__(self, websocket: WebSocket, service: WorkerService) -> None:
+    def __init__(self, websocket: WebSocket, service: FrameSink) -> None:
         self.websocket = websocket
         self.service = service
         self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue(MAX_QUEUED_FRAMES)
@@ -102,81 +104,6 @@ class LinkConnection:
                 return
 
 
-REPLAY_DONES = 32
-
-
-class LinkPeer(Protocol):
-    """The sending half of one gateway's link; `send` never blocks."""
-
-    def send(self, frame: ToGateway) -> None: ...
-
-
-@dataclass(eq=False)
-class SessionBinding:
-    sid: str
-    stream: bool
-    idle_timeout_s: float
-    link: LinkPeer | None
-    length: int = 0
-    # The last seq the session finished here (None: none yet), as `opened` reports it.
-    finished_seq: int | None = None
-    # False while the session is being opened or rebuilt; chunks that arrive meanwhile wait here.
-    ready: bool = False
-    waiting: list[InputChunk] = field(default_factory=list)
-    replay: deque[LinkDone] = field(default_factory=lambda: deque(maxlen=REPLAY_DONES))
-    # What the session record holds, so this worker can re-write it after Redis lost its data.
-    config: OpenConfig = field(default_factory=OpenConfig)
-    token_sha256: str | None = None
-    created_ms: int = 0
-    # Set while a restore opens the session: what `opened` still has to log, answer and run.
-    restore: RestorePlan | None = None
-
-    def send(self, frame: ToGateway) -> None:
-        if self.link is not None:
-            self.link.send(frame)
-
-    def record(self, done: LinkDone) -> None:
-        self.replay.append(done)
-        self.length = done.length
-        self.finished_seq = done.done.seq
-
-    def missed(self, seen_seq: int | None) -> list[LinkDone]:
-        """The dones after the last one the client saw, as far as the replay buffer reaches."""
-        return [d for d in self.replay if seen_seq is None or d.done.seq > seen_seq]
-
-
-class SessionDirectory:
-    def __init__(self) -> None:
-        self.bindings: dict[str, SessionBinding] = {}
-        # Sessions with traffic since the last heartbeat: their Redis TTLs get refreshed then.
-        self.touched: set[str] = set()
-
-    def get(self, sid: str) -> SessionBinding | None:
-        return self.bindings.get(sid)
-
-    def add(self, binding: SessionBinding) -> None:
-        self.bindings[binding.sid] = binding
-        self.touched.add(binding.sid)
-
-    def remove(self, sid: str) -> SessionBinding | None:
-        self.touched.discard(sid)
-        return self.bindings.pop(sid, None)
-
-    def unbind_link(self, link: LinkPeer) -> int:
-        count = 0
-        for binding in self.bindings.values():
-            if binding.link is link:
-                binding.link = None
-                count += 1
-        return count
-
-    def take_touched(self) -> dict[str, float]:
-        """The touched sessions and their idle timeouts, clearing the set."""
-        touched = {sid: self.bindings[sid].idle_timeout_s for sid in self.touched if sid in self.bindings}
-        self.touched.clear()
-        return touched
-
-
 class LinkHost(Protocol):
     """What admitting a link needs of the worker (worker/server/app.py's runtime)."""
 
@@ -184,7 +111,7 @@ class LinkHost(Protocol):
     def link_secret(self) -> str: ...
 
     @property
-    def service(self) -> WorkerService | None: ...
+    def service(self) -> FrameSink | None: ...
 
     @property
     def draining(self) -> asyncio.Event: ...

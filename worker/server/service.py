@@ -34,11 +34,9 @@ from shared.protocol.link import (
 )
 from shared.protocol.messages import CloseReason, InputChunk, OutputDelta, OutputDone, Timing
 from shared.settings import WorkerSettings
-from shared.store.registry import HeldSession
 from shared.store.schema import NO_SEQ, KeySchema, encode_log_record
 from worker.engine import Engine, TokenDelta, TurnResult
-from worker.server.handover import held_sessions, migrate_all
-from worker.server.link import LinkPeer, SessionBinding, SessionDirectory
+from worker.server.bindings import LinkPeer, SessionBinding, SessionDirectory
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
 from worker.server.session_log import read_log_bytes
@@ -366,12 +364,3 @@ class WorkerService:
         self.metrics.error(str(error.code))
         if link is not None:
             link.send(link_error_from(sid, error, seq, fatal=fatal))
-
-    # ---- Redis lost its data, draining (worker/server/handover.py) ------------------------------
-
-    def held_sessions(self) -> list[HeldSession]:
-        return held_sessions(self)
-
-    async def drain(self) -> None:
-        """Stop taking sessions and hand each one over to its gateway (`migrate`)."""
-        await migrate_all(self)
