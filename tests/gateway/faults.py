@@ -128,6 +128,9 @@ class Streamer:
     sent: int = 0
     first_sent_at: float = 0.0
     last_done_at: float = 0.0
+    # seq -> monotonic send time, and each answered chunk's wait from its send to its first done.
+    sent_at: dict[int, float] = field(default_factory=dict)
+    waits: dict[int, float] = field(default_factory=dict)
     _answered: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
@@ -150,8 +153,9 @@ class Streamer:
                 self._answered.clear()
                 await asyncio.wait_for(self._answered.wait(), 60)
             self.sent += 1
+            self.sent_at[self.sent] = time.monotonic()
             if self.sent == 1:
-                self.first_sent_at = time.monotonic()
+                self.first_sent_at = self.sent_at[1]
             if self.text:
                 piece, k = texts[self.sent - 1]
                 await self.client.send_chunk(self.sent, text=piece, max_output_tokens=k)
@@ -170,6 +174,8 @@ class Streamer:
             if isinstance(msg, OutputDone):
                 self.dones.setdefault(msg.seq, []).append(msg)
                 self.last_done_at = time.monotonic()
+                if msg.seq in self.sent_at:
+                    self.waits.setdefault(msg.seq, self.last_done_at - self.sent_at[msg.seq])
                 self._answered.set()
             elif isinstance(msg, Error):
                 self.errors.append(msg)
@@ -201,12 +207,14 @@ class Tally:
     identical: int  # sessions whose outputs equal the uninterrupted reference
     restored: int  # session.restored notices received
     chunks_per_s: float  # answered chunks per second per session, averaged over the sessions
+    longest_wait_s: float  # the longest any chunk waited from its send to its output.done
 
     def line(self, name: str) -> str:
         return (
             f"[fault] {name}: sessions={self.sessions} continued={self.continued} lost_turns={self.lost} "
             f"duplicate_answers={self.duplicated} identical_to_reference={self.identical} "
-            f"restores={self.restored} chunks_per_s_per_session={self.chunks_per_s:.1f}"
+            f"restores={self.restored} chunks_per_s_per_session={self.chunks_per_s:.1f} "
+            f"longest_wait_s={self.longest_wait_s:.2f}"
         )
 
 
@@ -225,7 +233,8 @@ def tally(streamers: list[Streamer], expected: dict[int, list[list[int]]]) -> Ta
             identical += 1
         restored += len(s.restored)
     rate = sum(rates) / len(rates) if rates else 0.0
-    return Tally(len(streamers), continued, lost, duplicated, identical, restored, rate)
+    longest = max((wait for s in streamers for wait in s.waits.values()), default=0.0)
+    return Tally(len(streamers), continued, lost, duplicated, identical, restored, rate, longest)
 
 
 @dataclass(frozen=True)
