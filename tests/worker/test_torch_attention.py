@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from worker.attention import AttentionMetadata, TorchAttention
-from worker.engine.kv_pool import KVPool
+from worker.attention.kv_pool import KVPool
 
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 16, 4
 # (tokens already in the session, tokens fed this step): decode rows, short appends (the folded

@@ -1,42 +1,84 @@
-"""Attention backends behind one interface; flashinfer is imported only when asked for on CUDA."""
+"""Attention backends behind one interface, and the choice among them at start.
+
+flashinfer is imported only when it is asked for (`--attention flashinfer`) or when `auto` runs on
+CUDA with the package installed; on the CPU `auto` is the torch backend and never imports it.
+A flashinfer backend is used only after it agreed with the torch reference on a check batch
+(self_check.py): under `auto` a failed check logs a warning and serves with torch, under
+`flashinfer` the worker refuses to start and says why.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
+import sys
+from typing import Final
 
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
+from worker.attention.flashinfer_backend import FlashInferAttention
+from worker.attention.self_check import compare_with_torch
 from worker.attention.torch_backend import TorchAttention
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttention", "backend_class", "resolve_backend_name"]
+__all__ = [
+    "BACKEND_NAMES",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "BackendRefused",
+    "TorchAttention",
+    "choose_backend",
+    "decide",
+]
 
-BACKEND_NAMES = ("auto", "torch", "flashinfer")
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES: Final = ("auto", "torch", "flashinfer")
+
+
+class BackendRefused(ValueError):
+    """The asked-for backend cannot serve here; the message says why (the worker exits with it)."""
 
 
 def flashinfer_available() -> bool:
     # find_spec does not import the package: importing flashinfer on a CPU-only torch has broken before.
-    return importlib.util.find_spec("flashinfer") is not None
+    return "flashinfer" in sys.modules or importlib.util.find_spec("flashinfer") is not None
 
 
-# The backends this build carries. flashinfer's joins once it has run on a GPU (the GPU issue).
-IMPLEMENTED: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+def decide(name: str, problem: str | None) -> type[AttentionBackend]:
+    """flashinfer if its check passed (`problem` is None); else torch under `auto`, a refusal otherwise."""
+    if problem is None:
+        return FlashInferAttention
+    if name == "auto":
+        logger.warning("flashinfer failed its start-up check, serving with the torch backend: %s", problem)
+        return TorchAttention
+    raise BackendRefused(f"--attention flashinfer cannot serve here: {problem}")
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`auto` takes flashinfer on CUDA when it is built and installed, else the torch reference."""
+def choose_backend(
+    name: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+) -> type[AttentionBackend]:
+    """The backend a model runner uses for `--attention name` on `device`."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
-    if name == "auto":
-        on_cuda = device.type == "cuda" and "flashinfer" in IMPLEMENTED and flashinfer_available()
-        return "flashinfer" if on_cuda else "torch"
-    if name == "flashinfer" and device.type != "cuda":
-        raise ValueError("the flashinfer backend needs a CUDA device")
-    return name
-
-
-def backend_class(name: str) -> type[AttentionBackend]:
-    try:
-        return IMPLEMENTED[name]
-    except KeyError:
-        raise ValueError(f"attention backend {name!r} is not available in this build") from None
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or not flashinfer_available())):
+        return TorchAttention
+    if not flashinfer_available():
+        return decide(name, "flashinfer is not installed (the `gpu` extra: pip install 'microturn[gpu]')")
+    problem = compare_with_torch(
+        FlashInferAttention,
+        device=device,
+        dtype=dtype,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+    )
+    return decide(name, problem)

@@ -20,12 +20,13 @@ buffers and non-blocking copies belong to the GPU work, which has not run on a G
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from worker.engine.kv_pool import KVLayout, KVPool
+from worker.attention.kv_pool import KVLayout, KVPool
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,37 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         """Every row feeds exactly one token: the shape CUDA graphs capture."""
         return all(n == 1 for n in self.q_lens)
+
+
+def paged_metadata(
+    starts: Sequence[int], q_lens: Sequence[int], page_tables: Sequence[Sequence[int]], page_size: int
+) -> AttentionMetadata:
+    """A step's metadata on the host: row i feeds q_lens[i] tokens after starts[i] cached ones, its KV
+    in the first pages of page_tables[i] (which must cover starts[i] + q_lens[i] tokens)."""
+    kv_lens = tuple(start + q_len for start, q_len in zip(starts, q_lens, strict=True))
+    qo_indptr = [0]
+    page_indptr = [0]
+    page_indices: list[int] = []
+    last_page_len = []
+    positions: list[int] = []
+    for start, q_len, kv_len, pages in zip(starts, q_lens, kv_lens, page_tables, strict=True):
+        num_pages = (kv_len + page_size - 1) // page_size
+        if num_pages > len(pages):
+            raise RuntimeError(f"row needs {num_pages} pages but its table has {len(pages)}")
+        qo_indptr.append(qo_indptr[-1] + q_len)
+        page_indices.extend(pages[:num_pages])
+        page_indptr.append(len(page_indices))
+        last_page_len.append(kv_len - (num_pages - 1) * page_size)
+        positions.extend(range(start, kv_len))
+    return AttentionMetadata(
+        qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),
+        kv_page_indptr=torch.tensor(page_indptr, dtype=torch.int32),
+        kv_page_indices=torch.tensor(page_indices, dtype=torch.int32),
+        kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        q_lens=tuple(q_lens),
+        kv_lens=kv_lens,
+    )
 
 
 class AttentionBackend(ABC):

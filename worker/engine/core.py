@@ -189,6 +189,7 @@ class EngineCore:
             turns_completed=self.turns_completed,
             tokens_forwarded=self.tokens_forwarded,
             kv_evictions=self.kv_evictions,
+            attention_backend=self.runner.attention_name,
         )
 
     # ---- the step -----------------------------------------------------------------------------

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import backend_class, resolve_backend_name
-from worker.attention.base import AttentionMetadata
-from worker.engine.kv_pool import KVPool
+from worker.attention import choose_backend
+from worker.attention.base import AttentionMetadata, paged_metadata
+from worker.attention.kv_pool import KVPool
 from worker.engine.sampling import SamplingParams, sample
 from worker.model.llama import LlamaModel
 from worker.model.loader import LoadedModel
@@ -60,8 +60,16 @@ class ModelRunner:
         self.page_size = page_size
         self.cpu_threads = torch.get_num_threads()
         self.model = LlamaModel(config, loaded.weights, device=device, dtype=dtype)
-        self.attention_name = resolve_backend_name(attention, device)
-        backend = backend_class(self.attention_name)
+        backend = choose_backend(
+            attention,
+            device=device,
+            dtype=dtype,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            page_size=page_size,
+        )
+        self.attention_name = backend.name
         self.kv_pool = KVPool(
             num_layers=config.num_layers,
             num_pages=num_pages,
@@ -88,31 +96,9 @@ class ModelRunner:
 
     def metadata(self, rows: Sequence[ForwardRow]) -> AttentionMetadata:
         """The step's attention metadata, built on the host from the rows' page tables."""
-        page_size = self.page_size
-        q_lens = tuple(len(row.token_ids) for row in rows)
-        kv_lens = tuple(row.start + n for row, n in zip(rows, q_lens, strict=True))
-        qo_indptr = [0]
-        page_indptr = [0]
-        page_indices: list[int] = []
-        last_page_len = []
-        positions: list[int] = []
-        for row, q_len, kv_len in zip(rows, q_lens, kv_lens, strict=True):
-            num_pages = (kv_len + page_size - 1) // page_size
-            if num_pages > len(row.pages):
-                raise RuntimeError(f"row needs {num_pages} pages but its table has {len(row.pages)}")
-            qo_indptr.append(qo_indptr[-1] + q_len)
-            page_indices.extend(row.pages[:num_pages])
-            page_indptr.append(len(page_indices))
-            last_page_len.append(kv_len - (num_pages - 1) * page_size)
-            positions.extend(range(row.start, kv_len))
-        return AttentionMetadata(
-            qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),
-            kv_page_indptr=torch.tensor(page_indptr, dtype=torch.int32),
-            kv_page_indices=torch.tensor(page_indices, dtype=torch.int32),
-            kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            q_lens=q_lens,
-            kv_lens=kv_lens,
+        q_lens = [len(row.token_ids) for row in rows]
+        return paged_metadata(
+            [row.start for row in rows], q_lens, [row.pages for row in rows], self.page_size
         )
 
     def close(self) -> None:

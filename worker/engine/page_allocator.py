@@ -1,4 +1,4 @@
-"""Hands out KV page ids from a fixed pool. Pure Python, no torch: the memory is `worker.engine.kv_pool`.
+"""Hands out KV page ids from a fixed pool. Pure Python, no torch: the memory is `worker.attention.kv_pool`.
 
 Invariant: every page id is either free or owned by exactly one session's page table. `allocate` is
 all-or-nothing, so a failed request leaves the pool untouched.

@@ -20,3 +20,5 @@ class EngineStats:
     turns_completed: int
     tokens_forwarded: int
     kv_evictions: int
+    # The attention backend the model runner chose at start (`torch` or `flashinfer`).
+    attention_backend: str

@@ -38,6 +38,11 @@ class WorkerMetrics:
         }
         for name, value in counters.items():
             lines += [f"# TYPE {name} counter", f"{name} {value}"]
+        # An info gauge: which attention backend serves (its start-up check passed, or `torch`).
+        lines += [
+            "# TYPE microturn_worker_attention_backend gauge",
+            f'microturn_worker_attention_backend{{backend="{stats.attention_backend}"}} 1',
+        ]
         lines.append("# TYPE microturn_worker_errors_total counter")
         lines += [
             f'microturn_worker_errors_total{{code="{code}"}} {n}' for code, n in sorted(self.errors.items())

@@ -1,0 +1,146 @@
+"""What the layout must keep, read from the source (an AST scan: nothing is imported or executed).
+
+- No import cycle among the project's modules. An import counts wherever it stands (inside a
+  function or under TYPE_CHECKING too), and importing `a.b.c` runs the `__init__` of `a` and `a.b`
+  first, so it counts as importing those packages as well: a cycle through a package's `__init__`
+  breaks at import time depending on which module happens to be imported first.
+- No import upward: shared/ is what the gateway and the worker both speak and imports neither of
+  them, except its operations subpackage (shared/cli/: the `microturn` entry point, `microturn up`,
+  the keys CLI), which starts them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("shared", "gateway", "worker", "loadtest")
+UPPER_LAYERS = ("gateway", "worker")
+OPERATIONS = "shared/cli/"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
+
+
+def imported_names(path: Path, name: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of everything the file imports, relative imports resolved."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.append((node.lineno, module))
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def import_graph(known: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the project modules it imports, each with the packages whose __init__ that runs."""
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        edges = set()
+        for _line, imported in imported_names(path, name):
+            parts = imported.split(".")
+            for end in range(1, len(parts) + 1):
+                target = ".".join(parts[:end])
+                if target in known and target != name and not name.startswith(target + "."):
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle_among_the_project_modules() -> None:
+    known = modules()
+    assert len(known) > 100  # the scan sees the project
+    assert cycles(import_graph(known)) == []
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_package_init(tmp_path: Path) -> None:
+    graph = {"a": {"a.b"}, "a.b": {"c"}, "c": {"a"}, "d": {"c"}}
+    assert cycles(graph) == [["a", "a.b", "c"]]
+    assert cycles({"x": {"y"}, "y": set()}) == []
+
+
+def test_importing_a_submodule_counts_its_packages(tmp_path: Path) -> None:
+    files = {"p": "p/__init__.py", "p.q": "p/q/__init__.py", "p.q.r": "p/q/r.py", "user": "user.py"}
+    for path in files.values():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    (tmp_path / "user.py").write_text("def later():\n    from p.q.r import name\n")
+    (tmp_path / "p/q/r.py").write_text("from . import sibling\n")
+    graph = import_graph({name: tmp_path / path for name, path in files.items()})
+    assert graph["user"] == {"p", "p.q", "p.q.r"}
+    assert graph["p.q.r"] == set()  # `from . import sibling` names p.q, the package it lives in
+
+
+def test_shared_imports_neither_gateway_nor_worker_outside_its_operations_package() -> None:
+    known = modules()
+    upward = [
+        f"{path.relative_to(REPO)}:{line} imports {imported}"
+        for name, path in known.items()
+        if name.startswith("shared") and not str(path.relative_to(REPO)).startswith(OPERATIONS)
+        for line, imported in imported_names(path, name)
+        if imported.split(".")[0] in UPPER_LAYERS
+    ]
+    assert upward == []
+
+
+def test_the_scan_sees_imports_inside_functions() -> None:
+    # The entry point imports the processes it starts lazily, inside its sub-commands.
+    path = REPO / "shared" / "cli" / "main.py"
+    names = [imported for _, imported in imported_names(path, "shared.cli.main")]
+    assert "worker.server.main" in names and "gateway.main" in names
