@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from worker.attention import TorchAttention, choose_backend
 from worker.engine import Engine
+from worker.server.main import EXIT_REFUSED
 from worker.server.metrics import WorkerMetrics
 
 SHAPE = {"dtype": torch.float32, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "page_size": 16}
@@ -34,3 +37,18 @@ def test_a_cpu_engine_never_imports_flashinfer_and_names_its_backend() -> None:
     assert (
         'microturn_worker_attention_backend{backend="torch"} 1' in WorkerMetrics().render(stats).splitlines()
     )
+
+
+def test_a_worker_asked_for_flashinfer_it_cannot_use_refuses_to_start_and_says_why() -> None:
+    # A CPU machine without the `gpu` extra: the start-up check cannot pass.
+    done = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "worker", "--model", "tiny", "--attention", "flashinfer"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == EXIT_REFUSED, done.stderr[-2000:]
+    assert "the worker does not start: --attention flashinfer cannot serve here" in done.stderr
+    assert "not installed" in done.stderr

@@ -12,10 +12,14 @@ from types import FrameType
 import uvicorn
 
 from shared.settings import SHUTDOWN_GRACE_S, WorkerSettings, parse_settings
+from worker.attention import BackendRefused
 from worker.engine import Engine, EngineConfig
 from worker.server.app import WorkerRuntime, create_worker_app
 
 logger = logging.getLogger(__name__)
+
+# The exit status of a worker that refused to start (its log says why).
+EXIT_REFUSED = 2
 
 # What a clean stop may take after the connections are cut: the lifespan's shutdown (a last token
 # log flush, deregistering) and joining the engine thread after its current step.
@@ -67,7 +71,11 @@ class DrainingServer(uvicorn.Server):
 
 def main(argv: list[str]) -> int:
     settings = parse_settings(WorkerSettings, argv, "microturn worker")
-    engine = Engine.from_config(EngineConfig.from_settings(settings))
+    try:
+        engine = Engine.from_config(EngineConfig.from_settings(settings))
+    except BackendRefused as refused:  # `--attention flashinfer` failed its start-up check
+        logger.error("the worker does not start: %s", refused)
+        return EXIT_REFUSED
     runtime = WorkerRuntime(settings, engine)
     config = uvicorn.Config(
         create_worker_app(runtime),
