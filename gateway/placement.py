@@ -13,7 +13,6 @@ single-slot and runs on Redis Cluster. The trade-off is spelled out at the top o
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Collection
 from typing import Final
 
@@ -23,6 +22,7 @@ from redis.commands.core import AsyncScript
 from shared.errors import CapacityExhausted
 from shared.store.registry import Placement
 from shared.store.schema import KeySchema, lua_script
+from shared.store.values import now_ms, text
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +56,6 @@ def load_place_script(redis: Redis) -> AsyncScript:
     return redis.register_script(place_script_source())
 
 
-def _text(value: object) -> str:
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, str):
-        return value
-    raise TypeError(f"unexpected reply element from place.lua: {value!r}")
-
-
 async def place_session(
     redis: Redis,
     schema: KeySchema,
@@ -81,16 +73,17 @@ async def place_session(
     Workers with a suspect key, and those in `exclude` (the caller's own suspects), are skipped.
     """
     script = load_place_script(redis)
-    now_ms = time.time_ns() // 1_000_000
     age_ms = max(0, max_heartbeat_age_ms)
     result = await script(
         keys=[schema.workers()],
-        args=[schema.worker_prefix(), now_ms, age_ms, schema.suspect_prefix(), *exclude],
+        args=[schema.worker_prefix(), now_ms(), age_ms, schema.suspect_prefix(), *exclude],
     )
     if result is None:
         logger.info("no worker with room under prefix %r", schema.prefix)
         raise CapacityExhausted("no worker has a free session slot", retry_after_ms=retry_after_ms)
-    worker_id, url = (_text(v) for v in result)
+    if not all(isinstance(v, bytes | str) for v in result):
+        raise TypeError(f"unexpected reply from place.lua: {result!r}")
+    worker_id, url = (text(v) for v in result)
     logger.debug("placed a session on worker %s (%s)", worker_id, url)
     return Placement(worker_id=worker_id, url=url)
 

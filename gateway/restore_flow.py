@@ -56,8 +56,9 @@ class RestoreFlow(SessionFlows):
                 continue
             link = s.pool.link(placed.url, placed.record.worker)
             tail = self._tail.snapshot()
+            record = placed.record
             frame = LinkRestore(
-                sid, self._config, None, seen_seq, placed.record.token_sha256, placed.record.created_ms, tail
+                sid, self._config, None, seen_seq, record.token_sha256, record.created_ms, tail, record.auth
             )
             try:
                 opened = await self._request(sid, link, frame, reply)

@@ -167,13 +167,15 @@ class SessionFlows(abc.ABC):
         token = new_resume_token()
         self.sid, self._config = sid, config
         limits = self._limits.values.as_map()
+        grant = None
         if self._auth is not None:
             await self._auth.admit_open(sid)
             limits.update(self._auth.limits_map())
+            grant = self._auth.grant()
         last: MicroturnError | None = None
         for _ in range(PLACEMENT_ATTEMPTS):
             try:
-                placed = await s.store.place_new(sid, token, config)
+                placed = await s.store.place_new(sid, token, config, grant)
             except CapacityExhausted:
                 # The workers that had room could not be reached (now suspect): that is the truth.
                 if last is not None:
@@ -186,7 +188,8 @@ class SessionFlows(abc.ABC):
                 return [SessionOpened(sid, token, model, limits)]
 
             try:
-                frame = LinkOpen(sid, config, (), placed.record.token_sha256, placed.record.created_ms)
+                record = placed.record
+                frame = LinkOpen(sid, config, (), record.token_sha256, record.created_ms, record.auth)
                 opened = await self._request(sid, link, frame, reply)
             except (WorkerUnavailable, CapacityExhausted) as exc:
                 logger.warning("open on worker %s failed (%s); trying another", placed.record.worker, exc)
@@ -196,8 +199,6 @@ class SessionFlows(abc.ABC):
             except MicroturnError:
                 await s.store.delete(sid)
                 raise
-            if self._auth is not None:
-                await self._auth.record_open(sid)
             self._activate(link, placed.record, opened)
             s.metrics.sessions_opened += 1
             logger.info("session %s opened on worker %s", sid, placed.record.worker)
@@ -210,7 +211,7 @@ class SessionFlows(abc.ABC):
         sid = msg.session_id
         record, config = await s.store.lookup(sid, msg.resume_token)
         if self._auth is not None:
-            await self._auth.admit_resume(sid, record.created_ms)
+            await self._auth.admit_resume(sid, record.created_ms, record.auth)
         self.sid, self._config, self._record = sid, config, record
 
         def resumed(opened: LinkOpened) -> list[ServerMessage]:

@@ -21,16 +21,17 @@ from redis.exceptions import RedisError
 from gateway.placement import Placement, mark_suspect, place_session
 from shared.errors import CapacityExhausted, InvalidMessage, SessionNotFound, Unauthorized
 from shared.protocol import OpenConfig, config_from_map, config_to_map
+from shared.protocol.link import AuthLimits
 from shared.store.registry import (
     SessionRecord,
     delete_session,
-    hash_token,
     read_session,
     read_worker,
     verify_token,
     write_session,
 )
 from shared.store.schema import KeySchema
+from shared.store.values import now_ms, sha256_hex
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +97,17 @@ class SessionStore:
                     return await place_session(self.redis, self.schema, exclude=self.suspects())
             await asyncio.sleep(EMPTY_REGISTRY_POLL_S)
 
-    async def place_new(self, sid: str, token: str, config: OpenConfig) -> Placed:
+    async def place_new(self, sid: str, token: str, config: OpenConfig, auth: AuthLimits | None) -> Placed:
         """Pick a worker for a new session and write its record (before the worker hears of it: a
         worker heartbeat that finds no record for one of its sessions ends it)."""
         worker_id, url, model = await self._place()
         record = SessionRecord(
             worker=worker_id,
-            token_sha256=hash_token(token),
+            token_sha256=sha256_hex(token),
             model=model,
-            created_ms=time.time_ns() // 1_000_000,
+            created_ms=now_ms(),
             config=config_to_map(config),
+            auth=auth,
         )
         await write_session(self.redis, self.schema, sid, record, self.ttl_s(config))
         return Placed(record, url)

@@ -31,8 +31,8 @@ from typing import Final
 
 from redis.asyncio import Redis
 
-from shared.store.registry import hash_token
 from shared.store.schema import KeySchema
+from shared.store.values import now_ms, sha256_hex, text, text_map
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,6 @@ __all__ = [
     "KeyExists",
     "KeyLimits",
     "KeyStore",
-    "digest",
     "ms_until_next_day",
     "new_secret",
     "usage_day",
@@ -69,11 +68,6 @@ def new_secret(prefix: str) -> str:
     WebSocket subprotocol name.
     """
     return prefix + secrets.token_urlsafe(SECRET_BYTES)
-
-
-def digest(secret: str) -> str:
-    """SHA-256 hex of a credential: the only form ever stored (same hash as resume tokens)."""
-    return hash_token(secret)
 
 
 def usage_day(now_s: float | None = None) -> str:
@@ -125,14 +119,6 @@ class ApiKey:
     created_ms: int
 
 
-def text_map(raw: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
-    """A hash reply as str -> str, whatever the client's decode_responses."""
-    return {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-        for k, v in raw.items()
-    }
-
-
 class KeyStore:
     """Create, list, revoke and look up API keys, and settle their daily token usage."""
 
@@ -145,7 +131,7 @@ class KeyStore:
         if not name or any(c.isspace() for c in name):
             raise ValueError(f"invalid key name {name!r}: non-empty, no whitespace")
         secret = new_secret(API_KEY_PREFIX)
-        key = ApiKey(name, digest(secret), limits, int(time.time() * 1000))
+        key = ApiKey(name, sha256_hex(secret), limits, now_ms())
         # The name is claimed first: a lost race leaves nothing behind, a won one is then filled in.
         if not await self.redis.hsetnx(self.schema.api_keys(), name, key.digest):
             raise KeyExists(f"a key named {name!r} already exists")
@@ -165,7 +151,7 @@ class KeyStore:
 
     async def by_secret(self, secret: str) -> ApiKey | None:
         """The key a client presented, or None (wrong, revoked: one path, one answer)."""
-        return await self._record(digest(secret))
+        return await self._record(sha256_hex(secret))
 
     async def by_digest(self, key_digest: str) -> ApiKey | None:
         return await self._record(key_digest)
@@ -184,9 +170,9 @@ class KeyStore:
         key_digest = await self.redis.hget(self.schema.api_keys(), name)
         if key_digest is None:
             return False
-        text = key_digest.decode() if isinstance(key_digest, bytes) else str(key_digest)
+        key_text = text(key_digest)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.delete(self.schema.api_key(text))
+            pipe.delete(self.schema.api_key(key_text))
             pipe.hdel(self.schema.api_keys(), name)
             await pipe.execute()
         return True

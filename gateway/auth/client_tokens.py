@@ -18,14 +18,14 @@ the socket (gateway/session_guard.py), from the limits this record carries.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Final
 
 from redis.asyncio import Redis
 
-from gateway.auth.api_keys import CLIENT_TOKEN_PREFIX, ApiKey, digest, new_secret, text_map
+from gateway.auth.api_keys import CLIENT_TOKEN_PREFIX, ApiKey, new_secret
 from shared.store.schema import KeySchema, lua_script
+from shared.store.values import now_ms, sha256_hex, text_map
 
 __all__ = ["ClientToken", "ClientTokenStore", "TokenLimits"]
 
@@ -82,7 +82,7 @@ class ClientTokenStore:
         """A new token for `key` (its limits already capped); the secret is returned once."""
         secret = new_secret(CLIENT_TOKEN_PREFIX)
         ttl_ms = max(1, int(ttl_s * 1000))
-        token = ClientToken(digest(secret), key.digest, limits, int(time.time() * 1000) + ttl_ms, None)
+        token = ClientToken(sha256_hex(secret), key.digest, limits, now_ms() + ttl_ms, None)
         fields = {
             _KEY: key.digest,
             _MAX_SESSION_S: repr(limits.max_session_s),
@@ -97,7 +97,7 @@ class ClientTokenStore:
         return secret, token
 
     async def by_secret(self, secret: str) -> ClientToken | None:
-        token_digest = digest(secret)
+        token_digest = sha256_hex(secret)
         raw = text_map(await self.redis.hgetall(self.schema.client_token(token_digest)))
         if not raw:
             return None

@@ -22,19 +22,20 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.auth.api_keys import API_KEY_PREFIX, CLIENT_TOKEN_PREFIX, KeyStore, digest
+from gateway.auth.api_keys import API_KEY_PREFIX, CLIENT_TOKEN_PREFIX, KeyStore
 from gateway.auth.client_tokens import ClientTokenStore, TokenLimits
 from gateway.auth.session_auth import UNAUTHORIZED_MESSAGE, Principal
 from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX
 from shared.errors import ErrorCode, InvalidMessage
 from shared.protocol.codec import parse_json
 from shared.protocol.fields import FieldReader
+from shared.store.values import sha256_hex
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES: Final = 4096
 # Looked up when a browser token is unknown, so a wrong token costs the same two lookups as a right one.
-_NO_KEY_DIGEST: Final = digest("")
+_NO_KEY_DIGEST: Final = sha256_hex("")
 
 
 def bearer_credential(headers: Mapping[str, str], offered: Iterable[str]) -> str | None:

@@ -31,6 +31,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.auth.api_keys import KeyStore
+from shared.store.registry import SessionUsage
 from shared.store.schema import KeySchema, lua_script
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ logger = logging.getLogger(__name__)
 LEASE_S: Final = 5.0
 REFRESH_S: Final = 1.0
 # The session-hash field holding a budgeted session's tokens spent so far.
-SESSION_USED_FIELD: Final = "auth_used"
 
 
 def _merge(into: dict[str, int], counts: dict[str, int]) -> None:
@@ -55,7 +55,7 @@ class KeyLedger:
         self.keys = keys
         self._admit = redis.register_script(lua_script("now_ms", "key_admit"))
         self._renew = redis.register_script(lua_script("now_ms", "key_renew"))
-        self._add_used = redis.register_script(lua_script("session_add_used"))
+        self._usage = SessionUsage(redis, schema)
         # digest -> sid -> sockets of this gateway holding that session's slot (a take-over on the
         # same gateway briefly has two; the member goes only when the last one lets go).
         self._held: dict[str, dict[str, int]] = defaultdict(dict)
@@ -110,14 +110,13 @@ class KeyLedger:
             self._session_pending[sid] += tokens
 
     async def session_used(self, sid: str) -> int:
-        raw = await self.redis.hget(self.schema.session(sid), SESSION_USED_FIELD)
-        return (int(raw) if raw is not None else 0) + self._session_pending.get(sid, 0)
+        return await self._usage.read(sid) + self._session_pending.get(sid, 0)
 
     async def _flush_session(self, sid: str) -> None:
         used = self._session_pending.pop(sid, 0)
         if used:
             with contextlib.suppress(RedisError, OSError):
-                await self._add_used(keys=[self.schema.session(sid)], args=[SESSION_USED_FIELD, used])
+                await self._usage.add(sid, used)
 
     # ---- the periodic batch ------------------------------------------------------------------------
 
@@ -138,8 +137,7 @@ class KeyLedger:
                         zset = self.schema.key_sessions(key_digest)
                         await self._renew(keys=[zset], args=[lease_ms, *sids], client=pipe)
                     for sid, used in sessions.items():
-                        session = self.schema.session(sid)
-                        await self._add_used(keys=[session], args=[SESSION_USED_FIELD, used], client=pipe)
+                        await self._usage.add(sid, used, pipe)
                     await pipe.execute()
             except BaseException:
                 _merge(self._session_pending, sessions)

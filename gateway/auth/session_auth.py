@@ -13,8 +13,10 @@ limits without any Redis call on the hot path:
 - a timer: a `session.expiring` warning ahead of the deadline, then `on_expired` at it. A token
   budget warns at `TOKEN_WARN_FRACTION` and expires once spent.
 
-The limits a session lives under are written into its session hash at open (`auth_*` fields), so
-whichever gateway a client resumes through applies the same ones.
+The limits a session lives under (`grant()`, an `AuthLimits`) are part of its session record,
+written whole at open by the record's one owner (shared/store/registry.py) and carried to the worker,
+which re-writes them with the rest of the record if Redis loses it; so whichever gateway a client
+resumes through applies the same ones.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from typing import Final
 
 from redis.exceptions import RedisError
 
-from gateway.auth.api_keys import ApiKey, ms_until_next_day, text_map
+from gateway.auth.api_keys import ApiKey, ms_until_next_day
 from gateway.auth.client_tokens import ClientToken, ClientTokenStore
 from gateway.auth.key_ledger import REFRESH_S, KeyLedger
 from shared.errors import RateLimited, SessionExpired, Unauthorized
 from shared.protocol import SessionExpiring
+from shared.protocol.link import AuthLimits
 from shared.store.schema import KeySchema
 
 logger = logging.getLogger(__name__)
@@ -44,10 +47,6 @@ logger = logging.getLogger(__name__)
 WARN_LEAD_FRACTION: Final = 0.2
 WARN_LEAD_MAX_S: Final = 30.0
 TOKEN_WARN_FRACTION: Final = 0.9
-# Fields of the session hash holding the limits it was opened under.
-AUTH_KEY: Final = "auth_key"
-AUTH_MAX_SESSION_S: Final = "auth_max_session_s"
-AUTH_MAX_TOKENS: Final = "auth_max_tokens"
 UNAUTHORIZED_MESSAGE: Final = "missing, invalid, revoked or expired credential"
 
 
@@ -161,25 +160,18 @@ class SessionAuth:
         )
         self._deadline_s = time.time() + self._limit_s if self._limit_s else None
 
-    async def record_open(self, sid: str) -> None:
-        """Write the limits into the session hash (it exists: placement just wrote it)."""
-        fields = {
-            AUTH_KEY: self.principal.key.digest,
-            AUTH_MAX_SESSION_S: repr(self.principal.max_session_s),
-            AUTH_MAX_TOKENS: str(self.principal.max_tokens),
-        }
-        await self._d.ledger.redis.hset(self._d.schema.session(sid), mapping=fields)  # type: ignore[arg-type]
+    def grant(self) -> AuthLimits:
+        """The limits this session is opened under, as its record keeps them."""
+        return AuthLimits(self.principal.key.digest, self.principal.max_session_s, self.principal.max_tokens)
 
-    async def admit_resume(self, sid: str, created_ms: int) -> None:
+    async def admit_resume(self, sid: str, created_ms: int, granted: AuthLimits | None) -> None:
         """The session must be this key's (and this token's); its limits carry over, clock included."""
-        raw = await self._d.ledger.redis.hmget(
-            self._d.schema.session(sid), [AUTH_KEY, AUTH_MAX_SESSION_S, AUTH_MAX_TOKENS]
-        )
-        stored = text_map({str(i): v for i, v in enumerate(raw) if v is not None})
         token = self.principal.token
-        if stored.get("0") != self.principal.key.digest or (token is not None and token.sid != sid):
+        if granted is None or granted.key_sha256 != self.principal.key.digest:
             raise Unauthorized(UNAUTHORIZED_MESSAGE)
-        max_session_s, max_tokens = float(stored.get("1", "0")), int(stored.get("2", "0"))
+        if token is not None and token.sid != sid:
+            raise Unauthorized(UNAUTHORIZED_MESSAGE)
+        max_session_s, max_tokens = granted.max_session_s, granted.max_tokens
         deadline = created_ms / 1000 + max_session_s if max_session_s else None
         if deadline is not None and deadline <= time.time():
             raise SessionExpired(f"the session reached its maximum duration of {max_session_s:g} s")

@@ -48,6 +48,17 @@ LINK_SECRET_HEADER: Final = "x-microturn-link-secret"
 
 
 @dataclass(frozen=True, slots=True)
+class AuthLimits:
+    """The limits a session was opened under with auth on: its API key (SHA-256 digest), its
+    maximum duration and its token budget (0: none). Part of the session record, so a resume through
+    any gateway applies the same ones; carried to the worker so it can re-write the record whole."""
+
+    key_sha256: str
+    max_session_s: float = 0.0
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class LinkOpen:
     op: ClassVar[str] = "open"
     sid: str
@@ -58,6 +69,8 @@ class LinkOpen:
     # the resume token's SHA-256 (never the token) and the creation time.
     token_sha256: str | None = None
     created_ms: int | None = None
+    # With auth on, the limits the session was opened under (the rest of its record).
+    auth: AuthLimits | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +109,7 @@ class LinkRestore:
     created_ms: int | None = None
     # The gateway's undurable tail, in seq order; turns the log already holds are skipped.
     tail: tuple[TailTurn, ...] = ()
+    auth: AuthLimits | None = None  # as in `open`
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,20 +18,24 @@ Clients must be created with `decode_responses=False` (the default): the token l
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
 import secrets
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
+from shared.protocol.link import AuthLimits
 from shared.store.schema import (
+    SESSION_AUTH_KEY,
+    SESSION_AUTH_MAX_SESSION_S,
+    SESSION_AUTH_MAX_TOKENS,
+    SESSION_AUTH_USED,
     SESSION_CONFIG,
     SESSION_CREATED_MS,
     SESSION_MODEL,
@@ -50,6 +54,7 @@ from shared.store.schema import (
     KeySchema,
     lua_script,
 )
+from shared.store.values import now_ms, sha256_hex, text_map
 
 logger = logging.getLogger(__name__)
 
@@ -99,13 +104,15 @@ class WorkerInfo:
 
 @dataclass(frozen=True, slots=True)
 class SessionRecord:
-    """The session hash: which worker holds the session, and what proves a resume is legitimate."""
+    """The session hash, every field of it: which worker holds the session, what proves a resume is
+    legitimate, and (auth on) the limits it was opened under. Only this module reads or writes it."""
 
     worker: str
     token_sha256: str
     model: str
     created_ms: int
     config: dict[str, Any] = field(default_factory=dict)
+    auth: AuthLimits | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,19 +131,6 @@ def ttl_to_ms(ttl_s: float) -> int:
     return ms
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-def _text(value: bytes | str) -> str:
-    """Hash fields come back as bytes (the default client) or str (decode_responses=True)."""
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _text_map(raw: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in raw.items()}
-
-
 # --- worker side -------------------------------------------------------------------------------
 
 
@@ -149,7 +143,7 @@ def _worker_mapping(info: WorkerInfo) -> dict[FieldT, EncodableT]:
         WORKER_KV_TOKENS_FREE: info.kv_tokens_free,
         WORKER_KV_TOKENS_TOTAL: info.kv_tokens_total,
         WORKER_MODEL: info.model,
-        WORKER_HEARTBEAT_MS: _now_ms(),
+        WORKER_HEARTBEAT_MS: now_ms(),
     }
 
 
@@ -216,7 +210,7 @@ async def deregister(redis: Redis, schema: KeySchema, worker_id: str) -> None:
 
 async def read_worker(redis: Redis, schema: KeySchema, worker_id: str) -> WorkerInfo | None:
     """The worker's hash as published, or None when it has expired: the liveness check at use time."""
-    raw = _text_map(await redis.hgetall(schema.worker(worker_id)))
+    raw = text_map(await redis.hgetall(schema.worker(worker_id)))
     if not raw:
         return None
     try:
@@ -240,13 +234,28 @@ async def read_worker(redis: Redis, schema: KeySchema, worker_id: str) -> Worker
 
 
 def _session_mapping(record: SessionRecord) -> dict[FieldT, EncodableT]:
-    return {
+    mapping: dict[FieldT, EncodableT] = {
         SESSION_WORKER: record.worker,
         SESSION_TOKEN_SHA256: record.token_sha256,
         SESSION_MODEL: record.model,
         SESSION_CREATED_MS: record.created_ms,
         SESSION_CONFIG: json.dumps(record.config, separators=(",", ":"), sort_keys=True),
     }
+    if record.auth is not None:
+        mapping[SESSION_AUTH_KEY] = record.auth.key_sha256
+        mapping[SESSION_AUTH_MAX_SESSION_S] = repr(record.auth.max_session_s)
+        mapping[SESSION_AUTH_MAX_TOKENS] = record.auth.max_tokens
+    return mapping
+
+
+def _auth_limits(raw: Mapping[str, str]) -> AuthLimits | None:
+    if SESSION_AUTH_KEY not in raw:
+        return None
+    return AuthLimits(
+        raw[SESSION_AUTH_KEY],
+        float(raw.get(SESSION_AUTH_MAX_SESSION_S, "0")),
+        int(raw.get(SESSION_AUTH_MAX_TOKENS, "0")),
+    )
 
 
 async def write_session(
@@ -264,7 +273,7 @@ async def write_session(
 async def read_session(redis: Redis, schema: KeySchema, sid: str) -> SessionRecord | None:
     """The session hash, or None when it has expired, was deleted, or is unreadable."""
     key = schema.session(sid)
-    raw = _text_map(await redis.hgetall(key))
+    raw = text_map(await redis.hgetall(key))
     if not raw:
         return None
     try:
@@ -277,6 +286,7 @@ async def read_session(redis: Redis, schema: KeySchema, sid: str) -> SessionReco
             model=raw.get(SESSION_MODEL, ""),
             created_ms=int(raw[SESSION_CREATED_MS]),
             config=config,
+            auth=_auth_limits(raw),
         )
     except (KeyError, ValueError):
         # Reported as "not found" so the client starts over, instead of retrying into the same error.
@@ -345,6 +355,28 @@ async def rewrite_sessions(redis: Redis, schema: KeySchema, held: Iterable[HeldS
     return len(items)
 
 
+class SessionUsage:
+    """The session hash's spent-tokens counter, the one field the gateways add to after open.
+
+    It lives in the session hash so it expires with the session; it is not part of `SessionRecord`
+    (a worker re-writing the record after Redis lost its data does not know it: the session's budget
+    then counts again from what the gateways spend from there on).
+    """
+
+    def __init__(self, redis: Redis, schema: KeySchema) -> None:
+        self._redis = redis
+        self._schema = schema
+        self._add = redis.register_script(lua_script("session_add_used"))
+
+    async def read(self, sid: str) -> int:
+        raw = await self._redis.hget(self._schema.session(sid), SESSION_AUTH_USED)
+        return int(raw) if raw is not None else 0
+
+    async def add(self, sid: str, used: int, pipe: Pipeline | None = None) -> None:
+        """Add `used` tokens (queued on `pipe` when given); a gone session is left gone."""
+        await self._add(keys=[self._schema.session(sid)], args=[SESSION_AUTH_USED, used], client=pipe)
+
+
 # --- resume tokens -----------------------------------------------------------------------------
 
 
@@ -353,12 +385,7 @@ def new_resume_token() -> str:
     return secrets.token_urlsafe(RESUME_TOKEN_BYTES)
 
 
-def hash_token(token: str) -> str:
-    """SHA-256 hex of a resume token. Unsalted is enough: the token is 256 random bits, not a password."""
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def verify_token(token: str, stored_sha256: str) -> bool:
     """Constant-time check of a presented token against the stored digest (no timing oracle)."""
     # Bytes on both sides: compare_digest refuses non-ASCII str, and the stored value came off the wire.
-    return hmac.compare_digest(hash_token(token).encode(), stored_sha256.encode())
+    return hmac.compare_digest(sha256_hex(token).encode(), stored_sha256.encode())

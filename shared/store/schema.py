@@ -75,6 +75,12 @@ SESSION_TOKEN_SHA256: Final = "token_sha256"
 SESSION_MODEL: Final = "model"
 SESSION_CREATED_MS: Final = "created_ms"
 SESSION_CONFIG: Final = "config"
+# With auth on, the limits the session was opened under (`AuthLimits`).
+SESSION_AUTH_KEY: Final = "auth_key"
+SESSION_AUTH_MAX_SESSION_S: Final = "auth_max_session_s"
+SESSION_AUTH_MAX_TOKENS: Final = "auth_max_tokens"
+# The tokens a budgeted session spent, settled every second by the gateways (`SessionUsage`).
+SESSION_AUTH_USED: Final = "auth_used"
 
 TOKEN_BYTES: Final = 4
 NO_SEQ: Final = -1  # the seq of a log record that belongs to no turn

@@ -44,8 +44,10 @@ from shared.protocol import (
     encode_client,
     link_error_from,
 )
+from shared.protocol.link import AuthLimits
 from shared.settings import GatewaySettings
-from shared.store.registry import SessionRecord, hash_token
+from shared.store.registry import SessionRecord
+from shared.store.values import sha256_hex
 
 
 @dataclass
@@ -152,9 +154,11 @@ class FakeStore:
                 return worker_id
         raise CapacityExhausted("no worker has room", retry_after_ms=1000)
 
-    async def place_new(self, sid: str, token: str, config: OpenConfig) -> Placed:
+    async def place_new(self, sid: str, token: str, config: OpenConfig, auth: AuthLimits | None) -> Placed:
         worker_id = self._pick()
-        record = SessionRecord(worker_id, hash_token(token), "fake", 1, config=config_to_map(config))
+        record = SessionRecord(
+            worker_id, sha256_hex(token), "fake", 1, config=config_to_map(config), auth=auth
+        )
         self.records[sid] = (record, config)
         return Placed(record, url_of(worker_id))
 
@@ -167,7 +171,7 @@ class FakeStore:
         if sid not in self.records:
             raise SessionNotFound(f"no session {sid}")
         record, config = self.records[sid]
-        if record.token_sha256 != hash_token(token):
+        if record.token_sha256 != sha256_hex(token):
             raise Unauthorized("wrong resume token")
         return record, config
 

@@ -164,9 +164,9 @@ def test_no_wrong_or_revoked_credential_is_unauthorized_with_one_answer(stack: S
 
 
 def _name_of(secret: str, keys: list[Any]) -> str:
-    from gateway.auth.api_keys import digest
+    from shared.store.values import sha256_hex
 
-    return next(key.name for key in keys if key.digest == digest(secret))
+    return next(key.name for key in keys if key.digest == sha256_hex(secret))
 
 
 def test_keys_command_creates_lists_and_revokes(stack: Stack) -> None:

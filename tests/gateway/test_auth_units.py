@@ -14,7 +14,6 @@ from gateway.auth.api_keys import (
     API_KEY_PREFIX,
     ApiKey,
     KeyLimits,
-    digest,
     ms_until_next_day,
     new_secret,
     usage_day,
@@ -26,6 +25,7 @@ from shared.cli.stack import Stack, StackOptions
 from shared.client.core import handshake_headers
 from shared.protocol import Encoding, SessionExpiring, decode_server, encode_server
 from shared.settings import GatewaySettings, is_loopback_host, parse_settings
+from shared.store.values import sha256_hex
 
 TOKEN = "mtb_abc-DEF_123"
 
@@ -68,7 +68,7 @@ def test_bearer_plus_unknown_subprotocol_is_still_refused() -> None:
 def test_secrets_are_random_prefixed_and_stored_as_sha256() -> None:
     one, two = new_secret(API_KEY_PREFIX), new_secret(API_KEY_PREFIX)
     assert one != two and one.startswith("mt_") and len(one) > 40
-    assert len(digest(one)) == 64 and digest(one) != digest(two) and one not in digest(one)
+    assert len(sha256_hex(one)) == 64 and sha256_hex(one) != sha256_hex(two) and one not in sha256_hex(one)
 
 
 def test_limits_round_trip_and_refuse_negatives() -> None:

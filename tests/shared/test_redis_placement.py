@@ -28,7 +28,6 @@ from shared.store.registry import (
     WorkerInfo,
     delete_session,
     deregister,
-    hash_token,
     heartbeat,
     load_score,
     mark_draining,
@@ -41,6 +40,7 @@ from shared.store.registry import (
     write_session,
 )
 from shared.store.schema import NO_SEQ, STATE_DRAINING, KeySchema, LogState, decode_tokens, encode_tokens
+from shared.store.values import sha256_hex
 from tests.shared.redis_servers import SERVER_KINDS, ServerUnavailable, running_server
 from worker.server.session_log import read_log, read_log_state
 from worker.server.token_log import TokenLogWriter
@@ -132,7 +132,7 @@ def test_token_codec_is_little_endian_uint32() -> None:
 def test_resume_tokens() -> None:
     token = new_resume_token()
     assert len(token) >= 40 and token != new_resume_token()
-    stored = hash_token(token)
+    stored = sha256_hex(token)
     assert len(stored) == 64 and token not in stored
     assert verify_token(token, stored)
     assert not verify_token(token + "x", stored)
@@ -314,7 +314,7 @@ def test_session_record_round_trip(server_url: str, schema: KeySchema) -> None:
         token = new_resume_token()
         record = SessionRecord(
             worker="w1",
-            token_sha256=hash_token(token),
+            token_sha256=sha256_hex(token),
             model="smollm2-135m",
             created_ms=1_760_000_000_123,
             config={"temperature": 0.7, "stop": ["\n"], "nested": {"top_k": 40}, "label": "héllo"},
@@ -373,7 +373,7 @@ def test_token_log_appends_and_reads_back(server_url: str, schema: KeySchema) ->
 
 
 def test_session_ttls_are_set_and_touch_refreshes_them(server_url: str, schema: KeySchema) -> None:
-    record = SessionRecord(worker="w", token_sha256=hash_token("t"), model="tiny", created_ms=1)
+    record = SessionRecord(worker="w", token_sha256=sha256_hex("t"), model="tiny", created_ms=1)
 
     async def body(r: Redis) -> None:
         for sid in ("s1", "s2"):
@@ -395,7 +395,7 @@ def test_session_ttls_are_set_and_touch_refreshes_them(server_url: str, schema: 
 
 
 def test_delete_session_removes_both_keys(server_url: str, schema: KeySchema) -> None:
-    record = SessionRecord(worker="w", token_sha256=hash_token("t"), model="tiny", created_ms=1)
+    record = SessionRecord(worker="w", token_sha256=sha256_hex("t"), model="tiny", created_ms=1)
 
     async def body(r: Redis) -> None:
         await write_session(r, schema, "s", record, LONG_TTL_S)

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.protocol.link import LinkDone, ToGateway
+from shared.protocol.link import AuthLimits, LinkDone, ToGateway
 from shared.protocol.messages import InputChunk, OpenConfig
 from worker.server.restore import RestorePlan
 
@@ -41,6 +41,7 @@ class SessionBinding:
     config: OpenConfig = field(default_factory=OpenConfig)
     token_sha256: str | None = None
     created_ms: int = 0
+    auth: AuthLimits | None = None
     # Set while a restore opens the session: what `opened` still has to log, answer and run.
     restore: RestorePlan | None = None
 

@@ -47,6 +47,7 @@ def held_sessions(service: WorkerService) -> list[HeldSession]:
             model=service.engine.model_config.name,
             created_ms=binding.created_ms,
             config=config_to_map(binding.config),
+            auth=binding.auth,
         )
         ttl_s = binding.idle_timeout_s + service.settings.session_grace_s
         held.append(HeldSession(sid, record, logs[sid], ttl_s))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
@@ -35,6 +34,7 @@ from shared.protocol.link import (
 from shared.protocol.messages import CloseReason, InputChunk, OutputDelta, OutputDone, Timing
 from shared.settings import WorkerSettings
 from shared.store.schema import NO_SEQ, KeySchema, encode_log_record
+from shared.store.values import now_ms
 from worker.engine import Engine, TokenDelta, TurnResult
 from worker.server.bindings import LinkPeer, SessionBinding, SessionDirectory
 from worker.server.metrics import WorkerMetrics
@@ -122,7 +122,8 @@ class WorkerService:
         binding = SessionBinding(sid, config.stream, idle, link, length=length, finished_seq=finished_seq)
         binding.config = config
         binding.token_sha256 = frame.token_sha256
-        binding.created_ms = frame.created_ms or time.time_ns() // 1_000_000
+        binding.auth = frame.auth
+        binding.created_ms = frame.created_ms or now_ms()
         binding.restore = plan
         if plan is not None:
             binding.waiting = list(plan.rerun)  # run first, in seq order, once the session is open

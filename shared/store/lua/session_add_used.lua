@@ -1,4 +1,4 @@
--- session_add_used.lua: add to a budgeted session's spent tokens (gateway/key_ledger.py).
+-- session_add_used.lua: add to a budgeted session's spent tokens (shared/store/registry.py `SessionUsage`).
 --
 -- KEYS[1]  the session hash; ARGV[1] the field, ARGV[2] the tokens to add
 -- Only touched while the hash exists (HINCRBY alone would recreate it, TTL-less): -1 when gone.
