@@ -35,8 +35,8 @@ from gateway.links import LinkPool
 from gateway.metrics import GatewayMetrics
 from gateway.services import GatewayServices
 from shared.errors import ErrorCode, MicroturnError, Unauthorized, WorkerUnavailable
-from shared.protocol import Encoding, close_code_for, encode_server, error_message_from
-from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION
+from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION, close_code_for, error_message_from
+from shared.protocol.codec import Encoding, encode_server
 from shared.settings import GatewaySettings, is_loopback_host
 from shared.store.connection import redacted_url, resilient_redis
 

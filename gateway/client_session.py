@@ -22,7 +22,7 @@ Invariants:
 - With auth on, `SessionAuth` (session_auth.py) holds the session's slot among its key's sessions
   from open/resume until the socket ends, whatever ends it; per chunk it only compares two numbers.
 - Every chunk forwarded to the worker is in `_in_flight` until its `done` or its `error` arrives,
-  and in the undurable tail (gateway/tail.py) until its turn is durable in the token log. When the
+  and in the undurable tail (gateway/undurable.py) until its turn is durable in the token log. When the
   worker is lost, the chunks in flight are not failed back: the restoring worker gets the tail and
   re-runs them, so every chunk gets exactly one `output.done` (docs/failover.md). Chunks that arrive
   while the session moves are held in the tail and sent once it is restored.
@@ -53,19 +53,16 @@ from gateway.outbox import Outbox
 from gateway.restore_flow import RestoreFlow
 from gateway.services import GatewayServices
 from gateway.session_flows import PendingOpen
-from gateway.tail import UndurableTail
+from gateway.undurable import UndurableTurns
 from shared.errors import (
     BadSequence,
     InternalError,
     MicroturnError,
     WorkerUnavailable,
 )
-from shared.protocol import (
-    CLOSE_NORMAL,
-    ClientMessage,
-    CloseReason,
-    Encoding,
-    InputChunk,
+from shared.protocol.close_codes import CLOSE_NORMAL, close_code_for
+from shared.protocol.codec import Encoding, decode_client
+from shared.protocol.link import (
     LinkCancel,
     LinkChunk,
     LinkClosed,
@@ -75,6 +72,12 @@ from shared.protocol import (
     LinkError,
     LinkMigrate,
     LinkOpened,
+    ToGateway,
+)
+from shared.protocol.messages import (
+    ClientMessage,
+    CloseReason,
+    InputChunk,
     OpenConfig,
     OutputCancel,
     Ping,
@@ -83,9 +86,6 @@ from shared.protocol import (
     SessionClosed,
     SessionOpen,
     SessionResume,
-    ToGateway,
-    close_code_for,
-    decode_client,
 )
 from shared.store.registry import SessionRecord
 
@@ -127,7 +127,7 @@ class ClientSession(RestoreFlow):
         self._restore_task: asyncio.Task[None] | None = None
         # seq -> monotonic arrival time, for every chunk forwarded and not yet answered.
         self._in_flight: dict[int, float] = {}
-        self._tail = UndurableTail()
+        self._undurable = UndurableTurns()
         # The last seq the session finished, as this socket knows it (the worker's at `opened`, then
         # each done; None: none): every done up to it has been queued for the client, and a chunk at
         # or below it can only be refused (the worker's seq ordering is past it).
@@ -257,13 +257,13 @@ class ClientSession(RestoreFlow):
             # Held, not refused: it goes to the new worker with the tail, or right after its restore.
             self._admit(msg)
             self._in_flight[msg.seq] = received
-            self._tail.add(LinkChunk(sid, msg), sent=False)
+            self._undurable.add(LinkChunk(sid, msg), sent=False)
             return
         self._admit(msg)
         # In flight before the write: the done can arrive while the write is still draining.
         self._in_flight[msg.seq] = received
         frame = LinkChunk(sid, msg)
-        self._tail.add(frame, sent=True)
+        self._undurable.add(frame, sent=True)
         try:
             await link.send(frame)
         except WorkerUnavailable:
@@ -318,7 +318,7 @@ class ClientSession(RestoreFlow):
         elif isinstance(frame, LinkClosed):
             self._on_closed(frame.reason)
         elif isinstance(frame, LinkMigrate):
-            self._tail.durable(frame.durable_seq)
+            self._undurable.durable(frame.durable_seq)
             if self.life.phase is Phase.ACTIVE and self._link is not None:
                 self._s.metrics.sessions_migrated += 1
                 self._move(self._link, "its worker is draining")
@@ -330,11 +330,11 @@ class ClientSession(RestoreFlow):
             # after `opened`, so forwarding this one too would deliver it twice.
             logger.debug("session %s: dropping %s before opened", frame.sid, frame.op)
         elif isinstance(frame, LinkDelta):
-            if self._tail.delta_is_new(frame):
+            if self._undurable.delta_is_new(frame):
                 self.outbox.put(frame.delta)
         elif isinstance(frame, LinkDone):
             done = frame.done
-            if not self._tail.delivered(frame):
+            if not self._undurable.delivered(frame):
                 logger.info("session %s: dropping a second done for seq %d", frame.sid, done.seq)
                 return
             started = self._in_flight.pop(done.seq, None)
@@ -351,7 +351,7 @@ class ClientSession(RestoreFlow):
             if error.seq is not None:
                 self._in_flight.pop(error.seq, None)
                 self._limits.settle(error.seq)
-                self._tail.refused(error.seq)
+                self._undurable.refused(error.seq)
             self.outbox.put(error)
             if error.fatal:
                 self.life.end_session()

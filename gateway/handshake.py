@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shared.protocol import Encoding, choose_encoding
+from shared.protocol.codec import Encoding, choose_encoding
 
 BEARER_SUBPROTOCOL_PREFIX = "microturn.bearer."
 

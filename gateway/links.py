@@ -34,14 +34,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from gateway.metrics import GatewayMetrics
 from gateway.placement import SUSPECT_TTL_S
 from shared.errors import InvalidMessage, WorkerUnavailable
-from shared.protocol import (
-    LinkError,
-    ToGateway,
-    ToWorker,
-    decode_link,
-    encode_link,
-)
-from shared.protocol.link import LINK_PATH, LINK_SECRET_HEADER
+from shared.protocol.link import LINK_PATH, LINK_SECRET_HEADER, LinkError, ToGateway, ToWorker
+from shared.protocol.link_codec import decode_link, encode_link
 
 logger = logging.getLogger(__name__)
 

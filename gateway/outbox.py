@@ -24,14 +24,9 @@ from starlette.websockets import WebSocket
 
 from gateway.metrics import GatewayMetrics
 from shared.errors import ErrorCode
-from shared.protocol import (
-    Encoding,
-    Error,
-    OutputDone,
-    ServerMessage,
-    close_code_for,
-    encode_server,
-)
+from shared.protocol.close_codes import close_code_for
+from shared.protocol.codec import Encoding, encode_server
+from shared.protocol.messages import Error, OutputDone, ServerMessage
 
 logger = logging.getLogger(__name__)
 

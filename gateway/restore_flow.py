@@ -2,7 +2,7 @@
 
 Why apart from client_session.py: this is the one flow that runs beside the socket's receive loop
 (a task started from the link reader's callbacks) and it owns the exactly-once machinery of
-docs/failover.md: the restore frame carries the undurable tail (gateway/tail.py), chunks that arrive
+docs/failover.md: the restore frame carries the undurable tail (gateway/undurable.py), chunks that arrive
 meanwhile are held and sent once the new worker answered, and nothing in flight is failed back.
 `RestoreFlow` extends `SessionFlows` (whose primitives it uses) and `ClientSession` extends it; the
 state it reads is the session's own (declared once, in `SessionFlows`).
@@ -24,12 +24,8 @@ from gateway.lifecycle import Phase, SessionEnded
 from gateway.links import Link
 from gateway.session_flows import Reply, SessionFlows
 from shared.errors import CapacityExhausted, InternalError, MicroturnError, WorkerUnavailable
-from shared.protocol import (
-    LinkOpened,
-    LinkRestore,
-    ServerMessage,
-    SessionRestored,
-)
+from shared.protocol.link import LinkOpened, LinkRestore
+from shared.protocol.messages import ServerMessage, SessionRestored
 from shared.store.registry import SessionRecord
 
 logger = logging.getLogger(__name__)
@@ -55,14 +51,14 @@ class RestoreFlow(SessionFlows):
                 last = exc
                 continue
             link = s.pool.link(placed.url, placed.record.worker)
-            tail = self._tail.snapshot()
+            tail = self._undurable.snapshot()
             record = placed.record
             frame = LinkRestore(
                 sid, self._config, None, seen_seq, record.token_sha256, record.created_ms, tail, record.auth
             )
             try:
                 opened = await self._request(sid, link, frame, reply)
-                self._tail.durable(opened.durable_seq)
+                self._undurable.durable(opened.durable_seq)
                 await self._send_held(sid, link)
             except (WorkerUnavailable, CapacityExhausted) as exc:
                 logger.warning("restore of %s on %s failed (%s)", sid, placed.record.worker, exc)
@@ -78,7 +74,7 @@ class RestoreFlow(SessionFlows):
     async def _send_held(self, sid: str, link: Link) -> None:
         """Send the chunks held since the restore frame was built; the session stays RESTORING (so
         new chunks keep being held, in order) until none is left and the link is still ours."""
-        while held := self._tail.take_unsent():
+        while held := self._undurable.take_unsent():
             for chunk in held:
                 await link.send(chunk)
         if self._s.pool.bound_link(sid, self) is not link:
@@ -126,7 +122,7 @@ class RestoreFlow(SessionFlows):
             self.sid,
             link.url,
             why,
-            len(self._tail),
+            len(self._undurable),
         )
         self._s.pool.unbind(self.sid, self)  # the old worker's late frames are not ours any more
         self.life.move(Phase.RESTORING)

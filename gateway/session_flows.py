@@ -33,7 +33,7 @@ from gateway.limits import SessionLimits
 from gateway.links import Link
 from gateway.outbox import Outbox
 from gateway.services import GatewayServices
-from gateway.tail import UndurableTail
+from gateway.undurable import UndurableTurns
 from shared.errors import (
     CapacityExhausted,
     InternalError,
@@ -42,13 +42,10 @@ from shared.errors import (
     SessionNotFound,
     WorkerUnavailable,
 )
-from shared.protocol import (
-    CLOSE_NORMAL,
+from shared.protocol.close_codes import CLOSE_NORMAL, close_code_for, error_message_from
+from shared.protocol.link import LinkAttach, LinkClose, LinkOpen, LinkOpened, ToGateway, ToWorker
+from shared.protocol.messages import (
     CloseReason,
-    LinkAttach,
-    LinkClose,
-    LinkOpen,
-    LinkOpened,
     OpenConfig,
     ServerMessage,
     SessionClosed,
@@ -57,10 +54,6 @@ from shared.protocol import (
     SessionRestored,
     SessionResume,
     SessionResumed,
-    ToGateway,
-    ToWorker,
-    close_code_for,
-    error_message_from,
 )
 from shared.store.registry import SessionRecord, new_resume_token
 
@@ -98,7 +91,7 @@ class SessionFlows(abc.ABC):
     _record: SessionRecord | None
     _link: Link | None
     _pending: PendingOpen | None
-    _tail: UndurableTail
+    _undurable: UndurableTurns
     _finished_seq: int | None
     _length: int
     _closed_future: asyncio.Future[CloseReason | None] | None

@@ -20,8 +20,9 @@ from redis.exceptions import RedisError
 
 from gateway.placement import Placement, mark_suspect, place_session
 from shared.errors import CapacityExhausted, InvalidMessage, SessionNotFound, Unauthorized
-from shared.protocol import OpenConfig, config_from_map, config_to_map
+from shared.protocol.codec import config_from_map, config_to_map
 from shared.protocol.link import AuthLimits
+from shared.protocol.messages import OpenConfig
 from shared.store.registry import (
     SessionRecord,
     delete_session,

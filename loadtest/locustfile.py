@@ -52,7 +52,8 @@ from loadtest.capacity.workload import (
 )
 from shared.client.core import MAX_SERVER_FRAME_BYTES, handshake_headers
 from shared.errors import ErrorCode, MicroturnError
-from shared.protocol import (
+from shared.protocol.codec import decode_server, encode_client
+from shared.protocol.messages import (
     ClientMessage,
     Error,
     InputChunk,
@@ -65,8 +66,6 @@ from shared.protocol import (
     SessionOpened,
     SessionResume,
     SessionResumed,
-    decode_server,
-    encode_client,
 )
 
 logger = logging.getLogger(__name__)

@@ -144,3 +144,17 @@ def test_the_scan_sees_imports_inside_functions() -> None:
     path = REPO / "shared" / "cli" / "main.py"
     names = [imported for _, imported in imported_names(path, "shared.cli.main")]
     assert "worker.server.main" in names and "gateway.main" in names
+
+
+def test_protocol_names_are_imported_from_their_defining_module() -> None:
+    """shared/protocol/__init__.py re-exports nothing, and nothing imports from the bare package."""
+    init = REPO / "shared" / "protocol" / "__init__.py"
+    assert not [n for n in ast.parse(init.read_text()).body if isinstance(n, ast.Import | ast.ImportFrom)]
+    bare = [
+        f"{path.relative_to(REPO)}:{node.lineno}"
+        for path in sorted(REPO.rglob("*.py"))
+        if ".venv" not in path.parts
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+        if isinstance(node, ast.ImportFrom) and node.module == "shared.protocol"
+    ]
+    assert bare == []

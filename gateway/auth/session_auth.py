@@ -36,8 +36,8 @@ from gateway.auth.api_keys import ApiKey, ms_until_next_day
 from gateway.auth.client_tokens import ClientToken, ClientTokenStore
 from gateway.auth.key_ledger import REFRESH_S, KeyLedger
 from shared.errors import RateLimited, SessionExpired, Unauthorized
-from shared.protocol import SessionExpiring
 from shared.protocol.link import AuthLimits
+from shared.protocol.messages import SessionExpiring
 from shared.store.schema import KeySchema
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from shared.protocol import Encoding
+from shared.protocol.codec import Encoding
 
 DEFAULT_CHUNK_MS: Final = 200.0
 DEFAULT_CHUNK_TOKENS: Final = 16

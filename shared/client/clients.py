@@ -38,9 +38,9 @@ from shared.client.core import (
     open_config,
 )
 from shared.client.retry import NO_RETRY, RetryPolicy
-from shared.protocol import (
+from shared.protocol.codec import Encoding
+from shared.protocol.messages import (
     ClientMessage,
-    Encoding,
     OutputDelta,
     OutputDone,
     Pong,

@@ -16,10 +16,10 @@ from typing import Any, Final, Generic, Literal, TypeVar
 from websockets.exceptions import ConnectionClosed
 
 from shared.client.retry import ChunkRetries, RetryPolicy
-from shared.protocol import (
+from shared.protocol.codec import Encoding, decode_server, encode_client
+from shared.protocol.messages import (
     ClientMessage,
     CloseReason,
-    Encoding,
     Error,
     InputChunk,
     OpenConfig,
@@ -35,8 +35,6 @@ from shared.protocol import (
     SessionOpened,
     SessionResume,
     SessionResumed,
-    decode_server,
-    encode_client,
 )
 
 EncodingName = Literal["json", "msgpack"]

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final
 
-from shared.protocol import Error, InputChunk
+from shared.protocol.messages import Error, InputChunk
 
 logger = logging.getLogger(__name__)
 

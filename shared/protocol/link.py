@@ -82,7 +82,7 @@ class LinkAttach:
 
 
 @dataclass(frozen=True, slots=True)
-class TailTurn:
+class UndurableTurn:
     """A chunk the worker had not confirmed durable, and the output the client already got for it.
 
     `output` None: no `done` reached the client; the restoring worker runs the chunk (exactly one
@@ -108,7 +108,7 @@ class LinkRestore:
     token_sha256: str | None = None  # as in `open`
     created_ms: int | None = None
     # The gateway's undurable tail, in seq order; turns the log already holds are skipped.
-    tail: tuple[TailTurn, ...] = ()
+    tail: tuple[UndurableTurn, ...] = ()
     auth: AuthLimits | None = None  # as in `open`
 
 

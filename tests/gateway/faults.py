@@ -27,7 +27,7 @@ import pytest
 from redis.asyncio import Redis
 
 from shared.client.clients import ConnectionLost, RealtimeClient, SessionClosedError
-from shared.protocol import Error, OutputDone, ServerMessage, SessionClosed, SessionRestored
+from shared.protocol.messages import Error, OutputDone, ServerMessage, SessionClosed, SessionRestored
 from shared.store.registry import read_session
 from shared.store.schema import KeySchema
 from tests.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS

@@ -21,10 +21,9 @@ from gateway.links import Link, LinkPool
 from gateway.metrics import GatewayMetrics
 from gateway.session_store import Placed
 from shared.errors import BadSequence, CapacityExhausted, SessionNotFound, Unauthorized, WorkerUnavailable
-from shared.protocol import (
-    ClientMessage,
-    Encoding,
-    InputChunk,
+from shared.protocol.codec import Encoding, config_to_map, encode_client
+from shared.protocol.link import (
+    AuthLimits,
     LinkAttach,
     LinkChunk,
     LinkClose,
@@ -33,18 +32,19 @@ from shared.protocol import (
     LinkOpen,
     LinkOpened,
     LinkRestore,
+    ToGateway,
+    ToWorker,
+    link_error_from,
+)
+from shared.protocol.messages import (
+    ClientMessage,
+    InputChunk,
     OpenConfig,
     OutputDone,
     ServerMessage,
     SessionOpened,
     Timing,
-    ToGateway,
-    ToWorker,
-    config_to_map,
-    encode_client,
-    link_error_from,
 )
-from shared.protocol.link import AuthLimits
 from shared.settings import GatewaySettings
 from shared.store.registry import SessionRecord
 from shared.store.values import sha256_hex

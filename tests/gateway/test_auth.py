@@ -30,16 +30,9 @@ from gateway.auth.api_keys import KeyLimits, KeyStore
 from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX
 from shared.client.clients import ConnectionLost, RealtimeClient
 from shared.errors import ErrorCode, RateLimited, SessionNotFound, WorkerUnavailable
-from shared.protocol import (
-    Encoding,
-    Error,
-    InputChunk,
-    SessionExpiring,
-    close_code_for,
-    decode_server,
-    encode_client,
-)
-from shared.protocol.messages import SessionOpen, SessionResume
+from shared.protocol.close_codes import close_code_for
+from shared.protocol.codec import Encoding, decode_server, encode_client
+from shared.protocol.messages import Error, InputChunk, SessionExpiring, SessionOpen, SessionResume
 from shared.store.schema import KeySchema
 from tests.gateway.stack import Proc, Stack, running_stack, stop
 from tests.processes import REPO

@@ -23,7 +23,8 @@ from gateway.auth.credentials import bearer_credential
 from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX, negotiate
 from shared.cli.stack import Stack, StackOptions
 from shared.client.core import handshake_headers
-from shared.protocol import Encoding, SessionExpiring, decode_server, encode_server
+from shared.protocol.codec import Encoding, decode_server, encode_server
+from shared.protocol.messages import SessionExpiring
 from shared.settings import GatewaySettings, is_loopback_host, parse_settings
 from shared.store.values import sha256_hex
 

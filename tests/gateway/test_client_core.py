@@ -6,8 +6,8 @@ import pytest
 
 from shared.client.clients import ClientCore, ReplyWaiter, SessionClosedError, TurnWaiter, open_config
 from shared.errors import BadSequence, ErrorCode, InvalidMessage, SessionNotFound
-from shared.protocol import (
-    Encoding,
+from shared.protocol.codec import Encoding, encode_server
+from shared.protocol.messages import (
     Error,
     InputChunk,
     OutputDelta,
@@ -18,7 +18,6 @@ from shared.protocol import (
     SessionOpened,
     SessionRestored,
     Timing,
-    encode_server,
 )
 
 

@@ -1,8 +1,8 @@
-"""The gateway's undurable tail (gateway/tail.py), as a state machine: unit tests with no I/O."""
+"""The gateway's undurable tail (gateway/undurable.py), as a state machine: unit tests with no I/O."""
 
 from __future__ import annotations
 
-from gateway.tail import UndurableTail
+from gateway.undurable import UndurableTurns
 from shared.protocol.link import LinkChunk, LinkDelta, LinkDone
 from shared.protocol.messages import InputChunk, OutputDelta, OutputDone, Timing
 
@@ -12,7 +12,7 @@ def done(seq: int, tokens: tuple[int, ...], durable: int | None) -> LinkDone:
 
 
 def test_entries_leave_once_delivered_and_durable_and_duplicates_are_refused() -> None:
-    tail = UndurableTail()
+    tail = UndurableTurns()
     for seq in (1, 2, 3):
         tail.add(LinkChunk("s", InputChunk(seq, (seq,))), sent=True)
     assert tail.delivered(done(1, (9,), None)) and len(tail) == 3
@@ -27,7 +27,7 @@ def test_entries_leave_once_delivered_and_durable_and_duplicates_are_refused() -
 
 
 def test_held_chunks_are_sent_once_and_repeated_deltas_are_dropped() -> None:
-    tail = UndurableTail()
+    tail = UndurableTurns()
     tail.add(LinkChunk("s", InputChunk(1, (1,))), sent=True)
     tail.add(LinkChunk("s", InputChunk(2, (2,))), sent=False)
     tail.add(LinkChunk("s", InputChunk(3, (3,))), sent=False)
@@ -42,10 +42,11 @@ def test_the_new_link_fields_round_trip_and_bad_tails_are_refused() -> None:
     import pytest
 
     from shared.errors import InvalidMessage
-    from shared.protocol import OpenConfig, decode_link, encode_link
-    from shared.protocol.link import LinkMigrate, LinkOpened, LinkRestore, TailTurn
+    from shared.protocol.link import LinkMigrate, LinkOpened, LinkRestore, UndurableTurn
+    from shared.protocol.link_codec import decode_link, encode_link
+    from shared.protocol.messages import OpenConfig
 
-    tail = (TailTurn(InputChunk(4, (1, 2)), (7,)), TailTurn(InputChunk(5, None, "hi", 3), None))
+    tail = (UndurableTurn(InputChunk(4, (1, 2)), (7,)), UndurableTurn(InputChunk(5, None, "hi", 3), None))
     frames = [
         LinkRestore("s", OpenConfig(), None, 3, "ab" * 32, 123, tail),
         LinkRestore("s", OpenConfig()),

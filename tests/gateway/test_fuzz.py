@@ -23,7 +23,7 @@ import pytest
 
 from shared.client.clients import ConnectionLost, RealtimeClient
 from shared.errors import ErrorCode
-from shared.protocol import Error, Pong
+from shared.protocol.messages import Error, Pong
 from tests.gateway.conftest import LINK_SECRET
 from tests.gateway.stack import Stack, running_stack
 from tests.shared.redis_servers import ServerUnavailable, running_server

@@ -8,7 +8,7 @@ from gateway.handshake import Negotiated, negotiate
 from gateway.links import link_endpoint
 from gateway.metrics import GatewayMetrics
 from shared.metrics import Histogram
-from shared.protocol import Encoding
+from shared.protocol.codec import Encoding
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import pytest
 from shared.client.clients import RealtimeClient, RetryPolicy
 from shared.client.retry import NO_RETRY
 from shared.errors import CapacityExhausted, RateLimited
-from shared.protocol import Error, OutputDelta, OutputDone
+from shared.protocol.messages import Error, OutputDelta, OutputDone
 from tests.gateway.conftest import LINK_SECRET
 from tests.gateway.stack import Stack, running_stack
 from tests.shared.redis_servers import ServerUnavailable, running_server

@@ -8,7 +8,8 @@ from __future__ import annotations
 from gateway.links import Link, LinkPool
 from gateway.metrics import GatewayMetrics
 from shared.errors import ErrorCode
-from shared.protocol import Error, LinkClosed, LinkDone, LinkError, OutputDone, Timing, ToGateway
+from shared.protocol.link import LinkClosed, LinkDone, LinkError, ToGateway
+from shared.protocol.messages import Error, OutputDone, Timing
 
 
 class Recorder:

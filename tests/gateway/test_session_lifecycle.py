@@ -15,8 +15,18 @@ import pytest
 
 from gateway.lifecycle import SERVED, TRANSITIONS, IllegalTransition, Phase, Request, SessionLifecycle
 from shared.errors import ErrorCode
-from shared.protocol import (
-    CLOSE_NORMAL,
+from shared.protocol.close_codes import CLOSE_NORMAL
+from shared.protocol.link import (
+    LinkAttach,
+    LinkChunk,
+    LinkClose,
+    LinkClosed,
+    LinkDetach,
+    LinkOpen,
+    LinkRestore,
+    UndurableTurn,
+)
+from shared.protocol.messages import (
     ClientMessage,
     Error,
     InputChunk,
@@ -26,18 +36,11 @@ from shared.protocol import (
     SessionClose,
     SessionClosed,
     SessionOpen,
+    SessionOpened,
+    SessionRestored,
+    SessionResume,
+    SessionResumed,
 )
-from shared.protocol.link import (
-    LinkAttach,
-    LinkChunk,
-    LinkClose,
-    LinkClosed,
-    LinkDetach,
-    LinkOpen,
-    LinkRestore,
-    TailTurn,
-)
-from shared.protocol.messages import SessionOpened, SessionRestored, SessionResume, SessionResumed
 from tests.gateway.session_fakes import Gateway, Socket
 
 OPEN = SessionOpen(OpenConfig())
@@ -143,7 +146,10 @@ def test_link_loss_restores_with_the_tail_and_holds_chunks_meanwhile() -> None:
         assert await sock.send(chunk(3)) == []  # held, not refused
         [restore] = gw.workers["w2"].received
         assert isinstance(restore, LinkRestore) and restore.seen_seq == 1
-        delivered, in_flight = TailTurn(InputChunk(1, (1, 2)), (7,)), TailTurn(InputChunk(2, (1, 2)))
+        delivered, in_flight = (
+            UndurableTurn(InputChunk(1, (1, 2)), (7,)),
+            UndurableTurn(InputChunk(2, (1, 2))),
+        )
         assert restore.tail == (delivered, in_flight)
         gw.workers["w2"].answering = True  # the new worker answers the restore, then the held chunk
         gw.pool.dispatch(gw.link("w2"), gw.workers["w2"].answer(restore)[0])
@@ -238,7 +244,7 @@ def test_a_resent_answered_chunk_is_refused_and_its_turn_is_restored_once() -> N
         assert restore_task is not None
         await restore_task
         [restore] = [f for f in gw.workers["w2"].received if isinstance(f, LinkRestore)]
-        assert restore.tail == (TailTurn(InputChunk(1, (1, 2)), (7,)),)
+        assert restore.tail == (UndurableTurn(InputChunk(1, (1, 2)), (7,)),)
         assert dones(sock.replies()) == []  # no second answer for seq 1
         assert dones(await sock.send(chunk(2))) == [2]
 

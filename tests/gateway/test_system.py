@@ -25,15 +25,8 @@ from websockets.exceptions import InvalidStatus
 
 from shared.client.clients import ConnectionLost, RealtimeClient, SyncRealtimeClient
 from shared.errors import CapacityExhausted, ErrorCode, WorkerUnavailable
-from shared.protocol import (
-    Error,
-    OutputDone,
-    Pong,
-    SessionClosed,
-    SessionRestored,
-    SessionResume,
-    close_code_for,
-)
+from shared.protocol.close_codes import close_code_for
+from shared.protocol.messages import Error, OutputDone, Pong, SessionClosed, SessionRestored, SessionResume
 from shared.store.registry import SessionRecord, WorkerInfo, read_session, register_worker
 from shared.store.schema import KeySchema
 from tests.gateway.conftest import LINK_SECRET, LOAD_SESSIONS, LOAD_TURNS, SMALL_SEEDS, SMALL_TURNS

@@ -7,7 +7,7 @@ import pytest
 from shared.client.clients import TurnWaiter
 from shared.client.retry import NO_RETRY, ChunkRetries, RetryPolicy
 from shared.errors import ErrorCode, RateLimited
-from shared.protocol import Error, InputChunk, OutputDone, Timing
+from shared.protocol.messages import Error, InputChunk, OutputDone, Timing
 
 CHUNK = InputChunk(3, text="hi")
 

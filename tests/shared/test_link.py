@@ -8,9 +8,7 @@ import msgpack
 import pytest
 
 from shared.errors import Backpressure, ErrorCode, InternalError, InvalidMessage
-from shared.protocol import (
-    Error,
-    InputChunk,
+from shared.protocol.link import (
     LinkAttach,
     LinkCancel,
     LinkChunk,
@@ -24,14 +22,10 @@ from shared.protocol import (
     LinkOpen,
     LinkOpened,
     LinkRestore,
-    OpenConfig,
-    OutputDelta,
-    OutputDone,
-    Timing,
-    decode_link,
-    encode_link,
     link_error_from,
 )
+from shared.protocol.link_codec import decode_link, encode_link
+from shared.protocol.messages import Error, InputChunk, OpenConfig, OutputDelta, OutputDone, Timing
 
 CONFIG = OpenConfig(max_output_tokens=8, temperature=0.5, seed=7, stop_token_ids=(2,), stream=True)
 

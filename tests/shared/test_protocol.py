@@ -20,10 +20,19 @@ from shared.errors import (
     TokenOutOfRange,
     UnknownType,
 )
-from shared.protocol import (
-    CLOSE_CODES,
-    ClientMessage,
+from shared.protocol.close_codes import CLOSE_CODES, close_code_for, error_code_for_close, error_message_from
+from shared.protocol.codec import (
     Encoding,
+    choose_encoding,
+    config_from_map,
+    config_to_map,
+    decode_client,
+    decode_server,
+    encode_client,
+    encode_server,
+)
+from shared.protocol.messages import (
+    ClientMessage,
     Error,
     InputChunk,
     OpenConfig,
@@ -41,16 +50,6 @@ from shared.protocol import (
     SessionResume,
     SessionResumed,
     Timing,
-    choose_encoding,
-    close_code_for,
-    config_from_map,
-    config_to_map,
-    decode_client,
-    decode_server,
-    encode_client,
-    encode_server,
-    error_code_for_close,
-    error_message_from,
 )
 
 FULL_CONFIG = OpenConfig(

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.protocol.link import LinkDone, TailTurn
+from shared.protocol.link import LinkDone, UndurableTurn
 from shared.protocol.messages import FinishReason, InputChunk, OutputDone, Timing
 from shared.store.schema import decode_log
 from worker.engine.admission import commit_chunk, flushes
@@ -62,7 +62,7 @@ class RestorePlan:
 def plan_restore(
     sid: str,
     log: bytes,
-    tail: Sequence[TailTurn],
+    tail: Sequence[UndurableTurn],
     seen_seq: int | None,
     *,
     text: IncrementalTokenizer | None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.protocol.link import TailTurn
+from shared.protocol.link import UndurableTurn
 from shared.protocol.messages import InputChunk
 from shared.store.schema import encode_log_record
 from worker.server.restore import ForcedTurn, plan_restore
@@ -23,10 +23,10 @@ LOG = encode_log_record(1, [1, 2, 90, 91], inputs=2) + encode_log_record(2, [3, 
 
 def test_delivered_turns_past_the_log_are_forced_and_the_rest_re_run() -> None:
     tail = [
-        TailTurn(chunk(2, [3, 4]), (92, 93)),  # the log already has it: skipped
-        TailTurn(chunk(3, [5, 6]), (94, 95)),  # delivered, not durable: history
-        TailTurn(chunk(4, [7, 8]), None),  # in flight: re-run
-        TailTurn(chunk(5, [9, 10]), None),  # queued: re-run
+        UndurableTurn(chunk(2, [3, 4]), (92, 93)),  # the log already has it: skipped
+        UndurableTurn(chunk(3, [5, 6]), (94, 95)),  # delivered, not durable: history
+        UndurableTurn(chunk(4, [7, 8]), None),  # in flight: re-run
+        UndurableTurn(chunk(5, [9, 10]), None),  # queued: re-run
     ]
     plan = plan_restore("s", LOG, tail, 3, text=None, max_output_tokens=2)
     assert plan.history == [1, 2, 90, 91, 3, 4, 92, 93, 5, 6, 94, 95]
@@ -36,7 +36,7 @@ def test_delivered_turns_past_the_log_are_forced_and_the_rest_re_run() -> None:
 
 
 def test_a_logged_turn_whose_answer_was_lost_is_answered_from_the_log() -> None:
-    tail = [TailTurn(chunk(2, [3, 4]), None), TailTurn(chunk(3, [5, 6], 4), None)]
+    tail = [UndurableTurn(chunk(2, [3, 4]), None), UndurableTurn(chunk(3, [5, 6], 4), None)]
     plan = plan_restore("s", LOG, tail, 1, text=None, max_output_tokens=2)
     [answer] = plan.answers
     done = answer.done
@@ -46,7 +46,7 @@ def test_a_logged_turn_whose_answer_was_lost_is_answered_from_the_log() -> None:
 
 
 def test_after_one_re_run_every_later_chunk_re_runs() -> None:
-    tail = [TailTurn(chunk(3, [5]), None), TailTurn(chunk(4, [6]), (7,))]
+    tail = [UndurableTurn(chunk(3, [5]), None), UndurableTurn(chunk(4, [6]), (7,))]
     plan = plan_restore("s", LOG, tail, 4, text=None, max_output_tokens=1)
     assert [c.seq for c in plan.rerun] == [3, 4] and plan.forced == []
     assert plan.finished_seq == 2  # seq ordering resumes right before the first re-run

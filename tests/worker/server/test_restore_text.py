@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from shared.protocol.link import TailTurn
+from shared.protocol.link import UndurableTurn
 from shared.protocol.messages import InputChunk
 from shared.store.schema import encode_log_record
 from worker.engine import Engine, TurnResult
@@ -92,7 +92,7 @@ def test_a_restored_text_session_equals_the_uninterrupted_one(
         delivered = min(durable + delivered_after, len(all_chunks) - 1)
         log = b"".join(record(r) for r in reference[: durable + 1])
         tail = [
-            TailTurn(c, reference[c.seq].tokens if c.seq <= delivered else None)
+            UndurableTurn(c, reference[c.seq].tokens if c.seq <= delivered else None)
             for c in all_chunks[durable + 1 :]
         ]
         plan = plan_restore("s", log, tail, delivered, text=engine.text, max_output_tokens=OUT)
@@ -126,7 +126,7 @@ def test_a_restored_text_session_equals_the_uninterrupted_one(
 def test_the_log_answers_a_text_turn_with_its_committed_input_count(reference: list[TurnResult]) -> None:
     asked = next(r for r in reference if r.tokens and r.seq > 0)
     log = b"".join(record(r) for r in reference[: asked.seq + 1])
-    lost = [TailTurn(c, None) for c in chunks()[asked.seq : asked.seq + 1]]
+    lost = [UndurableTurn(c, None) for c in chunks()[asked.seq : asked.seq + 1]]
     plan = plan_restore("s", log, lost, asked.seq - 1, text=None, max_output_tokens=OUT)
     [answer] = plan.answers
     assert (answer.done.tokens, answer.done.committed_tokens, answer.length) == (

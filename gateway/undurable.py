@@ -1,4 +1,4 @@
-"""A session's undurable tail on the gateway: what a restoring worker needs that Redis may lack.
+"""A session's undurable turns on the gateway: what a restoring worker needs that Redis may lack.
 
 Exactly-once turns across a worker crash (docs/failover.md): the worker appends each turn to the
 token log in Redis shortly *after* its `done` went out, and reports on its frames the last seq it
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol.link import LinkChunk, LinkDelta, LinkDone, TailTurn
+from shared.protocol.link import LinkChunk, LinkDelta, LinkDone, UndurableTurn
 
 
 @dataclass(slots=True)
@@ -31,7 +31,7 @@ class _Entry:
     deltas: int = 0  # deltas already forwarded to the client
 
 
-class UndurableTail:
+class UndurableTurns:
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
 
@@ -76,11 +76,11 @@ class UndurableTail:
                 return
             del self._entries[first_seq]
 
-    def snapshot(self) -> tuple[TailTurn, ...]:
+    def snapshot(self) -> tuple[UndurableTurn, ...]:
         """The whole tail, for a `restore` frame; every entry counts as sent from now on."""
         for entry in self._entries.values():
             entry.sent = True
-        return tuple(TailTurn(e.chunk.chunk, e.output) for e in self._entries.values())
+        return tuple(UndurableTurn(e.chunk.chunk, e.output) for e in self._entries.values())
 
     def take_unsent(self) -> list[LinkChunk]:
         """Chunks held since the restore frame was built, in seq order; marked sent."""
