@@ -16,7 +16,7 @@ read-modify-write). It is a run of *records*, one per logged turn:
     body:              n_tokens token ids (<u4 each: the turn's inputs, then its outputs),
                        then tail_bytes of UTF-8 tail text, then context_bytes of UTF-8 context
 
-so the log can say which turn it ends at (`LogState.last_seq`): a restoring worker replays from the
+so the log can say which turn it ends at (`LogState.durable_seq`): a restoring worker replays from the
 gateway's undurable tail only the turns after it (docs/failover.md). `n_inputs` says where the
 turn's committed input ends and its output begins (a text chunk's input tokens cannot be recomputed
 from its text alone). The tail text and context are the session's uncommitted text right after the
@@ -216,7 +216,7 @@ class LogState:
     """
 
     tokens: list[int]
-    last_seq: int | None
+    durable_seq: int | None
     spans: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     tail_text: str = ""
     tail_context: str = ""
@@ -255,7 +255,7 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
     """
     view = memoryview(data)
     tokens: list[int] = []
-    last_seq: int | None = None
+    durable_seq: int | None = None
     spans: dict[int, tuple[int, int, int]] = {}
     tail = ("", "")
     offset = 0
@@ -270,7 +270,7 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
         offset = context_start + int(header["context"])
         if offset > len(view) or n_inputs > n:
             raise ValueError(f"token log truncated or corrupt in the record at byte {record_start}")
-        if seq != NO_SEQ and last_seq is not None and seq <= last_seq:
+        if seq != NO_SEQ and durable_seq is not None and seq <= durable_seq:
             continue  # a duplicate of a turn already read
         start = len(tokens)
         tokens.extend(decode_tokens(bytes(view[body_start:text_start])))
@@ -279,7 +279,7 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
         except UnicodeDecodeError as exc:
             raise ValueError(f"token log has bad text in the record at byte {record_start}") from exc
         if seq != NO_SEQ:
-            last_seq = seq
+            durable_seq = seq
             if spans_after is not None and seq > spans_after:
                 spans[seq] = (start, start + n_inputs, len(tokens))
-    return LogState(tokens, last_seq, spans, *tail)
+    return LogState(tokens, durable_seq, spans, *tail)

@@ -21,7 +21,7 @@ def test_records_round_trip_with_their_input_counts_and_the_last_tail() -> None:
 def test_a_multibyte_tail_round_trips_byte_exactly() -> None:
     text, context = "naïve 日本語 🙂", "é"
     state = decode_log(encode_log_record(3, [], inputs=0, tail_text=text, tail_context=context))
-    assert (state.tokens, state.last_seq, state.tail_text, state.tail_context) == ([], 3, text, context)
+    assert (state.tokens, state.durable_seq, state.tail_text, state.tail_context) == ([], 3, text, context)
 
 
 def test_a_duplicate_record_is_skipped_tail_and_all() -> None:
@@ -29,7 +29,7 @@ def test_a_duplicate_record_is_skipped_tail_and_all() -> None:
     second = encode_log_record(1, [2], tail_text="cd", tail_context="y")
     stale = encode_log_record(0, [9], tail_text="zz", tail_context="q")  # a retried append
     state = decode_log(first + second + second + stale)
-    assert (state.tokens, state.last_seq, state.tail_text, state.tail_context) == ([1, 2], 1, "cd", "y")
+    assert (state.tokens, state.durable_seq, state.tail_text, state.tail_context) == ([1, 2], 1, "cd", "y")
 
 
 def test_the_tail_of_a_record_with_none_is_empty() -> None:

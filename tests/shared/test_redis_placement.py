@@ -352,7 +352,7 @@ def test_token_log_appends_and_reads_back(server_url: str, schema: KeySchema) ->
             await append_turn(r, schema, "s", turn, LONG_TTL_S, seq=seq)
             assert len(await read_log(r, schema, "s")) == len(expected)
         assert await read_log(r, schema, "s") == expected
-        assert (await read_log_state(r, schema, "s")).last_seq == len(turns)
+        assert (await read_log_state(r, schema, "s")).durable_seq == len(turns)
         # The layout (docs/failover.md): per turn a header (n <u4, seq <i8, n_inputs <u4, tail and
         # context byte lengths <u4), then the tokens <u4, then the tail's text (none here).
         raw = await r.get(schema.log("s"))

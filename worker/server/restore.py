@@ -48,7 +48,7 @@ class RestorePlan:
     # refused, never run (and logged) a second time.
     finished_seq: int | None
     # The last seq the log in Redis holds: what the new worker reports as durable at first.
-    log_last_seq: int | None
+    durable_seq: int | None
     forced: list[ForcedTurn] = field(default_factory=list)
     # Chunks to run again, in seq order, once the session is open.
     rerun: list[InputChunk] = field(default_factory=list)
@@ -79,14 +79,14 @@ def plan_restore(
     first = tail[0].chunk.seq if tail else None
     state = decode_log(log, spans_after=None if first is None else first - 1)
     history = list(state.tokens)
-    log_last = state.last_seq
+    durable_seq = state.durable_seq
     text_tail = TextTail(state.tail_text, state.tail_context)
     forced: list[ForcedTurn] = []
     rerun: list[InputChunk] = []
     answers: list[LinkDone] = []
     for turn in tail:
         chunk = turn.chunk
-        if not rerun and log_last is not None and chunk.seq <= log_last:
+        if not rerun and durable_seq is not None and chunk.seq <= durable_seq:
             if turn.output is None and chunk.seq in state.spans:
                 answers.append(_answer(sid, chunk, state.tokens, state.spans[chunk.seq], max_output_tokens))
             continue
@@ -104,11 +104,11 @@ def plan_restore(
         tokens = inputs + list(turn.output)
         history.extend(tokens)
         forced.append(ForcedTurn(chunk.seq, tokens, len(inputs), text_tail))
-    seqs = [s for s in (seen_seq, log_last, *(f.seq for f in forced)) if s is not None]
+    seqs = [s for s in (seen_seq, durable_seq, *(f.seq for f in forced)) if s is not None]
     finished = max(seqs) if seqs else None
     if rerun and finished is not None:
         finished = min(finished, rerun[0].seq - 1)
-    return RestorePlan(history, finished, log_last, forced, rerun, answers, text_tail)
+    return RestorePlan(history, finished, durable_seq, forced, rerun, answers, text_tail)
 
 
 def _answer(

@@ -128,7 +128,7 @@ class WorkerService:
         if plan is not None:
             binding.waiting = list(plan.rerun)  # run first, in seq order, once the session is open
         self.directory.add(binding)
-        self.token_log.start(sid, log, None if plan is None else plan.log_last_seq)
+        self.token_log.start(sid, log, None if plan is None else plan.durable_seq)
         try:
             _sid, future = self.engine.open_session_async(
                 session_id=sid,
@@ -235,7 +235,7 @@ class WorkerService:
             "restoring session %s: %d tokens (log to seq %s), %d delivered turns forced, %d chunks re-run",
             frame.sid,
             len(plan.history),
-            plan.log_last_seq,
+            plan.durable_seq,
             len(plan.forced),
             len(plan.rerun),
         )

@@ -32,7 +32,7 @@ def test_delivered_turns_past_the_log_are_forced_and_the_rest_re_run() -> None:
     assert plan.history == [1, 2, 90, 91, 3, 4, 92, 93, 5, 6, 94, 95]
     assert plan.forced == [ForcedTurn(3, [5, 6, 94, 95], 2, EMPTY_TAIL)]
     assert [c.seq for c in plan.rerun] == [4, 5]
-    assert (plan.finished_seq, plan.log_last_seq, plan.answers) == (3, 2, [])
+    assert (plan.finished_seq, plan.durable_seq, plan.answers) == (3, 2, [])
 
 
 def test_a_logged_turn_whose_answer_was_lost_is_answered_from_the_log() -> None:
@@ -63,7 +63,7 @@ def test_a_restore_never_reopens_a_finished_turn_to_a_resent_chunk() -> None:
     is past every turn it holds or the client saw, so a resent chunk for one is refused by the
     engine's admission, never run and logged a second time."""
     lagging = plan_restore("s", LOG, [], 1, text=None, max_output_tokens=2)
-    assert (lagging.finished_seq, lagging.log_last_seq, lagging.rerun) == (2, 2, [])
+    assert (lagging.finished_seq, lagging.durable_seq, lagging.rerun) == (2, 2, [])
     leading = plan_restore("s", LOG, [], 3, text=None, max_output_tokens=2)
     assert (leading.finished_seq, leading.history) == (3, [1, 2, 90, 91, 3, 4, 92, 93])
     fresh = plan_restore("s", b"", [], None, text=None, max_output_tokens=2)
