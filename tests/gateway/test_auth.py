@@ -18,8 +18,7 @@ import sys
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
-from pathlib import Path
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import pytest
@@ -34,9 +33,10 @@ from shared.protocol.close_codes import close_code_for
 from shared.protocol.codec import Encoding, decode_server, encode_client
 from shared.protocol.messages import Error, InputChunk, SessionExpiring, SessionOpen, SessionResume
 from shared.store.schema import KeySchema
-from tests.gateway.stack import Proc, Stack, running_stack, stop
+from tests.conftest import Servers
+from tests.gateway.stack import Proc, Stack, stop
 from tests.processes import REPO
-from tests.shared.redis_servers import ServerUnavailable, running_server
+from tests.wait import await_until
 
 T = TypeVar("T")
 TEST_TIMEOUT_S = 120.0
@@ -46,17 +46,8 @@ CHUNK = [5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    workdir: Path = tmp_path_factory.mktemp("auth-stack")
-    with contextlib.ExitStack() as exits:
-        try:
-            url = exits.enter_context(running_server("redis", workdir))
-        except ServerUnavailable as exc:
-            pytest.skip(str(exc))
-        prefix = f"t{uuid.uuid4().hex[:10]}"
-        yield exits.enter_context(
-            running_stack(url, prefix, workdir, worker_flags=WORKER_FLAGS, gateway_flags=AUTH_ON)
-        )
+def stack(servers: Servers) -> Stack:
+    return servers.stack(worker_flags=WORKER_FLAGS, gateway_flags=AUTH_ON)
 
 
 def run(stack: Stack, body: Callable[[KeyStore], Coroutine[Any, Any, T]]) -> T:
@@ -94,17 +85,6 @@ async def expect_refusal(url: str, code: ErrorCode, *, api_key: str | None = Non
         assert isinstance(message, Error), message
         assert message.code == code, message
         return message
-
-
-async def poll(check: Callable[[], Coroutine[Any, Any, bool]], bound_s: float = 30.0) -> bool:
-    """True once `check()` is; False if it never was within the bound."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + bound_s
-    while loop.time() < deadline:
-        if await check():
-            return True
-        await asyncio.sleep(0.25)
-    return False
 
 
 def http_post(url: str, body: bytes | None, key: str | None) -> tuple[int, dict[str, Any]]:
@@ -259,7 +239,7 @@ def test_a_dead_gateway_frees_its_slots(stack: Stack) -> None:
                 await other.close()
                 return True
 
-        assert await poll(opens), "the dead gateway's slot was never freed"
+        await await_until(opens, 30, "the dead gateway's slot to be freed")
         with contextlib.suppress(Exception):
             await client.disconnect()
 
@@ -301,7 +281,7 @@ def test_a_dead_worker_keeps_the_slot_when_restored_and_frees_it_when_the_sessio
                 await other.close()
                 return True
 
-        assert await poll(opens), "the ended session's slot was never freed"
+        await await_until(opens, 30, "the ended session's slot to be freed")
         stack.start_worker(survivor)
 
     run(stack, body)
@@ -350,7 +330,7 @@ def test_a_spent_daily_budget_is_rate_limited(stack: Stack) -> None:
         async def settled() -> bool:
             return await keys.usage(key.digest) >= 12
 
-        assert await poll(settled)
+        await await_until(settled, 30, "the usage to settle")
         refusal = await expect_refusal(stack.realtime_url(1), ErrorCode.RATE_LIMITED, api_key=secret)
         assert refusal.retry_after_ms is not None and refusal.retry_after_ms > 0
 
@@ -560,7 +540,7 @@ def test_a_live_session_keeps_its_slot_past_the_lease(stack: Stack) -> None:
         async def released() -> bool:
             return await keys.redis.zcard(zset) == 0
 
-        assert await poll(released)
+        await await_until(released, 30, "the lease to be released")
         # Removed by the close, not lapsed: the Redis clock had not reached the lease's end yet.
         seconds, micros = await keys.redis.time()
         assert lease_end_ms is None or seconds * 1000 + micros // 1000 < lease_end_ms

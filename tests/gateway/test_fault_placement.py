@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
@@ -22,19 +21,16 @@ from gateway.placement import mark_suspect, place_session
 from shared.errors import CapacityExhausted
 from shared.store.registry import WorkerInfo, register_worker
 from shared.store.schema import KeySchema
-from tests.shared.redis_servers import SERVER_KINDS, ServerUnavailable, running_server
+from tests.conftest import open_servers
+from tests.shared.redis_servers import SERVER_KINDS
 
 TTL_S = 30.0
 
 
 @pytest.fixture(scope="module", params=SERVER_KINDS)
 def server_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    workdir: Path = tmp_path_factory.mktemp(f"suspect-{request.param}")
-    try:
-        with running_server(request.param, workdir) as url:
-            yield url
-    except ServerUnavailable as exc:
-        pytest.skip(str(exc))
+    with open_servers(tmp_path_factory) as servers:
+        yield servers.redis(request.param)
 
 
 def test_suspect_workers_are_skipped_until_they_register_again(server_url: str) -> None:

@@ -29,6 +29,7 @@ from tests.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
 from tests.gateway.faults import restartable_redis
 from tests.gateway.stack import running_stack
 from tests.shared.redis_servers import ServerUnavailable
+from tests.wait import await_until
 
 # Long enough to open, stream, lose Redis and resume on a loaded 2-core machine; short enough that
 # the test then sees the session end at this deadline, counted from its creation.
@@ -83,14 +84,13 @@ def test_a_session_resumes_with_its_limits_after_redis_restarted_empty(tmp_path:
                 server.start()  # empty
                 await redis.hset(schema.api_keys(), mapping=key_index)
                 await redis.hset(schema.api_key(key.digest), mapping=key_record)
-                deadline = time.monotonic() + 30
-                after = None
-                while after is None:  # the worker's next heartbeat re-writes what it holds
-                    assert time.monotonic() < deadline, "the worker never re-wrote the session record"
-                    with contextlib.suppress(Exception):
-                        after = await read_session(redis, schema, opened.session_id)
-                    if after is None:
-                        await asyncio.sleep(0.1)
+
+                async def rewritten() -> bool:  # the worker's next heartbeat re-writes what it holds
+                    return await redis.exists(schema.session(opened.session_id)) == 1
+
+                await await_until(rewritten, 30, "the worker to re-write the session record")
+                after = await read_session(redis, schema, opened.session_id)
+                assert after is not None
                 assert after.auth == before.auth  # the limits came back with the record
                 assert (after.token_sha256, after.created_ms) == (before.token_sha256, before.created_ms)
 

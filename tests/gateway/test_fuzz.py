@@ -11,12 +11,9 @@ JSON and text frames on msgpack, truncated and random bytes, deep nesting, dupli
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -24,9 +21,9 @@ import pytest
 from shared.client.clients import ConnectionLost, RealtimeClient
 from shared.errors import ErrorCode
 from shared.protocol.messages import Error, Pong
+from tests.conftest import Servers
 from tests.gateway.conftest import LINK_SECRET
-from tests.gateway.stack import Stack, running_stack
-from tests.shared.redis_servers import ServerUnavailable, running_server
+from tests.gateway.stack import Stack
 
 FRAMES = 10_000
 SOCKETS = 4  # two per subprotocol
@@ -131,19 +128,15 @@ def malformed(rng: random.Random, json_socket: bool) -> str | bytes:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    workdir = tmp_path_factory.mktemp("fuzz")
-    with contextlib.ExitStack() as exits:
-        try:
-            url = exits.enter_context(running_server("valkey", workdir))
-        except ServerUnavailable as exc:
-            pytest.skip(str(exc))
-        yield exits.enter_context(
-            running_stack(
-                url, f"t{uuid.uuid4().hex[:10]}", workdir, workers=1, gateways=1,
-                worker_flags=[*LINK_SECRET, "--kv-tokens", "65536"], gateway_flags=[*LINK_SECRET],
-            )
-        )  # fmt: skip
+def stack(servers: Servers) -> Stack:
+    worker_flags = [*LINK_SECRET, "--kv-tokens", "65536"]
+    return servers.stack(
+        servers.redis("valkey"),
+        workers=1,
+        gateways=1,
+        worker_flags=worker_flags,
+        gateway_flags=[*LINK_SECRET],
+    )
 
 
 def test_ten_thousand_malformed_frames_change_nothing(stack: Stack) -> None:

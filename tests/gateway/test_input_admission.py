@@ -7,9 +7,6 @@ compared with a session that was never refused, on the same worker (greedy, no e
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,9 +14,9 @@ from shared.client.clients import RealtimeClient, RetryPolicy
 from shared.client.retry import NO_RETRY
 from shared.errors import CapacityExhausted, RateLimited
 from shared.protocol.messages import Error, OutputDelta, OutputDone
+from tests.conftest import Servers
 from tests.gateway.conftest import LINK_SECRET
-from tests.gateway.stack import Stack, running_stack
-from tests.shared.redis_servers import ServerUnavailable, running_server
+from tests.gateway.stack import Stack
 
 TEST_TIMEOUT_S = 120.0
 # 256 KV tokens: one long turn holds most of the pool, so another session's chunk cannot fit.
@@ -29,20 +26,11 @@ PARAGRAPH = ("I paste a paragraph: it has words, numbers like 1234, and <|im_sta
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    workdir = tmp_path_factory.mktemp("admission")
-    with contextlib.ExitStack() as exits:
-        try:
-            url = exits.enter_context(running_server("valkey", workdir))
-        except ServerUnavailable as exc:
-            pytest.skip(str(exc))
-        flags = [*LINK_SECRET, "--open-timeout-s", "20"]
-        yield exits.enter_context(
-            running_stack(
-                url, f"t{uuid.uuid4().hex[:10]}", workdir, workers=1, gateways=1,
-                worker_flags=WORKER_FLAGS, gateway_flags=flags,
-            )
-        )  # fmt: skip
+def stack(servers: Servers) -> Stack:
+    flags = [*LINK_SECRET, "--open-timeout-s", "20"]
+    return servers.stack(
+        servers.redis("valkey"), workers=1, gateways=1, worker_flags=WORKER_FLAGS, gateway_flags=flags
+    )
 
 
 def run(body: asyncio.Future[None] | object) -> None:

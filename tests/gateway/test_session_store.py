@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,18 +19,14 @@ from gateway.placement import Placement, place_session
 from shared.errors import CapacityExhausted
 from shared.store.registry import WorkerInfo, register_worker
 from shared.store.schema import KeySchema
-from tests.shared.redis_servers import ServerUnavailable, running_server
+from tests.conftest import Servers
 
 TTL_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    try:
-        with running_server("redis", tmp_path_factory.mktemp("redis")) as url:
-            yield url
-    except ServerUnavailable as exc:
-        pytest.skip(str(exc))
+def redis_url(servers: Servers) -> str:
+    return servers.redis("redis")
 
 
 def worker_info(worker_id: str, *, sessions: int = 0) -> WorkerInfo:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -33,6 +32,8 @@ from tests.gateway.conftest import LINK_SECRET, LOAD_SESSIONS, LOAD_TURNS, SMALL
 from tests.gateway.reference import OUTPUT_TOKENS, SESSION_CONFIG, PendingReferences, stream
 from tests.gateway.stack import Stack, http_get, stop
 from tests.shared.redis_servers import free_port
+from tests.wait import await_until
+from worker.server.session_log import read_log_state
 
 T = TypeVar("T")
 TEST_TIMEOUT_S = 120.0
@@ -432,8 +433,12 @@ def test_idle_timeout_frees_worker_and_redis_and_tells_the_client(
         assert during["sessions"] == before[worker]["sessions"] + 1
         assert during["pages_free"] < before[worker]["pages_free"]
         schema = KeySchema(stack.prefix)
-        await asyncio.sleep(0.2)  # the token log is appended just after the reply
-        assert await redis.exists(schema.session(opened.session_id), schema.log(opened.session_id)) == 2
+        keys = (schema.session(opened.session_id), schema.log(opened.session_id))
+
+        async def both_written() -> bool:  # the token log is appended just after the reply
+            return bool(await redis.exists(*keys) == 2)
+
+        await await_until(both_written, 10, "the session's record and token log")
 
         assert await client.recv(timeout=20) == SessionClosed("idle_timeout")
         with pytest.raises(ConnectionLost) as lost:
@@ -442,10 +447,11 @@ def test_idle_timeout_frees_worker_and_redis_and_tells_the_client(
         after = worker_stats(stack, worker)
         assert after["sessions"] == before[worker]["sessions"]
         assert after["pages_free"] == before[worker]["pages_free"]
-        deadline = time.monotonic() + 5
-        while await redis.exists(schema.session(opened.session_id), schema.log(opened.session_id)):
-            assert time.monotonic() < deadline, "the session's Redis keys outlived it"
-            await asyncio.sleep(0.05)
+
+        async def both_gone() -> bool:
+            return not await redis.exists(*keys)
+
+        await await_until(both_gone, 5, "the session's Redis keys to go with it")
 
     run(stack, body)
 
@@ -469,7 +475,12 @@ def test_lost_worker_sessions_are_restored_on_the_other(stack: Stack, references
         # One of the victim's sessions has no client right now: it is restored when it resumes.
         away = moved.pop()
         await clients[away].disconnect()
-        await asyncio.sleep(0.3)  # the token log of the last turn is flushed (batched, ~20 ms)
+        away_sid = opened[away].session_id
+
+        async def logged() -> bool:  # the token log holds its last turn (flushed in batches, ~20 ms)
+            return (await read_log_state(redis, KeySchema(stack.prefix), away_sid)).durable_seq == 10
+
+        await await_until(logged, 10, "the away session's last turn in the token log")
         stop(stack.workers[victim], signal.SIGKILL)
 
         length = 10 * TURN_TOKENS

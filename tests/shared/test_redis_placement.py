@@ -8,13 +8,11 @@ drives its coroutine with `asyncio.run`, on a client created inside that loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -41,7 +39,8 @@ from shared.store.registry import (
 )
 from shared.store.schema import NO_SEQ, STATE_DRAINING, KeySchema, LogState, decode_tokens, encode_tokens
 from shared.store.values import sha256_hex
-from tests.shared.redis_servers import SERVER_KINDS, ServerUnavailable, running_server
+from tests.conftest import open_servers
+from tests.shared.redis_servers import SERVER_KINDS
 from worker.server.session_log import read_log, read_log_state
 from worker.server.token_log import TokenLogWriter
 from worker.tokenizer.incremental import EMPTY_TAIL
@@ -52,14 +51,8 @@ LONG_TTL_S = 300.0
 
 @pytest.fixture(scope="module", params=SERVER_KINDS)
 def server_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    kind: str = request.param
-    workdir: Path = tmp_path_factory.mktemp(kind)
-    with contextlib.ExitStack() as stack:
-        try:
-            url = stack.enter_context(running_server(kind, workdir))
-        except ServerUnavailable as exc:
-            pytest.skip(str(exc))
-        yield url
+    with open_servers(tmp_path_factory) as servers:
+        yield servers.redis(request.param)
 
 
 @pytest.fixture

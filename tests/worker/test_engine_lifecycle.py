@@ -7,16 +7,8 @@ import time
 
 import pytest
 
+from tests.wait import wait_until
 from worker.engine import Engine
-
-
-def wait_for(predicate: object, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_pages_return_to_the_pool_on_close(tiny: Engine) -> None:
@@ -38,7 +30,7 @@ def test_idle_timeout_frees_pages_and_tells_listeners(tiny: Engine) -> None:
     kept = tiny.open_session()
     tiny.run_turn(idle, tokens=list(range(1, 20)), max_output_tokens=2, timeout=30)
     tiny.run_turn(kept, tokens=list(range(1, 20)), max_output_tokens=2, timeout=30)
-    assert wait_for(lambda: closed == [(idle, "idle_timeout")])
+    wait_until(lambda: closed == [(idle, "idle_timeout")], 10, "the idle session to close")
     stats = tiny.stats()
     assert stats.sessions == 1 and stats.pages_used == 2
     tiny.close_session(kept)
@@ -51,7 +43,7 @@ def test_idle_timeout_counts_from_the_last_activity(tiny: Engine) -> None:
         tiny.run_turn(sid, tokens=[1, 2], max_output_tokens=1, timeout=30)
         time.sleep(0.2)
     assert tiny.stats().sessions == 1
-    assert wait_for(lambda: tiny.stats().sessions == 0)
+    wait_until(lambda: tiny.stats().sessions == 0, 10, "the idle session to close")
 
 
 def test_no_output_chunks_coalesce_into_one_append(tiny: Engine) -> None:

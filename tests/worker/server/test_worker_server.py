@@ -35,8 +35,9 @@ from shared.protocol.link_codec import decode_link, encode_link
 from shared.protocol.messages import InputChunk, OpenConfig, OutputDelta
 from shared.store.registry import SessionRecord, read_worker, write_session
 from shared.store.schema import KeySchema
+from tests.conftest import Servers
 from tests.processes import Proc, microturn, worker_args
-from tests.shared.redis_servers import running_server
+from tests.wait import await_until
 from worker.engine import Engine
 from worker.server.session_log import read_log
 
@@ -50,9 +51,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def redis_url(workdir: Path) -> Iterator[str]:
-    with running_server("redis", workdir) as url:
-        yield url
+def redis_url(servers: Servers) -> str:
+    return servers.redis("redis")
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +165,11 @@ def test_restore_rebuilds_from_the_token_log_on_another_worker(
             for seq in range(1, 5):
                 _, done = await a.turn(chunk("t3", seq, (seq * 3, seq * 5)))
                 sequence += [seq * 3, seq * 5, *done.done.tokens]
-            await asyncio.sleep(0.2)  # appends are batched after the reply
-            assert await read_log(client, SCHEMA, "t3") == sequence
+
+            async def logged() -> bool:  # appends are batched after the reply
+                return bool(await read_log(client, SCHEMA, "t3") == sequence)
+
+            await await_until(logged, 10, "the four turns in the token log")
             await b.send(LinkRestore("t3", CONFIG, None, seen_seq=4))
             # durable_seq: the log it was rebuilt from holds every turn up to seq 4.
             assert await b.recv() == LinkOpened("t3", len(sequence), 4, 4)

