@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.stack import Stack, running_stack
 from tests.shared.redis_servers import ServerUnavailable, running_server
+from tests.system.gateway.stack import Stack, running_stack
 
 
 class Servers:

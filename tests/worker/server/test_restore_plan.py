@@ -1,6 +1,6 @@
 """The restore planner (worker/server/restore.py): log + the gateway's undurable tail -> the session.
 
-Pure unit tests over real log bytes; the end-to-end property is in tests/gateway/test_fault_worker.py.
+Pure unit tests over real log bytes; the end-to-end property is in tests/system/gateway/test_fault_worker.py.
 """
 
 from __future__ import annotations

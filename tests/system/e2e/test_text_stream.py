@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shared.client.clients import SyncRealtimeClient
-from tests.e2e.up import running_up
+from tests.system.e2e.up import running_up
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Fault suite: a worker killed with SIGKILL while 6 sessions stream TEXT (issue 9, exact text).
 
-As tests/gateway/test_fault_worker.py, but every chunk is text cut wherever (mid-word, mid-number,
+As tests/system/gateway/test_fault_worker.py, but every chunk is text cut wherever (mid-word, mid-number,
 mid-multibyte-word, mid-`<|im_start|>`), about one in three asking for output: the worker holds
 text back in each session's tail, so at the kill the durable point usually has uncommitted text,
 and delivered-but-undurable text chunks must be re-tokenized exactly as the old worker did. What
@@ -18,8 +18,8 @@ import pytest
 
 from shared.store.connection import resilient_redis
 from shared.store.schema import KeySchema
-from tests.gateway import reference
-from tests.gateway.faults import Streamer, fault_stack, kill_busiest_worker, tally
+from tests.system.gateway import reference
+from tests.system.gateway.faults import Streamer, fault_stack, kill_busiest_worker, tally
 
 SEEDS = tuple(range(40, 46))
 TURNS = 40

@@ -18,9 +18,9 @@ from pathlib import Path
 from shared.store.connection import resilient_redis
 from shared.store.registry import read_session
 from shared.store.schema import KeySchema
-from tests.gateway.faults import Streamer, fault_stack, tally
-from tests.gateway.reference import PendingReferences
-from tests.gateway.stack import Stack
+from tests.system.gateway.faults import Streamer, fault_stack, tally
+from tests.system.gateway.reference import PendingReferences
+from tests.system.gateway.stack import Stack
 
 SEEDS = tuple(range(32, 40))
 TURNS = 50

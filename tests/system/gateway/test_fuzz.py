@@ -22,8 +22,8 @@ from shared.client.clients import ConnectionLost, RealtimeClient
 from shared.errors import ErrorCode
 from shared.protocol.messages import Error, Pong
 from tests.conftest import Servers
-from tests.gateway.conftest import LINK_SECRET
-from tests.gateway.stack import Stack
+from tests.system.gateway.conftest import LINK_SECRET
+from tests.system.gateway.stack import Stack
 
 FRAMES = 10_000
 SOCKETS = 4  # two per subprotocol

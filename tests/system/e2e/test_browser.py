@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.e2e.up import Up, running_up
+from tests.system.e2e.up import Up, running_up
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page

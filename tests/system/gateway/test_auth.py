@@ -34,8 +34,8 @@ from shared.protocol.codec import Encoding, decode_server, encode_client
 from shared.protocol.messages import Error, InputChunk, SessionExpiring, SessionOpen, SessionResume
 from shared.store.schema import KeySchema
 from tests.conftest import Servers
-from tests.gateway.stack import Proc, Stack, stop
 from tests.processes import REPO
+from tests.system.gateway.stack import Proc, Stack, stop
 from tests.wait import await_until
 
 T = TypeVar("T")

@@ -15,8 +15,8 @@ from shared.client.retry import NO_RETRY
 from shared.errors import CapacityExhausted, RateLimited
 from shared.protocol.messages import Error, OutputDelta, OutputDone
 from tests.conftest import Servers
-from tests.gateway.conftest import LINK_SECRET
-from tests.gateway.stack import Stack
+from tests.system.gateway.conftest import LINK_SECRET
+from tests.system.gateway.stack import Stack
 
 TEST_TIMEOUT_S = 120.0
 # 256 KV tokens: one long turn holds most of the pool, so another session's chunk cannot fit.

@@ -18,8 +18,8 @@ from shared.client.clients import RealtimeClient
 from shared.store.connection import resilient_redis
 from shared.store.registry import read_session
 from shared.store.schema import KeySchema
-from tests.gateway.faults import Streamer, fault_stack, tally
-from tests.gateway.reference import SESSION_CONFIG, PendingReferences, stream
+from tests.system.gateway.faults import Streamer, fault_stack, tally
+from tests.system.gateway.reference import SESSION_CONFIG, PendingReferences, stream
 from worker.server.session_log import read_log
 
 SEEDS = (20, 21, 22, 23)

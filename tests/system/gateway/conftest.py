@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import open_servers
-from tests.gateway import reference
-from tests.gateway.stack import Stack
 from tests.shared.redis_servers import SERVER_KINDS
+from tests.system.gateway import reference
+from tests.system.gateway.stack import Stack
 
 # Streams 0..LOAD_SESSIONS-1 run LOAD_TURNS turns (the concurrency test); the others fewer.
 LOAD_SESSIONS = 40

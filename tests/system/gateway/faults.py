@@ -30,10 +30,10 @@ from shared.client.clients import ConnectionLost, RealtimeClient, SessionClosedE
 from shared.protocol.messages import Error, OutputDone, ServerMessage, SessionClosed, SessionRestored
 from shared.store.registry import read_session
 from shared.store.schema import KeySchema
-from tests.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
-from tests.gateway.reference import SESSION_CONFIG, stream, text_stream
-from tests.gateway.stack import Stack, running_stack, stop
 from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable, answers_ping, free_port
+from tests.system.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
+from tests.system.gateway.reference import SESSION_CONFIG, stream, text_stream
+from tests.system.gateway.stack import Stack, running_stack, stop
 
 logger = logging.getLogger(__name__)
 

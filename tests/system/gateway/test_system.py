@@ -1,6 +1,6 @@
 """The gateway end to end: real Redis/Valkey, two workers and two gateways as processes on loopback.
 
-Every output is checked against the same stream run alone on the engine (tests/gateway/reference.py,
+Every output is checked against the same stream run alone on the engine (tests/system/gateway/reference.py,
 greedy, no early stop), so "works" means "the model saw exactly the tokens it should have, in
 order, on one worker", not merely "something came back". pytest-asyncio is not a dependency: each
 test drives its coroutine with `asyncio.run`.
@@ -28,10 +28,10 @@ from shared.protocol.close_codes import close_code_for
 from shared.protocol.messages import Error, OutputDone, Pong, SessionClosed, SessionRestored, SessionResume
 from shared.store.registry import SessionRecord, WorkerInfo, read_session, register_worker
 from shared.store.schema import KeySchema
-from tests.gateway.conftest import LINK_SECRET, LOAD_SESSIONS, LOAD_TURNS, SMALL_SEEDS, SMALL_TURNS
-from tests.gateway.reference import OUTPUT_TOKENS, SESSION_CONFIG, PendingReferences, stream
-from tests.gateway.stack import Stack, http_get, stop
 from tests.shared.redis_servers import free_port
+from tests.system.gateway.conftest import LINK_SECRET, LOAD_SESSIONS, LOAD_TURNS, SMALL_SEEDS, SMALL_TURNS
+from tests.system.gateway.reference import OUTPUT_TOKENS, SESSION_CONFIG, PendingReferences, stream
+from tests.system.gateway.stack import Stack, http_get, stop
 from tests.wait import await_until
 from worker.server.session_log import read_log_state
 

@@ -117,9 +117,9 @@ def start(plan: dict[int, int], workdir: Path, *, text: bool = False) -> Pending
     background."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     spec = ",".join(f"{seed}:{turns}" for seed, turns in plan.items())
-    args = [sys.executable, "-m", "tests.gateway.reference", "--plan", spec, "--out", str(workdir)]
+    args = [sys.executable, "-m", "tests.system.gateway.reference", "--plan", spec, "--out", str(workdir)]
     args += ["--text"] if text else []
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     with open(workdir / "reference.log", "wb") as log:
         popen = subprocess.Popen(args, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
     return PendingReferences(popen, workdir, dict(plan))

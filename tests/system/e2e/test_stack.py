@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from shared.client.clients import SyncRealtimeClient
-from tests.e2e.up import STOP_TIMEOUT_S, gone, kill_leftovers, launch, running_up
 from tests.shared.redis_servers import running_server
+from tests.system.e2e.up import STOP_TIMEOUT_S, gone, kill_leftovers, launch, running_up
 
 pytestmark = pytest.mark.slow
 

@@ -25,10 +25,10 @@ from shared.protocol.messages import Error, OutputDone, SessionExpiring
 from shared.store.connection import resilient_redis
 from shared.store.registry import read_session
 from shared.store.schema import KeySchema
-from tests.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
-from tests.gateway.faults import restartable_redis
-from tests.gateway.stack import running_stack
 from tests.shared.redis_servers import ServerUnavailable
+from tests.system.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
+from tests.system.gateway.faults import restartable_redis
+from tests.system.gateway.stack import running_stack
 from tests.wait import await_until
 
 # Long enough to open, stream, lose Redis and resume on a loaded 2-core machine; short enough that

@@ -17,8 +17,8 @@ from pathlib import Path
 from shared.store.connection import resilient_redis
 from shared.store.registry import read_session
 from shared.store.schema import KeySchema
-from tests.gateway.faults import Streamer, fault_stack, kill_busiest_worker, tally
-from tests.gateway.reference import PendingReferences
+from tests.system.gateway.faults import Streamer, fault_stack, kill_busiest_worker, tally
+from tests.system.gateway.reference import PendingReferences
 
 SEEDS = tuple(range(24, 32))
 TURNS = 50
