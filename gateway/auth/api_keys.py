@@ -26,8 +26,8 @@ import logging
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Final
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 from redis.asyncio import Redis
 
@@ -86,12 +86,14 @@ def ms_until_next_day(now_s: float | None = None) -> int:
 
 @dataclass(frozen=True, slots=True)
 class KeyLimits:
-    """Per-key limits; 0 means no limit."""
+    """Per-key limits; 0 means no limit. Adding one is a field here (its `help` names it in
+    `microturn keys create` and `list`, and it is stored and read back by name) plus its enforcement
+    (gateway/auth/session_auth.py)."""
 
-    max_sessions: int = 0
-    chunks_per_s: float = 0.0
-    max_session_s: float = 0.0
-    max_tokens_per_day: int = 0
+    max_sessions: int = field(default=0, metadata={"help": "concurrent sessions"})
+    chunks_per_s: float = field(default=0.0, metadata={"help": "chunks per second per session"})
+    max_session_s: float = field(default=0.0, metadata={"help": "longest session in seconds"})
+    max_tokens_per_day: int = field(default=0, metadata={"help": "tokens in + out per UTC day"})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -103,12 +105,10 @@ class KeyLimits:
 
     @classmethod
     def from_fields(cls, raw: Mapping[str, str]) -> KeyLimits:
-        return cls(
-            max_sessions=int(raw.get("max_sessions", "0")),
-            chunks_per_s=float(raw.get("chunks_per_s", "0")),
-            max_session_s=float(raw.get("max_session_s", "0")),
-            max_tokens_per_day=int(raw.get("max_tokens_per_day", "0")),
-        )
+        """Read back by name; a field the record lacks (written before it existed) is no limit."""
+        kinds = {f.name: float if f.type in (float, "float") else int for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {name: kind(raw[name]) for name, kind in kinds.items() if name in raw}
+        return cls(**values)
 
 
 @dataclass(frozen=True, slots=True)

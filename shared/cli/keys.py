@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 from collections.abc import Sequence
 
@@ -27,10 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
     create = sub.add_parser("create", parents=[common], help="create a key; prints it as the last line")
     create.add_argument("--name", required=True, help="a unique name (what list and revoke use)")
-    create.add_argument("--max-sessions", type=int, default=0, help="concurrent sessions (0: no limit)")
-    create.add_argument("--chunks-per-s", type=float, default=0.0, help="chunks per second per session")
-    create.add_argument("--max-session-s", type=float, default=0.0, help="longest session in seconds")
-    create.add_argument("--max-tokens-per-day", type=int, default=0, help="tokens in + out per UTC day")
+    for limit in dataclasses.fields(KeyLimits):  # one flag per limit, from the limit itself
+        kind = float if limit.type in (float, "float") else int
+        flag = "--" + limit.name.replace("_", "-")
+        create.add_argument(
+            flag, type=kind, default=limit.default, help=f"{limit.metadata['help']} (0: no limit)"
+        )
     sub.add_parser("list", parents=[common], help="list keys (names and limits, never the keys)")
     revoke = sub.add_parser("revoke", parents=[common], help="revoke a key: its next open is refused")
     revoke.add_argument("name")
@@ -47,9 +50,7 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         store = KeyStore(redis, KeySchema(settings.key_prefix))
         if args.action == "create":
-            limits = KeyLimits(
-                args.max_sessions, args.chunks_per_s, args.max_session_s, args.max_tokens_per_day
-            )
+            limits = KeyLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(KeyLimits)})
             try:
                 secret, key = await store.create(args.name, limits)
             except KeyExists as exc:
@@ -60,21 +61,12 @@ async def _run(args: argparse.Namespace) -> int:
             return 0
         if args.action == "list":
             keys = await store.list()
-            header = ("name", "max_sessions", "chunks_per_s", "max_session_s", "tokens_per_day", "used_today")
+            names = [f.name for f in dataclasses.fields(KeyLimits)]
+            header = ("name", *names, "used_today")
             rows = [header]
             for key in keys:
                 used = await store.usage(key.digest)
-                lim = key.limits
-                rows.append(
-                    (
-                        key.name,
-                        _limit(lim.max_sessions),
-                        _limit(lim.chunks_per_s),
-                        _limit(lim.max_session_s),
-                        _limit(lim.max_tokens_per_day),
-                        str(used),
-                    )
-                )
+                rows.append((key.name, *(_limit(getattr(key.limits, n)) for n in names), str(used)))
             widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
             for row in rows:
                 print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())

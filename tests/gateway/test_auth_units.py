@@ -5,6 +5,7 @@ The Redis-backed parts (key store, slots, tokens) are exercised on a real server
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -21,6 +22,7 @@ from gateway.auth.api_keys import (
 from gateway.auth.client_tokens import TokenLimits
 from gateway.auth.credentials import bearer_credential
 from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX, negotiate
+from shared.cli.keys import build_parser
 from shared.cli.stack import Stack, StackOptions
 from shared.client.core import handshake_headers
 from shared.protocol.codec import Encoding, decode_server, encode_server
@@ -79,6 +81,16 @@ def test_limits_round_trip_and_refuse_negatives() -> None:
         KeyLimits(max_sessions=-1)
     with pytest.raises(ValueError):
         TokenLimits(max_tokens=-5)
+    # A record written before a limit existed reads back with that limit off; types come from the field.
+    assert KeyLimits.from_fields({"max_sessions": "2", "chunks_per_s": "1.5"}) == KeyLimits(2, 1.5)
+
+
+def test_the_keys_cli_has_a_flag_for_every_limit() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["create", "--name", "k", "--max-sessions", "3", "--max-session-s", "9.5"])
+    assert (args.max_sessions, args.max_session_s, args.max_tokens_per_day) == (3, 9.5, 0)
+    for limit in dataclasses.fields(KeyLimits):
+        assert hasattr(args, limit.name)
 
 
 def test_a_token_never_outlives_its_key() -> None:
