@@ -20,6 +20,7 @@ from shared.store.registry import read_session
 from shared.store.schema import KeySchema
 from tests.system.gateway.faults import Streamer, fault_stack, tally
 from tests.system.gateway.reference import SESSION_CONFIG, PendingReferences, stream
+from tests.wait import await_until
 from worker.server.session_log import read_log
 
 SEEDS = (20, 21, 22, 23)
@@ -70,12 +71,13 @@ def test_redis_restarted_empty_costs_no_session(tmp_path: Path, references: Pend
             redis = resilient_redis(server.url)
             try:
                 # The workers re-write the records and the whole logs within a few heartbeats.
-                deadline = time.monotonic() + 30
                 for s in streamers:
                     want = full_sequence(s.seed, expected[s.seed])
-                    while await read_log(redis, schema, s.session_id) != want:
-                        assert time.monotonic() < deadline, f"log of stream {s.seed} never rebuilt"
-                        await asyncio.sleep(0.1)
+
+                    async def rebuilt(sid: str = s.session_id, want: list[int] = want) -> bool:
+                        return bool(await read_log(redis, schema, sid) == want)
+
+                    await await_until(rebuilt, 30, f"the log of stream {s.seed} to be rebuilt")
                     assert await read_session(redis, schema, s.session_id) is not None
                 back_s = time.monotonic() - restarted
                 print(f"[fault] records and full logs back {back_s:.2f} s after restart")

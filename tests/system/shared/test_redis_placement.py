@@ -41,6 +41,7 @@ from shared.store.schema import NO_SEQ, STATE_DRAINING, KeySchema, LogState, dec
 from shared.store.values import sha256_hex
 from tests.conftest import open_servers
 from tests.shared.redis_servers import SERVER_KINDS
+from tests.wait import await_until
 from worker.server.session_log import read_log, read_log_state
 from worker.server.token_log import TokenLogWriter
 from worker.tokenizer.incremental import EMPTY_TAIL
@@ -230,10 +231,10 @@ def test_expired_worker_is_dropped_and_never_picked(server_url: str, schema: Key
         # While alive, the short-lived worker is the least loaded and wins.
         assert (await place_session(r, schema)).worker_id == "short"
 
-        deadline = time.monotonic() + 5.0
-        while await r.exists(schema.worker("short")) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert await r.exists(schema.worker("short")) == 0
+        async def expired() -> bool:
+            return not await r.exists(schema.worker("short"))
+
+        await await_until(expired, 5.0, "the short-lived worker's hash to expire")
         assert await r.zscore(schema.workers(), "short") is not None  # only placement cleans the ZSET
 
         assert (await place_session(r, schema)).worker_id == "long"
