@@ -37,6 +37,8 @@ from worker.attention.kv_pool import KVPool
 # The split-k scratch space flashinfer's documentation recommends for the prefill wrapper.
 WORKSPACE_BYTES: Final = 128 * 2**20
 SUPPORTED_HEAD_DIMS: Final = (64, 128, 256)
+# What its CUDA kernels compute in (the CPU reference the tests use takes float32 too).
+CUDA_DTYPES: Final = (torch.bfloat16, torch.float16)
 
 
 class FlashInferAttention(AttentionBackend):
@@ -46,6 +48,9 @@ class FlashInferAttention(AttentionBackend):
     def __init__(self, kv_pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"flashinfer's kernels take head_dim {SUPPORTED_HEAD_DIMS}, not {head_dim}")
+        dtype = kv_pool.buffer.dtype
+        if kv_pool.device.type == "cuda" and dtype not in CUDA_DTYPES:
+            raise ValueError(f"flashinfer's kernels take bfloat16 or float16, not {dtype} (--dtype bfloat16)")
         super().__init__(kv_pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         self._flashinfer: Any = importlib.import_module("flashinfer")
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
