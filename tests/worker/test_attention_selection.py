@@ -9,22 +9,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.attention import TorchAttention, choose_backend
+from worker.attention import AttentionShape, TorchAttention, choose_backend
 from worker.engine import Engine
 from worker.server.main import EXIT_REFUSED
 from worker.server.metrics import WorkerMetrics
 
-SHAPE = {"dtype": torch.float32, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "page_size": 16}
+SHAPE = AttentionShape(
+    torch.device("cpu"), torch.float32, num_heads=4, num_kv_heads=2, head_dim=64, page_size=16
+)
 
 
 def test_auto_and_torch_are_torch_on_cpu() -> None:
     for name in ("auto", "torch"):
-        assert choose_backend(name, device=torch.device("cpu"), **SHAPE) is TorchAttention
+        assert choose_backend(name, SHAPE) is TorchAttention
 
 
 def test_unknown_names_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown attention backend"):
-        choose_backend("triton", device=torch.device("cpu"), **SHAPE)
+        choose_backend("triton", SHAPE)
 
 
 def test_a_cpu_engine_never_imports_flashinfer_and_names_its_backend() -> None:

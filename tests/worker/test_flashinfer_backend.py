@@ -17,7 +17,7 @@ import torch
 
 from tests.worker import flashinfer_reference
 from worker.attention import BackendRefused, TorchAttention, choose_backend, decide
-from worker.attention.base import AttentionBackend, paged_metadata
+from worker.attention.base import AttentionBackend, AttentionShape, paged_metadata
 from worker.attention.flashinfer_backend import FlashInferAttention
 from worker.attention.kv_pool import KVPool
 from worker.attention.self_check import compare_with_torch
@@ -25,6 +25,7 @@ from worker.engine import Engine
 
 CPU = torch.device("cpu")
 HEADS = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 64}  # GQA, group of 4
+SHAPE = AttentionShape(CPU, torch.float32, page_size=16, **HEADS)
 
 
 @pytest.fixture
@@ -126,19 +127,19 @@ def test_an_engine_on_flashinfer_equals_torch_and_eight_interleaved_sessions_equ
 
 @pytest.mark.usefixtures("reference")
 def test_the_self_check_passes_a_faithful_flashinfer() -> None:
-    problem = compare_with_torch(FlashInferAttention, device=CPU, dtype=torch.float32, page_size=16, **HEADS)
+    problem = compare_with_torch(FlashInferAttention, SHAPE)
     assert problem is None
 
 
 @pytest.mark.usefixtures("broken")
 def test_the_self_check_catches_a_wrong_mask_and_names_it() -> None:
-    problem = compare_with_torch(FlashInferAttention, device=CPU, dtype=torch.float32, page_size=16, **HEADS)
+    problem = compare_with_torch(FlashInferAttention, SHAPE)
     assert problem is not None and "differs from the torch reference" in problem
 
 
 def test_the_self_check_reports_a_backend_that_cannot_even_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # `import flashinfer` raises ImportError
-    problem = compare_with_torch(FlashInferAttention, device=CPU, dtype=torch.float32, page_size=16, **HEADS)
+    problem = compare_with_torch(FlashInferAttention, SHAPE)
     assert problem is not None and "ModuleNotFoundError" in problem
 
 
@@ -166,12 +167,12 @@ def test_flashinfer_asked_for_without_the_package_is_refused_naming_the_extra(
     monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
     monkeypatch.setattr("worker.attention.importlib.util.find_spec", lambda name: None)
     with pytest.raises(BackendRefused, match="not installed"):
-        choose_backend("flashinfer", device=CPU, dtype=torch.float32, page_size=16, **HEADS)
+        choose_backend("flashinfer", SHAPE)
 
 
 @pytest.mark.usefixtures("reference")
 def test_auto_on_the_cpu_is_torch_even_with_flashinfer_importable() -> None:
-    chosen = choose_backend("auto", device=CPU, dtype=torch.float32, page_size=16, **HEADS)
+    chosen = choose_backend("auto", SHAPE)
     assert chosen is TorchAttention
 
 

@@ -14,9 +14,7 @@ import logging
 import sys
 from typing import Final
 
-import torch
-
-from worker.attention.base import AttentionBackend, AttentionMetadata
+from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
 from worker.attention.flashinfer_backend import FlashInferAttention
 from worker.attention.self_check import compare_with_torch
 from worker.attention.torch_backend import TorchAttention
@@ -25,6 +23,7 @@ __all__ = [
     "BACKEND_NAMES",
     "AttentionBackend",
     "AttentionMetadata",
+    "AttentionShape",
     "BackendRefused",
     "TorchAttention",
     "choose_backend",
@@ -55,30 +54,12 @@ def decide(name: str, problem: str | None) -> type[AttentionBackend]:
     raise BackendRefused(f"--attention flashinfer cannot serve here: {problem}")
 
 
-def choose_backend(
-    name: str,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-) -> type[AttentionBackend]:
-    """The backend a model runner uses for `--attention name` on `device`."""
+def choose_backend(name: str, shape: AttentionShape) -> type[AttentionBackend]:
+    """The backend a model runner uses for `--attention name` with this model and pool."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
-    if name == "torch" or (name == "auto" and (device.type != "cuda" or not flashinfer_available())):
+    if name == "torch" or (name == "auto" and (shape.device.type != "cuda" or not flashinfer_available())):
         return TorchAttention
     if not flashinfer_available():
         return decide(name, "flashinfer is not installed (the `gpu` extra: pip install 'microturn[gpu]')")
-    problem = compare_with_torch(
-        FlashInferAttention,
-        device=device,
-        dtype=dtype,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-    )
-    return decide(name, problem)
+    return decide(name, compare_with_torch(FlashInferAttention, shape))

@@ -50,6 +50,18 @@ class AttentionMetadata:
         return all(n == 1 for n in self.q_lens)
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What choosing and checking a backend needs to know of the model and the pool."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+
+
 def paged_metadata(
     starts: Sequence[int], q_lens: Sequence[int], page_tables: Sequence[Sequence[int]], page_size: int
 ) -> AttentionMetadata:

@@ -17,7 +17,7 @@ from typing import Final
 
 import torch
 
-from worker.attention.base import AttentionBackend, paged_metadata
+from worker.attention.base import AttentionBackend, AttentionShape, paged_metadata
 from worker.attention.kv_pool import KVPool
 from worker.attention.torch_backend import TorchAttention
 
@@ -54,17 +54,10 @@ def _run(
     return outputs
 
 
-def compare_with_torch(
-    backend: type[AttentionBackend],
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-) -> str | None:
+def compare_with_torch(backend: type[AttentionBackend], shape: AttentionShape) -> str | None:
     """None when `backend` agrees with the torch reference on the check batch, else why not."""
+    device, dtype, page_size = shape.device, shape.dtype, shape.page_size
+    num_heads, num_kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
     tables, steps = _batch(page_size)
     num_pages = 1 + max(max(table) for table in tables)
     generator = torch.Generator().manual_seed(_SEED)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import choose_backend
+from worker.attention import AttentionShape, choose_backend
 from worker.attention.base import AttentionMetadata, paged_metadata
 from worker.attention.kv_pool import KVPool
 from worker.engine.sampling import SamplingParams, sample
@@ -60,15 +60,10 @@ class ModelRunner:
         self.page_size = page_size
         self.cpu_threads = torch.get_num_threads()
         self.model = LlamaModel(config, loaded.weights, device=device, dtype=dtype)
-        backend = choose_backend(
-            attention,
-            device=device,
-            dtype=dtype,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            page_size=page_size,
+        shape = AttentionShape(
+            device, dtype, config.num_heads, config.num_kv_heads, config.head_dim, page_size
         )
+        backend = choose_backend(attention, shape)
         self.attention_name = backend.name
         self.kv_pool = KVPool(
             num_layers=config.num_layers,
