@@ -52,7 +52,21 @@ def load_model(spec: str, *, device: torch.device, dtype: torch.dtype, seed: int
                 "an HF directory, nor a .gguf file"
             )
     logger.info("model %s ready on %s in %.2f s", loaded.config.name, device, time.perf_counter() - started)
+    _report_chat_template(loaded)
     return loaded
+
+
+def _report_chat_template(loaded: LoadedModel) -> None:
+    """Whether a conversation streamed item by item into one session is the one the template means."""
+    template = None if loaded.tokenizer is None else loaded.tokenizer.chat_template
+    if template is None:
+        logger.info("model %s has no chat template", loaded.config.name)
+        return
+    problem = template.check_extends()
+    if problem is None:
+        logger.info("chat template of %s: a longer conversation extends a shorter one", loaded.config.name)
+    else:
+        logger.warning("chat template of %s cannot be streamed turn by turn: %s", loaded.config.name, problem)
 
 
 def _load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype, name: str) -> LoadedModel:

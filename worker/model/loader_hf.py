@@ -9,11 +9,33 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from shared.chat_template import ChatTemplate
 from worker.model.config import ModelConfig
 from worker.model.weights import ModelWeights
 from worker.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def _token_text(value: object) -> str:
+    """A special token in tokenizer_config.json: a string, or an AddedToken map with `content`."""
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return value if isinstance(value, str) else ""
+
+
+def hf_chat_template(path: Path) -> ChatTemplate | None:
+    """The directory's default chat template (tokenizer_config.json, or chat_template.jinja)."""
+    config_path = path / "tokenizer_config.json"
+    raw = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    source = raw.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    if not source and (path / "chat_template.jinja").is_file():
+        source = (path / "chat_template.jinja").read_text()
+    if not isinstance(source, str) or not source:
+        return None
+    return ChatTemplate(source, _token_text(raw.get("bos_token")), _token_text(raw.get("eos_token")))
 
 
 def load_hf_directory(
@@ -36,5 +58,6 @@ def load_hf_directory(
         tokenizer = Tokenizer.from_file(
             path / "tokenizer.json", eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id
         )
+        tokenizer.chat_template = hf_chat_template(path)
     logger.info("loaded %s from %s (%d files)", config.name, path, len(files))
     return config, weights, tokenizer

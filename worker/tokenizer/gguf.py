@@ -17,6 +17,7 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from shared.chat_template import ChatTemplate
 from worker.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -157,4 +158,9 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
         len(special),
         len(user_defined),
     )
-    return Tokenizer(backend, eos_token_ids=eos, bos_token_id=bos)
+    source = field_value(reader, "tokenizer.chat_template")
+    template = None
+    if isinstance(source, str) and source:
+        eos_text = tokens[eos[0]] if eos else ""
+        template = ChatTemplate(source, tokens[bos] if bos is not None else "", eos_text)
+    return Tokenizer(backend, eos_token_ids=eos, bos_token_id=bos, chat_template=template)

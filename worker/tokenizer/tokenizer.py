@@ -8,6 +8,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from shared.chat_template import ChatTemplate
+
 
 class Tokenizer:
     def __init__(
@@ -16,10 +18,13 @@ class Tokenizer:
         *,
         eos_token_ids: Sequence[int] = (),
         bos_token_id: int | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self.backend = backend
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
+        # The model's own chat template (GGUF metadata or tokenizer_config.json); None when it has none.
+        self.chat_template = chat_template
 
     @classmethod
     def from_file(
