@@ -166,7 +166,11 @@ class TokenLogWriter:
         for sid, queued in batch.items():
             key = self.schema.log(sid)
             pipe.append(key, records[sid])
-            pipe.pexpire(key, int((queued.ttl_s + self.grace_s) * 1000))
+            # The append that creates the key gives it its TTL; after that the heartbeat refreshes
+            # it with the session's record (`touch_sessions`, every session active since the last
+            # beat), so a chunk costs Redis one command, not two (docs/scaling.md).
+            if not self._mirror.get(sid):
+                pipe.pexpire(key, int((queued.ttl_s + self.grace_s) * 1000))
         try:
             async with self._redis_turn:
                 await pipe.execute()

@@ -105,9 +105,11 @@ def test_open_then_chunks_are_answered_in_order_and_logged(engine: Engine, redis
             assert isinstance(done, LinkDone) and done.done.seq == seq and len(done.done.tokens) == 2
             sequence += [seq, seq + 1, *done.done.tokens]
             assert done.length == len(sequence)
-        assert await service.token_log.flush()
+            assert await service.token_log.flush()  # one flush per turn: a first append, then more
         assert await read_log(service.redis, service.schema, "s1") == sequence[3:]
         assert service.token_log.durable_seq("s1") == 2
+        # The first append gave the log its TTL (later ones leave it to the heartbeat's refresh).
+        assert await service.redis.pttl(service.schema.log("s1")) > 0
 
     run(engine, redis_url, body)
 
