@@ -9,6 +9,7 @@ parameter the backend leaves out; and the reference must declare the same parame
 order as far as it goes.
 
     python scripts/check_flashinfer_api.py PATH/flashinfer_python-*.whl   # exit 0: all match
+    python scripts/check_flashinfer_api.py PATH/...whl --backend FILE      # check another backend source
     python scripts/check_flashinfer_api.py --pin    # the requirement pinned in pyproject's gpu extra
 """
 
@@ -168,13 +169,16 @@ def main(argv: list[str]) -> int:
     if argv == ["--pin"]:
         print(pinned_requirement())
         return 0
-    if len(argv) != 1:
+    backend = BACKEND
+    if len(argv) == 3 and argv[1] == "--backend":
+        backend = Path(argv[2])
+    elif len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
     sources = wheel_sources(Path(argv[0]))
     public = exported(sources["flashinfer/__init__.py"])
     reference = definitions({"reference": REFERENCE.read_text()})
-    calls = backend_calls(BACKEND.read_text())
+    calls = backend_calls(backend.read_text())
     problems = []
     for call in calls:
         exported_name = call.owner or call.name  # a method is looked up in its class's file

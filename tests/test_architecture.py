@@ -7,12 +7,19 @@
 - No import upward: shared/ is what the gateway and the worker both speak and imports neither of
   them, except its operations subpackage (shared/cli/: the `microturn` entry point, `microturn up`,
   the keys CLI), which starts them.
+
+The whole tree is parsed in a fresh interpreter (`in_fresh_process`): inside a long pytest run,
+CPython 3.11.7's `ast.parse` now and then fails with "AST constructor recursion depth mismatch"
+once something earlier changed the recursion limit (hypothesis does), which a new process avoids.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,10 +111,32 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_cycle_among_the_project_modules() -> None:
+def scan() -> dict[str, object]:
+    """What the tests read of the tree: the import graph, and every shared/ module's imports."""
     known = modules()
-    assert len(known) > 100  # the scan sees the project
-    assert cycles(import_graph(known)) == []
+    return {
+        "graph": {name: sorted(edges) for name, edges in import_graph(known).items()},
+        "imports": {name: imported_names(path, name) for name, path in known.items()},
+    }
+
+
+def in_fresh_process() -> tuple[dict[str, set[str]], dict[str, list[tuple[int, str]]]]:
+    code = "import json; from tests.test_architecture import scan; print(json.dumps(scan()))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=120
+    )
+    found = json.loads(done.stdout)
+    graph = {name: set(edges) for name, edges in found["graph"].items()}
+    imports = {
+        name: [(line, imported) for line, imported in pairs] for name, pairs in found["imports"].items()
+    }
+    return graph, imports
+
+
+def test_no_import_cycle_among_the_project_modules() -> None:
+    graph, _ = in_fresh_process()
+    assert len(graph) > 100  # the scan sees the project
+    assert cycles(graph) == []
 
 
 def test_the_cycle_finder_sees_a_cycle_through_a_package_init(tmp_path: Path) -> None:
@@ -129,21 +158,18 @@ def test_importing_a_submodule_counts_its_packages(tmp_path: Path) -> None:
 
 
 def test_shared_imports_neither_gateway_nor_worker_outside_its_operations_package() -> None:
-    known = modules()
+    _, imports = in_fresh_process()
+    operations = OPERATIONS.rstrip("/").replace("/", ".")
     upward = [
-        f"{path.relative_to(REPO)}:{line} imports {imported}"
-        for name, path in known.items()
-        if name.startswith("shared") and not str(path.relative_to(REPO)).startswith(OPERATIONS)
-        for line, imported in imported_names(path, name)
+        f"{name}:{line} imports {imported}"
+        for name, pairs in imports.items()
+        if name.startswith("shared") and not name.startswith(operations)
+        for line, imported in pairs
         if imported.split(".")[0] in UPPER_LAYERS
     ]
     assert upward == []
-
-
-def test_the_scan_sees_imports_inside_functions() -> None:
-    # The entry point imports the processes it starts lazily, inside its sub-commands.
-    path = REPO / "shared" / "cli" / "main.py"
-    names = [imported for _, imported in imported_names(path, "shared.cli.main")]
+    # The scan sees imports inside functions: the entry point imports what it starts lazily.
+    names = [imported for _, imported in imports["shared.cli.main"]]
     assert "worker.server.main" in names and "gateway.main" in names
 
 

@@ -15,7 +15,7 @@ from tests.shared.redis_servers import ServerUnavailable
 from tests.system.chunk_path import COMMAND, measure
 from tests.system.path_cut import GROUPS, ChunkPath, order_events
 from tests.system.path_doc import documented, documented_counts, markdown
-from tests.test_architecture import REPO, cycles, import_graph, module_name, modules
+from tests.test_architecture import REPO, cycles, in_fresh_process, module_name
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +37,10 @@ def test_the_design_doc_lists_the_measured_path_in_order(measured: ChunkPath) ->
 
 
 def test_the_modules_on_the_path_import_no_cycle(measured: ChunkPath) -> None:
-    known = modules()
+    project, _ = in_fresh_process()
     on_path = {module_name(REPO / file) for key in GROUPS for file in measured.group(key)}
-    assert on_path <= set(known) and len(on_path) > 10
-    graph = {name: edges & on_path for name, edges in import_graph(known).items() if name in on_path}
+    assert on_path <= set(project) and len(on_path) > 10
+    graph = {name: edges & on_path for name, edges in project.items() if name in on_path}
     assert cycles(graph) == []
 
 
