@@ -30,13 +30,13 @@ from starlette.websockets import WebSocket
 from gateway.auth.credentials import bearer_credential
 from gateway.auth.session_auth import UNAUTHORIZED_MESSAGE, Principal
 from gateway.client_session import ClientSession
+from gateway.dialect import Dialect, NativeDialect
 from gateway.handshake import negotiate
 from gateway.links import LinkPool
 from gateway.metrics import GatewayMetrics
 from gateway.services import GatewayServices
 from shared.errors import ErrorCode, MicroturnError, Unauthorized, WorkerUnavailable
 from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION, close_code_for, error_message_from
-from shared.protocol.codec import Encoding, encode_server
 from shared.settings import GatewaySettings, is_loopback_host
 from shared.store.connection import redacted_url, resilient_redis
 
@@ -53,18 +53,18 @@ def _services(holder: Starlette | Request | WebSocket) -> GatewayServices:
     return services
 
 
-async def _refuse(ws: WebSocket, encoding: Encoding, exc: MicroturnError) -> None:
+async def _refuse(ws: WebSocket, dialect: Dialect, exc: MicroturnError) -> None:
     """A fatal error as the socket's only message, then its close code."""
-    frame = encode_server(error_message_from(exc, fatal=True), encoding)
     with contextlib.suppress(Exception):  # the client may already be gone
-        if isinstance(frame, str):
-            await ws.send_text(frame)
-        else:
-            await ws.send_bytes(frame)
+        for frame in dialect.encode(error_message_from(exc, fatal=True)):
+            if isinstance(frame, str):
+                await ws.send_text(frame)
+            else:
+                await ws.send_bytes(frame)
         await ws.close(close_code_for(exc.code))
 
 
-async def _authenticate(ws: WebSocket, services: GatewayServices, encoding: Encoding) -> Principal | None:
+async def _authenticate(ws: WebSocket, services: GatewayServices, dialect: Dialect) -> Principal | None:
     """The socket's principal; None after refusing it (the caller then just returns)."""
     assert services.authenticator is not None
     credential = bearer_credential(ws.headers, ws.scope.get("subprotocols", []))
@@ -72,11 +72,11 @@ async def _authenticate(ws: WebSocket, services: GatewayServices, encoding: Enco
         principal = await services.authenticator.authenticate(credential)
     except (RedisError, OSError) as exc:
         logger.warning("key store error at handshake: %r", exc)
-        await _refuse(ws, encoding, WorkerUnavailable("the key store is unavailable", retry_after_ms=1000))
+        await _refuse(ws, dialect, WorkerUnavailable("the key store is unavailable", retry_after_ms=1000))
         return None
     if principal is None:
         services.metrics.error(ErrorCode.UNAUTHORIZED)
-        await _refuse(ws, encoding, Unauthorized(UNAUTHORIZED_MESSAGE))
+        await _refuse(ws, dialect, Unauthorized(UNAUTHORIZED_MESSAGE))
     return principal
 
 
@@ -88,14 +88,15 @@ async def realtime(ws: WebSocket) -> None:
         await ws.close(_REFUSE_HANDSHAKE)
         return
     await ws.accept(subprotocol=negotiated.subprotocol)
+    dialect = NativeDialect(negotiated.encoding, services.settings.max_frame_bytes)
     principal = None
     if services.authenticator is not None:
-        principal = await _authenticate(ws, services, negotiated.encoding)
+        principal = await _authenticate(ws, services, dialect)
         if principal is None:
             return
     services.metrics.sockets_open += 1
     try:
-        await ClientSession(ws, negotiated.encoding, services, principal).run()
+        await ClientSession(ws, dialect, services, principal).run()
     finally:
         services.metrics.sockets_open -= 1
 

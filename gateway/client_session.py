@@ -46,8 +46,9 @@ from redis.exceptions import RedisError
 from starlette.websockets import WebSocket
 
 from gateway.auth.session_auth import Principal, SessionAuth
+from gateway.dialect import Dialect
 from gateway.lifecycle import Phase, Request, SessionEnded, SessionLifecycle
-from gateway.limits import SessionLimits, check_frame_size
+from gateway.limits import SessionLimits
 from gateway.links import Link
 from gateway.outbox import Outbox
 from gateway.restore_flow import RestoreFlow
@@ -61,7 +62,6 @@ from shared.errors import (
     WorkerUnavailable,
 )
 from shared.protocol.close_codes import CLOSE_NORMAL, close_code_for
-from shared.protocol.codec import Encoding, decode_client
 from shared.protocol.link import (
     LinkCancel,
     LinkChunk,
@@ -95,19 +95,12 @@ logger = logging.getLogger(__name__)
 CLOSE_FLUSH_S: Final = 5.0
 
 
-def _frame_bytes(data: str | bytes, limit: int) -> int:
-    """The frame's size in bytes; a text frame is only encoded when its length could exceed `limit`."""
-    if isinstance(data, bytes) or len(data) * 4 <= limit:  # UTF-8 is at most 4 bytes per character
-        return len(data)
-    return len(data.encode())
-
-
 class ClientSession(RestoreFlow):
     def __init__(
-        self, ws: WebSocket, encoding: Encoding, services: GatewayServices, principal: Principal | None = None
+        self, ws: WebSocket, dialect: Dialect, services: GatewayServices, principal: Principal | None = None
     ) -> None:
         self._ws = ws
-        self._encoding = encoding
+        self._dialect = dialect
         self._s = services
         self._auth: SessionAuth | None = None
         limits = services.limits
@@ -116,7 +109,7 @@ class ClientSession(RestoreFlow):
             if 0 < self._auth.chunks_per_s < limits.max_chunks_per_s:  # the key's rate caps the gateway's
                 limits = dataclasses.replace(limits, max_chunks_per_s=self._auth.chunks_per_s)
         self._limits = SessionLimits(limits)
-        self.outbox = Outbox(ws, encoding, services.metrics, self._limits.observe_turn)
+        self.outbox = Outbox(ws, dialect, services.metrics, self._limits.observe_turn)
         self.life = SessionLifecycle()  # its phase, changed only through `life.move` (lifecycle.py)
         self.sid: str | None = None
         self._config = OpenConfig()
@@ -168,13 +161,19 @@ class ClientSession(RestoreFlow):
 
     async def handle_frame(self, data: str | bytes, received: float) -> None:
         """One client frame: decoded, checked, served; every error is answered here."""
-        seq: int | None = None
         try:
-            limit = self._s.limits.max_frame_bytes
-            check_frame_size(_frame_bytes(data, limit), limit)
-            msg = decode_client(data, self._encoding)
-            if isinstance(msg, InputChunk | OutputCancel):
-                seq = msg.seq
+            decoded = self._dialect.decode(data)
+        except MicroturnError as exc:
+            self._error(exc)
+            return
+        for reply in decoded.replies:
+            self.outbox.put_frame(reply)
+        for msg in decoded.messages:
+            await self.handle_message(msg, received)
+
+    async def handle_message(self, msg: ClientMessage, received: float) -> None:
+        seq = msg.seq if isinstance(msg, InputChunk | OutputCancel) else None
+        try:
             await self._dispatch(msg, received)
         except SessionEnded:
             pass

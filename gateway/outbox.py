@@ -22,10 +22,10 @@ from typing import Final
 
 from starlette.websockets import WebSocket
 
+from gateway.dialect import Dialect, Frame
 from gateway.metrics import GatewayMetrics
 from shared.errors import ErrorCode
 from shared.protocol.close_codes import close_code_for
-from shared.protocol.codec import Encoding, encode_server
 from shared.protocol.messages import Error, OutputDone, ServerMessage
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,11 @@ class _Send:
 
 
 @dataclass(slots=True)
+class _Raw:
+    frame: Frame  # a dialect's own reply, already encoded
+
+
+@dataclass(slots=True)
 class _Close:
     code: int
     reason: str
@@ -50,15 +55,15 @@ class Outbox:
     def __init__(
         self,
         ws: WebSocket,
-        encoding: Encoding,
+        dialect: Dialect,
         metrics: GatewayMetrics,
         on_turn: Callable[[float], None] | None = None,
     ) -> None:
         self._ws = ws
-        self._encoding = encoding
+        self._dialect = dialect
         self._metrics = metrics
         self._on_turn = on_turn
-        self._queue: asyncio.Queue[_Send | _Close] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Send | _Raw | _Close] = asyncio.Queue()
         self._closing = False
 
     @property
@@ -67,15 +72,22 @@ class Outbox:
         return self._closing
 
     def put(self, message: ServerMessage, started: float | None = None) -> None:
+        self._put(_Send(message, started))
+
+    def put_frame(self, frame: Frame) -> None:
+        """A frame the dialect answered by itself, sent in its place in the order."""
+        self._put(_Raw(frame))
+
+    def _put(self, item: _Send | _Raw) -> None:
         if self._closing:
-            logger.debug("socket closing; not sending %s", message.type)
+            logger.debug("socket closing; not sending %r", item)
             return
         if self._queue.qsize() >= MAX_PENDING:
             logger.warning("client stopped reading (%d messages pending); disconnecting it", MAX_PENDING)
             self._metrics.error(ErrorCode.BACKPRESSURE)
             self.close(close_code_for(ErrorCode.BACKPRESSURE), "client is not reading")
             return
-        self._queue.put_nowait(_Send(message, started))
+        self._queue.put_nowait(item)
 
     def close(self, code: int, reason: str = "") -> None:
         """Close the socket once everything queued so far has been sent."""
@@ -93,22 +105,21 @@ class Outbox:
                 except Exception as exc:  # the peer went away first: nothing left to tell it
                     logger.debug("close of a client socket failed: %r", exc)
                 return
+            if isinstance(item, _Raw):
+                if not await self._send(item.frame):
+                    return
+                continue
             message = item.message
             try:
-                frame = encode_server(message, self._encoding)
+                frames = self._dialect.encode(message)
             except ValueError:
                 # Only a non-finite float can do this (JSON has no NaN): a worker bug, reported typed.
                 logger.exception("cannot encode %s", message.type)
                 message = Error(ErrorCode.INTERNAL, f"could not encode a {message.type}", fatal=False)
-                frame = encode_server(message, self._encoding)
-            try:
-                if isinstance(frame, str):
-                    await self._ws.send_text(frame)
-                else:
-                    await self._ws.send_bytes(frame)
-            except Exception as exc:
-                logger.debug("send to a client failed: %r", exc)
-                return
+                frames = self._dialect.encode(message)
+            for frame in frames:
+                if not await self._send(frame):
+                    return
             if isinstance(message, OutputDone):
                 self._metrics.outputs_delivered += 1
                 if item.started is not None:
@@ -118,3 +129,15 @@ class Outbox:
                         self._on_turn(elapsed * 1000)
             elif isinstance(message, Error):
                 self._metrics.error(message.code)
+
+    async def _send(self, frame: Frame) -> bool:
+        """Send one frame; False when the socket failed (the writer then stops)."""
+        try:
+            if isinstance(frame, str):
+                await self._ws.send_text(frame)
+            else:
+                await self._ws.send_bytes(frame)
+        except Exception as exc:
+            logger.debug("send to a client failed: %r", exc)
+            return False
+        return True

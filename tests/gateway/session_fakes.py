@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.client_session import ClientSession
+from gateway.dialect import NativeDialect
 from gateway.limits import LimitValues
 from gateway.links import Link, LinkPool
 from gateway.metrics import GatewayMetrics
@@ -212,7 +213,7 @@ class Gateway:
         self.services = FakeServices(self.pool, self.store)
 
     def socket(self) -> Socket:
-        return Socket(self, ClientSession(None, Encoding.JSON, self.services))  # type: ignore[arg-type]
+        return Socket(self, ClientSession(None, NativeDialect(Encoding.JSON, 65536), self.services))  # type: ignore[arg-type]
 
     def link(self, worker_id: str) -> FakeLink:
         link = self.pool.link(url_of(worker_id), worker_id)
