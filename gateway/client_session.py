@@ -1,44 +1,31 @@
-"""One client socket on `/v1/realtime`: its messages, its session's link, its worker's frames.
+"""One client socket on `/v1/realtime`: the asyncio shell around its session machine.
 
-Why this shape: the gateway keeps no session state beyond live sockets, so everything a session
-needs on this gateway lives in one `ClientSession` and dies with the socket. Three things drive it,
-all on the event loop, none blocking the others:
+Why so thin: every decision is the Sans-I/O `SessionMachine`'s (gateway/session/machine.py); this
+module only moves bytes and performs the actions it asks for (gateway/session/actions.py):
+- the receive loop decodes each client frame through the socket's dialect (gateway/dialect.py) and
+  hands the machine one message at a time, reading the next only once the machine is not `busy`;
+- the link pool calls `on_frame` / `on_link_lost` / `on_taken_over` (the `LinkListener`) from the
+  shared link reader, which must never wait: those feed the machine and queue what it says;
+- one task performs the effects (Redis, the credential) one at a time, in order, and answers the
+  machine with each result; timers are the loop's `call_later`;
+- frames to the worker go out in the order the machine queued them: the receive loop sends a
+  chunk inline (the hot path: no task switch, no Redis), anything queued from a callback is sent by
+  a short-lived task, and whoever sends first sends what is queued behind it;
+- the `Outbox` is the client's one writer.
 
-- the receive loop, which handles one client message at a time (`session.open` and
-  `session.resume` await Redis and the worker's `opened`; chunks only await the link write);
-- the link reader, which calls `on_frame` / `on_link_lost` / `on_taken_over` synchronously;
-  those only update state and queue messages in the `Outbox`, never await;
-- a restore task, started when the worker link breaks (docs/design.md section 5 "Worker loss").
-
-All three change the session's phase only through `self.life` (lifecycle.py: the phases, the allowed
-moves and the requests each phase serves). Open, resume and close (session_flows.py) and restore
-(restore_flow.py), the flows that place the session on a worker and end it there, live in the base
-classes `SessionFlows` <- `RestoreFlow` <- `ClientSession`; this module is the socket, the chunks
-and the worker's frames.
-
-Invariants:
-- Redis is touched only at open, resume, close and restore, all through `SessionStore`
-  (session_store.py); never per chunk.
-- With auth on, `SessionAuth` (session_auth.py) holds the session's slot among its key's sessions
-  from open/resume until the socket ends, whatever ends it; per chunk it only compares two numbers.
-- Every chunk forwarded to the worker is in `_in_flight` until its `done` or its `error` arrives,
-  and in the undurable tail (gateway/undurable.py) until its turn is durable in the token log. When the
-  worker is lost, the chunks in flight are not failed back: the restoring worker gets the tail and
-  re-runs them, so every chunk gets exactly one `output.done` (docs/failover.md). Chunks that arrive
-  while the session moves are held in the tail and sent once it is restored.
-- Every check that can refuse a chunk runs before the chunk is forwarded; a refused chunk leaves the
-  session untouched (recoverable error, socket stays open).
-- `detach` is sent on disconnect only while this socket is still the bound listener and the phase
-  is not GONE (closed, taken over, expired, lost for good).
+Invariants: everything runs on the event loop and the machine never awaits, so a machine call and
+the draining of its actions are never interleaved with another event. A frame queued for a worker
+the session has since left is dropped (the restore carried it in the tail).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
+import uuid
+from collections import deque
 from collections.abc import Coroutine
 from typing import Any, Final
 
@@ -46,48 +33,36 @@ from redis.exceptions import RedisError
 from starlette.websockets import WebSocket
 
 from gateway.auth.session_auth import Principal, SessionAuth
-from gateway.dialect import Dialect
-from gateway.lifecycle import Phase, Request, SessionEnded, SessionLifecycle
-from gateway.limits import SessionLimits
+from gateway.dialect import Dialect, Frame
 from gateway.links import Link
 from gateway.outbox import Outbox
-from gateway.restore_flow import RestoreFlow
 from gateway.services import GatewayServices
-from gateway.session_flows import PendingOpen
-from gateway.undurable import UndurableTurns
-from shared.errors import (
-    BadSequence,
-    InternalError,
-    MicroturnError,
-    WorkerUnavailable,
+from gateway.session.actions import (
+    Action,
+    AdmitOpen,
+    AdmitResume,
+    ArmTimer,
+    Bind,
+    CancelTimer,
+    CloseSocket,
+    Delete,
+    Effect,
+    EndOnWorker,
+    FindWorker,
+    Lookup,
+    Move,
+    Place,
+    ReleaseAuth,
+    SendClient,
+    SendWorker,
+    Timer,
+    Unbind,
 )
-from shared.protocol.close_codes import CLOSE_NORMAL, close_code_for
-from shared.protocol.link import (
-    LinkCancel,
-    LinkChunk,
-    LinkClosed,
-    LinkDelta,
-    LinkDetach,
-    LinkDone,
-    LinkError,
-    LinkMigrate,
-    LinkOpened,
-    ToGateway,
-)
-from shared.protocol.messages import (
-    ClientMessage,
-    CloseReason,
-    InputChunk,
-    OpenConfig,
-    OutputCancel,
-    Ping,
-    Pong,
-    SessionClose,
-    SessionClosed,
-    SessionOpen,
-    SessionResume,
-)
-from shared.store.registry import SessionRecord
+from gateway.session.machine import MachineConfig, SessionMachine
+from shared.errors import InternalError, MicroturnError, WorkerUnavailable
+from shared.protocol.link import LinkClose, ToGateway
+from shared.protocol.messages import ClientMessage
+from shared.store.registry import new_resume_token
 
 logger = logging.getLogger(__name__)
 
@@ -95,281 +70,256 @@ logger = logging.getLogger(__name__)
 CLOSE_FLUSH_S: Final = 5.0
 
 
-class ClientSession(RestoreFlow):
+class ClientSession:
     def __init__(
         self, ws: WebSocket, dialect: Dialect, services: GatewayServices, principal: Principal | None = None
     ) -> None:
         self._ws = ws
         self._dialect = dialect
         self._s = services
-        self._auth: SessionAuth | None = None
-        limits = services.limits
-        if principal is not None and services.auth is not None:
-            self._auth = SessionAuth(principal, services.auth, self._warn_expiring, self._expire)
-            if 0 < self._auth.chunks_per_s < limits.max_chunks_per_s:  # the key's rate caps the gateway's
-                limits = dataclasses.replace(limits, max_chunks_per_s=self._auth.chunks_per_s)
-        self._limits = SessionLimits(limits)
-        self.outbox = Outbox(ws, dialect, services.metrics, self._limits.observe_turn)
-        self.life = SessionLifecycle()  # its phase, changed only through `life.move` (lifecycle.py)
-        self.sid: str | None = None
-        self._config = OpenConfig()
-        self._record: SessionRecord | None = None
-        self._link: Link | None = None
-        self._pending: PendingOpen | None = None
-        self._closed_future: asyncio.Future[CloseReason | None] | None = None
-        self._restore_task: asyncio.Task[None] | None = None
-        # seq -> monotonic arrival time, for every chunk forwarded and not yet answered.
-        self._in_flight: dict[int, float] = {}
-        self._undurable = UndurableTurns()
-        # The last seq the session finished, as this socket knows it (the worker's at `opened`, then
-        # each done; None: none): every done up to it has been queued for the client, and a chunk at
-        # or below it can only be refused (the worker's seq ordering is past it).
-        self._finished_seq: int | None = None
-        self._length = 0  # the session's length after its last done: a turn's tokens are the growth
-        self._expire_task: asyncio.Task[None] | None = None
+        self._auth = (
+            SessionAuth(principal, services.auth)
+            if principal is not None and services.auth is not None
+            else None
+        )
+        self.machine = SessionMachine(
+            MachineConfig(services.limits, services.settings.open_timeout_s),
+            services.metrics,
+            guard=self._auth,
+            new_sid=lambda: uuid.uuid4().hex,
+            new_token=new_resume_token,
+            clock=time.monotonic,
+        )
+        self.outbox = Outbox(ws, dialect, services.metrics, self.machine.turns.limits.observe_turn)
+        self._ready = asyncio.Event()  # set while the machine takes the next client message
+        self._ready.set()
+        self._effects: asyncio.Queue[Effect] = asyncio.Queue()
+        self._timers: dict[Timer, asyncio.TimerHandle] = {}
+        self._to_worker: deque[SendWorker] = deque()
+        self._sending = False
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    # ---- socket lifecycle ---------------------------------------------------------------------
+    # ---- the socket's life ----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Serve the accepted socket until it closes; then let the session go (detach)."""
+        """Serve the accepted socket until it closes; then let the session go."""
         reader = asyncio.create_task(self._read_loop(), name="client-reader")
         writer = asyncio.create_task(self.outbox.run(), name="client-writer")
+        effects = asyncio.create_task(self._run_effects(), name="session-effects")
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             if writer not in done and self.outbox.closing:
                 # The receive loop stopped after a fatal error: let the error and the close go out.
                 await asyncio.wait({writer}, timeout=CLOSE_FLUSH_S)
         finally:
-            for task in (reader, writer):
+            for task in (reader, writer, effects, *self._tasks):
                 task.cancel()
-            await asyncio.gather(reader, writer, return_exceptions=True)
+            await asyncio.gather(reader, writer, effects, *self._tasks, return_exceptions=True)
             await self._release()
 
     async def _read_loop(self) -> None:
         try:
-            while not self.outbox.closing:
-                message = await self._ws.receive()
-                if message["type"] == "websocket.disconnect":
+            greeting = self._dialect.greeting()
+            for reply in greeting.replies:
+                self.outbox.put_frame(reply)
+            for request in greeting.messages:
+                await self._ready.wait()
+                await self.handle_message(request, time.monotonic())
+            while True:
+                await self._ready.wait()  # the machine serves one client request at a time
+                if self.outbox.closing:
+                    return
+                event = await self._ws.receive()
+                if event["type"] == "websocket.disconnect":
                     return
                 received = time.monotonic()
-                text: str | None = message.get("text")
-                data: str | bytes | None = text if text is not None else message.get("bytes")
+                text: str | None = event.get("text")
+                data: Frame | None = text if text is not None else event.get("bytes")
                 if data is not None:
                     await self.handle_frame(data, received)
-        except Exception:  # handle_frame answers every error itself: this is the socket failing
-            logger.exception("receive loop of session %s failed", self.sid)
+        except Exception:  # every client error is answered by the machine: this is the socket failing
+            logger.exception("receive loop of session %s failed", self.machine.sid)
 
-    async def handle_frame(self, data: str | bytes, received: float) -> None:
-        """One client frame: decoded, checked, served; every error is answered here."""
+    async def handle_frame(self, data: Frame, received: float) -> None:
+        """One client frame: decoded by the dialect, then each request it carries served in order."""
         try:
             decoded = self._dialect.decode(data)
         except MicroturnError as exc:
-            self._error(exc)
+            self.machine.refuse(exc)
+            await self._drain()
             return
         for reply in decoded.replies:
             self.outbox.put_frame(reply)
-        for msg in decoded.messages:
-            await self.handle_message(msg, received)
+        for message in decoded.messages:
+            await self._ready.wait()  # a frame may carry an open and what follows it
+            if self.outbox.closing:
+                return
+            await self.handle_message(message, received)
 
-    async def handle_message(self, msg: ClientMessage, received: float) -> None:
-        seq = msg.seq if isinstance(msg, InputChunk | OutputCancel) else None
+    async def handle_message(self, message: ClientMessage, received: float) -> None:
         try:
-            await self._dispatch(msg, received)
-        except SessionEnded:
-            pass
-        except MicroturnError as exc:
-            self._error(exc, seq)
-        except RedisError as exc:
-            logger.warning("session store error: %r", exc)
-            self._error(WorkerUnavailable("the session store is unavailable", retry_after_ms=1000), seq)
+            self.machine.receive(message, received)
         except Exception:
-            logger.exception("client message handling failed (session %s)", self.sid)
-            self._error(InternalError("internal gateway error"), seq, fatal=True)
+            logger.exception("client message handling failed (session %s)", self.machine.sid)
+            self.machine.refuse(InternalError("internal gateway error"), fatal=True)
+        await self._drain()
 
     async def _release(self) -> None:
-        """The socket is gone: stop restoring, and detach the session if it is still ours."""
-        self.life.end_socket()
-        if self._restore_task is not None:
-            self._restore_task.cancel()
-            await asyncio.gather(self._restore_task, return_exceptions=True)
-        self._fail_pending(SessionEnded())
-        if self._auth is not None:
-            await self._auth.release()
-        sid = self.sid
-        if sid is None:
-            return
-        link = self._s.pool.bound_link(sid, self)
-        self._s.pool.unbind(sid, self)
-        if link is not None and not self.life.gone:
-            # A worker that cannot be reached is gone, and its loss ends the session there anyway.
-            with contextlib.suppress(WorkerUnavailable):
-                await link.send(LinkDetach(sid))
-
-    # ---- client messages ----------------------------------------------------------------------
-
-    async def _dispatch(self, msg: ClientMessage, received: float) -> None:
-        if isinstance(msg, InputChunk):
-            await self._chunk(msg, received)
-        elif isinstance(msg, Ping):
-            self.outbox.put(Pong(msg.data))
-        elif isinstance(msg, OutputCancel):
-            await self._cancel(msg)
-        elif isinstance(msg, SessionOpen):
-            await self._start(self._open(msg.config))
-        elif isinstance(msg, SessionResume):
-            await self._start(self._resume(msg))
-        elif isinstance(msg, SessionClose):
-            await self._close()
-
-    async def _start(self, flow: Coroutine[Any, Any, None]) -> None:
-        """Run an open or resume flow; on a recoverable failure the socket is back to IDLE."""
-        refusal = self.life.refusal(Request.OPEN)
-        if refusal is not None:
-            flow.close()
-            raise refusal
-        self.life.move(Phase.OPENING)
-        try:
-            await flow
-        except BaseException:
-            if self.life.phase is Phase.OPENING:
-                self._forget_session()
+        """The socket is gone: the machine lets the session go; its last actions are done here."""
+        self.machine.socket_closed(close_session=self._dialect.closes_on_disconnect)
+        for action in self.machine.actions():
+            if isinstance(action, SendWorker):
+                with contextlib.suppress(WorkerUnavailable):  # an unreachable worker ends it anyway
+                    await self._link(action).send(action.frame)
+            elif isinstance(action, ReleaseAuth):
                 if self._auth is not None:
                     await self._auth.release()
-            raise
-        if self._auth is not None and self.life.phase is Phase.ACTIVE:
-            self._auth.start()
+            else:
+                self._do(action)
 
-    def _forget_session(self) -> None:
-        if self.sid is not None:
-            self._s.pool.unbind(self.sid, self)
-        self.life.move(Phase.IDLE)
-        self.sid = None
-        self._record = None
-        self._link = None
-
-    async def _chunk(self, msg: InputChunk, received: float) -> None:
-        link, sid = self._link, self.sid
-        if self.life.phase is not Phase.ACTIVE or link is None or sid is None:
-            self.life.check(Request.CHUNK)  # served otherwise only while RESTORING
-            if self.life.phase is not Phase.RESTORING or sid is None:
-                raise InternalError(f"a {self.life.phase.value} session without a link")
-            # Held, not refused: it goes to the new worker with the tail, or right after its restore.
-            self._admit(msg)
-            self._in_flight[msg.seq] = received
-            self._undurable.add(LinkChunk(sid, msg), sent=False)
-            return
-        self._admit(msg)
-        # In flight before the write: the done can arrive while the write is still draining.
-        self._in_flight[msg.seq] = received
-        frame = LinkChunk(sid, msg)
-        self._undurable.add(frame, sent=True)
-        try:
-            await link.send(frame)
-        except WorkerUnavailable:
-            # The link broke under this write: its reader restores the session, and the restoring
-            # worker gets this chunk with the tail (it may or may not have arrived here).
-            logger.info("session %s: chunk %d goes to the restoring worker", sid, msg.seq)
-            return
-        self._s.metrics.chunks_forwarded += 1
-
-    def _admit(self, msg: InputChunk) -> None:
-        """Every check that can refuse a chunk; raises having changed nothing, or charges its limits."""
-        if msg.seq in self._in_flight:
-            raise BadSequence(f"seq {msg.seq} is already running")
-        finished = self._finished_seq
-        if finished is not None and msg.seq <= finished:
-            # The worker would refuse it too, but forwarding it would replace the turn's entry in the
-            # undurable tail (its delivered output) with a chunk to run: a restore would then run,
-            # log and answer the turn a second time.
-            raise BadSequence(f"seq {msg.seq} is not above the last finished seq {finished}")
-        if self._auth is not None:
-            self._auth.check_chunk()
-        wants_output = (
-            msg.max_output_tokens if msg.max_output_tokens is not None else self._config.max_output_tokens
-        ) > 0
-        self._limits.admit_chunk(
-            msg.seq,
-            tokens=None if msg.tokens is None else len(msg.tokens),
-            text_chars=len(msg.text or ""),
-            wants_output=wants_output,
-        )
-
-    async def _cancel(self, msg: OutputCancel) -> None:
-        self.life.check(Request.CANCEL)
-        if self._link is None or self.sid is None:
-            raise InternalError("an active session without a link")
-        await self._link.send(LinkCancel(self.sid, msg.seq))
-
-    # ---- worker frames (called by the link reader: no awaiting here) --------------------------
+    # ---- the link pool's callbacks (no awaiting) -------------------------------------------------
 
     def on_frame(self, frame: ToGateway) -> None:
-        if isinstance(frame, LinkOpened):
-            pending = self._pending
-            if pending is None or pending.future.done():
-                logger.warning("unexpected opened for session %s", frame.sid)
-                return
-            for message in pending.reply(frame):  # queued before any frame that follows `opened`
-                self.outbox.put(message)
-            # Cleared here, not when the awaiting coroutine resumes: the replayed dones that follow
-            # `opened` on the link are dispatched before it does, and must be forwarded.
-            self._pending = None
-            pending.future.set_result(frame)
-        elif isinstance(frame, LinkClosed):
-            self._on_closed(frame.reason)
-        elif isinstance(frame, LinkMigrate):
-            self._undurable.durable(frame.durable_seq)
-            if self.life.phase is Phase.ACTIVE and self._link is not None:
-                self._s.metrics.sessions_migrated += 1
-                self._move(self._link, "its worker is draining")
-        elif isinstance(frame, LinkError) and frame.error.seq is None and self._pending is not None:
-            if not self._pending.future.done():
-                self._pending.future.set_exception(frame.error.to_exception())
-        elif self._pending is not None:
-            # A delta/done of an earlier binding racing our attach: the worker replays the dones
-            # after `opened`, so forwarding this one too would deliver it twice.
-            logger.debug("session %s: dropping %s before opened", frame.sid, frame.op)
-        elif isinstance(frame, LinkDelta):
-            if self._undurable.delta_is_new(frame):
-                self.outbox.put(frame.delta)
-        elif isinstance(frame, LinkDone):
-            done = frame.done
-            if not self._undurable.delivered(frame):
-                logger.info("session %s: dropping a second done for seq %d", frame.sid, done.seq)
-                return
-            started = self._in_flight.pop(done.seq, None)
-            self._limits.settle(done.seq)
-            if self._finished_seq is None or done.seq > self._finished_seq:
-                self._finished_seq = done.seq
-            self.outbox.put(done, started)
-            # In + out: the growth of the session (at least its outputs, should truncation shrink it).
-            grown, self._length = max(frame.length - self._length, len(done.tokens)), frame.length
-            if self._auth is not None:
-                self._auth.on_done(grown)
-        elif isinstance(frame, LinkError):
-            error = frame.error
-            if error.seq is not None:
-                self._in_flight.pop(error.seq, None)
-                self._limits.settle(error.seq)
-                self._undurable.refused(error.seq)
-            self.outbox.put(error)
-            if error.fatal:
-                self.life.end_session()
-                if self.sid is not None:
-                    self._s.pool.unbind(self.sid, self)
-                self._end(close_code_for(error.code))
+        self.machine.worker_frame(frame)
+        self._apply()
 
-    def _on_closed(self, reason: CloseReason) -> None:
-        self.life.end_session()
-        if self.sid is not None:
-            self._s.pool.unbind(self.sid, self)
-        self._fail_pending(SessionEnded())
-        if self._closed_future is not None and not self._closed_future.done():
-            self._closed_future.set_result(reason)
-        self.outbox.put(SessionClosed(reason))
-        self._end(CLOSE_NORMAL)
+    def on_link_lost(self, link: Link) -> None:
+        self.machine.link_lost()
+        self._apply()
 
     def on_taken_over(self) -> None:
-        # Another socket on this gateway resumed the session; the worker will not tell us (the
-        # binding stays on the same link), so this is the same as its closed(taken_over).
-        logger.info("session %s taken over by another socket", self.sid)
-        self._on_closed("taken_over")
+        self.machine.taken_over()
+        self._apply()
+
+    # ---- performing actions -----------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        """Perform the machine's actions, sending worker frames inline (the receive loop's path)."""
+        self._apply(spawn=False)
+        if self._to_worker:
+            await self._send_queued()
+
+    def _apply(self, *, spawn: bool = True) -> None:
+        """Perform the machine's actions without awaiting; worker frames queue in order."""
+        for action in self.machine.actions():
+            self._do(action)
+        if self.machine.busy:
+            self._ready.clear()
+        else:
+            self._ready.set()
+        if spawn and self._to_worker and not self._sending:
+            self._spawn(self._send_queued())
+
+    def _do(self, action: Action) -> None:
+        if isinstance(action, SendClient):
+            self.outbox.put(action.message, action.started)
+        elif isinstance(action, SendWorker):
+            self._to_worker.append(action)
+        elif isinstance(action, CloseSocket):
+            self.outbox.close(action.code)
+        elif isinstance(action, Bind):
+            self._s.pool.bind(action.sid, self, self._s.pool.link(action.worker.url, action.worker.worker_id))
+        elif isinstance(action, Unbind):
+            self._s.pool.unbind(action.sid, self)
+        elif isinstance(action, ArmTimer):
+            self._cancel_timer(action.timer)
+            loop = asyncio.get_running_loop()
+            self._timers[action.timer] = loop.call_later(action.delay_s, self._fire, action.timer)
+        elif isinstance(action, CancelTimer):
+            self._cancel_timer(action.timer)
+        else:
+            self._effects.put_nowait(action)
+
+    def _link(self, action: SendWorker) -> Link:
+        return self._s.pool.link(action.worker.url, action.worker.worker_id)
+
+    async def _send_queued(self) -> None:
+        """Send the queued worker frames in order; one sender at a time (the others leave theirs)."""
+        if self._sending:
+            return
+        self._sending = True
+        try:
+            while self._to_worker:
+                action = self._to_worker.popleft()
+                if action.worker != self.machine.worker and not isinstance(action.frame, LinkClose):
+                    continue  # the session left that worker: the restore carried this in its tail
+                try:
+                    await self._link(action).send(action.frame)
+                except WorkerUnavailable as exc:
+                    logger.info(
+                        "session %s: %s not sent (%s)", self.machine.sid, action.frame.op, exc.message
+                    )
+                    self.machine.send_failed(action.frame, exc)
+                    self._apply()
+        finally:
+            self._sending = False
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _fire(self, timer: Timer) -> None:
+        self._timers.pop(timer, None)
+        self.machine.timer_fired(timer)
+        self._apply()
+
+    def _cancel_timer(self, timer: Timer) -> None:
+        handle = self._timers.pop(timer, None)
+        if handle is not None:
+            handle.cancel()
+
+    # ---- effects (one at a time, in order) -----------------------------------------------------------
+
+    async def _run_effects(self) -> None:
+        while True:
+            effect = await self._effects.get()
+            try:
+                await self._perform(effect)
+            except MicroturnError as exc:
+                self.machine.effect_failed(exc)
+            except (RedisError, OSError) as exc:
+                logger.warning("session store error (session %s): %r", self.machine.sid, exc)
+                self.machine.store_failed()
+            except Exception:
+                logger.exception("%s of session %s crashed", type(effect).__name__, self.machine.sid)
+                self.machine.effect_failed(InternalError("internal gateway error"))
+            self._apply(spawn=False)
+            await self._send_queued()
+
+    async def _perform(self, effect: Effect) -> None:
+        store, machine = self._s.store, self.machine
+        if isinstance(effect, Place):
+            placed = await store.place_new(effect.sid, effect.token, effect.config, effect.auth)
+            machine.placed(placed.record, placed.url)
+        elif isinstance(effect, Move):
+            placed = await store.move(effect.sid, effect.record, effect.config)
+            machine.placed(placed.record, placed.url)
+        elif isinstance(effect, Lookup):
+            record, config = await store.lookup(effect.sid, effect.resume_token)
+            machine.looked_up(record, config)
+        elif isinstance(effect, FindWorker):
+            machine.worker_found(await store.worker_url(effect.worker_id))
+        elif isinstance(effect, Delete):
+            await store.delete(effect.sid)
+            machine.deleted()
+        elif isinstance(effect, AdmitOpen):
+            assert self._auth is not None
+            await self._auth.admit_open(effect.sid)
+            machine.admitted()
+        elif isinstance(effect, AdmitResume):
+            assert self._auth is not None
+            await self._auth.admit_resume(effect.sid, effect.created_ms, effect.granted)
+            machine.admitted()
+        elif isinstance(effect, ReleaseAuth):
+            if self._auth is not None:
+                await self._auth.release()
+        elif isinstance(effect, EndOnWorker):
+            try:
+                await self._s.pool.link(effect.worker.url, effect.worker.worker_id).send(
+                    LinkClose(effect.sid)
+                )
+            except WorkerUnavailable:
+                # No worker to tell: end the session in Redis so it cannot be resumed or restored.
+                with contextlib.suppress(RedisError, OSError):
+                    await store.delete(effect.sid)

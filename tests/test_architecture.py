@@ -189,3 +189,14 @@ def test_protocol_names_are_imported_from_their_defining_module() -> None:
         if bare.search(path.read_text())
     ]
     assert offending == []
+
+
+def test_the_gateway_session_machine_loads_no_io_library() -> None:
+    """Sans-I/O: importing the machine (and all it imports) loads no event loop, socket or Redis code."""
+    io = ("asyncio", "redis", "starlette", "websockets", "uvicorn")
+    code = f"import sys, gateway.session.machine; print(sorted(set({io!r}) & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+    code = "import sys, gateway.client_session; print('asyncio' in sys.modules)"  # the check can fail
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "True"

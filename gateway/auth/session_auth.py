@@ -10,8 +10,11 @@ limits without any Redis call on the hot path:
   token budget (from what it already spent);
 - per chunk: one comparison of the key's known spend against its daily budget;
 - per `done`: add the turn's tokens (in + out) to the local counts;
-- a timer: a `session.expiring` warning ahead of the deadline, then `on_expired` at it. A token
-  budget warns at `TOKEN_WARN_FRACTION` and expires once spent.
+- a deadline: a `session.expiring` warning ahead of it, then the expiry (timers the session machine
+  arms). A token budget warns at `TOKEN_WARN_FRACTION` and expires once spent.
+
+It implements the machine's `SessionGuard` (gateway/session/guard.py): verdicts are returned, never
+called back.
 
 The limits a session lives under (`grant()`, an `AuthLimits`) are part of its session record,
 written whole at open by the record's one owner (shared/store/registry.py) and carried to the worker,
@@ -21,12 +24,10 @@ resumes through applies the same ones.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -35,6 +36,7 @@ from redis.exceptions import RedisError
 from gateway.auth.api_keys import ApiKey, ms_until_next_day
 from gateway.auth.client_tokens import ClientToken, ClientTokenStore
 from gateway.auth.key_ledger import REFRESH_S, KeyLedger
+from gateway.session.guard import Deadline, Expire, Verdict
 from shared.errors import RateLimited, SessionExpired, Unauthorized
 from shared.protocol.link import AuthLimits
 from shared.protocol.messages import SessionExpiring
@@ -86,17 +88,9 @@ class AuthDeps:
 class SessionAuth:
     """One socket's credential and the limits of the session it runs (at most one at a time)."""
 
-    def __init__(
-        self,
-        principal: Principal,
-        deps: AuthDeps,
-        warn: Callable[[SessionExpiring], None],
-        expire: Callable[[str], None],
-    ) -> None:
+    def __init__(self, principal: Principal, deps: AuthDeps) -> None:
         self.principal = principal
         self._d = deps
-        self._warn = warn
-        self._expire = expire
         self._sid: str | None = None
         self._claimed: str | None = None  # the sid this socket's browser token was claimed for
         self._started = False
@@ -105,7 +99,6 @@ class SessionAuth:
         self._max_tokens = 0
         self._used = 0
         self._token_warned = False
-        self._timers: list[asyncio.TimerHandle] = []
 
     @property
     def chunks_per_s(self) -> float:
@@ -184,33 +177,21 @@ class SessionAuth:
 
     # ---- the session's life (no Redis) ------------------------------------------------------------
 
-    def start(self) -> None:
-        """The session is active on this socket: arm the duration timers (and warn a resumed session
-        that is already near its token budget)."""
+    def start(self) -> tuple[Verdict, Deadline | None]:
+        """The session is active on this socket: a resumed session already near its token budget is
+        warned (or ended) at once; the deadline, if any, is for the caller's timers."""
         self._started = True
-        self._cancel_timers()
-        if self._sid is not None and self._max_tokens:
-            self._check_budget(self._sid)
+        verdict = self._check_budget(self._sid) if self._sid is not None and self._max_tokens else None
         if self._deadline_s is None or self._sid is None:
-            return
-        loop = asyncio.get_running_loop()
+            return verdict, None
         left = self._deadline_s - time.time()
         lead = min(WARN_LEAD_MAX_S, WARN_LEAD_FRACTION * self._limit_s)
-        sid, limit = self._sid, self._limit_s
         # A session resumed inside the warning window is warned at once: every socket that will see
         # `session_expired` sees the warning first.
         warn_in, warn_ms = max(0.0, left - lead), int(min(lead, max(left, 0.0)) * 1000)
-        self._timers.append(
-            loop.call_later(
-                warn_in, lambda: self._warn(SessionExpiring(sid, "max_duration", expires_in_ms=warn_ms))
-            )
-        )
-        self._timers.append(
-            loop.call_later(
-                max(0.0, left),
-                lambda: self._expire(f"the session reached its maximum duration of {limit:g} s"),
-            )
-        )
+        why = f"the session reached its maximum duration of {self._limit_s:g} s"
+        warning = SessionExpiring(self._sid, "max_duration", expires_in_ms=warn_ms)
+        return verdict, Deadline(warn_in, warning, max(0.0, left), Expire(why))
 
     def check_chunk(self) -> None:
         """Per chunk: a spent daily budget refuses it (recoverable, retry when the day turns)."""
@@ -219,32 +200,27 @@ class SessionAuth:
         if budget and self._d.ledger.spent(key.digest) >= budget:
             raise _budget_spent(budget)
 
-    def on_done(self, tokens: int) -> None:
+    def on_done(self, tokens: int) -> Verdict:
         """Per `done`: count the turn's tokens; warn near the session's budget, expire at it."""
         if tokens <= 0:
-            return
+            return None
         budgeted = self._max_tokens > 0
         self._d.ledger.charge(self.principal.key.digest, self._sid if budgeted else None, tokens)
         if not budgeted or self._sid is None:
-            return
+            return None
         self._used += tokens
-        self._check_budget(self._sid)
+        return self._check_budget(self._sid)
 
-    def _check_budget(self, sid: str) -> None:
+    def _check_budget(self, sid: str) -> Verdict:
         if self._used >= self._max_tokens:
-            self._expire(f"the session spent its budget of {self._max_tokens} tokens")
-        elif not self._token_warned and self._used >= TOKEN_WARN_FRACTION * self._max_tokens:
+            return Expire(f"the session spent its budget of {self._max_tokens} tokens")
+        if not self._token_warned and self._used >= TOKEN_WARN_FRACTION * self._max_tokens:
             self._token_warned = True
-            self._warn(SessionExpiring(sid, "token_budget", tokens_left=self._max_tokens - self._used))
-
-    def _cancel_timers(self) -> None:
-        for timer in self._timers:
-            timer.cancel()
-        self._timers.clear()
+            return SessionExpiring(sid, "token_budget", tokens_left=self._max_tokens - self._used)
+        return None
 
     async def release(self) -> None:
-        """The session is over on this socket (or never started): timers off, slot back."""
-        self._cancel_timers()
+        """The session is over on this socket (or never started): its slot back."""
         sid, self._sid = self._sid, None
         claimed, self._claimed = self._claimed, None
         token = self.principal.token

@@ -1,0 +1,62 @@
+"""What the session machine asks of a socket's credential, with no I/O: the seam to gateway/auth/.
+
+Why a protocol here: the machine (machine.py) must not import the auth package (it reaches Redis);
+`gateway.auth.session_auth.SessionAuth` implements this. Its answers are values the machine turns
+into actions (a warning to the client, timers, an expiry), never callbacks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
+
+from shared.protocol.link import AuthLimits
+from shared.protocol.messages import SessionExpiring
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    """The session reached a limit of its credential: it ends, the client is told `why`."""
+
+    why: str
+
+
+# What a credential says after a turn or at the start: warn, end, or nothing.
+Verdict: TypeAlias = SessionExpiring | Expire | None
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """The session's duration limit, as two timers from now: the warning, then the end."""
+
+    warn_in_s: float
+    warning: SessionExpiring
+    expire_in_s: float
+    expiry: Expire
+
+
+class SessionGuard(Protocol):
+    @property
+    def chunks_per_s(self) -> float:
+        """The key's chunk rate (0: none); it caps the gateway's per-session rate."""
+        ...
+
+    def limits_map(self) -> dict[str, int | float]:
+        """What `session.opened` adds to its `limits`."""
+        ...
+
+    def grant(self) -> AuthLimits:
+        """The limits a session opened now lives under (written into its record)."""
+        ...
+
+    def start(self) -> tuple[Verdict, Deadline | None]:
+        """The session became active on this socket: an immediate verdict, and its deadline."""
+        ...
+
+    def check_chunk(self) -> None:
+        """Raise the typed error that refuses a chunk (a spent daily budget), or nothing."""
+        ...
+
+    def on_done(self, tokens: int) -> Verdict:
+        """Count a turn's tokens (in + out)."""
+        ...

@@ -1,0 +1,382 @@
+"""The gateway session machine (gateway/session/machine.py), played as events with no I/O.
+
+Each test feeds events (client messages, worker frames, effect results, timers, the link lost) and
+reads the actions the machine queues: nothing here is a socket, a link, Redis or an event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import pytest
+
+from gateway.limits import LimitValues
+from gateway.metrics import GatewayMetrics
+from gateway.session.actions import (
+    Action,
+    AdmitOpen,
+    ArmTimer,
+    Bind,
+    CloseSocket,
+    Delete,
+    EndOnWorker,
+    FindWorker,
+    Lookup,
+    Move,
+    Place,
+    ReleaseAuth,
+    SendClient,
+    SendWorker,
+    Timer,
+    Unbind,
+    WorkerRef,
+)
+from gateway.session.flow import PLACEMENT_ATTEMPTS, RESTORE_BACKOFF_S
+from gateway.session.guard import Deadline, Expire, Verdict
+from gateway.session.lifecycle import SERVED, Phase, Request
+from gateway.session.machine import MachineConfig, SessionMachine
+from shared.errors import CapacityExhausted, ErrorCode, SessionNotFound, WorkerUnavailable
+from shared.protocol.close_codes import CLOSE_NORMAL
+from shared.protocol.link import (
+    AuthLimits,
+    LinkAttach,
+    LinkChunk,
+    LinkClose,
+    LinkClosed,
+    LinkDelta,
+    LinkDetach,
+    LinkDone,
+    LinkError,
+    LinkMigrate,
+    LinkOpen,
+    LinkOpened,
+    LinkRestore,
+)
+from shared.protocol.messages import (
+    ClientMessage,
+    Error,
+    InputChunk,
+    OpenConfig,
+    OutputCancel,
+    OutputDelta,
+    OutputDone,
+    Ping,
+    Pong,
+    ServerMessage,
+    SessionClose,
+    SessionClosed,
+    SessionExpiring,
+    SessionOpen,
+    SessionOpened,
+    SessionRestored,
+    SessionResume,
+    SessionResumed,
+    Timing,
+)
+from shared.store.registry import SessionRecord
+
+LIMITS = LimitValues(65536, 4096, 1000.0, 1000, 100_000, 100)
+W1, W2 = WorkerRef("ws://w1", "w1"), WorkerRef("ws://w2", "w2")
+SID = "s1"
+
+
+def record(worker: WorkerRef) -> SessionRecord:
+    return SessionRecord(worker=worker.worker_id, token_sha256="ab" * 32, model="m", created_ms=1)
+
+
+def machine(guard: FakeGuard | None = None) -> SessionMachine:
+    ids = itertools.count(1)
+    return SessionMachine(
+        MachineConfig(LIMITS, open_timeout_s=5.0),
+        GatewayMetrics(),
+        guard=guard,
+        new_sid=lambda: f"s{next(ids)}",
+        new_token=lambda: "tok",
+        clock=lambda: 0.0,
+    )
+
+
+def client(m: SessionMachine) -> list[ServerMessage]:
+    """The messages for the client among the queued actions (the rest are dropped)."""
+    return [a.message for a in m.actions() if isinstance(a, SendClient)]
+
+
+def of(actions: list[Action], kind: type) -> list[object]:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def done(seq: int, tokens: tuple[int, ...], length: int, durable: int | None = None) -> LinkDone:
+    return LinkDone(SID, OutputDone(seq, tokens, None, "length", Timing(0.0, 0.0)), length, durable)
+
+
+def chunk(seq: int) -> InputChunk:
+    return InputChunk(seq, (seq,), max_output_tokens=1)
+
+
+def opened(m: SessionMachine, worker: WorkerRef = W1) -> SessionMachine:
+    """A machine with an open session on `worker`."""
+    m.receive(SessionOpen(OpenConfig()), 0.0)
+    if m.actions() == [AdmitOpen(SID)]:  # with a credential, it admits the session first
+        m.admitted()
+        [place] = m.actions()
+        assert isinstance(place, Place) and place.auth is not None
+    assert m.busy
+    m.placed(record(worker), worker.url)
+    bind, send, arm = m.actions()
+    assert bind == Bind(SID, worker) and arm == ArmTimer(Timer.REQUEST, 5.0)
+    assert isinstance(send, SendWorker) and isinstance(send.frame, LinkOpen) and send.worker == worker
+    m.worker_frame(LinkOpened(SID, 0))
+    assert [type(x) for x in client(m)] == [SessionOpened] and m.life.phase is Phase.ACTIVE
+    return m
+
+
+def test_a_chunk_goes_to_the_worker_and_its_done_to_the_client() -> None:
+    m = opened(machine())
+    m.receive(chunk(1), 7.0)
+    assert m.actions() == [SendWorker(LinkChunk(SID, chunk(1)), W1)]
+    m.worker_frame(LinkDelta(SID, OutputDelta(1, 0, 5)))
+    m.worker_frame(done(1, (5,), 3))
+    actions = m.actions()
+    assert actions[0] == SendClient(OutputDelta(1, 0, 5)) and actions[1] == SendClient(
+        done(1, (5,), 3).done, 7.0
+    )
+
+
+def test_a_lost_worker_is_replaced_and_every_chunk_gets_exactly_one_done() -> None:
+    m = opened(machine())
+    for seq in (1, 2):
+        m.receive(chunk(seq), 0.0)
+    m.worker_frame(done(1, (5,), 3))  # 1 answered, not yet durable; 2 in flight
+    m.actions()
+    m.link_lost()
+    assert m.actions() == [Move(SID, record(W1), OpenConfig())] and m.life.phase is Phase.RESTORING
+    m.receive(chunk(3), 0.0)  # held while the session moves
+    assert m.actions() == []
+    m.placed(record(W2), W2.url)
+    restore = next(a.frame for a in m.actions() if isinstance(a, SendWorker))
+    assert isinstance(restore, LinkRestore) and restore.seen_seq == 1
+    assert [(t.chunk.seq, t.output) for t in restore.tail] == [(1, (5,)), (2, None), (3, None)]
+    m.receive(chunk(4), 0.0)  # held too, but it arrived after the restore frame was built
+    m.worker_frame(LinkOpened(SID, 3, finished_seq=1, durable_seq=None))
+    actions = m.actions()
+    assert [a.frame for a in actions if isinstance(a, SendWorker)] == [LinkChunk(SID, chunk(4))]
+    assert [a.message for a in actions if isinstance(a, SendClient)] == [SessionRestored(SID, 3)]
+    m.worker_frame(done(1, (5,), 3))  # the new worker re-sends a turn the client had: dropped
+    m.worker_frame(done(2, (6,), 5))
+    assert [d.seq for d in client(m) if isinstance(d, OutputDone)] == [2]
+
+
+def test_a_restore_retries_on_another_worker_then_ends_the_socket_not_the_session() -> None:
+    m = opened(machine())
+    m.link_lost()
+    for attempt, delay in enumerate(RESTORE_BACKOFF_S):
+        if delay:
+            assert m.actions() == [ArmTimer(Timer.BACKOFF, delay)]
+            m.timer_fired(Timer.BACKOFF)
+        assert of(m.actions(), Move), attempt
+        m.effect_failed(CapacityExhausted("full"))
+    assert [type(x) for x in client(m)] == [Error] and m.life.phase is Phase.GONE
+
+
+def test_a_draining_worker_moves_the_session() -> None:
+    m = opened(machine())
+    m.receive(chunk(1), 0.0)
+    m.worker_frame(done(1, (5,), 3, durable=1))
+    m.actions()
+    m.worker_frame(LinkMigrate(SID, durable_seq=1))
+    assert m.actions() == [Unbind(SID), Move(SID, record(W1), OpenConfig())]
+    m.placed(record(W2), W2.url)
+    restore = next(a.frame for a in m.actions() if isinstance(a, SendWorker))
+    assert isinstance(restore, LinkRestore) and restore.tail == ()  # turn 1 is durable
+
+
+def test_resume_attaches_on_the_live_worker_or_restores_when_it_is_gone() -> None:
+    m = machine()
+    m.receive(SessionResume(SID, "tok", last_seq=4), 0.0)
+    assert m.actions() == [Lookup(SID, "tok")]
+    m.looked_up(record(W1), OpenConfig())
+    assert m.actions() == [FindWorker("w1")]
+    m.worker_found(W1.url)
+    assert SendWorker(LinkAttach(SID, 4), W1) in m.actions()
+    m.worker_frame(LinkError(SID, Error(ErrorCode.SESSION_NOT_FOUND, "gone", fatal=False)))
+    assert of(m.actions(), Move)  # not on its worker any more: rebuilt elsewhere
+    m.placed(record(W2), W2.url)
+    restore = next(a.frame for a in m.actions() if isinstance(a, SendWorker))
+    assert isinstance(restore, LinkRestore) and restore.seen_seq == 4
+    m.worker_frame(LinkOpened(SID, 9, finished_seq=4))
+    assert client(m) == [SessionResumed(SID, 9, 4), SessionRestored(SID, 9)]
+    assert m.life.phase is Phase.ACTIVE and m.turns.finished_seq == 4
+
+
+def test_a_session_taken_over_by_another_socket_is_closed_here() -> None:
+    m = opened(machine())
+    m.taken_over()
+    assert client(m) == [SessionClosed("taken_over")] and m.life.phase is Phase.GONE
+
+
+def test_close_is_confirmed_by_the_worker_or_ended_here() -> None:
+    m = opened(machine())
+    m.receive(SessionClose(), 0.0)
+    assert SendWorker(LinkClose(SID), W1) in m.actions() and m.busy
+    m.worker_frame(LinkClosed(SID, "closed"))
+    assert [a for a in m.actions() if isinstance(a, SendClient | CloseSocket)][-2:] == [
+        SendClient(SessionClosed("closed")),
+        CloseSocket(CLOSE_NORMAL),
+    ]
+    m = opened(machine())
+    m.receive(SessionClose(), 0.0)
+    m.actions()
+    m.timer_fired(Timer.CLOSE)  # no answer: the keys go, so it cannot be resumed
+    assert of(m.actions(), Delete) == [Delete(SID)] and m.busy
+    m.deleted()
+    assert client(m) == [SessionClosed("closed")] and m.life.phase is Phase.GONE
+
+
+def test_an_open_tries_the_next_worker_after_one_that_does_not_answer() -> None:
+    m = machine()
+    m.receive(SessionOpen(OpenConfig()), 0.0)
+    for _ in range(PLACEMENT_ATTEMPTS):
+        assert of(m.actions(), Place)
+        m.placed(record(W1), W1.url)
+        m.actions()
+        m.timer_fired(Timer.REQUEST)
+        assert Delete(SID) in m.actions()
+        m.deleted()
+    assert [x.code for x in client(m) if isinstance(x, Error)] == [ErrorCode.WORKER_UNAVAILABLE]
+    assert m.life.phase is Phase.IDLE and m.sid is None and not m.busy  # the client may try again
+
+
+def test_a_worker_that_cannot_place_it_refuses_the_open_with_what_it_said() -> None:
+    m = machine()
+    m.receive(SessionOpen(OpenConfig()), 0.0)
+    m.actions()
+    m.effect_failed(CapacityExhausted("every worker is full", retry_after_ms=500))
+    [error] = client(m)
+    assert isinstance(error, Error) and error.code is ErrorCode.CAPACITY_EXHAUSTED
+    m.store_failed()  # nothing awaited: ignored
+    assert m.actions() == [] and m.life.phase is Phase.IDLE
+
+
+@pytest.mark.parametrize("request_kind", list(Request))
+def test_every_request_is_refused_in_every_phase_that_does_not_serve_it(request_kind: Request) -> None:
+    messages: dict[Request, ClientMessage] = {
+        Request.OPEN: SessionOpen(OpenConfig()),
+        Request.CHUNK: chunk(1),
+        Request.CANCEL: OutputCancel(1),
+        Request.CLOSE: SessionClose(),
+    }
+    for phase in Phase:
+        if phase in SERVED[request_kind] or (phase is Phase.RESTORING and request_kind is Request.CLOSE):
+            continue
+        m = opened(machine()) if phase is not Phase.IDLE else machine()
+        m.life.phase = phase  # set directly: each phase is reached by a test above
+        m.receive(messages[request_kind], 0.0)
+        actions = m.actions()
+        errors = [a.message for a in actions if isinstance(a, SendClient) and isinstance(a.message, Error)]
+        assert len(errors) == 1, (request_kind, phase, actions)
+        assert not of(actions, SendWorker) and not of(actions, Place), (request_kind, phase)
+
+
+def test_a_refused_chunk_changes_nothing() -> None:
+    m = opened(machine())
+    m.receive(chunk(1), 0.0)
+    m.actions()
+    m.receive(chunk(1), 0.0)  # already running
+    [error] = client(m)
+    assert isinstance(error, Error) and error.code is ErrorCode.BAD_SEQUENCE and error.seq == 1
+    m.worker_frame(done(1, (5,), 3))
+    m.actions()
+    m.receive(chunk(1), 0.0)  # at or below the finished seq
+    assert (
+        [type(x) for x in client(m)] == [Error]
+        and list(m.turns.in_flight) == []
+        and len(m.turns.undurable) == 1
+    )
+
+
+def test_ping_is_answered_and_a_socket_end_detaches_or_closes_the_session() -> None:
+    m = opened(machine())
+    m.receive(Ping({"n": 1}), 0.0)
+    assert client(m) == [Pong({"n": 1})]
+    m.socket_closed()
+    assert m.actions()[-2:] == [Unbind(SID), SendWorker(LinkDetach(SID), W1)]
+    m = opened(machine())
+    m.socket_closed(close_session=True)  # a dialect with no resume ends it
+    assert m.actions()[-1] == SendWorker(LinkClose(SID), W1)
+
+
+class FakeGuard:
+    """A credential's verdicts, set by the test (the real one is gateway/auth/session_auth.py)."""
+
+    def __init__(self, on_done: Callable[[int], Verdict] = lambda tokens: None) -> None:
+        self.chunks_per_s = 0.0
+        self._on_done = on_done
+
+    def limits_map(self) -> dict[str, int | float]:
+        return {"max_session_s": 60}
+
+    def grant(self) -> AuthLimits:
+        return AuthLimits("k" * 64, 60.0, 0)
+
+    def start(self) -> tuple[Verdict, Deadline | None]:
+        return None, Deadline(48.0, SessionExpiring(SID, "max_duration", 12000), 60.0, Expire("60 s"))
+
+    def check_chunk(self) -> None:
+        return None
+
+    def on_done(self, tokens: int) -> Verdict:
+        return self._on_done(tokens)
+
+
+def test_a_credential_admits_the_open_warns_then_expires_the_session() -> None:
+    m = machine(FakeGuard())
+    m.receive(SessionOpen(OpenConfig()), 0.0)
+    assert m.actions() == [AdmitOpen(SID)]
+    m.admitted()
+    assert m.actions() == [Place(SID, "tok", OpenConfig(), AuthLimits("k" * 64, 60.0, 0))]
+    m.placed(record(W1), W1.url)
+    m.actions()
+    m.worker_frame(LinkOpened(SID, 0))
+    actions = m.actions()
+    assert ArmTimer(Timer.AUTH_WARN, 48.0) in actions and ArmTimer(Timer.AUTH_EXPIRE, 60.0) in actions
+    m.timer_fired(Timer.AUTH_WARN)
+    assert client(m) == [SessionExpiring(SID, "max_duration", 12000)]
+    m.timer_fired(Timer.AUTH_EXPIRE)
+    actions = m.actions()
+    assert EndOnWorker(SID, W1) in actions and m.life.phase is Phase.GONE
+    [error] = [a.message for a in actions if isinstance(a, SendClient)]
+    assert isinstance(error, Error) and error.code is ErrorCode.SESSION_EXPIRED and error.fatal
+
+
+def test_a_refused_credential_leaves_the_socket_idle_and_releases_its_slot() -> None:
+    m = machine(FakeGuard())
+    m.receive(SessionOpen(OpenConfig()), 0.0)
+    m.actions()
+    m.effect_failed(WorkerUnavailable("slot store down", retry_after_ms=10))
+    actions = m.actions()
+    assert ReleaseAuth() in actions and m.life.phase is Phase.IDLE and not m.busy
+
+
+def test_a_spent_token_budget_expires_the_session_at_its_done() -> None:
+    m = opened(machine(FakeGuard(on_done=lambda tokens: Expire("budget spent") if tokens >= 3 else None)))
+    m.receive(chunk(1), 0.0)
+    m.worker_frame(done(1, (5,), 3))
+    kinds = [type(a.message) for a in m.actions() if isinstance(a, SendClient)]
+    assert kinds == [OutputDone, Error] and m.life.phase is Phase.GONE
+
+
+def test_an_attach_refused_for_another_reason_fails_the_resume() -> None:
+    m = machine()
+    m.receive(SessionResume(SID, "tok"), 0.0)
+    m.looked_up(record(W1), OpenConfig())
+    m.worker_found(W1.url)
+    m.actions()
+    m.worker_frame(LinkError(SID, Error(ErrorCode.UNAUTHORIZED, "no", fatal=True)))
+    assert of(m.actions(), Unbind) and m.life.phase is not Phase.ACTIVE
+    m2 = machine()
+    m2.receive(SessionResume(SID, "tok"), 0.0)
+    m2.effect_failed(SessionNotFound("no such session"))
+    [error] = client(m2)
+    assert isinstance(error, Error) and error.code is ErrorCode.SESSION_NOT_FOUND and error.fatal
+    assert m2.life.phase is Phase.ENDED and m2.sid is None
