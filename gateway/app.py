@@ -148,7 +148,9 @@ def _warn_if_open(settings: GatewaySettings) -> None:
 def create_app(settings: GatewaySettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        redis = resilient_redis(settings.redis_url)  # recovers on first use after a Redis restart
+        redis = resilient_redis(
+            settings.redis_url, settings.redis_mode
+        )  # recovers on first use after a Redis restart
         gateway_metrics = GatewayMetrics()
         pool = LinkPool(
             gateway_metrics,

@@ -20,6 +20,8 @@ S = TypeVar("S")
 
 ENV_PREFIX = "MT_"
 AUTH_MODES = ("on", "off")
+# standalone: one server (or a Sentinel-less primary); cluster: MT_REDIS_URL names any seed node.
+REDIS_MODES = ("standalone", "cluster")
 UP_DEVICES = ("cpu", "cuda")
 
 
@@ -50,8 +52,22 @@ SHUTDOWN_GRACE_S: Final = 5
 class RedisSettings:
     """Which Redis a deployment keeps its state in: every command that touches it (`keys` too)."""
 
-    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis or Valkey URL"})
+    redis_url: str = field(
+        default="redis://127.0.0.1:6379/0",
+        metadata={"help": "Redis or Valkey URL (redis:// or rediss://, user and password allowed)"},
+    )
+    redis_mode: str = field(
+        default="standalone",
+        metadata={
+            "help": "one server, or a Redis Cluster the URL names a seed node of",
+            "choices": REDIS_MODES,
+        },
+    )
     key_prefix: str = field(default="mt", metadata={"help": "prefix of every Redis key"})
+
+    def __post_init__(self) -> None:
+        if self.redis_mode not in REDIS_MODES:
+            raise ValueError(f"redis_mode: {self.redis_mode!r} is not one of {', '.join(REDIS_MODES)}")
 
 
 @dataclass(frozen=True)
@@ -136,6 +152,7 @@ class GatewaySettings(CommonSettings):
     client_token_ttl_s: float = field(default=600.0, metadata={"help": "how long a browser token may start"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.auth not in AUTH_MODES:
             raise ValueError(f"auth: {self.auth!r} is not one of {', '.join(AUTH_MODES)}")
 
@@ -150,6 +167,10 @@ class UpSettings:
 
     redis_url: str | None = field(
         default=None, metadata={"help": "use this Redis/Valkey instead of starting an embedded Valkey"}
+    )
+    redis_mode: str = field(
+        default=RedisSettings.redis_mode,
+        metadata={"help": "the mode of --redis-url: one server, or a Redis Cluster", "choices": REDIS_MODES},
     )
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "preset, HF directory or .gguf file"})
     device: str | None = field(
@@ -176,6 +197,8 @@ class UpSettings:
             raise ValueError(f"device: {self.device!r} is not one of {', '.join(UP_DEVICES)}")
         if self.auth is not None and self.auth not in AUTH_MODES:
             raise ValueError(f"auth: {self.auth!r} is not one of {', '.join(AUTH_MODES)}")
+        if self.redis_mode not in REDIS_MODES:
+            raise ValueError(f"redis_mode: {self.redis_mode!r} is not one of {', '.join(REDIS_MODES)}")
 
 
 def copy_fields(cls: type[S], source: object, **overrides: Any) -> S:

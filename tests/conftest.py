@@ -1,5 +1,6 @@
 """Factory fixtures every test that needs real servers takes: a Redis (or Valkey) server, and the
-microturn stack (workers and gateways as processes) on it with the flags a test gives.
+microturn stack (workers and gateways as processes) on it with the flags a test gives, and a
+Redis Cluster of six nodes.
 
 A test module asks `servers` for what it needs; everything it started stops when the module ends.
 A server kind that is not installed skips the test that asked for it, saying so. Names avoid
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.shared.redis_cluster import Cluster, running_cluster
 from tests.shared.redis_servers import ServerUnavailable, running_server
 from tests.system.gateway.stack import Stack, running_stack
 
@@ -26,10 +28,18 @@ class Servers:
         self.workdir = workdir
         self._exits = contextlib.ExitStack()
 
-    def redis(self, kind: str = "redis") -> str:
-        """A fresh server of `kind` (`redis` or `valkey`) on a free port: its URL."""
+    def redis(self, kind: str = "redis", *, password: str | None = None) -> str:
+        """A fresh server of `kind` (`redis` or `valkey`) on a free port: its URL (a `password`:
+        a redis-server that requires it, named in the URL)."""
         try:
-            return self._exits.enter_context(running_server(kind, self.workdir))
+            return self._exits.enter_context(running_server(kind, self.workdir, password))
+        except ServerUnavailable as exc:
+            pytest.skip(str(exc))
+
+    def redis_cluster(self) -> Cluster:
+        """A fresh Redis Cluster (3 masters, 3 replicas) from the same server binary."""
+        try:
+            return self._exits.enter_context(running_cluster(self.workdir))
         except ServerUnavailable as exc:
             pytest.skip(str(exc))
 

@@ -13,11 +13,11 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.auth.api_keys import KeyExists, KeyLimits, KeyStore
 from shared.settings import RedisSettings, add_arguments, from_sources
+from shared.store.connection import resilient_redis
 from shared.store.schema import KeySchema
 
 
@@ -46,7 +46,7 @@ def _limit(value: float) -> str:
 
 async def _run(args: argparse.Namespace) -> int:
     settings = from_sources(RedisSettings, args)
-    redis = Redis.from_url(settings.redis_url, decode_responses=False)
+    redis = resilient_redis(settings.redis_url, settings.redis_mode)
     try:
         store = KeyStore(redis, KeySchema(settings.key_prefix))
         if args.action == "create":

@@ -165,7 +165,7 @@ class Stack:
             "--device",
             device,
         ]
-        argv += ["--host", "127.0.0.1", "--port", str(port), "--redis-url", self.redis_url]
+        argv += ["--host", "127.0.0.1", "--port", str(port), *self.redis_args]
         argv += ["--advertise-url", f"ws://127.0.0.1:{port}"]
         if options.kv_tokens:
             argv += ["--kv-tokens", str(options.kv_tokens)]
@@ -179,12 +179,18 @@ class Stack:
     def start_gateway(self) -> None:
         options = self.options
         argv = [sys.executable, "-m", "shared.cli", "gateway", "--host", options.host]
-        argv += ["--port", str(options.port), "--redis-url", self.redis_url, "--auth", self.auth]
+        argv += ["--port", str(options.port), *self.redis_args, "--auth", self.auth]
         argv += options.gateway_args
         self._spawn("gateway", argv, _GATEWAY_STOP_TIMEOUT_S)
         url = f"{self.local_url}/readyz"
         self._wait_until("gateway", lambda: http_ready(url), options.ready_timeout_s)
         logger.info("gateway ready on %s:%d", options.host, options.port)
+
+    @property
+    def redis_args(self) -> list[str]:
+        """The flags naming the stack's Redis, for every child (an embedded Valkey is standalone)."""
+        mode = self.options.redis_mode if self.options.redis_url else "standalone"
+        return ["--redis-url", self.redis_url, "--redis-mode", mode]
 
     @property
     def auth(self) -> str:

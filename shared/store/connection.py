@@ -13,10 +13,11 @@ per chunk (docs/design.md section 1).
 from __future__ import annotations
 
 import logging
-from typing import Final
+from typing import Final, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -35,8 +36,23 @@ CONNECT_TIMEOUT_S: Final = 2.0
 SOCKET_TIMEOUT_S: Final = 10.0
 
 
-def resilient_redis(url: str) -> Redis:
-    """A client (binary replies: the token log is bytes) that reconnects after a server restart."""
+def resilient_redis(url: str, mode: str = "standalone") -> Redis:
+    """A client (binary replies: the token log is bytes) that reconnects after a server restart.
+
+    `mode` "cluster": redis-py's `RedisCluster`, seeded by `url` (any node; TLS, user and password
+    from the URL as in standalone). It routes each command by its key's slot and follows MOVED/ASK
+    after a failover; every script and MULTI here touches one slot (shared/store/schema.py), so the
+    rest of the code uses it as it uses `Redis` (hence the one static type).
+    """
+    if mode == "cluster":
+        cluster = RedisCluster.from_url(
+            url,
+            decode_responses=False,
+            retry=Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES),
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=SOCKET_TIMEOUT_S,
+        )
+        return cast(Redis, cluster)  # the command API this project uses is the same on both
     return Redis.from_url(
         url,
         decode_responses=False,

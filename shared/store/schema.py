@@ -6,8 +6,10 @@ drift apart on spelling. Two groups of keys with different placement needs:
 - Registry keys (`{mt}:workers`, `{mt}:worker:<id>`, `{mt}:suspect:<id>`) carry the hash tag
   `{<prefix>}`, so they all map to one Redis Cluster slot and the placement script may touch them
   together atomically.
-- Session keys (`mt:session:<sid>`, `mt:log:<sid>`) carry no tag, so sessions spread over every slot
-  of a cluster; nothing ever needs two sessions' keys in one command.
+- Session keys (`mt:session:{<sid>}`, `mt:log:{<sid>}`) carry a tag of their own, the sid: one
+  session's two keys share a slot (a script or MULTI may touch both, and a failover loses or keeps
+  them together), and sessions spread over every slot of a cluster; nothing ever needs two
+  sessions' keys in one command.
 
 The token log is a plain STRING grown with APPEND once per turn (O(1) amortised, no
 read-modify-write). It is a run of *records*, one per logged turn:
@@ -143,7 +145,7 @@ class KeySchema:
         """HASH: the session's affinity (worker), resume-token digest, model, config."""
         if not sid:
             raise ValueError("empty session id")
-        return f"{self.prefix}:session:{sid}"
+        return f"{self.prefix}:session:{{{sid}}}"
 
     # API keys (gateway/auth/api_keys.py). Each per-key key names one credential digest, so a script
     # that touches one of them is single-key and runs on Redis Cluster; none needs a hash tag.
@@ -168,17 +170,11 @@ class KeySchema:
         """HASH: a browser token's key and limits, addressed by the SHA-256 of the token."""
         return f"{self.prefix}:clienttoken:{digest}"
 
-    def session_auth(self, sid: str) -> str:
-        """HASH: who opened a session and the limits it lives under (checked again at resume)."""
-        if not sid:
-            raise ValueError("empty session id")
-        return f"{self.prefix}:sessionauth:{sid}"
-
     def log(self, sid: str) -> str:
         """STRING: the session's token history, little-endian uint32, appended per turn."""
         if not sid:
             raise ValueError("empty session id")
-        return f"{self.prefix}:log:{sid}"
+        return f"{self.prefix}:log:{{{sid}}}"
 
 
 def encode_tokens(tokens: list[int]) -> bytes:

@@ -33,8 +33,10 @@ class ServerUnavailable(RuntimeError):
     """The server binary is not installed here (the fixture turns this into a skip)."""
 
 
-def answers_ping(port: int) -> bool:
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
+def answers_ping(port: int, password: str | None = None) -> bool:
+    client = redis.Redis(
+        host="127.0.0.1", port=port, password=password, socket_timeout=0.5, socket_connect_timeout=0.5
+    )
     try:
         return bool(client.ping())
     except redis.RedisError:
@@ -54,7 +56,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def _redis_server(workdir: Path) -> Iterator[str]:
+def _redis_server(workdir: Path, password: str | None = None) -> Iterator[str]:
     binary = shutil.which(REDIS_SERVER)
     if binary is None:
         raise ServerUnavailable(f"{REDIS_SERVER} is not installed")
@@ -63,15 +65,18 @@ def _redis_server(workdir: Path) -> Iterator[str]:
         log_path = workdir / f"redis-{port}.log"
         args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(workdir)]
+        if password is not None:
+            args += ["--requirepass", password]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + _START_TIMEOUT_S
-            while proc.poll() is None and time.monotonic() < deadline and not answers_ping(port):
+            while proc.poll() is None and time.monotonic() < deadline and not answers_ping(port, password):
                 time.sleep(0.05)
-            if proc.poll() is None and answers_ping(port):
+            if proc.poll() is None and answers_ping(port, password):
                 logger.info("redis-server up on port %d (attempt %d)", port, attempt + 1)
-                yield f"redis://127.0.0.1:{port}/0"
+                credentials = "" if password is None else f":{password}@"
+                yield f"redis://{credentials}127.0.0.1:{port}/0"
                 return
             logger.warning("redis-server failed on port %d: %s", port, log_path.read_text(errors="replace"))
         finally:
@@ -108,11 +113,12 @@ def _valkey_server(workdir: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def running_server(kind: str, workdir: Path) -> Iterator[str]:
-    """Start a fresh server of `kind` ("redis" or "valkey"), yield its URL, stop it on exit."""
+def running_server(kind: str, workdir: Path, password: str | None = None) -> Iterator[str]:
+    """Start a fresh server of `kind` ("redis" or "valkey"), yield its URL (with the password, if
+    one is required: `redis` only), stop it on exit."""
     if kind == "redis":
-        cm = _redis_server(workdir)
-    elif kind == "valkey":
+        cm = _redis_server(workdir, password)
+    elif kind == "valkey" and password is None:
         cm = _valkey_server(workdir)
     else:
         raise ValueError(f"unknown server kind {kind!r}; expected one of {SERVER_KINDS}")

@@ -65,7 +65,7 @@ class WorkerRuntime:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        client = resilient_redis(self.settings.redis_url)
+        client = resilient_redis(self.settings.redis_url, self.settings.redis_mode)
         self.redis = client
         self.service = WorkerService(
             self.engine,

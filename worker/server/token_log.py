@@ -1,6 +1,6 @@
 """Appends each finished turn to the session's log in Redis, batched, off the reply path.
 
-The log (`mt:log:<sid>`, one record per turn: shared/store/schema.py) is what a session is rebuilt
+The log (`mt:log:{<sid>}`, one record per turn: shared/store/schema.py) is what a session is rebuilt
 from on another worker. Appends are queued when a `done` has gone out and flushed together every
 few milliseconds in one pipeline, so a chunk's round trip never waits on Redis. Order per session
 is the order of `append`.

@@ -99,8 +99,8 @@ def test_key_schema_names_and_hash_tag() -> None:
     assert keys.workers() == "{mt}:workers"
     assert keys.worker("w1") == "{mt}:worker:w1"
     assert keys.worker("w1").startswith(keys.worker_prefix())
-    assert keys.session("s1") == "mt:session:s1"
-    assert keys.log("s1") == "mt:log:s1"
+    assert keys.session("s1") == "mt:session:{s1}"
+    assert keys.log("s1") == "mt:log:{s1}"
     assert KeySchema("prod").workers() == "{prod}:workers"
     for bad in ("", "a{b", "a}b", "a b"):
         with pytest.raises(ValueError):

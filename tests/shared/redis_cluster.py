@@ -1,0 +1,132 @@
+"""A real Redis Cluster for tests: 3 masters and 3 replicas from the same `redis-server` binary.
+
+Why real: slot routing, MOVED after a failover and per-slot scripts are what cluster mode is about;
+only the server shows them. Each node runs on its own loopback port; the cluster bus takes that
+port + 10000, so ports stay at or below 55535. `--cluster-replica-validity-factor 0` lets a replica
+take over however long it was cut off (the default refuses after a while on a busy test machine);
+the node timeout is short so a test sees a failover in a few seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import redis
+
+from shared.cli.processes import free_port
+from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable, answers_ping
+
+logger = logging.getLogger(__name__)
+
+NODES: Final = 6
+MAX_PORT: Final = 55535  # the cluster bus listens on port + 10000
+NODE_TIMEOUT_MS: Final = 1500
+_START_TIMEOUT_S: Final = 20.0
+
+
+@dataclass
+class Cluster:
+    ports: list[int]
+    procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        """A seed node's URL (any node would do)."""
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def client(self) -> redis.RedisCluster:
+        return redis.RedisCluster(host="127.0.0.1", port=self.ports[0])
+
+    def master_of(self, key: str) -> int:
+        """The port of the master serving `key`'s slot now."""
+        with contextlib.closing(self.client()) as client:
+            node = client.get_node_from_key(key)
+            assert node is not None
+            return int(node.port)
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (no shutdown, no last writes to its replica)."""
+        proc = self.procs.pop(port)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=5)
+
+
+def _ports(count: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port <= MAX_PORT and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _cluster_ok(port: int) -> bool:
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
+    try:
+        info = client.execute_command("CLUSTER", "INFO")
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        return "cluster_state:ok" in text
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def running_cluster(workdir: Path) -> Iterator[Cluster]:
+    """Six nodes, joined as 3 masters with one replica each; all stopped on exit."""
+    binary = shutil.which(REDIS_SERVER)
+    cli = shutil.which("redis-cli")
+    if binary is None or cli is None:
+        raise ServerUnavailable(f"{REDIS_SERVER} or redis-cli is not installed")
+    cluster = Cluster(_ports(NODES))
+    try:
+        for port in cluster.ports:
+            node_dir = workdir / f"cluster-{port}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            args += [
+                "--dir",
+                str(node_dir),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ]
+            args += ["--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0"]
+            with open(node_dir / "redis.log", "wb") as log:
+                cluster.procs[port] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not all(answers_ping(port) for port in cluster.ports):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster nodes did not start; logs in {workdir}")
+            time.sleep(0.05)
+        nodes = [f"127.0.0.1:{port}" for port in cluster.ports]
+        subprocess.run(
+            [cli, "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        while not all(_cluster_ok(port) for port in cluster.ports):
+            if time.monotonic() > deadline + 30:
+                raise RuntimeError(f"the cluster did not become ok; logs in {workdir}")
+            time.sleep(0.1)
+        logger.info("redis cluster up on ports %s", cluster.ports)
+        yield cluster
+    finally:
+        for proc in cluster.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in cluster.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)

@@ -1,0 +1,116 @@
+"""The stack on a Redis Cluster (`--redis-mode cluster`) and on a password-protected server.
+
+A real cluster of six redis-server nodes (tests/shared/redis_cluster.py): sessions are opened,
+streamed and resumed across two gateways with every output checked against the engine alone, their
+keys spread over the masters with each session's two keys on one; the keys CLI works against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+from redis.asyncio.cluster import RedisCluster
+
+from shared.client.clients import RealtimeClient
+from shared.protocol.messages import SessionClosed
+from shared.store.schema import KeySchema
+from tests.conftest import Servers
+from tests.system.gateway.conftest import GATEWAY_FLAGS, SMALL_SEEDS, SMALL_TURNS, WORKER_FLAGS
+from tests.system.gateway.reference import SESSION_CONFIG, PendingReferences, stream
+
+CLUSTER = ["--redis-mode", "cluster"]
+TURNS = 6
+
+
+async def turns(client: RealtimeClient, seed: int, first: int, last: int, expected: list[list[int]]) -> None:
+    chunks = stream(seed, last)
+    for seq in range(first, last + 1):
+        done = await client.turn(seq, tokens=chunks[seq - 1])
+        assert list(done.tokens) == expected[seq - 1], f"stream {seed} turn {seq}"
+
+
+def test_sessions_open_stream_and_resume_across_gateways_on_a_cluster(
+    servers: Servers, references: PendingReferences
+) -> None:
+    cluster = servers.redis_cluster()
+    stack = servers.stack(
+        cluster.url, worker_flags=[*WORKER_FLAGS, *CLUSTER], gateway_flags=[*GATEWAY_FLAGS, *CLUSTER]
+    )
+    schema = KeySchema(stack.prefix)
+    seeds = [*SMALL_SEEDS][:4]
+    expected = {seed: references.get(seed, SMALL_TURNS) for seed in seeds}
+
+    async def body() -> list[str]:
+        sids = []
+        for seed in seeds:
+            first = await RealtimeClient.connect(stack.realtime_url(0), "msgpack")
+            opened = await first.open(**SESSION_CONFIG)
+            await turns(first, seed, 1, TURNS, expected[seed])
+            await first.disconnect()
+            second = await RealtimeClient.connect(stack.realtime_url(1), "json")
+            resumed = await second.resume(opened.session_id, opened.resume_token, last_seq=TURNS)
+            assert resumed.last_seq == TURNS
+            await turns(second, seed, TURNS + 1, SMALL_TURNS, expected[seed])
+            sids.append(opened.session_id)
+            if seed == seeds[-1]:
+                assert await second.close() == SessionClosed("closed")
+            else:
+                await second.disconnect()
+        return sids
+
+    sids = asyncio.run(asyncio.wait_for(body(), 180))
+    masters = {cluster.master_of(schema.session(sid)) for sid in sids}
+    for sid in sids:
+        assert cluster.master_of(schema.log(sid)) == cluster.master_of(schema.session(sid))
+    # Four sessions on one master of three: (1/3)**3 by chance, and it would mean no hash tag.
+    assert len(masters) > 1, masters
+
+    async def records() -> list[bool]:
+        client = RedisCluster.from_url(cluster.url)
+        try:
+            return [bool(await client.exists(schema.session(sid))) for sid in sids]
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(records()) == [True, True, True, False]  # the closed one is gone
+
+
+def test_the_keys_cli_works_against_a_cluster(servers: Servers) -> None:
+    cluster = servers.redis_cluster()
+    common = ["--redis-url", cluster.url, "--redis-mode", "cluster", "--key-prefix", "tkeys"]
+
+    def keys(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "shared.cli", "keys", *args, *common],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    secret = keys("create", "--name", "alpha").strip().splitlines()[-1]
+    assert len(secret) > 20
+    listed = keys("list")
+    assert "alpha" in listed and secret not in listed
+    assert "revoked key 'alpha'" in keys("revoke", "alpha")
+    assert "alpha" not in keys("list")
+
+
+def test_a_password_in_the_url_reaches_every_process(servers: Servers, references: PendingReferences) -> None:
+    url = servers.redis("redis", password="s3cret-pw")
+    assert ":s3cret-pw@" in url
+    stack = servers.stack(url, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS, workers=1, gateways=1)
+    seed = SMALL_SEEDS[0]
+    expected = references.get(seed, SMALL_TURNS)
+
+    async def body() -> None:
+        client = await RealtimeClient.connect(stack.realtime_url(0), "json")
+        await client.open(**SESSION_CONFIG)
+        await turns(client, seed, 1, 3, expected)
+        assert await client.close() == SessionClosed("closed")
+
+    asyncio.run(asyncio.wait_for(body(), 120))
