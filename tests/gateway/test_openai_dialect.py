@@ -16,6 +16,7 @@ from gateway.dialect import Decoded
 from gateway.limits import LimitValues
 from gateway.openai.admission import EventAdmission
 from gateway.openai.dialect import PIECE_CHARS, DialectLimits, OpenAIDialect
+from gateway.openai.server_events import RateLimit
 from shared.chat_template import ChatTemplate
 from shared.errors import ErrorCode
 from shared.protocol.messages import (
@@ -307,3 +308,13 @@ def test_idle_timeout_is_an_error_event_before_the_close(card: ModelCard) -> Non
     (error,) = h.encode(SessionClosed("idle_timeout"))
     assert error["error"]["code"] == "idle_timeout"
     assert h.encode(SessionClosed("closed")) == []
+
+
+def test_a_key_with_a_token_budget_gets_rate_limits_after_session_created(card: ModelCard) -> None:
+    limits = DialectLimits(512, 65536, rate_limits=(RateLimit("tokens", 1000, 1000, 3600.0),))
+    dialect = OpenAIDialect(card, limits, EventAdmission(LIMITS))
+    created = events(dialect.encode(Pong(dialect.greeting().messages[0].data)))  # type: ignore[union-attr]
+    assert types(created) == ["session.created", "rate_limits.updated"]
+    assert created[1]["rate_limits"] == [
+        {"name": "tokens", "limit": 1000, "remaining": 1000, "reset_seconds": 3600.0}
+    ]

@@ -25,7 +25,7 @@ from openai import AsyncOpenAI, AuthenticationError
 from redis.asyncio import Redis
 
 from gateway.auth.api_keys import KeyLimits, KeyStore
-from shared.store.registry import read_worker
+from shared.store.registry import read_session
 from shared.store.schema import KeySchema
 from tests.conftest import Servers
 from tests.processes import REPO, http_get
@@ -245,11 +245,14 @@ def test_a_worker_killed_mid_response_is_invisible_but_for_latency(
             await conn.response.create(response={"max_output_tokens": STORY_TOKENS})
             seen: list[Any] = []
             await until(conn, "response.output_text.delta", seen)
-            busy = [
-                w for w in stack.worker_ids() if ((await read_worker(redis, schema, w)) or _idle).sessions
-            ]
-            assert len(busy) == 1, busy
-            stack.workers[busy[0]].proc.send_signal(signal.SIGKILL)
+            # This session is the newest (earlier tests' sessions may still idle on their workers).
+            records = []
+            async for key in redis.scan_iter(match=schema.session("*")):
+                record = await read_session(redis, schema, key.decode().rsplit(":", 1)[1])
+                if record is not None:
+                    records.append(record)
+            victim = max(records, key=lambda r: r.created_ms).worker
+            stack.workers[victim].popen.send_signal(signal.SIGKILL)
             done = await until(conn, "response.done", seen)
         assert [e.type for e in seen if e.type == "error"] == []
         text = next(e.text for e in seen if e.type == "response.output_text.done")
@@ -258,11 +261,9 @@ def test_a_worker_killed_mid_response_is_invisible_but_for_latency(
         assert text == want["texts"][0] and done.response.usage.output_tokens == len(want["replies"][0])
 
     run(stack, body)
+    status, metrics = http_get(f"http://127.0.0.1:{stack.gateways[0].port}/metrics")
+    restored = [
+        line for line in metrics.splitlines() if line.startswith("microturn_gateway_sessions_restored_total")
+    ]
+    assert status == 200 and restored and float(restored[0].split()[-1]) >= 1, restored  # it did move
     stack.start_worker("w-replacement")  # the module's other tests may still want two
-
-
-class _Idle:
-    sessions = 0
-
-
-_idle = _Idle()
