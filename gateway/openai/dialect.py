@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Final, Literal
+from dataclasses import dataclass
+from typing import Final
 
 from gateway.dialect import Decoded, Frame, frame_size
 from gateway.metrics import GatewayMetrics
@@ -41,7 +41,8 @@ from gateway.openai.client_events import (
 )
 from gateway.openai.conversation import Conversation, Item
 from gateway.openai.errors import RealtimeProblem, problem_from_native
-from gateway.openai.ids import conversation_id, item_id, response_id, session_id
+from gateway.openai.ids import conversation_id, session_id
+from gateway.openai.responses import ActiveResponse
 from shared.chat_template import ChatTemplate
 from shared.protocol.messages import (
     ClientMessage,
@@ -84,18 +85,6 @@ class DialectLimits:
     rate_limits: tuple[ev.RateLimit, ...] = ()
 
 
-@dataclass(slots=True)
-class _Response:
-    response_id: str
-    item_id: str
-    seq: int
-    max_output_tokens: int | None
-    metadata: dict[str, str] | None
-    deltas: list[str] = field(default_factory=list)
-    last_token_text: str | None = None
-    cancelled: bool = False
-
-
 class OpenAIDialect:
     """Stateful per socket; `decode` and `encode` are called from the socket's reader and writer."""
 
@@ -127,7 +116,7 @@ class OpenAIDialect:
         self._seq = 0
         # seq -> (item id, is the item's last piece) for item chunks in flight.
         self._item_chunks: dict[int, tuple[str, bool]] = {}
-        self._response: _Response | None = None
+        self._response: ActiveResponse | None = None
         self._context = 0  # tokens in the session's KV as of the last done seen
         self._cached = 0  # ... as of the end of the last response: what the next one finds cached
         self._broken: str | None = None
@@ -241,24 +230,9 @@ class OpenAIDialect:
             conversation.rollback(checkpoint)
             raise
         self._seq = seq
-        response = _Response(
-            response_id(), item_id(), seq, limit, None if event.metadata is None else dict(event.metadata)
-        )
+        response = ActiveResponse(seq, limit, event.metadata)
         self._response = response
-        resp = ev.response(
-            response.response_id,
-            self._conversation_id,
-            "in_progress",
-            max_output_tokens=limit,
-            metadata=response.metadata,
-        )
-        item = ev.message_item(response.item_id, "assistant", "", "in_progress")
-        replies = (
-            ev.response_created(resp),
-            ev.item_added(item, conversation.last_item_id),
-            ev.output_item_added(response.response_id, item),
-            ev.content_part_added(response.response_id, response.item_id),
-        )
+        replies = response.opening(self._conversation_id, conversation.last_item_id)
         chunk = InputChunk(seq, text=header, max_output_tokens=limit)
         return Decoded(messages=(*self._open(), chunk), replies=tuple(ev.frame(r) for r in replies))
 
@@ -268,7 +242,6 @@ class OpenAIDialect:
             raise RealtimeProblem(
                 "there is no response in progress to cancel", code="response_cancel_not_active"
             )
-        response.cancelled = True
         return Decoded(messages=(OutputCancel(response.seq),))
 
     def _item_delete(self, event: ItemDelete) -> Decoded:
@@ -364,11 +337,7 @@ class OpenAIDialect:
         response = self._response
         if response is None or delta.seq != response.seq:
             return []
-        response.last_token_text = delta.text
-        if delta.token in self._eos_ids or not delta.text:
-            return []
-        response.deltas.append(delta.text)
-        return [ev.text_delta(response.response_id, response.item_id, delta.text)]
+        return response.on_delta(delta, self._eos_ids)
 
     def _done(self, done: OutputDone) -> list[ev.Event]:
         self._admission.settle(done.seq)
@@ -387,52 +356,27 @@ class OpenAIDialect:
             return []
         return self._finish(response, done)
 
-    def _finish(self, response: _Response, done: OutputDone) -> list[ev.Event]:
+    def _finish(self, response: ActiveResponse, done: OutputDone) -> list[ev.Event]:
         self._response = None
         conversation = self._conversation
         assert conversation is not None
-        stopped = done.finish == "stop" and bool(done.tokens) and done.tokens[-1] in self._eos_ids
-        reply = "".join(response.deltas)
-        status, reason = "completed", None
-        if done.finish == "length":
-            status, reason = "incomplete", "max_output_tokens"
-        elif done.finish == "cancelled":
-            status, reason = "cancelled", "client_cancelled"
-        item_status: Literal["completed", "incomplete"] = (
-            "completed" if status == "completed" else "incomplete"
-        )
+        outcome = response.outcome(done, self._eos_ids)
         previous = conversation.last_item_id
         events: list[ev.Event] = []
         try:
             conversation.finish_response(
-                reply, response.last_token_text if stopped else None, response.item_id, item_status
+                outcome.reply, outcome.stop_text, response.item_id, outcome.item_status
             )
         except RealtimeProblem as exc:
             self._broken = exc.message
             events.append(ev.error(exc))
+        # Input: the whole context the reply was sampled after; cached: what the previous
+        # response left in the KV (the tokens this turn did not have to prefill again).
         usage = ev.Usage(self._context - len(done.tokens), self._cached, len(done.tokens))
         self._cached = self._context
-        item = ev.message_item(response.item_id, "assistant", reply, item_status)
-        resp = ev.response(
-            response.response_id,
-            self._conversation_id,
-            status,  # type: ignore[arg-type]
-            output=[item],
-            max_output_tokens=response.max_output_tokens,
-            metadata=response.metadata,
-            usage=usage,
-            reason=reason,
-        )
         if self._metrics is not None:
             self._metrics.dialect_turn(DIALECT_NAME)
-        events += [
-            ev.text_done(response.response_id, response.item_id, reply),
-            ev.content_part_done(response.response_id, response.item_id, reply),
-            ev.output_item_done(response.response_id, item),
-            ev.item_done(item, previous),
-            ev.response_done(resp),
-        ]
-        return events
+        return events + response.closing(self._conversation_id, outcome, usage, previous)
 
     def _error(self, error: Error) -> list[ev.Event]:
         if error.seq is None:
@@ -453,15 +397,7 @@ class OpenAIDialect:
                 self._conversation.abandon_response()  # nothing of it reached the KV
             else:
                 self._broken = problem.message
-            resp = ev.response(
-                response.response_id,
-                self._conversation_id,
-                "failed",
-                max_output_tokens=response.max_output_tokens,
-                metadata=response.metadata,
-                error=problem,
-            )
-            return [ev.error(problem), ev.response_done(resp)]
+            return response.failed(self._conversation_id, problem)
         piece = self._item_chunks.pop(error.seq, None)
         problem = problem_from_native(error, "a piece of an item was refused" if piece else None)
         if piece is not None:
