@@ -76,12 +76,12 @@ class SessionStore:
         idle = self.default_idle_timeout_s if config.idle_timeout_s is None else config.idle_timeout_s
         return idle + self.grace_s
 
-    async def _place(self, model: str | None) -> tuple[str, str, str]:
+    async def _place(self, model: str | None = None) -> tuple[str, str, str]:
         placement = await self._pick(model)
         info = await read_worker(self.redis, self.schema, placement.worker_id)
         return placement.worker_id, placement.url, info.model if info is not None else ""
 
-    async def _pick(self, model: str | None) -> Placement:
+    async def _pick(self, model: str | None = None) -> Placement:
         """Placement, waiting out an empty registry: right after Redis lost its data no worker is
         registered until their next heartbeat re-creates their entries (docs/failover.md)."""
         deadline = time.monotonic() + EMPTY_REGISTRY_WAIT_S
