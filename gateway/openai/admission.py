@@ -14,11 +14,23 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from gateway.limits import MIN_RETRY_AFTER_MS, LimitValues
+from gateway.openai import server_events as ev
 from gateway.openai.errors import RealtimeProblem
 
 Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class DialectLimits:
+    """What the dialect enforces per event, from the gateway's settings and the socket's key."""
+
+    max_output_tokens: int  # the most a response may ask ("inf" means this)
+    max_frame_bytes: int
+    idle_timeout_s: float | None = None
+    rate_limits: tuple[ev.RateLimit, ...] = ()
 
 
 class EventAdmission:

@@ -18,8 +18,8 @@ from starlette.websockets import WebSocket
 from gateway.auth.api_keys import ms_until_next_day
 from gateway.auth.session_auth import Principal
 from gateway.openai import server_events as ev
-from gateway.openai.admission import EventAdmission
-from gateway.openai.dialect import DialectLimits, OpenAIDialect
+from gateway.openai.admission import DialectLimits, EventAdmission
+from gateway.openai.dialect import OpenAIDialect
 from gateway.openai.errors import SERVER_ERROR, RealtimeProblem
 from gateway.services import GatewayServices
 from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION, CLOSE_TRY_AGAIN_LATER

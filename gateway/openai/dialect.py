@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Final
 
 from gateway.dialect import Decoded, Frame, frame_size
 from gateway.metrics import GatewayMetrics
 from gateway.openai import server_events as ev
-from gateway.openai.admission import EventAdmission
+from gateway.openai.admission import DialectLimits, EventAdmission
 from gateway.openai.client_events import (
     BadEvent,
     ClientEvent,
@@ -40,7 +39,7 @@ from gateway.openai.client_events import (
     parse,
 )
 from gateway.openai.conversation import Conversation, Item
-from gateway.openai.errors import RealtimeProblem, problem_from_native
+from gateway.openai.errors import RealtimeProblem, problem_from_close, problem_from_native
 from gateway.openai.ids import conversation_id, session_id
 from gateway.openai.responses import ActiveResponse
 from shared.chat_template import ChatTemplate
@@ -67,22 +66,6 @@ DIALECT_NAME: Final = "openai"
 # Characters per native text chunk: well under the worker's 512-token chunk limit for any text.
 PIECE_CHARS: Final = 256
 _GREETING: Final = "openai.session.created"
-_CLOSE_MESSAGES: Final = {
-    "idle_timeout": "the session was idle too long and has ended",
-    "evicted": "the session was evicted from its worker and has ended",
-    "worker_lost": "the session's worker was lost and the session could not be restored",
-    "taken_over": "the session was taken over by another connection",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class DialectLimits:
-    """What the dialect enforces per event, from the gateway's settings and the socket's key."""
-
-    max_output_tokens: int  # the most a response may ask ("inf" means this)
-    max_frame_bytes: int
-    idle_timeout_s: float | None = None
-    rate_limits: tuple[ev.RateLimit, ...] = ()
 
 
 class OpenAIDialect:
@@ -326,11 +309,9 @@ class OpenAIDialect:
             return self._done(message)
         if isinstance(message, Error):
             return self._error(message)
-        if isinstance(message, SessionClosed) and message.reason in _CLOSE_MESSAGES:
-            problem = RealtimeProblem(
-                _CLOSE_MESSAGES[message.reason], code=message.reason, kind="server_error"
-            )
-            return [ev.error(problem)]
+        if isinstance(message, SessionClosed):
+            problem = problem_from_close(message.reason)
+            return [] if problem is None else [ev.error(problem)]
         return []  # restored, resumed, expiring, closed: nothing an OpenAI client has a name for
 
     def _delta(self, delta: OutputDelta) -> list[ev.Event]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Final
 
 from shared.errors import ErrorCode
-from shared.protocol.messages import Error
+from shared.protocol.messages import CloseReason, Error
 
 INVALID_REQUEST: Final = "invalid_request_error"
 SERVER_ERROR: Final = "server_error"
@@ -47,3 +47,18 @@ def problem_from_native(error: Error, what: str | None = None) -> RealtimeProble
     if error.retry_after_ms is not None:
         message += f" (retry after {error.retry_after_ms} ms)"
     return RealtimeProblem(message, code=error.code.value, kind=kind)
+
+
+# How the session's end reads to an OpenAI client: an `error` before the close (none for a close the
+# client asked for).
+_CLOSES: Final[dict[str, str]] = {
+    "idle_timeout": "the session was idle too long and has ended",
+    "evicted": "the session was evicted from its worker and has ended",
+    "worker_lost": "the session's worker was lost and the session could not be restored",
+    "taken_over": "the session was taken over by another connection",
+}
+
+
+def problem_from_close(reason: CloseReason) -> RealtimeProblem | None:
+    message = _CLOSES.get(reason)
+    return None if message is None else RealtimeProblem(message, code=reason, kind=SERVER_ERROR)

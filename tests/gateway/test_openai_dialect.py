@@ -14,8 +14,8 @@ from pydantic import BaseModel, TypeAdapter
 
 from gateway.dialect import Decoded
 from gateway.limits import LimitValues
-from gateway.openai.admission import EventAdmission
-from gateway.openai.dialect import PIECE_CHARS, DialectLimits, OpenAIDialect
+from gateway.openai.admission import DialectLimits, EventAdmission
+from gateway.openai.dialect import PIECE_CHARS, OpenAIDialect
 from gateway.openai.server_events import RateLimit
 from shared.chat_template import ChatTemplate
 from shared.errors import ErrorCode
