@@ -7,8 +7,9 @@ credential when wrong, revoked or expired. Only the shapes differ: the body is O
 `client.realtime.client_secrets.create(...)` works unchanged; a browser then offers the value as
 the subprotocol `openai-insecure-api-key.<value>`.
 
-The `session` given is validated as `session.update` validates it and echoed back; the socket's
-session starts from its own defaults (set them with `session.update` after connecting).
+The `session` given is validated as `session.update` validates it, kept with the token and echoed
+back; a socket that authenticates with the secret starts from it (its `instructions` and
+`max_output_tokens`; a `model` it names must be the socket's).
 """
 
 from __future__ import annotations
@@ -93,6 +94,16 @@ def _read_body(raw: bytes, default_ttl_s: float) -> tuple[float, SessionUpdate |
     return ttl_s, update
 
 
+def _kept(update: SessionUpdate) -> dict[str, Any]:
+    """What a socket opened with the secret starts from (gateway/openai/connect.py reads it)."""
+    kept: dict[str, Any] = {"model": update.model, "instructions": update.instructions}
+    if "max_output_tokens" in update.given:
+        kept["max_output_tokens"] = (
+            update.max_output_tokens if update.max_output_tokens is not None else "inf"
+        )
+    return kept
+
+
 def _session(update: SessionUpdate | None) -> dict[str, Any]:
     view = SessionView(
         session_id(),
@@ -118,7 +129,8 @@ async def client_secrets(request: Request) -> Response:
             ttl_s, update = _read_body(await request.body(), authenticator.client_token_ttl_s)
         except _BadBody as exc:
             return _error(400, INVALID_REQUEST, "invalid_value", exc.message, exc.param)
-        secret, token = await authenticator.tokens.mint(key, TokenLimits().capped_by(key), ttl_s)
+        session = None if update is None else json.dumps(_kept(update))
+        secret, token = await authenticator.tokens.mint(key, TokenLimits().capped_by(key), ttl_s, session)
     except (RedisError, OSError) as exc:
         logger.warning("client secret store error: %r", exc)
         return _error(503, SERVER_ERROR, "worker_unavailable", "the key store is unavailable")

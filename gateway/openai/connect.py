@@ -10,7 +10,9 @@ and exactly one model served, that one is used.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+from typing import Any
 
 from redis.exceptions import RedisError
 from starlette.websockets import WebSocket
@@ -61,11 +63,33 @@ async def _send_refusal(ws: WebSocket, problem: RealtimeProblem, code: int) -> N
         logger.debug("client left before its refusal was sent")
 
 
+def _secret_session(principal: Principal | None) -> dict[str, Any]:
+    """The session settings a client secret was minted with (gateway/openai/client_secrets.py)."""
+    raw = None if principal is None or principal.token is None else principal.token.session
+    if not raw:
+        return {}
+    try:
+        kept = json.loads(raw)
+    except ValueError:
+        logger.warning("a client secret's session settings are unreadable; ignored")
+        return {}
+    return kept if isinstance(kept, dict) else {}
+
+
 async def openai_dialect(
     ws: WebSocket, services: GatewayServices, principal: Principal | None
 ) -> OpenAIDialect | None:
     """The socket's translator; None after refusing the socket (the caller then just returns)."""
-    wanted = ws.query_params.get("model") or None
+    secret = _secret_session(principal)
+    wanted = ws.query_params.get("model") or secret.get("model") or None
+    if secret.get("model") and wanted != secret["model"]:
+        problem = RealtimeProblem(
+            f"this client secret is for model {secret['model']!r}, not {wanted!r}",
+            code="model_mismatch",
+            param="model",
+        )
+        await _send_refusal(ws, problem, CLOSE_POLICY_VIOLATION)
+        return None
     try:
         served = await served_models(services.redis, services.schema)
         name = wanted if wanted is not None else (served[0] if len(served) == 1 else None)
@@ -88,12 +112,17 @@ async def openai_dialect(
         return None
     values = services.limits
     if principal is not None and 0 < principal.key.limits.chunks_per_s < values.max_chunks_per_s:
-        values = dataclasses.replace(
-            values, max_chunks_per_s=principal.key.limits.chunks_per_s
-        )  # as the session does
+        # The key's rate caps the gateway's, as the session underneath does.
+        values = dataclasses.replace(values, max_chunks_per_s=principal.key.limits.chunks_per_s)
     return OpenAIDialect(
         card if card is not None else ModelCard(name),
         _limits(services, principal),
         EventAdmission(values),
         services.metrics,
+        instructions=secret.get("instructions") or None,
+        max_output_tokens=_max_tokens(secret.get("max_output_tokens")),
     )
+
+
+def _max_tokens(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None  # "inf" / absent

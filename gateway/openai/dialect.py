@@ -79,6 +79,7 @@ class OpenAIDialect:
         metrics: GatewayMetrics | None = None,
         *,
         instructions: str | None = None,
+        max_output_tokens: int | None = None,
     ) -> None:
         self._card = card
         self._limits = limits
@@ -91,7 +92,7 @@ class OpenAIDialect:
         )
         self._instructions = instructions or ""
         self._conversation = self._new_conversation() if self._template is not None else None
-        self._max_output_tokens: int | None = None  # None: "inf"
+        self._max_output_tokens = max_output_tokens  # None: "inf"
         self._temperature = 0.0
         self._opened = False  # a native session.open has been sent (and not failed)
         self._confirmed = False  # ... and answered: the session is open underneath

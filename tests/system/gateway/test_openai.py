@@ -231,17 +231,23 @@ def test_a_wrong_key_is_refused_as_a_revoked_one_is(stack: Stack) -> None:
     run(stack, body)
 
 
-def test_a_client_secret_starts_one_session(stack: Stack) -> None:
+def test_a_client_secret_starts_one_session_with_its_settings(stack: Stack) -> None:
     async def body(keys: KeyStore, redis: Redis) -> None:
         server = AsyncOpenAI(base_url=base_url(stack), api_key=await new_key(keys))
+        settings = {"type": "realtime", "model": MODEL, "instructions": "Be terse.", "max_output_tokens": 8}
         secret = await server.realtime.client_secrets.create(
             expires_after={"anchor": "created_at", "seconds": 120},
-            session={"type": "realtime", "model": MODEL, "output_modalities": ["text"]},
+            session=settings,  # type: ignore[arg-type]
         )
         assert secret.value.startswith("mtb_") and secret.session.model == MODEL
         browser = AsyncOpenAI(base_url=base_url(stack), api_key=secret.value)
+        async with browser.realtime.connect(model="another-model") as conn:  # not the secret's model
+            error = await conn.recv()
+            assert error.type == "error" and error.error.code == "model_mismatch"
         async with browser.realtime.connect(model=MODEL) as conn:
-            assert (await conn.recv()).type == "session.created"
+            created = await conn.recv()
+            assert created.type == "session.created"
+            assert (created.session.instructions, created.session.max_output_tokens) == ("Be terse.", 8)
             await conn.conversation.item.create(item=user("Hi"))  # type: ignore[arg-type]
             await until(conn, "conversation.item.done")
         # Spent: a second session with the same secret is refused when it would open.
