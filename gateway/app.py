@@ -4,9 +4,11 @@ Why so thin: the gateway is stateless by design (any replica can serve any sessi
 only owns what is shared by all sockets of this process: one Redis client, one pool of worker
 links, the metrics. Each `/v1/realtime` socket gets its own `ClientSession`.
 
-Routes: `/v1/realtime` (the client protocol), `POST /v1/client_tokens` (browser tokens, with auth
-on), `/healthz` (the process runs), `/readyz` (Redis answers PING: without it no session can be
-opened or resumed), `/metrics` (Prometheus text) and `/` (the demo page).
+Routes: `/v1/realtime` (the client protocol: native or OpenAI Realtime, chosen at the handshake by
+gateway/handshake.py), `POST /v1/client_tokens` (browser tokens, with auth on),
+`POST /v1/realtime/client_secrets` (the same tokens as OpenAI's ephemeral client secrets),
+`/healthz` (the process runs), `/readyz` (Redis answers PING: without it no session can be opened
+or resumed), `/metrics` (Prometheus text) and `/` (the demo page).
 
 With auth on (the default) a socket is accepted, then its credential checked before anything else:
 a bad one gets a fatal `unauthorized` and close code 4011, before any session state exists. The
@@ -34,6 +36,8 @@ from gateway.dialect import Dialect, NativeDialect
 from gateway.handshake import negotiate
 from gateway.links import LinkPool
 from gateway.metrics import GatewayMetrics
+from gateway.openai.client_secrets import client_secrets
+from gateway.openai.connect import openai_dialect, refusal_dialect
 from gateway.services import GatewayServices
 from shared.errors import ErrorCode, MicroturnError, Unauthorized, WorkerUnavailable
 from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION, close_code_for, error_message_from
@@ -88,15 +92,24 @@ async def realtime(ws: WebSocket) -> None:
         await ws.close(_REFUSE_HANDSHAKE)
         return
     await ws.accept(subprotocol=negotiated.subprotocol)
-    dialect = NativeDialect(negotiated.encoding, services.settings.max_frame_bytes)
+    dialect: Dialect
+    if negotiated.dialect == "openai":
+        dialect = refusal_dialect(services, ws.query_params.get("model"))
+    else:
+        dialect = NativeDialect(negotiated.encoding, services.settings.max_frame_bytes, services.metrics)
     principal = None
     if services.authenticator is not None:
         principal = await _authenticate(ws, services, dialect)
         if principal is None:
             return
+    if negotiated.dialect == "openai":
+        chosen = await openai_dialect(ws, services, principal)
+        if chosen is None:
+            return
+        dialect = chosen
     services.metrics.sockets_open += 1
     try:
-        await ClientSession(ws, dialect, services, principal).run()
+        await ClientSession(ws, dialect, services, principal).run()  # its greeting first
     finally:
         services.metrics.sockets_open -= 1
 
@@ -181,6 +194,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         routes=[
             WebSocketRoute("/v1/realtime", realtime),
             Route("/v1/client_tokens", client_tokens, methods=["POST"]),
+            Route("/v1/realtime/client_secrets", client_secrets, methods=["POST"]),
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/metrics", metrics),

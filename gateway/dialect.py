@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.limits import check_frame_size
+from gateway.metrics import GatewayMetrics
 from shared.protocol.codec import Encoding, decode_client, encode_server
-from shared.protocol.messages import ClientMessage, ServerMessage
+from shared.protocol.messages import ClientMessage, OutputDone, ServerMessage, SessionOpened
 
 Frame = str | bytes
 
@@ -69,6 +70,8 @@ class NativeDialect:
 
     encoding: Encoding
     max_frame_bytes: int
+    # Counts sessions and turns under `dialect="native"`; None: not counted (tests, refusals).
+    metrics: GatewayMetrics | None = None
 
     @property
     def name(self) -> str:
@@ -86,4 +89,9 @@ class NativeDialect:
         return Decoded((decode_client(data, self.encoding),))
 
     def encode(self, message: ServerMessage) -> Sequence[Frame]:
+        if self.metrics is not None:
+            if isinstance(message, SessionOpened):
+                self.metrics.dialect_session(self.name)
+            elif isinstance(message, OutputDone):
+                self.metrics.dialect_turn(self.name)
         return (encode_server(message, self.encoding),)

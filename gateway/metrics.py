@@ -31,10 +31,19 @@ class GatewayMetrics:
         self.sessions_migrated = 0
         self.chunks_replayed = 0
         self.errors: Counter[str] = Counter()
+        # Per socket dialect (gateway/dialect.py): counted in each dialect's encode path.
+        self.dialect_sessions: Counter[str] = Counter()
+        self.dialect_turns: Counter[str] = Counter()
         self.turn_latency = Histogram()
 
     def error(self, code: str) -> None:
         self.errors[code] += 1
+
+    def dialect_session(self, dialect: str) -> None:
+        self.dialect_sessions[dialect] += 1
+
+    def dialect_turn(self, dialect: str) -> None:
+        self.dialect_turns[dialect] += 1
 
     def render(self) -> str:
         out: list[str] = []
@@ -110,6 +119,20 @@ class GatewayMetrics:
         name = "microturn_gateway_errors_total"
         out += [f"# HELP {name} Error messages sent to clients, by code.", f"# TYPE {name} counter"]
         out += [f'{name}{{code="{code}"}} {count}' for code, count in sorted(self.errors.items())]
+        for name, help_text, counts in (
+            (
+                "microturn_gateway_dialect_sessions_total",
+                "Sessions opened, by client dialect.",
+                self.dialect_sessions,
+            ),
+            (
+                "microturn_gateway_dialect_turns_total",
+                "Turns answered (native output.done, OpenAI response.done), by client dialect.",
+                self.dialect_turns,
+            ),
+        ):
+            out += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+            out += [f'{name}{{dialect="{dialect}"}} {count}' for dialect, count in sorted(counts.items())]
         name = "microturn_gateway_turn_latency_seconds"
         out += [f"# HELP {name} Chunk received from the client to its output.done sent, at the gateway."]
         out += self.turn_latency.render(name)

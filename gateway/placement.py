@@ -63,6 +63,7 @@ async def place_session(
     retry_after_ms: int = DEFAULT_RETRY_AFTER_MS,
     max_heartbeat_age_ms: int = 0,
     exclude: Collection[str] = (),
+    model: str | None = None,
 ) -> Placement:
     """Pick the least-loaded live `ready` worker with a free session slot and charge one slot to it.
 
@@ -70,17 +71,19 @@ async def place_session(
     host's clock), for deployments whose hash TTL is long; 0 leaves liveness to the TTL alone, which
     needs no clock agreement between hosts. Raises `CapacityExhausted` with `retry_after_ms` when no
     worker has room; the caller writes the session hash once the worker has accepted the session.
-    Workers with a suspect key, and those in `exclude` (the caller's own suspects), are skipped.
+    Workers with a suspect key, and those in `exclude` (the caller's own suspects), are skipped;
+    with `model`, so is every worker serving another model (None: any model).
     """
     script = load_place_script(redis)
     age_ms = max(0, max_heartbeat_age_ms)
     result = await script(
         keys=[schema.workers()],
-        args=[schema.worker_prefix(), now_ms(), age_ms, schema.suspect_prefix(), *exclude],
+        args=[schema.worker_prefix(), now_ms(), age_ms, schema.suspect_prefix(), model or "", *exclude],
     )
     if result is None:
-        logger.info("no worker with room under prefix %r", schema.prefix)
-        raise CapacityExhausted("no worker has a free session slot", retry_after_ms=retry_after_ms)
+        logger.info("no worker with room under prefix %r (model %r)", schema.prefix, model)
+        serving = f" serving {model!r}" if model else ""
+        raise CapacityExhausted(f"no worker{serving} has a free session slot", retry_after_ms=retry_after_ms)
     if not all(isinstance(v, bytes | str) for v in result):
         raise TypeError(f"unexpected reply from place.lua: {result!r}")
     worker_id, url = (text(v) for v in result)

@@ -76,18 +76,18 @@ class SessionStore:
         idle = self.default_idle_timeout_s if config.idle_timeout_s is None else config.idle_timeout_s
         return idle + self.grace_s
 
-    async def _place(self) -> tuple[str, str, str]:
-        placement = await self._pick()
+    async def _place(self, model: str | None = None) -> tuple[str, str, str]:
+        placement = await self._pick(model)
         info = await read_worker(self.redis, self.schema, placement.worker_id)
         return placement.worker_id, placement.url, info.model if info is not None else ""
 
-    async def _pick(self) -> Placement:
+    async def _pick(self, model: str | None = None) -> Placement:
         """Placement, waiting out an empty registry: right after Redis lost its data no worker is
         registered until their next heartbeat re-creates their entries (docs/failover.md)."""
         deadline = time.monotonic() + EMPTY_REGISTRY_WAIT_S
         while True:
             try:
-                return await place_session(self.redis, self.schema, exclude=self.suspects())
+                return await place_session(self.redis, self.schema, exclude=self.suspects(), model=model)
             except CapacityExhausted:
                 if time.monotonic() >= deadline:
                     raise
@@ -95,13 +95,13 @@ class SessionStore:
                     # Workers are registered, so they were full, unless the first of them
                     # registered between the placement and this count (a heartbeat re-filling the
                     # registry): one more placement decides, and its refusal stands.
-                    return await place_session(self.redis, self.schema, exclude=self.suspects())
+                    return await place_session(self.redis, self.schema, exclude=self.suspects(), model=model)
             await asyncio.sleep(EMPTY_REGISTRY_POLL_S)
 
     async def place_new(self, sid: str, token: str, config: OpenConfig, auth: AuthLimits | None) -> Placed:
         """Pick a worker for a new session and write its record (before the worker hears of it: a
         worker heartbeat that finds no record for one of its sessions ends it)."""
-        worker_id, url, model = await self._place()
+        worker_id, url, model = await self._place(config.model)
         record = SessionRecord(
             worker=worker_id,
             token_sha256=sha256_hex(token),
@@ -115,7 +115,7 @@ class SessionStore:
 
     async def move(self, sid: str, record: SessionRecord, config: OpenConfig) -> Placed:
         """Pick a worker to restore a session on, and point its record there."""
-        worker_id, url, model = await self._place()
+        worker_id, url, model = await self._place(config.model)
         moved = replace(record, worker=worker_id, model=model or record.model)
         await write_session(self.redis, self.schema, sid, moved, self.ttl_s(config))
         return Placed(moved, url)

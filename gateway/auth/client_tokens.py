@@ -34,6 +34,7 @@ _SID: Final = "sid"
 _MAX_SESSION_S: Final = "max_session_s"
 _MAX_TOKENS: Final = "max_tokens"
 _EXPIRES_AT_MS: Final = "expires_at_ms"
+_SESSION: Final = "session"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,8 @@ class ClientToken:
     expires_at_ms: int
     # The session it opened; None until claimed.
     sid: str | None
+    # A client secret's session settings (OpenAI dialect, gateway/openai/client_secrets.py), as JSON.
+    session: str | None = None
 
 
 class ClientTokenStore:
@@ -78,17 +81,21 @@ class ClientTokenStore:
         self._claim = redis.register_script(lua_script("claim_token"))
         self._unclaim = redis.register_script(lua_script("unclaim_token"))
 
-    async def mint(self, key: ApiKey, limits: TokenLimits, ttl_s: float) -> tuple[str, ClientToken]:
+    async def mint(
+        self, key: ApiKey, limits: TokenLimits, ttl_s: float, session: str | None = None
+    ) -> tuple[str, ClientToken]:
         """A new token for `key` (its limits already capped); the secret is returned once."""
         secret = new_secret(CLIENT_TOKEN_PREFIX)
         ttl_ms = max(1, int(ttl_s * 1000))
-        token = ClientToken(sha256_hex(secret), key.digest, limits, now_ms() + ttl_ms, None)
+        token = ClientToken(sha256_hex(secret), key.digest, limits, now_ms() + ttl_ms, None, session)
         fields = {
             _KEY: key.digest,
             _MAX_SESSION_S: repr(limits.max_session_s),
             _MAX_TOKENS: str(limits.max_tokens),
             _EXPIRES_AT_MS: str(token.expires_at_ms),
         }
+        if session is not None:
+            fields[_SESSION] = session
         name = self.schema.client_token(token.digest)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(name, mapping=fields)  # type: ignore[arg-type]
@@ -103,7 +110,9 @@ class ClientTokenStore:
             return None
         try:
             limits = TokenLimits(float(raw[_MAX_SESSION_S]), int(raw[_MAX_TOKENS]))
-            return ClientToken(token_digest, raw[_KEY], limits, int(raw[_EXPIRES_AT_MS]), raw.get(_SID))
+            return ClientToken(
+                token_digest, raw[_KEY], limits, int(raw[_EXPIRES_AT_MS]), raw.get(_SID), raw.get(_SESSION)
+            )
         except (KeyError, ValueError):
             return None
 

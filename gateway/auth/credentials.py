@@ -2,7 +2,8 @@
 
 Where a credential comes from (docs/design.md section 3 "Authentication"):
 - `Authorization: Bearer <key>` on the WebSocket handshake (servers, the Python client);
-- a subprotocol `microturn.bearer.<token>` next to the encoding's (browsers cannot set headers).
+- a subprotocol `microturn.bearer.<token>` next to the encoding's (browsers cannot set headers), or
+  OpenAI's `openai-insecure-api-key.<secret>` (what OpenAI's browser SDK offers, gateway/openai/).
   It is never echoed back: the handshake answer names only the encoding's subprotocol (or none),
   so the secret is not reflected into responses, logs or proxies that record them.
 
@@ -25,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.auth.api_keys import API_KEY_PREFIX, CLIENT_TOKEN_PREFIX, KeyStore
 from gateway.auth.client_tokens import ClientTokenStore, TokenLimits
 from gateway.auth.session_auth import UNAUTHORIZED_MESSAGE, Principal
-from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX
+from gateway.handshake import CREDENTIAL_PREFIXES
 from shared.errors import ErrorCode, InvalidMessage
 from shared.protocol.codec import parse_json
 from shared.protocol.fields import FieldReader
@@ -46,8 +47,9 @@ def bearer_credential(headers: Mapping[str, str], offered: Iterable[str]) -> str
         return value.strip()
     for offer in offered:
         name = offer.strip()
-        if name.startswith(BEARER_SUBPROTOCOL_PREFIX) and len(name) > len(BEARER_SUBPROTOCOL_PREFIX):
-            return name[len(BEARER_SUBPROTOCOL_PREFIX) :]
+        for prefix in CREDENTIAL_PREFIXES:
+            if name.startswith(prefix) and len(name) > len(prefix):
+                return name[len(prefix) :]
     return None
 
 

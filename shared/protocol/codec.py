@@ -115,6 +115,7 @@ def _config_from_reader(r: FieldReader) -> OpenConfig:
         context_policy=default.context_policy if policy is None else cast(ContextPolicy, policy),
         keep_prefix_tokens=_or(r.opt_integer("keep_prefix_tokens"), default.keep_prefix_tokens),
         stream=_or(r.opt_boolean("stream"), default.stream),
+        model=r.opt_string("model"),
     )
     r.done()
     return config

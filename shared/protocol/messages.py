@@ -49,6 +49,8 @@ class OpenConfig:
     keep_prefix_tokens: int = 0
     # Per-token `output.delta` messages before each `output.done`.
     stream: bool = False
+    # Only workers serving this model (their registered name) may hold the session; None: any.
+    model: str | None = None
 
 
 # ---- client -> server -------------------------------------------------------------------------

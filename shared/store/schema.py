@@ -141,6 +141,13 @@ class KeySchema:
             raise ValueError("empty worker id")
         return self.suspect_prefix() + worker_id
 
+    def model(self, name: str) -> str:
+        """HASH: a served model's chat template and end-of-turn tokens, written by its workers at
+        registration (shared/store/models.py); what a gateway needs to render a conversation."""
+        if not name:
+            raise ValueError("empty model name")
+        return f"{self.tag}:model:{name}"
+
     def session(self, sid: str) -> str:
         """HASH: the session's affinity (worker), resume-token digest, model, config."""
         if not sid:

@@ -41,6 +41,8 @@ def test_authorization_header_wins_and_scheme_is_case_insensitive() -> None:
     assert bearer_credential({"authorization": "Basic dXNlcjpwYXNz"}, []) is None
     assert bearer_credential({"authorization": "Bearer "}, [BEARER_SUBPROTOCOL_PREFIX]) is None
     assert bearer_credential({}, [Encoding.MSGPACK.subprotocol]) is None
+    # OpenAI's browser SDK offers its key (here a client secret) this way.
+    assert bearer_credential({}, ["realtime", "openai-insecure-api-key." + TOKEN]) == TOKEN
 
 
 @pytest.mark.parametrize(
@@ -52,7 +54,7 @@ def test_authorization_header_wins_and_scheme_is_case_insensitive() -> None:
             "microturn.v1.msgpack",
         ),
         ([BEARER_SUBPROTOCOL_PREFIX + TOKEN, Encoding.JSON.subprotocol], Encoding.JSON, "microturn.v1.json"),
-        # Only the bearer: JSON, and nothing echoed (the secret never comes back).
+        # Only the bearer: no microturn subprotocol (the OpenAI dialect), nothing echoed.
         ([BEARER_SUBPROTOCOL_PREFIX + TOKEN], Encoding.JSON, None),
     ],
 )

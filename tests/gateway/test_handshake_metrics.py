@@ -14,15 +14,32 @@ from shared.protocol.codec import Encoding
 @pytest.mark.parametrize(
     ("offered", "expected"),
     [
-        ([], Negotiated(Encoding.JSON, None)),  # nothing offered: JSON, nothing echoed
+        ([], Negotiated(Encoding.JSON, None, "openai")),  # nothing offered: the OpenAI dialect (its SDK)
+        (["realtime"], Negotiated(Encoding.JSON, "realtime", "openai")),  # OpenAI's browser SDK
+        (["realtime", "openai-insecure-api-key.mtb_x"], Negotiated(Encoding.JSON, "realtime", "openai")),
+        (["openai-insecure-api-key.mtb_x"], Negotiated(Encoding.JSON, None, "openai")),
+        (["realtime", "microturn.v1.json"], Negotiated(Encoding.JSON, "microturn.v1.json")),  # native wins
         (["microturn.v1.msgpack"], Negotiated(Encoding.MSGPACK, "microturn.v1.msgpack")),
         (["x.v9", " microturn.v1.json "], Negotiated(Encoding.JSON, "microturn.v1.json")),
         (["microturn.v1.msgpack", "microturn.v1.json"], Negotiated(Encoding.MSGPACK, "microturn.v1.msgpack")),
         (["microturn.v2.xml"], None),  # only unknown ones: refuse
+        (["microturn.v2.xml", "openai-insecure-api-key.mtb_x"], None),
     ],
 )
 def test_negotiate(offered: list[str], expected: Negotiated | None) -> None:
     assert negotiate(offered) == expected
+
+
+def test_dialect_counters_render_with_their_label() -> None:
+    metrics = GatewayMetrics()
+    metrics.dialect_session("openai")
+    metrics.dialect_turn("openai")
+    metrics.dialect_turn("openai")
+    metrics.dialect_turn("native")
+    text = metrics.render()
+    assert 'microturn_gateway_dialect_sessions_total{dialect="openai"} 1' in text
+    assert 'microturn_gateway_dialect_turns_total{dialect="openai"} 2' in text
+    assert 'microturn_gateway_dialect_turns_total{dialect="native"} 1' in text
 
 
 def test_link_endpoint_appends_the_link_path_once() -> None:

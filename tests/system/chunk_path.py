@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from websockets.sync.client import ClientConnection, connect
+from websockets.typing import Subprotocol
 
 from shared.cli.processes import spawn
 from tests.processes import REPO, Proc, http_get, stop
@@ -125,7 +126,11 @@ def measure(workdir: Path) -> ChunkPath:
         worker_flags += ["--kv-tokens", "4096"]
         worker = exits.enter_context(_traced("worker", "worker", worker_flags, workdir))
         gateway = exits.enter_context(_traced("gateway", "gateway", [*common, "--auth", "off"], workdir))
-        ws = exits.enter_context(connect(f"{gateway.proc.ws}/v1/realtime", open_timeout=30))
+        # The native protocol is named: a socket offering no microturn subprotocol speaks OpenAI's.
+        offer = [Subprotocol("microturn.v1.json")]
+        ws = exits.enter_context(
+            connect(f"{gateway.proc.ws}/v1/realtime", subprotocols=offer, open_timeout=30)
+        )
         # stop_token_ids []: the reply is always OUTPUT_TOKENS long, never cut by a sampled EOS.
         _request(ws, {"type": "session.open", "config": {"stop_token_ids": []}}, "session.opened")
         for seq in range(WARMUP_CHUNKS):

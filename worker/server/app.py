@@ -20,11 +20,12 @@ from starlette.routing import Route, WebSocketRoute
 from shared.protocol.link import LINK_PATH
 from shared.settings import WorkerSettings
 from shared.store.connection import resilient_redis
+from shared.store.models import write_model
 from shared.store.registry import WorkerInfo, deregister, mark_draining, register_worker
 from shared.store.schema import KeySchema
 from worker.engine import Engine
 from worker.server.handover import migrate_all
-from worker.server.heartbeat import HEARTBEATS_PER_TTL, heartbeat_loop, worker_info
+from worker.server.heartbeat import HEARTBEATS_PER_TTL, heartbeat_loop, model_card, worker_info
 from worker.server.link import LinkAcceptor
 from worker.server.service import WorkerService
 
@@ -77,6 +78,7 @@ class WorkerRuntime:
         )
         period = self.settings.heartbeat_s
         info = await asyncio.to_thread(worker_info, self.identity, self.engine, draining=False)
+        await write_model(client, self.schema, model_card(self.engine))  # before placement can pick it
         await register_worker(client, self.schema, info, period * HEARTBEATS_PER_TTL)
         self.registered = True
         logger.info("worker %s registered at %s", self.worker_id, self.url)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import redis.asyncio as redis
 
 from shared.store.connection import OutageLog
+from shared.store.models import ModelCard, write_model
 from shared.store.registry import WorkerInfo, heartbeat, rewrite_sessions, touch_sessions
 from shared.store.schema import KeySchema
 from worker.engine import Engine
@@ -40,6 +41,19 @@ def worker_info(base: WorkerInfo, engine: Engine, *, draining: bool) -> WorkerIn
     )
 
 
+def model_card(engine: Engine) -> ModelCard:
+    """What gateways need of this worker's model to render conversations (shared/store/models.py)."""
+    tokenizer = engine.tokenizer
+    template = None if tokenizer is None else tokenizer.chat_template
+    return ModelCard(
+        name=engine.model_config.name,
+        chat_template="" if template is None else template.source,
+        bos_token="" if template is None else template.bos_token,
+        eos_token="" if template is None else template.eos_token,
+        eos_token_ids=() if tokenizer is None else tokenizer.eos_token_ids,
+    )
+
+
 async def rewrite_held(client: redis.Redis, schema: KeySchema, service: WorkerService) -> int:
     """Re-write every held session's record and log (no flush interleaves: same lock)."""
     async with service.token_log.redis_turn:
@@ -61,6 +75,7 @@ class Beat:
         info = await asyncio.to_thread(worker_info, self.base, self.service.engine, draining=draining)
         existed = await heartbeat(self.client, self.schema, info, self.period_s * HEARTBEATS_PER_TTL)
         if not existed:
+            await write_model(self.client, self.schema, model_card(self.service.engine))
             count = await rewrite_held(self.client, self.schema, self.service)
             logger.warning(
                 "worker %s: its registry entry was gone; re-registered and re-wrote %d session(s)",

@@ -5,7 +5,8 @@
 -- ARGV[2]  now, ms since the epoch, from the caller's clock
 -- ARGV[3]  max heartbeat age in ms; 0 turns the check off (hash TTL alone decides liveness)
 -- ARGV[4]  optional: the suspect key prefix, `{<prefix>}:suspect:` (suspect key = ARGV[4] .. id)
--- ARGV[5..] optional: worker ids the calling gateway suspects itself (it lost its link to them)
+-- ARGV[5]  optional: the model the session needs; "" (or absent) places on a worker of any model
+-- ARGV[6..] optional: worker ids the calling gateway suspects itself (it lost its link to them)
 --
 -- Suspects (docs/failover.md): a gateway whose link to a worker broke sets a short-lived suspect key
 -- and skips the worker at once; every gateway's placement skips a worker with a suspect key, so a
@@ -37,13 +38,14 @@ local hash_prefix = ARGV[1]
 local now_ms = tonumber(ARGV[2])
 local max_age_ms = tonumber(ARGV[3]) or 0
 local suspect_prefix = ARGV[4]
+local model = ARGV[5] or ''
 local excluded = {}
-for i = 5, #ARGV do excluded[ARGV[i]] = true end
+for i = 6, #ARGV do excluded[ARGV[i]] = true end
 
 local members = redis.call('ZRANGE', workers_key, 0, -1)  -- ascending score: least loaded first
 for _, id in ipairs(members) do
   local hash_key = hash_prefix .. id
-  local f = redis.call('HMGET', hash_key, 'url', 'state', 'sessions', 'max_sessions', 'heartbeat_ms')
+  local f = redis.call('HMGET', hash_key, 'url', 'state', 'sessions', 'max_sessions', 'heartbeat_ms', 'model')
   local url = f[1]
   if not url then
     -- The hash expired (or was never complete: registration always writes `url`): a dead member.
@@ -54,7 +56,8 @@ for _, id in ipairs(members) do
     local heartbeat_ms = tonumber(f[5])
     local fresh = max_age_ms <= 0 or (heartbeat_ms ~= nil and now_ms - heartbeat_ms <= max_age_ms)
     local suspect = excluded[id] or (suspect_prefix and redis.call('EXISTS', suspect_prefix .. id) == 1)
-    if f[2] == 'ready' and max_sessions > 0 and sessions < max_sessions and fresh and not suspect then
+    local serves = model == '' or f[6] == model
+    if f[2] == 'ready' and max_sessions > 0 and sessions < max_sessions and fresh and not suspect and serves then
       redis.call('HINCRBY', hash_key, 'sessions', 1)
       redis.call('ZADD', workers_key, (sessions + 1) / max_sessions, id)
       return {id, url}

@@ -471,10 +471,10 @@ def test_a_browser_token_resumes_its_own_session_only(stack: Stack) -> None:
         resume = SessionResume(opened.session_id, opened.resume_token)
         ws = await connect(
             stack.realtime_url(1),
-            subprotocols=[BEARER_SUBPROTOCOL_PREFIX + token],  # type: ignore[list-item]
+            subprotocols=[BEARER_SUBPROTOCOL_PREFIX + token, Encoding.JSON.subprotocol],  # type: ignore[list-item]
         )
         try:
-            assert ws.subprotocol is None  # only the bearer offered: JSON, nothing echoed
+            assert ws.subprotocol == Encoding.JSON.subprotocol  # the encoding echoed, never the bearer
             await ws.send(encode_client(resume, Encoding.JSON))
             reply = decode_server(await asyncio.wait_for(ws.recv(), 30), Encoding.JSON)
             assert reply.type == "session.resumed", reply

@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 
 from gateway.placement import place_script_source, place_session
 from shared.errors import CapacityExhausted
+from shared.store.models import ModelCard, read_model, served_models, write_model
 from shared.store.registry import (
     Placement,
     SessionRecord,
@@ -401,5 +402,29 @@ def test_delete_session_removes_both_keys(server_url: str, schema: KeySchema) ->
         assert await read_session(r, schema, "s") is None and await read_log(r, schema, "s") == []
         assert await read_session(r, schema, "other") == record  # nothing else touched
         assert not await delete_session(r, schema, "s")
+
+    run(server_url, body)
+
+
+def test_placement_with_a_model_picks_only_its_workers(server_url: str, schema: KeySchema) -> None:
+    async def body(r: Redis) -> None:
+        await register_worker(r, schema, dataclasses.replace(worker("idle-other"), model="other"), LONG_TTL_S)
+        await register_worker(
+            r, schema, dataclasses.replace(worker("busy-mine", sessions=3), model="mine"), LONG_TTL_S
+        )
+        await register_worker(
+            r,
+            schema,
+            dataclasses.replace(worker("draining-mine", state=STATE_DRAINING), model="mine"),
+            LONG_TTL_S,
+        )
+        assert (await place_session(r, schema, model="mine")).worker_id == "busy-mine"
+        assert (await place_session(r, schema)).worker_id == "idle-other"  # no model: any worker
+        with pytest.raises(CapacityExhausted, match="'absent'"):
+            await place_session(r, schema, model="absent")
+        assert await served_models(r, schema) == ["mine", "other"]  # ready workers only: both serve
+        await write_model(r, schema, ModelCard("mine", "{{ messages }}", "", "<e>", (7, 9)))
+        assert await read_model(r, schema, "mine") == ModelCard("mine", "{{ messages }}", "", "<e>", (7, 9))
+        assert await read_model(r, schema, "absent") is None
 
     run(server_url, body)

@@ -1,0 +1,206 @@
+"""The conversation of one OpenAI-dialect socket: its items, and the text each one appends to the
+session's single KV sequence, rendered with the model's own chat template.
+
+Why text deltas of one rendering: a conversation streamed item by item into one KV sequence is the
+conversation the template means only if each append is exactly what rendering the longer
+conversation adds to rendering the shorter one (shared/chat_template.py `check_extends`). So each
+append is `render(messages + [new])` minus `render(messages)`, checked to extend it; a reply is
+what the model generated, kept as generated (never re-tokenized), and the template's text after
+the reply's content (its end marker, e.g. `<|im_end|>\n`) is owed to the next append, less the stop
+token the model itself sampled (which is already in the KV). A reply cut by `max_output_tokens` or
+a cancel thus gets the whole end marker. Turn N costs only its own new tokens.
+
+Sans-I/O: no native messages here; the dialect turns the appends into chunks. Every method
+validates before it changes anything, raising `RealtimeProblem`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+import jinja2
+
+from gateway.openai.client_events import NewItem, Role
+from gateway.openai.errors import RealtimeProblem
+from gateway.openai.ids import item_id as new_item_id
+from shared.chat_template import ChatTemplate, Message
+
+# An item's id, as OpenAI's: at most 64 characters (also the client's own ids).
+MAX_ITEMS: Final = 100_000
+
+
+@dataclass(slots=True)
+class Item:
+    item_id: str
+    role: Role
+    text: str
+    status: str = "completed"
+
+
+@dataclass(slots=True)
+class _Prompt:
+    """A response under way: the rendering with the generation prompt, and what it owed before."""
+
+    rendered: str
+    owed_before: str
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    items: list[Item]
+    messages: list[Message]
+    rendered: str
+    owed: str
+    prompt: _Prompt | None
+    ids: set[str]
+
+
+@dataclass(slots=True)
+class Conversation:
+    template: ChatTemplate
+    max_item_chars: int
+    instructions: str | None = None
+    items: list[Item] = field(default_factory=list)
+    _messages: list[Message] = field(default_factory=list)
+    _rendered: str = ""  # render(_messages): what the KV holds, less `_owed`
+    _owed: str = ""  # template text the KV still lacks, sent with the next append
+    _prompt: _Prompt | None = None
+    _ids: set[str] = field(default_factory=set)
+
+    @property
+    def started(self) -> bool:
+        """True once anything was appended: the instructions are then part of the KV."""
+        return bool(self._messages)
+
+    @property
+    def last_item_id(self) -> str | None:
+        return self.items[-1].item_id if self.items else None
+
+    def find(self, item_id: str) -> Item | None:
+        return next((item for item in self.items if item.item_id == item_id), None)
+
+    def checkpoint(self) -> Checkpoint:
+        """The state to go back to should the event that changes it next be refused after all."""
+        return Checkpoint(
+            list(self.items), list(self._messages), self._rendered, self._owed, self._prompt, set(self._ids)
+        )
+
+    def rollback(self, cp: Checkpoint) -> None:
+        self.items, self._messages, self._rendered = list(cp.items), list(cp.messages), cp.rendered
+        self._owed, self._prompt, self._ids = cp.owed, cp.prompt, set(cp.ids)
+
+    def set_instructions(self, instructions: str) -> None:
+        if self.started and instructions != (self.instructions or ""):
+            raise RealtimeProblem(
+                "session.instructions can only change before the first item: they are the system "
+                "message at the start of the conversation, already in the model's KV cache",
+                param="session.instructions",
+                code="unsupported_value",
+            )
+        if len(instructions) > self.max_item_chars:
+            raise RealtimeProblem(
+                f"session.instructions: at most {self.max_item_chars} characters",
+                param="session.instructions",
+            )
+        self.instructions = instructions or None
+
+    def append(self, new: NewItem, previous_item_id: str | None) -> tuple[Item, str]:
+        """Add a message item; returns it and the text to append to the session."""
+        if self._prompt is not None:
+            raise RealtimeProblem(
+                "an item cannot be added while a response is being generated: wait for response.done",
+                code="conversation_already_has_active_response",
+            )
+        if previous_item_id is not None and previous_item_id != (self.last_item_id or "root"):
+            raise RealtimeProblem(
+                "previous_item_id: items can only be appended after the last item "
+                f"({self.last_item_id or 'root'!r}): the conversation is one KV sequence",
+                param="previous_item_id",
+            )
+        if new.item_id is not None and new.item_id in self._ids:
+            raise RealtimeProblem(
+                f"item.id {new.item_id!r} already exists", param="item.id", code="duplicate_item_id"
+            )
+        if len(new.text) > self.max_item_chars:
+            raise RealtimeProblem(
+                f"item.content: at most {self.max_item_chars} characters per item", param="item.content"
+            )
+        if len(self.items) >= MAX_ITEMS:
+            raise RealtimeProblem(f"at most {MAX_ITEMS} items per conversation", code="too_many_items")
+        messages = [*self._head(), {"role": new.role, "content": new.text}]
+        rendered = self._render(messages, generation_prompt=False)
+        text = self._owed + rendered[len(self._rendered) :]
+        item = Item(new.item_id or new_item_id(), new.role, new.text)
+        self._messages, self._rendered, self._owed = messages, rendered, ""
+        self.items.append(item)
+        self._ids.add(item.item_id)
+        return item, text
+
+    def begin_response(self) -> str:
+        """The text that starts the assistant's reply (the owed text and the generation prompt)."""
+        if self._prompt is not None:
+            raise RealtimeProblem(
+                "a response is already being generated: wait for response.done or cancel it",
+                code="conversation_already_has_active_response",
+            )
+        messages = self._head()
+        prompt = self._render(messages, generation_prompt=True)
+        text = self._owed + prompt[len(self._rendered) :]
+        self._messages = messages
+        self._prompt = _Prompt(prompt, self._owed)
+        self._owed = ""
+        return text
+
+    def abandon_response(self) -> None:
+        """The response's chunk was refused: nothing of it reached the KV."""
+        if self._prompt is not None:
+            self._owed = self._prompt.owed_before
+            self._prompt = None
+
+    def finish_response(self, reply: str, stop_text: str | None, item_id: str, status: str) -> Item:
+        """The reply as generated; `stop_text` is the text of the stop token it ended with, if any.
+
+        Raises `RealtimeProblem` when the template does not render the reply where it was
+        generated (then no later item could be appended exactly either).
+        """
+        prompt = self._prompt
+        assert prompt is not None, "finish_response without begin_response"
+        self._prompt = None
+        messages = [*self._messages, {"role": "assistant", "content": reply}]
+        rendered = self._render(messages, generation_prompt=False)
+        if not rendered.startswith(prompt.rendered + reply):
+            raise RealtimeProblem(
+                "the model's chat template does not render the reply where it was generated; "
+                "this conversation cannot go on exactly",
+                code="template_not_streamable",
+                kind="server_error",
+            )
+        tail = rendered[len(prompt.rendered) + len(reply) :]
+        if stop_text and tail.startswith(stop_text):
+            tail = tail[len(stop_text) :]
+        self._messages, self._rendered, self._owed = messages, rendered, tail
+        item = Item(item_id, "assistant", reply, status)
+        self.items.append(item)
+        self._ids.add(item_id)
+        return item
+
+    def _head(self) -> list[Message]:
+        """The messages so far; the instructions become the system message before the first."""
+        if not self._messages and self.instructions:
+            return [{"role": "system", "content": self.instructions}]
+        return list(self._messages)
+
+    def _render(self, messages: list[Message], *, generation_prompt: bool) -> str:
+        try:
+            rendered = self.template.render(messages, add_generation_prompt=generation_prompt)
+        except jinja2.TemplateError as exc:
+            raise RealtimeProblem(f"the model's chat template refuses this conversation: {exc}") from None
+        if not rendered.startswith(self._rendered):
+            raise RealtimeProblem(
+                "the model's chat template rewrites earlier turns for this conversation, so it "
+                "cannot be appended to the session's KV cache",
+                code="template_not_streamable",
+                kind="server_error",
+            )
+        return rendered

@@ -1,0 +1,412 @@
+"""`OpenAIDialect`: one OpenAI Realtime socket translated to and from a microturn session.
+
+How events map (docs/protocol.md "OpenAI Realtime dialect"):
+- the greeting is a native `ping`; its `pong` is encoded as `session.created`, so that comes first;
+- the native session opens lazily, right before the first chunk, so `session.update` may still set
+  the sampling first; its config names the socket's model, so placement picks a worker serving it;
+- `conversation.item.create` -> text chunks of at most `PIECE_CHARS` characters that ask for no
+  output (the item's rendering, conversation.py); `conversation.item.done` once the last is in;
+- `response.create` -> one chunk with the assistant header that asks for `max_output_tokens`;
+  its deltas -> `response.output_text.delta`, its done -> the closing events and `response.done`;
+- `response.cancel` -> `output.cancel`.
+
+Every event is validated, and admitted whole (admission.py), before the conversation changes; a
+refusal is an `error` event naming the client's `event_id`, and the socket stays open. Should the
+session still refuse a chunk (a key's daily budget, say), the conversation no longer matches the
+KV: the dialect says so and refuses further items and responses rather than answer inexactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from gateway.dialect import Decoded, Frame, frame_size
+from gateway.metrics import GatewayMetrics
+from gateway.openai import server_events as ev
+from gateway.openai.admission import DialectLimits, EventAdmission
+from gateway.openai.client_events import (
+    BadEvent,
+    ClientEvent,
+    ItemCreate,
+    ItemDelete,
+    ItemRetrieve,
+    ItemTruncate,
+    ResponseCancel,
+    ResponseCreate,
+    SessionUpdate,
+    parse,
+)
+from gateway.openai.conversation import Conversation, Item
+from gateway.openai.errors import RealtimeProblem, problem_from_close, problem_from_native
+from gateway.openai.ids import conversation_id, session_id
+from gateway.openai.responses import ActiveResponse
+from shared.chat_template import ChatTemplate
+from shared.protocol.messages import (
+    ClientMessage,
+    Error,
+    InputChunk,
+    OpenConfig,
+    OutputCancel,
+    OutputDelta,
+    OutputDone,
+    Ping,
+    Pong,
+    ServerMessage,
+    SessionClosed,
+    SessionOpen,
+    SessionOpened,
+)
+from shared.store.models import ModelCard
+
+logger = logging.getLogger(__name__)
+
+DIALECT_NAME: Final = "openai"
+# Characters per native text chunk: well under the worker's 512-token chunk limit for any text.
+PIECE_CHARS: Final = 256
+_GREETING: Final = "openai.session.created"
+
+
+class OpenAIDialect:
+    """Stateful per socket; `decode` and `encode` are called from the socket's reader and writer."""
+
+    def __init__(
+        self,
+        card: ModelCard,
+        limits: DialectLimits,
+        admission: EventAdmission,
+        metrics: GatewayMetrics | None = None,
+        *,
+        instructions: str | None = None,
+        max_output_tokens: int | None = None,
+    ) -> None:
+        self._card = card
+        self._limits = limits
+        self._admission = admission
+        self._metrics = metrics
+        self._session_id = session_id()
+        self._conversation_id = conversation_id()
+        self._template = (
+            ChatTemplate(card.chat_template, card.bos_token, card.eos_token) if card.chat_template else None
+        )
+        self._instructions = instructions or ""
+        self._conversation = self._new_conversation() if self._template is not None else None
+        self._max_output_tokens = max_output_tokens  # None: "inf"
+        self._temperature = 0.0
+        self._opened = False  # a native session.open has been sent (and not failed)
+        self._confirmed = False  # ... and answered: the session is open underneath
+        self._dropped: set[int] = set()  # seqs sent behind an open that failed
+        self._seq = 0
+        # seq -> (item id, is the item's last piece) for item chunks in flight.
+        self._item_chunks: dict[int, tuple[str, bool]] = {}
+        self._response: ActiveResponse | None = None
+        self._context = 0  # tokens in the session's KV as of the last done seen
+        self._cached = 0  # ... as of the end of the last response: what the next one finds cached
+        self._broken: str | None = None
+        self._eos_ids = frozenset(card.eos_token_ids)
+
+    # ---- the Dialect protocol -----------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return DIALECT_NAME
+
+    @property
+    def closes_on_disconnect(self) -> bool:
+        return True  # the OpenAI protocol has no resume: the session ends with its socket
+
+    def greeting(self) -> Decoded:
+        return Decoded((Ping(_GREETING),))
+
+    def decode(self, data: Frame) -> Decoded:
+        client_event_id: str | None = None
+        try:
+            if frame_size(data, self._limits.max_frame_bytes) > self._limits.max_frame_bytes:
+                raise RealtimeProblem(
+                    f"the event exceeds {self._limits.max_frame_bytes} bytes", code="string_above_max_length"
+                )
+            event = parse(data, max_output_tokens=self._limits.max_output_tokens)
+            client_event_id = event.event_id
+            return self._handle(event)
+        except BadEvent as exc:
+            return Decoded(replies=(ev.frame(ev.error(exc, exc.event_id)),))
+        except RealtimeProblem as exc:
+            return Decoded(replies=(ev.frame(ev.error(exc, client_event_id)),))
+
+    def encode(self, message: ServerMessage) -> Sequence[Frame]:
+        return [ev.frame(event) for event in self._events(message)]
+
+    # ---- client events ------------------------------------------------------------------------
+
+    def _handle(self, event: ClientEvent) -> Decoded:
+        handlers: dict[type, Callable[..., Decoded]] = {
+            SessionUpdate: self._session_update,
+            ItemCreate: self._item_create,
+            ResponseCreate: self._response_create,
+            ResponseCancel: self._response_cancel,
+            ItemDelete: self._item_delete,
+            ItemTruncate: self._item_truncate,
+            ItemRetrieve: self._item_retrieve,
+        }
+        return handlers[type(event)](event)
+
+    def _session_view(self) -> ev.SessionView:
+        return ev.SessionView(self._session_id, self._card.name, self._instructions, self._max_output_tokens)
+
+    def _session_update(self, event: SessionUpdate) -> Decoded:
+        if event.model is not None and event.model != self._card.name:
+            raise RealtimeProblem(
+                f"session.model: this session serves {self._card.name!r}; connect with ?model= for another",
+                param="session.model",
+            )
+        if "temperature" in event.given and self._opened and event.temperature != self._temperature:
+            raise RealtimeProblem(
+                "session.temperature can only change before the first item or response",
+                param="session.temperature",
+                code="unsupported_value",
+            )
+        if "instructions" in event.given:
+            conversation = self._need_conversation()
+            conversation.set_instructions(event.instructions or "")  # raises having changed nothing
+            self._instructions = event.instructions or ""
+        if "max_output_tokens" in event.given:
+            self._max_output_tokens = event.max_output_tokens
+        if event.temperature is not None:
+            self._temperature = event.temperature
+        return Decoded(replies=(ev.frame(ev.session_updated(self._session_view())),))
+
+    def _item_create(self, event: ItemCreate) -> Decoded:
+        conversation = self._usable()
+        previous = conversation.last_item_id
+        checkpoint = conversation.checkpoint()
+        item, text = conversation.append(event.item, event.previous_item_id)
+        pieces = [text[i : i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS)] or [""]
+        seqs = list(range(self._seq + 1, self._seq + 1 + len(pieces)))
+        try:
+            self._admission.admit([(s, p, False) for s, p in zip(seqs, pieces, strict=True)], "item.content")
+        except RealtimeProblem:
+            conversation.rollback(checkpoint)
+            raise
+        self._seq = seqs[-1]
+        chunks: list[ClientMessage] = [
+            InputChunk(s, text=p, max_output_tokens=0) for s, p in zip(seqs, pieces, strict=True)
+        ]
+        for s in seqs:
+            self._item_chunks[s] = (item.item_id, s == seqs[-1])
+        added = ev.item_added(ev.message_item(item.item_id, item.role, item.text, "completed"), previous)
+        return Decoded(messages=(*self._open(), *chunks), replies=(ev.frame(added),))
+
+    def _response_create(self, event: ResponseCreate) -> Decoded:
+        conversation = self._usable()
+        if self._response is not None:
+            raise RealtimeProblem(
+                "a response is already being generated: wait for response.done or cancel it",
+                code="conversation_already_has_active_response",
+            )
+        limit = event.max_output_tokens or self._max_output_tokens or self._limits.max_output_tokens
+        checkpoint = conversation.checkpoint()
+        header = conversation.begin_response()
+        seq = self._seq + 1
+        try:
+            self._admission.admit([(seq, header, True)], "response")
+        except RealtimeProblem:
+            conversation.rollback(checkpoint)
+            raise
+        self._seq = seq
+        response = ActiveResponse(seq, limit, event.metadata)
+        self._response = response
+        replies = response.opening(self._conversation_id, conversation.last_item_id)
+        chunk = InputChunk(seq, text=header, max_output_tokens=limit)
+        return Decoded(messages=(*self._open(), chunk), replies=tuple(ev.frame(r) for r in replies))
+
+    def _response_cancel(self, event: ResponseCancel) -> Decoded:
+        response = self._response
+        if response is None or (event.response_id is not None and event.response_id != response.response_id):
+            raise RealtimeProblem(
+                "there is no response in progress to cancel", code="response_cancel_not_active"
+            )
+        return Decoded(messages=(OutputCancel(response.seq),))
+
+    def _item_delete(self, event: ItemDelete) -> Decoded:
+        self._known(event.item_id)
+        raise RealtimeProblem(
+            "conversation.item.delete: an item's tokens are already in the model's KV cache, which only "
+            "grows; start a new session for a conversation without it",
+            param="item_id",
+            code="unsupported_operation",
+        )
+
+    def _item_truncate(self, event: ItemTruncate) -> Decoded:
+        self._known(event.item_id)
+        raise RealtimeProblem(
+            "conversation.item.truncate: only audio can be truncated, and this model has no audio",
+            param="item_id",
+            code="unsupported_operation",
+        )
+
+    def _item_retrieve(self, event: ItemRetrieve) -> Decoded:
+        item = self._known(event.item_id)
+        retrieved = ev.item_retrieved(ev.message_item(item.item_id, item.role, item.text, "completed"))
+        return Decoded(replies=(ev.frame(retrieved),))
+
+    def _known(self, wanted: str) -> Item:
+        conversation = self._need_conversation()
+        found = conversation.find(wanted)
+        if found is None:
+            raise RealtimeProblem(
+                f"no item {wanted[:64]!r} in the conversation", param="item_id", code="item_not_found"
+            )
+        return found
+
+    def _need_conversation(self) -> Conversation:
+        if self._conversation is None:
+            raise RealtimeProblem(
+                f"model {self._card.name!r} has no chat template, so it cannot hold a conversation",
+                code="model_not_supported",
+            )
+        return self._conversation
+
+    def _usable(self) -> Conversation:
+        conversation = self._need_conversation()
+        if self._broken is not None:
+            raise RealtimeProblem(
+                f"this conversation no longer matches the model's cache ({self._broken}); open a new session",
+                code="session_inconsistent",
+                kind="server_error",
+            )
+        return conversation
+
+    def _open(self) -> tuple[ClientMessage, ...]:
+        if self._opened:
+            return ()
+        self._opened = True
+        config = OpenConfig(
+            max_output_tokens=0,
+            temperature=self._temperature,
+            stream=True,
+            model=self._card.name,
+            idle_timeout_s=self._limits.idle_timeout_s,
+        )
+        return (SessionOpen(config),)
+
+    # ---- session messages ---------------------------------------------------------------------
+
+    def _events(self, message: ServerMessage) -> list[ev.Event]:
+        if isinstance(message, Pong) and message.data == _GREETING:
+            created = [ev.session_created(self._session_view())]
+            if self._limits.rate_limits:
+                created.append(ev.rate_limits_updated(self._limits.rate_limits))
+            return created
+        if isinstance(message, SessionOpened):
+            self._confirmed = True
+            if self._metrics is not None:
+                self._metrics.dialect_session(DIALECT_NAME)
+            logger.info("openai session %s is microturn session %s", self._session_id, message.session_id)
+            return []
+        if isinstance(message, OutputDelta):
+            return self._delta(message)
+        if isinstance(message, OutputDone):
+            return self._done(message)
+        if isinstance(message, Error):
+            return self._error(message)
+        if isinstance(message, SessionClosed):
+            problem = problem_from_close(message.reason)
+            return [] if problem is None else [ev.error(problem)]
+        return []  # restored, resumed, expiring, closed: nothing an OpenAI client has a name for
+
+    def _delta(self, delta: OutputDelta) -> list[ev.Event]:
+        response = self._response
+        if response is None or delta.seq != response.seq:
+            return []
+        return response.on_delta(delta, self._eos_ids)
+
+    def _done(self, done: OutputDone) -> list[ev.Event]:
+        self._admission.settle(done.seq)
+        self._context += (done.committed_tokens or 0) + len(done.tokens)
+        piece = self._item_chunks.pop(done.seq, None)
+        if piece is not None:
+            item_id_, last = piece
+            item = self._conversation.find(item_id_) if self._conversation is not None else None
+            if not last or item is None:
+                return []
+            index = self._conversation.items.index(item) if self._conversation is not None else 0
+            previous = self._conversation.items[index - 1].item_id if index and self._conversation else None
+            return [ev.item_done(ev.message_item(item.item_id, item.role, item.text, "completed"), previous)]
+        response = self._response
+        if response is None or done.seq != response.seq:
+            return []
+        return self._finish(response, done)
+
+    def _finish(self, response: ActiveResponse, done: OutputDone) -> list[ev.Event]:
+        self._response = None
+        conversation = self._conversation
+        assert conversation is not None
+        outcome = response.outcome(done, self._eos_ids)
+        previous = conversation.last_item_id
+        events: list[ev.Event] = []
+        try:
+            conversation.finish_response(
+                outcome.reply, outcome.stop_text, response.item_id, outcome.item_status
+            )
+        except RealtimeProblem as exc:
+            self._broken = exc.message
+            events.append(ev.error(exc))
+        # Input: the whole context the reply was sampled after; cached: what the previous
+        # response left in the KV (the tokens this turn did not have to prefill again).
+        usage = ev.Usage(self._context - len(done.tokens), self._cached, len(done.tokens))
+        self._cached = self._context
+        if self._metrics is not None:
+            self._metrics.dialect_turn(DIALECT_NAME)
+        return events + response.closing(self._conversation_id, outcome, usage, previous)
+
+    def _error(self, error: Error) -> list[ev.Event]:
+        if error.seq is None:
+            problem = problem_from_native(error)
+            if self._opened and not self._confirmed and not error.fatal:
+                return [ev.error(self._open_failed(problem))]
+            return [ev.error(problem)]
+        self._admission.settle(error.seq)
+        if error.seq in self._dropped:
+            self._dropped.discard(error.seq)  # refused because the open failed: already reported
+            return []
+        events = []
+        response = self._response
+        if response is not None and error.seq == response.seq:
+            self._response = None
+            problem = problem_from_native(error, "the response was refused")
+            if error.seq == self._seq and self._conversation is not None:
+                self._conversation.abandon_response()  # nothing of it reached the KV
+            else:
+                self._broken = problem.message
+            return response.failed(self._conversation_id, problem)
+        piece = self._item_chunks.pop(error.seq, None)
+        problem = problem_from_native(error, "a piece of an item was refused" if piece else None)
+        if piece is not None:
+            self._broken = problem.message
+        events.append(ev.error(problem))
+        return events
+
+    def _open_failed(self, problem: RealtimeProblem) -> RealtimeProblem:
+        """The lazy open was refused: the chunks sent behind it will be refused too; start afresh."""
+        self._opened = False
+        self._dropped.update(self._item_chunks)
+        self._item_chunks.clear()
+        if self._response is not None:
+            self._dropped.add(self._response.seq)
+            self._response = None
+        if self._conversation is not None:
+            self._conversation = self._new_conversation()
+        return RealtimeProblem(
+            f"the session could not be opened ({problem.message}); the conversation is empty: send its "
+            "items again",
+            code=problem.code,
+            kind=problem.kind,
+        )
+
+    def _new_conversation(self) -> Conversation:
+        assert self._template is not None
+        conversation = Conversation(self._template, self._admission.values.max_queued_tokens)
+        if self._instructions:
+            conversation.set_instructions(self._instructions)
+        return conversation

@@ -1,0 +1,320 @@
+"""The OpenAI dialect as a Sans-I/O translator: feed client events and session messages, read the
+native messages and frames. Every server event is validated with the official SDK's own pydantic
+types (its `RealtimeServerEvent` union), with no field the SDK does not know."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import gguf
+import pytest
+from openai.types.realtime import RealtimeServerEvent
+from pydantic import BaseModel, TypeAdapter
+
+from gateway.dialect import Decoded
+from gateway.limits import LimitValues
+from gateway.openai.admission import DialectLimits, EventAdmission
+from gateway.openai.dialect import PIECE_CHARS, OpenAIDialect
+from gateway.openai.server_events import RateLimit
+from shared.chat_template import ChatTemplate
+from shared.errors import ErrorCode
+from shared.protocol.messages import (
+    Error,
+    InputChunk,
+    OutputCancel,
+    OutputDelta,
+    OutputDone,
+    Ping,
+    Pong,
+    SessionClosed,
+    SessionOpen,
+    SessionOpened,
+    Timing,
+)
+from shared.store.models import ModelCard
+from worker.model.presets import smollm2_gguf_path
+from worker.tokenizer.gguf import tokenizer_from_gguf
+
+SERVER_EVENT: TypeAdapter[Any] = TypeAdapter(RealtimeServerEvent)
+EOS = 2  # SmolLM2's <|im_end|>
+LIMITS = LimitValues(
+    max_frame_bytes=65536,
+    max_chunk_tokens=512,
+    max_chunks_per_s=1000.0,
+    chunk_burst=32,
+    max_queued_tokens=4096,
+    max_queued_outputs=8,
+)
+
+
+@pytest.fixture(scope="module")
+def card() -> ModelCard:
+    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(str(smollm2_gguf_path())))
+    template = tokenizer.chat_template
+    assert template is not None
+    assert EOS in tokenizer.eos_token_ids
+    return ModelCard(
+        "smollm2-135m", template.source, template.bos_token, template.eos_token, tokenizer.eos_token_ids
+    )
+
+
+def template_of(card: ModelCard) -> ChatTemplate:
+    return ChatTemplate(card.chat_template, card.bos_token, card.eos_token)
+
+
+def _no_extras(model: object) -> None:
+    if isinstance(model, BaseModel):
+        assert not model.model_extra, (
+            f"{type(model).__name__} has fields the SDK does not know: {model.model_extra}"
+        )
+        for value in model.__dict__.values():
+            _no_extras(value)
+    elif isinstance(model, list):
+        for value in model:
+            _no_extras(value)
+
+
+def events(frames: Any) -> list[dict[str, Any]]:
+    """Each frame as an event, checked against the SDK's types."""
+    out = []
+    for frame in frames:
+        event = json.loads(frame)
+        _no_extras(SERVER_EVENT.validate_python(event))
+        out.append(event)
+    return out
+
+
+def types(evs: list[dict[str, Any]]) -> list[str]:
+    return [e["type"] for e in evs]
+
+
+class Harness:
+    def __init__(self, card: ModelCard, limits: LimitValues = LIMITS) -> None:
+        self.dialect = OpenAIDialect(card, DialectLimits(512, 65536), EventAdmission(limits))
+        greeting = self.dialect.greeting()
+        assert len(greeting.messages) == 1 and isinstance(greeting.messages[0], Ping)
+        self.created = events(self.dialect.encode(Pong(greeting.messages[0].data)))
+
+    def send(self, event: dict[str, Any]) -> Decoded:
+        return self.dialect.decode(json.dumps(event))
+
+    def reply(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        decoded = self.send(event)
+        return events(decoded.replies)
+
+    def encode(self, message: Any) -> list[dict[str, Any]]:
+        return events(self.dialect.encode(message))
+
+
+def done(seq: int, tokens: tuple[int, ...] = (), finish: str = "length", committed: int = 0) -> OutputDone:
+    return OutputDone(seq, tokens, None, finish, Timing(0.0, 0.0), committed_tokens=committed)  # type: ignore[arg-type]
+
+
+def texts(messages: tuple[Any, ...]) -> str:
+    return "".join(m.text for m in messages if isinstance(m, InputChunk))
+
+
+def user(text: str, **extra: Any) -> dict[str, Any]:
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    return {"type": "conversation.item.create", "item": item, **extra}
+
+
+def test_session_created_comes_first_and_matches_the_sdk(card: ModelCard) -> None:
+    h = Harness(card)
+    assert types(h.created) == ["session.created"]
+    assert h.created[0]["session"]["model"] == "smollm2-135m"
+    assert h.created[0]["session"]["output_modalities"] == ["text"]
+
+
+def test_two_turns_append_exactly_what_the_template_renders(card: ModelCard) -> None:
+    template = template_of(card)
+    h = Harness(card)
+    updated = h.reply(
+        {"type": "session.update", "session": {"type": "realtime", "instructions": "Be terse."}}
+    )
+    assert types(updated) == ["session.updated"] and updated[0]["session"]["instructions"] == "Be terse."
+
+    first = h.send(user("Hi!", event_id="evt_1"))
+    assert isinstance(first.messages[0], SessionOpen)
+    assert first.messages[0].config.model == "smollm2-135m" and first.messages[0].config.stream
+    assert types(events(first.replies)) == ["conversation.item.added"]
+    assert all(m.max_output_tokens == 0 for m in first.messages[1:])  # type: ignore[union-attr]
+    conversation = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi!"}]
+    assert texts(first.messages) == template.render(conversation)
+    item_seq = first.messages[-1].seq  # type: ignore[union-attr]
+    assert types(h.encode(SessionOpened("s", "t", "smollm2-135m"))) == []
+    assert types(h.encode(done(item_seq, committed=20))) == ["conversation.item.done"]
+
+    response = h.send({"type": "response.create", "response": {"max_output_tokens": 16}})
+    assert types(events(response.replies)) == [
+        "response.created",
+        "conversation.item.added",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    (chunk,) = response.messages
+    assert isinstance(chunk, InputChunk) and chunk.max_output_tokens == 16
+    assert texts(first.messages) + texts(response.messages) == template.render(
+        conversation, add_generation_prompt=True
+    )
+    out = []
+    for index, (token, text) in enumerate([(10, "Hello"), (11, " there"), (EOS, "<|im_end|>")]):
+        out += h.encode(OutputDelta(chunk.seq, index, token, text))
+    assert [e["delta"] for e in out] == ["Hello", " there"]  # the stop token is not text
+    closing = h.encode(done(chunk.seq, (10, 11, EOS), "stop", committed=3))
+    assert types(closing) == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "conversation.item.done",
+        "response.done",
+    ]
+    assert closing[0]["text"] == "Hello there"
+    final = closing[-1]["response"]
+    assert final["status"] == "completed"
+    assert final["usage"]["input_tokens"] == 23 and final["usage"]["output_tokens"] == 3
+
+    # Turn 2 appends only its own text: the template's text after the stop token, then the item.
+    second = h.send(user("Again"))
+    conversation += [{"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Again"}]
+    prompt_1 = template.render(conversation[:2], add_generation_prompt=True)
+    whole = prompt_1 + "Hello there<|im_end|>" + texts(second.messages)
+    assert whole == template.render(conversation)
+    assert not any(isinstance(m, SessionOpen) for m in second.messages)  # the session stays open
+
+
+def test_a_reply_cut_by_max_output_tokens_gets_the_end_marker(card: ModelCard) -> None:
+    h = Harness(card)
+    h.send(user("Count"))
+    (chunk,) = h.send({"type": "response.create", "response": {"max_output_tokens": 2}}).messages
+    assert isinstance(chunk, InputChunk)
+    h.encode(OutputDelta(chunk.seq, 0, 10, "1"))
+    h.encode(OutputDelta(chunk.seq, 1, 11, ","))
+    closing = h.encode(done(chunk.seq, (10, 11), "length"))
+    assert closing[-1]["response"]["status"] == "incomplete"
+    assert closing[-1]["response"]["status_details"]["reason"] == "max_output_tokens"
+    assert texts(h.send(user("More")).messages).startswith("<|im_end|>\n<|im_start|>user\nMore")
+
+
+def test_cancel_sends_output_cancel_and_the_response_ends_cancelled(card: ModelCard) -> None:
+    h = Harness(card)
+    h.send(user("Talk"))
+    (chunk,) = h.send({"type": "response.create"}).messages
+    assert isinstance(chunk, InputChunk) and chunk.max_output_tokens == 512  # "inf": the server's most
+    assert h.send({"type": "response.cancel"}).messages == (OutputCancel(chunk.seq),)
+    closing = h.encode(done(chunk.seq, (10,), "cancelled"))
+    assert closing[-1]["response"]["status"] == "cancelled"
+    assert types(h.reply({"type": "response.cancel", "event_id": "c2"})) == ["error"]
+
+
+@pytest.mark.parametrize(
+    ("event", "code"),
+    [
+        ("not json", "invalid_json"),
+        ({"type": "nope", "event_id": "e1"}, "invalid_event_type"),
+        ({"type": "input_audio_buffer.append", "audio": "AAAA", "event_id": "e1"}, "audio_unsupported"),
+        ({"type": "conversation.item.create", "event_id": "e1"}, "missing_required_parameter"),
+        (
+            {
+                "type": "conversation.item.create",
+                "event_id": "e1",
+                "item": {"type": "message", "role": "tool"},
+            },
+            "invalid_value",
+        ),
+        (
+            {"type": "session.update", "event_id": "e1", "session": {"output_modalities": ["audio"]}},
+            "unsupported_value",
+        ),
+        ({"type": "session.update", "event_id": "e1", "session": {"max_output_tokens": 0}}, "invalid_value"),
+        (
+            {"type": "response.create", "event_id": "e1", "response": {"conversation": "none"}},
+            "invalid_value",
+        ),
+        ({"type": "conversation.item.delete", "event_id": "e1", "item_id": "item_x"}, "item_not_found"),
+        ({"type": "conversation.item.truncate", "event_id": "e1"}, "missing_required_parameter"),
+    ],
+)
+def test_bad_events_get_an_error_naming_them_and_change_nothing(
+    card: ModelCard, event: Any, code: str
+) -> None:
+    h = Harness(card)
+    decoded = h.dialect.decode(event if isinstance(event, str) else json.dumps(event))
+    assert decoded.messages == ()
+    (error,) = events(decoded.replies)
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["code"] == code
+    assert error["error"]["event_id"] == (None if isinstance(event, str) else "e1")
+    # The dialect still works: the next item opens the session as the first one would.
+    assert isinstance(h.send(user("ok")).messages[0], SessionOpen)
+
+
+def test_items_cannot_be_deleted_from_the_kv_and_say_so(card: ModelCard) -> None:
+    h = Harness(card)
+    added = events(h.send(user("keep me")).replies)
+    item_id = added[0]["item"]["id"]
+    (error,) = h.reply({"type": "conversation.item.delete", "item_id": item_id, "event_id": "d"})
+    assert error["error"]["code"] == "unsupported_operation" and "KV" in error["error"]["message"]
+    (retrieved,) = h.reply({"type": "conversation.item.retrieve", "item_id": item_id})
+    assert retrieved["item"]["content"][0]["text"] == "keep me"
+
+
+def test_an_item_too_long_for_one_event_is_refused_whole(card: ModelCard) -> None:
+    h = Harness(card)
+    decoded = h.send(user("x" * 5000, event_id="big"))
+    assert decoded.messages == ()
+    (error,) = events(decoded.replies)
+    assert error["error"]["event_id"] == "big"
+    ok = h.send(user("y" * 1000))
+    assert isinstance(ok.messages[0], SessionOpen)  # nothing of the refused item was kept
+    chunks = [m for m in ok.messages if isinstance(m, InputChunk)]
+    assert len(chunks) > 1 and all(len(m.text or "") <= PIECE_CHARS for m in chunks)
+    assert "x" not in texts(ok.messages)
+
+
+def test_events_over_the_rate_are_refused_before_any_chunk(card: ModelCard) -> None:
+    slow = LimitValues(65536, 512, 0.001, 3, 4096, 8)
+    h = Harness(card, slow)
+    assert len(h.send(user("a" * 600)).messages) == 4  # the open, then 3 pieces: the whole burst
+    decoded = h.send(user("b", event_id="fast"))
+    assert decoded.messages == ()
+    assert events(decoded.replies)[0]["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_one_response_at_a_time_and_no_items_during_it(card: ModelCard) -> None:
+    h = Harness(card)
+    h.send(user("Hi"))
+    h.send({"type": "response.create"})
+    for event in ({"type": "response.create"}, user("interrupt")):
+        (error,) = h.reply({**event, "event_id": "busy"})
+        assert error["error"]["code"] == "conversation_already_has_active_response"
+
+
+def test_a_refused_open_empties_the_conversation_and_the_next_item_reopens(card: ModelCard) -> None:
+    h = Harness(card)
+    first = h.send(user("Hi"))
+    seq = first.messages[-1].seq  # type: ignore[union-attr]
+    (error,) = h.encode(Error(ErrorCode.CAPACITY_EXHAUSTED, "no worker has room", False, retry_after_ms=1000))
+    assert error["error"]["type"] == "server_error" and "send its items again" in error["error"]["message"]
+    assert h.encode(Error(ErrorCode.BAD_SEQUENCE, "no session", False, seq=seq)) == []  # already reported
+    again = h.send(user("Hi"))
+    assert isinstance(again.messages[0], SessionOpen)
+    assert texts(again.messages) == texts(first.messages)
+
+
+def test_idle_timeout_is_an_error_event_before_the_close(card: ModelCard) -> None:
+    h = Harness(card)
+    (error,) = h.encode(SessionClosed("idle_timeout"))
+    assert error["error"]["code"] == "idle_timeout"
+    assert h.encode(SessionClosed("closed")) == []
+
+
+def test_a_key_with_a_token_budget_gets_rate_limits_after_session_created(card: ModelCard) -> None:
+    limits = DialectLimits(512, 65536, rate_limits=(RateLimit("tokens", 1000, 1000, 3600.0),))
+    dialect = OpenAIDialect(card, limits, EventAdmission(LIMITS))
+    created = events(dialect.encode(Pong(dialect.greeting().messages[0].data)))  # type: ignore[union-attr]
+    assert types(created) == ["session.created", "rate_limits.updated"]
+    assert created[1]["rate_limits"] == [
+        {"name": "tokens", "limit": 1000, "remaining": 1000, "reset_seconds": 3600.0}
+    ]
