@@ -233,7 +233,7 @@ async def read_worker(redis: Redis, schema: KeySchema, worker_id: str) -> Worker
 # --- sessions ----------------------------------------------------------------------------------
 
 
-def _session_mapping(record: SessionRecord) -> dict[FieldT, EncodableT]:
+def session_mapping(record: SessionRecord) -> dict[FieldT, EncodableT]:
     mapping: dict[FieldT, EncodableT] = {
         SESSION_WORKER: record.worker,
         SESSION_TOKEN_SHA256: record.token_sha256,
@@ -263,7 +263,7 @@ async def write_session(
 ) -> None:
     """Create or overwrite (e.g. after re-placement) the session hash, with its TTL in the same MULTI."""
     key = schema.session(sid)
-    mapping = _session_mapping(record)
+    mapping = session_mapping(record)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(key, mapping=mapping)
         pipe.pexpire(key, ttl_to_ms(ttl_s))
@@ -322,37 +322,6 @@ async def delete_session(redis: Redis, schema: KeySchema, sid: str) -> bool:
         pipe.delete(schema.log(sid))
         removed_hash, _ = await pipe.execute()
     return bool(removed_hash)
-
-
-@dataclass(frozen=True, slots=True)
-class HeldSession:
-    """What a worker re-writes for a session it holds after Redis lost its data."""
-
-    sid: str
-    record: SessionRecord
-    log: bytes
-    ttl_s: float
-
-
-async def rewrite_sessions(redis: Redis, schema: KeySchema, held: Iterable[HeldSession]) -> int:
-    """Re-create the record and the whole log of each session, with their TTLs, in one round trip.
-
-    Not a MULTI: a session's two keys live in different cluster slots. Each key is written with its
-    TTL in the same command (SET PX) or right behind it in the same pipeline (HSET, PEXPIRE).
-    """
-    items = list(held)
-    if not items:
-        return 0
-    async with redis.pipeline(transaction=False) as pipe:
-        for item in items:
-            ttl_ms = ttl_to_ms(item.ttl_s)
-            key = schema.session(item.sid)
-            pipe.hset(key, mapping=_session_mapping(item.record))
-            pipe.pexpire(key, ttl_ms)
-            if item.log:
-                pipe.set(schema.log(item.sid), item.log, px=ttl_ms)
-        await pipe.execute()
-    return len(items)
 
 
 class SessionUsage:

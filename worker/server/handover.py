@@ -25,7 +25,8 @@ from typing import Final
 from shared.errors import WorkerUnavailable
 from shared.protocol.codec import config_to_map
 from shared.protocol.link import LinkMigrate, link_error_from
-from shared.store.registry import HeldSession, SessionRecord
+from shared.store.held import HeldSession
+from shared.store.registry import SessionRecord
 from worker.server.service import WorkerService
 
 logger = logging.getLogger(__name__)

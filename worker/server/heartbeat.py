@@ -3,21 +3,26 @@
 Redis holds nothing the workers cannot rebuild (docs/failover.md): when a heartbeat finds the
 worker's own registry hash gone (Redis restarted empty, or the hash expired while the loop
 stalled), the same beat has re-created it, and the worker then re-writes the record and the whole
-token log of every session it holds, so resumes and restores work again within a beat. An outage
+token log of every session it holds, so resumes and restores work again within a beat. When only
+part of Redis lost writes (a Redis Cluster master failover: its replica never got the last ones),
+the beat finds the sessions concerned (a record gone at the TTL refresh, a log that an append or a
+periodic scan finds shorter than written) and re-writes those (shared/store/held.py). An outage
 logs one line when it starts and one when it ends, not a traceback per beat.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass, replace
 
 import redis.asyncio as redis
 
 from shared.store.connection import OutageLog
+from shared.store.held import find_damaged, repair_sessions, rewrite_sessions
 from shared.store.models import ModelCard, write_model
-from shared.store.registry import WorkerInfo, heartbeat, rewrite_sessions, touch_sessions
+from shared.store.registry import WorkerInfo, heartbeat, touch_sessions
 from shared.store.schema import KeySchema
 from worker.engine import Engine
 from worker.server.handover import held_sessions
@@ -27,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 # A worker missing this many heartbeats in a row is dead to placement.
 HEARTBEATS_PER_TTL = 3
+# Every this many beats, every held session's keys are checked (active ones are at every beat, by
+# their TTL refresh and their appends): two commands per held session per scan.
+SCAN_EVERY_BEATS = 10
 
 
 def worker_info(base: WorkerInfo, engine: Engine, *, draining: bool) -> WorkerInfo:
@@ -71,7 +79,8 @@ class Beat:
     period_s: float
     grace_s: float
 
-    async def once(self, *, draining: bool) -> None:
+    async def once(self, *, draining: bool, scan: bool = False) -> None:
+        """One beat; `scan`: also compare every held session's keys with what this worker wrote."""
         info = await asyncio.to_thread(worker_info, self.base, self.service.engine, draining=draining)
         existed = await heartbeat(self.client, self.schema, info, self.period_s * HEARTBEATS_PER_TTL)
         if not existed:
@@ -87,8 +96,29 @@ class Beat:
         by_timeout: dict[float, list[str]] = {}
         for sid, idle in touched.items():
             by_timeout.setdefault(idle, []).append(sid)
+        token_log = self.service.token_log
         for idle, sids in by_timeout.items():
-            await touch_sessions(self.client, self.schema, sids, idle + self.grace_s)
+            token_log.damaged.update(
+                await touch_sessions(self.client, self.schema, sids, idle + self.grace_s)
+            )
+        if scan:  # idle sessions too: the last writes of one that went quiet may be the lost ones
+            lengths = {sid: len(log) for sid, log in token_log.held_logs().items()}
+            token_log.damaged.update(await find_damaged(self.client, self.schema, lengths))
+        if existed and token_log.damaged:
+            await self.repair()
+
+    async def repair(self) -> None:
+        """Re-write the held sessions Redis lost part of (a failover on their shard)."""
+        token_log = self.service.token_log
+        async with token_log.redis_turn:  # no flush interleaves: the mirror is what Redis must hold
+            damaged, token_log.damaged = token_log.damaged, set()
+            held = [h for h in held_sessions(self.service) if h.sid in damaged]
+            try:
+                count = await repair_sessions(self.client, self.schema, self.base.worker_id, held)
+            except redis.RedisError:
+                token_log.damaged |= damaged  # the next beat tries again
+                raise
+        logger.warning("worker %s: re-wrote %d session(s) Redis lost writes of", self.base.worker_id, count)
 
 
 async def heartbeat_loop(
@@ -103,9 +133,9 @@ async def heartbeat_loop(
 ) -> None:
     outage = OutageLog("heartbeat", logger)
     beat = Beat(client, schema, base, service, period_s, grace_s)
-    while True:
+    for count in itertools.count():
         try:
-            await beat.once(draining=draining.is_set())
+            await beat.once(draining=draining.is_set(), scan=count % SCAN_EVERY_BEATS == 0)
         except redis.RedisError as exc:
             outage.failed(exc)
         else:

@@ -85,6 +85,9 @@ class TokenLogWriter:
         self._pending: dict[str, _Queued] = {}
         self._mirror: dict[str, bytearray] = {}
         self._durable: dict[str, int] = {}
+        # Sessions whose log in Redis came back shorter than written (a failover lost writes): the
+        # heartbeat re-writes them from the mirror (shared/store/held.py).
+        self.damaged: set[str] = set()
         self._wakeup = asyncio.Event()
         self._outage = OutageLog("token log flush", logger)
         self.flushes = 0
@@ -163,8 +166,10 @@ class TokenLogWriter:
         batch, self._pending = self._pending, {}
         records = {sid: b"".join(turn.record() for turn in queued.turns) for sid, queued in batch.items()}
         pipe = self.client.pipeline(transaction=False)
+        appends: dict[str, int] = {}  # sid -> the index of its APPEND's reply
         for sid, queued in batch.items():
             key = self.schema.log(sid)
+            appends[sid] = len(pipe)
             pipe.append(key, records[sid])
             # The append that creates the key gives it its TTL; after that the heartbeat refreshes
             # it with the session's record (`touch_sessions`, every session active since the last
@@ -173,7 +178,7 @@ class TokenLogWriter:
                 pipe.pexpire(key, int((queued.ttl_s + self.grace_s) * 1000))
         try:
             async with self._redis_turn:
-                await pipe.execute()
+                replies = await pipe.execute()
         except redis.RedisError as exc:
             # Put them back in front of anything queued since, so the log keeps its order. A record
             # that did land before the failure is written twice; the reader skips the duplicate.
@@ -195,6 +200,10 @@ class TokenLogWriter:
             if mirror is not None:  # None: the session ended while its append was on its way
                 mirror.extend(records[sid])
                 self._durable[sid] = queued.last_seq
+                # APPEND answers the log's new length: shorter than the mirror means Redis lost
+                # writes it had acknowledged (longer is a retried append, which readers skip).
+                if int(replies[appends[sid]]) < len(mirror):
+                    self.damaged.add(sid)
         return True
 
     async def run(self) -> None:
