@@ -28,18 +28,19 @@ class Servers:
         self.workdir = workdir
         self._exits = contextlib.ExitStack()
 
-    def redis(self, kind: str = "redis", *, password: str | None = None) -> str:
+    def redis(self, kind: str = "redis", *, password: str | None = None, tls: bool = False) -> str:
         """A fresh server of `kind` (`redis` or `valkey`) on a free port: its URL (a `password`:
-        a redis-server that requires it, named in the URL)."""
+        a redis-server that requires it, named in the URL; `tls`: one that speaks only TLS)."""
         try:
-            return self._exits.enter_context(running_server(kind, self.workdir, password))
+            return self._exits.enter_context(running_server(kind, self.workdir, password, tls=tls))
         except ServerUnavailable as exc:
             pytest.skip(str(exc))
 
-    def redis_cluster(self) -> Cluster:
-        """A fresh Redis Cluster (3 masters, 3 replicas) from the same server binary."""
+    def redis_cluster(self, *, tls: bool = False) -> Cluster:
+        """A fresh Redis Cluster (3 masters, 3 replicas, a password; TLS only with `tls`) from the
+        same server binary."""
         try:
-            return self._exits.enter_context(running_cluster(self.workdir))
+            return self._exits.enter_context(running_cluster(self.workdir, tls=tls))
         except ServerUnavailable as exc:
             pytest.skip(str(exc))
 

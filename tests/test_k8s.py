@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.settings import WorkerSettings
+from shared.settings import REDIS_MODES, WorkerSettings
 from worker.server.main import EXIT_WATCHDOG_S
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
@@ -92,4 +92,7 @@ def test_the_link_secret_comes_from_a_secret_in_every_process() -> None:
         assert (ref["name"], ref["key"]) == ("microturn-link", "MT_LINK_SECRET")
         assert "value" not in env["MT_LINK_SECRET"]
         assert container(workload)["envFrom"] == [{"configMapRef": {"name": "microturn"}}]
-    assert "MT_REDIS_URL" in by_kind("ConfigMap", "microturn")["data"]
+    config = by_kind("ConfigMap", "microturn")["data"]
+    assert "MT_REDIS_URL" in config
+    # The mode the settings parser accepts, pointed at an external Redis Cluster.
+    assert config["MT_REDIS_MODE"] == "cluster" and "cluster" in REDIS_MODES

@@ -4,7 +4,9 @@ Why real: slot routing, MOVED after a failover and per-slot scripts are what clu
 only the server shows them. Each node runs on its own loopback port; the cluster bus takes that
 port + 10000, so ports stay at or below 55535. `--cluster-replica-validity-factor 0` lets a replica
 take over however long it was cut off (the default refuses after a while on a busy test machine);
-the node timeout is short so a test sees a failover in a few seconds.
+the node timeout is short so a test sees a failover in a few seconds. Every node requires a
+password (so the cluster tests also show a password in the URL works), and with `tls` the nodes
+speak only TLS, to clients, to each other and to their replicas.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Final
 import redis
 
 from shared.cli.processes import free_port
-from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable, answers_ping
+from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable
+from tests.shared.tls import Certificate, self_signed
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +36,25 @@ NODE_TIMEOUT_MS: Final = 1500
 _START_TIMEOUT_S: Final = 20.0
 
 
+PASSWORD: Final = "cluster-pw"
+
+
 @dataclass
 class Cluster:
     ports: list[int]
+    tls: Certificate | None = None
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
-        """A seed node's URL (any node would do)."""
-        return f"redis://127.0.0.1:{self.ports[0]}/0"
+        """A live seed node's URL (any would do), with the password (and the CA, with TLS). A client
+        that started before a node died knows the others; a new one must be seeded by a live one."""
+        seed = next(port for port in self.ports if port in self.procs)
+        scheme, query = ("rediss", "?" + self.tls.query()) if self.tls is not None else ("redis", "")
+        return f"{scheme}://:{PASSWORD}@127.0.0.1:{seed}/0{query}"
 
     def client(self) -> redis.RedisCluster:
-        return redis.RedisCluster(host="127.0.0.1", port=self.ports[0])
+        return redis.RedisCluster.from_url(self.url)
 
     def master_of(self, key: str) -> int:
         """The port of the master serving `key`'s slot now."""
@@ -69,8 +79,33 @@ def _ports(count: int) -> list[int]:
     return ports
 
 
-def _cluster_ok(port: int) -> bool:
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
+def _answers(port: int, tls: Certificate | None) -> bool:
+    client = redis.Redis(
+        host="127.0.0.1",
+        port=port,
+        password=PASSWORD,
+        socket_timeout=0.5,
+        socket_connect_timeout=0.5,
+        ssl=tls is not None,
+        ssl_ca_certs=None if tls is None else str(tls.cert),
+    )
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _cluster_ok(port: int, tls: Certificate | None) -> bool:
+    client = redis.Redis(
+        host="127.0.0.1",
+        port=port,
+        password=PASSWORD,
+        socket_timeout=1,
+        ssl=tls is not None,
+        ssl_ca_certs=None if tls is None else str(tls.cert),
+    )
     try:
         info = client.execute_command("CLUSTER", "INFO")
         text = info.decode() if isinstance(info, bytes) else str(info)
@@ -82,13 +117,16 @@ def _cluster_ok(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def running_cluster(workdir: Path) -> Iterator[Cluster]:
+def running_cluster(workdir: Path, *, tls: bool = False) -> Iterator[Cluster]:
     """Six nodes, joined as 3 masters with one replica each; all stopped on exit."""
     binary = shutil.which(REDIS_SERVER)
     cli = shutil.which("redis-cli")
     if binary is None or cli is None:
         raise ServerUnavailable(f"{REDIS_SERVER} or redis-cli is not installed")
-    cluster = Cluster(_ports(NODES))
+    certificate = self_signed(workdir) if tls else None
+    if tls and certificate is None:
+        raise ServerUnavailable("openssl is not installed: no certificate for a TLS cluster")
+    cluster = Cluster(_ports(NODES), certificate)
     try:
         for port in cluster.ports:
             node_dir = workdir / f"cluster-{port}"
@@ -103,21 +141,31 @@ def running_cluster(workdir: Path) -> Iterator[Cluster]:
                 "nodes.conf",
             ]
             args += ["--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0"]
+            args += ["--requirepass", PASSWORD, "--masterauth", PASSWORD]
+            if certificate is not None:
+                args[args.index("--port") + 1] = "0"
+                args += ["--tls-port", str(port), "--tls-cluster", "yes", "--tls-replication", "yes"]
+                args += ["--tls-cert-file", str(certificate.cert), "--tls-key-file", str(certificate.key)]
+                args += ["--tls-ca-cert-file", str(certificate.cert), "--tls-auth-clients", "no"]
             with open(node_dir / "redis.log", "wb") as log:
                 cluster.procs[port] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + _START_TIMEOUT_S
-        while not all(answers_ping(port) for port in cluster.ports):
+        while not all(
+            _cluster_ok(port, certificate) or _answers(port, certificate) for port in cluster.ports
+        ):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster nodes did not start; logs in {workdir}")
             time.sleep(0.05)
         nodes = [f"127.0.0.1:{port}" for port in cluster.ports]
+        tls_flags = [] if certificate is None else ["--tls", "--cacert", str(certificate.cert)]
+        create = ["--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"]
         subprocess.run(
-            [cli, "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"],
+            [cli, *tls_flags, "-a", PASSWORD, *create],
             check=True,
             capture_output=True,
             timeout=60,
         )
-        while not all(_cluster_ok(port) for port in cluster.ports):
+        while not all(_cluster_ok(port, certificate) for port in cluster.ports):
             if time.monotonic() > deadline + 30:
                 raise RuntimeError(f"the cluster did not become ok; logs in {workdir}")
             time.sleep(0.1)

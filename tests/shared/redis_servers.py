@@ -20,6 +20,7 @@ from typing import Final
 import redis
 
 from shared.cli.processes import free_port
+from tests.shared.tls import Certificate, self_signed
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,15 @@ class ServerUnavailable(RuntimeError):
     """The server binary is not installed here (the fixture turns this into a skip)."""
 
 
-def answers_ping(port: int, password: str | None = None) -> bool:
+def answers_ping(port: int, password: str | None = None, tls: Certificate | None = None) -> bool:
     client = redis.Redis(
-        host="127.0.0.1", port=port, password=password, socket_timeout=0.5, socket_connect_timeout=0.5
+        host="127.0.0.1",
+        port=port,
+        password=password,
+        socket_timeout=0.5,
+        socket_connect_timeout=0.5,
+        ssl=tls is not None,
+        ssl_ca_certs=None if tls is None else str(tls.cert),
     )
     try:
         return bool(client.ping())
@@ -56,10 +63,13 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def _redis_server(workdir: Path, password: str | None = None) -> Iterator[str]:
+def _redis_server(workdir: Path, password: str | None = None, tls: bool = False) -> Iterator[str]:
     binary = shutil.which(REDIS_SERVER)
     if binary is None:
         raise ServerUnavailable(f"{REDIS_SERVER} is not installed")
+    certificate = self_signed(workdir) if tls else None
+    if tls and certificate is None:
+        raise ServerUnavailable("openssl is not installed: no certificate for a TLS server")
     for attempt in range(_PORT_ATTEMPTS):
         port = free_port()
         log_path = workdir / f"redis-{port}.log"
@@ -67,16 +77,25 @@ def _redis_server(workdir: Path, password: str | None = None) -> Iterator[str]:
         args += ["--dir", str(workdir)]
         if password is not None:
             args += ["--requirepass", password]
+        if certificate is not None:  # TLS only: the plain port is closed
+            args[args.index("--port") + 1] = "0"
+            args += ["--tls-port", str(port), "--tls-auth-clients", "no"]
+            args += ["--tls-cert-file", str(certificate.cert), "--tls-key-file", str(certificate.key)]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + _START_TIMEOUT_S
-            while proc.poll() is None and time.monotonic() < deadline and not answers_ping(port, password):
+            while (
+                proc.poll() is None
+                and time.monotonic() < deadline
+                and not answers_ping(port, password, certificate)
+            ):
                 time.sleep(0.05)
-            if proc.poll() is None and answers_ping(port, password):
+            if proc.poll() is None and answers_ping(port, password, certificate):
                 logger.info("redis-server up on port %d (attempt %d)", port, attempt + 1)
                 credentials = "" if password is None else f":{password}@"
-                yield f"redis://{credentials}127.0.0.1:{port}/0"
+                scheme, query = ("rediss", "?" + certificate.query()) if certificate else ("redis", "")
+                yield f"{scheme}://{credentials}127.0.0.1:{port}/0{query}"
                 return
             logger.warning("redis-server failed on port %d: %s", port, log_path.read_text(errors="replace"))
         finally:
@@ -113,12 +132,14 @@ def _valkey_server(workdir: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def running_server(kind: str, workdir: Path, password: str | None = None) -> Iterator[str]:
-    """Start a fresh server of `kind` ("redis" or "valkey"), yield its URL (with the password, if
-    one is required: `redis` only), stop it on exit."""
+def running_server(
+    kind: str, workdir: Path, password: str | None = None, *, tls: bool = False
+) -> Iterator[str]:
+    """Start a fresh server of `kind` ("redis" or "valkey"), yield its URL (with the password if one
+    is required, rediss:// with `tls`: `redis` only), stop it on exit."""
     if kind == "redis":
-        cm = _redis_server(workdir, password)
-    elif kind == "valkey" and password is None:
+        cm = _redis_server(workdir, password, tls)
+    elif kind == "valkey" and password is None and not tls:
         cm = _valkey_server(workdir)
     else:
         raise ValueError(f"unknown server kind {kind!r}; expected one of {SERVER_KINDS}")

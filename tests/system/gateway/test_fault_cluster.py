@@ -141,9 +141,13 @@ def test_writes_one_shard_lost_are_rewritten_by_the_worker_that_holds_them(
             done = await clients[active].turn(6, tokens=stream(active, 6)[5])  # the append finds it short
             assert list(done.tokens) == expected[active][5]
             await await_until(lambda: logged(active, 6), 30, "the cut log to be re-written")
-            await await_until(lambda: logged(idle, 5), 30, "the idle session's log to be whole")
+
+            async def recorded() -> bool:
+                return await read_session(redis, schema, sids[idle]) is not None
+
+            await await_until(recorded, 30, "the idle session's record to be re-written")
             record = await read_session(redis, schema, sids[idle])
-            assert record is not None and record.worker == "w0"
+            assert record is not None and record.worker == "w0" and await logged(idle, 5)
             assert await redis.get(schema.log(sids[moved])) == b""  # not this worker's to write
         finally:
             for client in clients.values():

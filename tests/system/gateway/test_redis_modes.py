@@ -1,4 +1,4 @@
-"""The stack on a Redis Cluster (`--redis-mode cluster`) and on a password-protected server.
+"""The stack on a Redis Cluster (`--redis-mode cluster`), and over TLS with a password in both modes.
 
 A real cluster of six redis-server nodes (tests/shared/redis_cluster.py): sessions are opened,
 streamed and resumed across two gateways with every output checked against the engine alone, their
@@ -11,6 +11,7 @@ import asyncio
 import subprocess
 import sys
 
+import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from shared.client.clients import RealtimeClient
@@ -100,17 +101,35 @@ def test_the_keys_cli_works_against_a_cluster(servers: Servers) -> None:
     assert "alpha" not in keys("list")
 
 
-def test_a_password_in_the_url_reaches_every_process(servers: Servers, references: PendingReferences) -> None:
-    url = servers.redis("redis", password="s3cret-pw")
-    assert ":s3cret-pw@" in url
-    stack = servers.stack(url, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS, workers=1, gateways=1)
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_tls_and_a_password_in_the_url_reach_every_process(
+    servers: Servers, references: PendingReferences, mode: str
+) -> None:
+    """rediss:// with a password (and the CA to trust) in the URL, in both modes."""
+    if mode == "cluster":
+        url = servers.redis_cluster(tls=True).url
+    else:
+        url = servers.redis("redis", password="s3cret-pw", tls=True)
+    assert url.startswith("rediss://:") and "@127.0.0.1" in url
+    flags = ["--redis-mode", mode]
+    stack = servers.stack(
+        url,
+        worker_flags=[*WORKER_FLAGS, *flags],
+        gateway_flags=[*GATEWAY_FLAGS, *flags],
+        workers=1,
+        gateways=1,
+    )
     seed = SMALL_SEEDS[0]
     expected = references.get(seed, SMALL_TURNS)
 
     async def body() -> None:
         client = await RealtimeClient.connect(stack.realtime_url(0), "json")
-        await client.open(**SESSION_CONFIG)
+        opened = await client.open(**SESSION_CONFIG)
         await turns(client, seed, 1, 3, expected)
-        assert await client.close() == SessionClosed("closed")
+        await client.disconnect()
+        again = await RealtimeClient.connect(stack.realtime_url(0), "json")
+        resumed = await again.resume(opened.session_id, opened.resume_token, last_seq=3)  # read back
+        assert resumed.last_seq == 3
+        assert await again.close() == SessionClosed("closed")
 
     asyncio.run(asyncio.wait_for(body(), 120))
