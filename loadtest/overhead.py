@@ -31,11 +31,11 @@ from typing import Any, Final, Literal
 
 import numpy as np
 import websockets
-from redis.asyncio import Redis
 from websockets.asyncio.client import ClientConnection
 
 from gateway.auth.api_keys import KeyLimits, KeyStore
 from loadtest.report_files import write_json
+from loadtest.stack_redis import add_redis_arguments
 from shared.cli.processes import StackError, free_port
 from shared.cli.stack import Stack, StackOptions
 from shared.client.clients import RealtimeClient
@@ -49,6 +49,7 @@ from shared.protocol.link import (
 from shared.protocol.link_codec import decode_link, encode_link
 from shared.protocol.messages import InputChunk, OpenConfig
 from shared.settings import AUTH_MODES, BENCH_MODEL, copy_fields
+from shared.store.connection import resilient_redis
 from shared.store.schema import KeySchema
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class OverheadConfig:
     encoding: Literal["json", "msgpack"] = "json"
     kv_tokens: int = 0  # 0: enough for every token both sessions will hold
     auth: bool = True
+    redis_url: str | None = None  # None: an embedded Valkey
+    redis_mode: str = "standalone"
 
 
 @dataclass(frozen=True)
@@ -195,9 +198,9 @@ class DirectPath:
 # ---- the measurement -----------------------------------------------------------------------------
 
 
-async def create_key(redis_url: str) -> str:
+async def create_key(redis_url: str, redis_mode: str) -> str:
     """An API key whose limits are checked on every chunk but never reached by the run."""
-    redis = Redis.from_url(redis_url)
+    redis = resilient_redis(redis_url, redis_mode)
     try:
         limits = KeyLimits(max_sessions=4, max_tokens_per_day=10**12)
         secret, _ = await KeyStore(redis, KeySchema()).create(f"overhead-{uuid.uuid4().hex[:8]}", limits)
@@ -210,7 +213,7 @@ async def measure(
     gateway_url: str, link_url: str, config: OverheadConfig, redis_url: str | None = None
 ) -> OverheadReport:
     """Interleaved round trips on both paths; raises `RoundTripError` on any wrong frame."""
-    api_key = await create_key(redis_url) if config.auth and redis_url else None
+    api_key = await create_key(redis_url, config.redis_mode) if config.auth and redis_url else None
     gateway = await GatewayPath.open(gateway_url, config, api_key)
     try:
         direct = await DirectPath.open(link_url, config)
@@ -263,6 +266,8 @@ def run_overhead(config: OverheadConfig, log_dir: Path) -> OverheadReport:
         ready_timeout_s=300.0,
         gateway_args=_NO_RATE_LIMIT,
         auth="on" if config.auth else "off",
+        redis_url=config.redis_url,
+        redis_mode=config.redis_mode,
         log_path=log_dir / "overhead-stack.log",
     )
     stack = Stack(options)
@@ -322,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-tokens", type=int, default=defaults.kv_tokens)
     auth_default = "on" if defaults.auth else "off"
     parser.add_argument("--auth", choices=AUTH_MODES, default=auth_default, help="the gateway's API-key auth")
+    add_redis_arguments(parser)
     parser.add_argument("--json", type=Path, default=None, help="also write the report (with samples) here")
     parser.add_argument("--log-dir", type=Path, default=None, help="children's logs; default a temp dir")
     return parser

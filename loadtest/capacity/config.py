@@ -11,6 +11,7 @@ from loadtest.capacity.metrics import ServerCounts
 from loadtest.capacity.search import best_passing
 from loadtest.capacity.workload import ChunkLoad
 from shared.settings import BENCH_MODEL
+from shared.store.connection import redacted_url
 
 NO_SESSION: Final = "no_session"
 MODES: Final = (STREAMING, NO_SESSION)
@@ -29,6 +30,8 @@ class CapacityConfig:
     max_sessions: int = 256
     kv_tokens: int | None = None  # None: the worker's default
     modes: tuple[str, ...] = MODES
+    redis_url: str | None = None  # None: an embedded Valkey
+    redis_mode: str = "standalone"
 
     def __post_init__(self) -> None:
         unknown = set(self.modes) - set(MODES)
@@ -41,6 +44,8 @@ class CapacityConfig:
         body = asdict(self)
         body.update(body.pop("load"))
         body["modes"] = list(self.modes)
+        if self.redis_url is not None:  # a report is shared: never with the password
+            body["redis_url"] = redacted_url(self.redis_url)
         body["chunks_per_s"] = self.load.chunks_per_s
         return body
 

@@ -24,6 +24,7 @@ from loadtest.capacity.metrics import ServerCounts, Snapshot
 from loadtest.capacity.report import CapacityReport, table, write_json, write_plot
 from loadtest.capacity.search import next_sessions
 from loadtest.capacity.workload import ENCODINGS, ChunkLoad
+from loadtest.stack_redis import add_redis_arguments
 from shared.cli.processes import free_port
 from shared.cli.stack import Stack, StackOptions
 from shared.settings import DTYPE_NAMES, copy_fields
@@ -39,6 +40,8 @@ def stack_options(config: CapacityConfig, mode: str, work_dir: Path) -> StackOpt
         port=free_port(),
         worker_port=free_port(),
         kv_tokens=config.kv_tokens,
+        redis_url=config.redis_url,
+        redis_mode=config.redis_mode,
         worker_args=(
             *(("--no-session",) if mode == NO_SESSION else ()),
             *(("--dtype", config.dtype) if config.dtype else ()),
@@ -127,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reply-every", type=int, default=load.reply_every)
     parser.add_argument("--reply-tokens", type=int, default=load.reply_tokens)
     parser.add_argument("--encoding", choices=sorted(ENCODINGS), default=load.encoding)
+    add_redis_arguments(parser)
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--plot", type=Path, default=None, help="write the p99 plot (PNG) here")
     parser.add_argument("--work-dir", type=Path, default=None, help="Locust's files and the stack logs")

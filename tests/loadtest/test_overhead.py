@@ -16,7 +16,11 @@ from typing import Any
 import psutil
 import pytest
 
+from loadtest.capacity.config import CapacityConfig
+from loadtest.capacity.run import build_parser as capacity_parser
+from loadtest.capacity.run import stack_options
 from loadtest.overhead import OverheadConfig, OverheadReport, Stats, chunk_tokens, format_report, main
+from loadtest.overhead import build_parser as overhead_parser
 
 ROUND_TRIPS, WARMUP = 40, 5
 STATS_KEYS = {"p50_ms", "p99_ms", "mean_ms", "min_ms", "max_ms"}
@@ -91,3 +95,19 @@ def test_chunk_tokens_are_valid_and_vary() -> None:
     chunks = [chunk_tokens(i, 4) for i in range(50)]
     assert all(len(chunk) == 4 and all(1 <= t < 256 for t in chunk) for chunk in chunks)
     assert len(set(chunks)) > 1
+
+
+def test_the_benchmarks_run_on_the_redis_they_are_given() -> None:
+    """`--redis-url` and `--redis-mode` reach the stack the capacity and overhead benchmarks start
+    (a run against a real cluster is in docs/benchmarks.md); a mode that does not exist is refused."""
+    url = "redis://:pw@10.0.0.1:7000/0"
+    args = overhead_parser().parse_args(["--redis-url", url, "--redis-mode", "cluster"])
+    assert (args.redis_url, args.redis_mode) == (url, "cluster")
+    assert overhead_parser().parse_args([]).redis_url is None  # its own embedded Valkey
+    capacity = capacity_parser().parse_args(["--redis-url", url, "--redis-mode", "cluster"])
+    config = CapacityConfig(redis_url=capacity.redis_url, redis_mode=capacity.redis_mode)
+    options = stack_options(config, config.modes[0], Path("/tmp"))
+    assert (options.redis_url, options.redis_mode) == (url, "cluster")
+    assert "pw" not in json.dumps(config.to_json())  # a shared report never carries the password
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        overhead_parser().parse_args(["--redis-mode", "sentinel"])
