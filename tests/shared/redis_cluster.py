@@ -25,7 +25,7 @@ from typing import Final
 import redis
 
 from shared.cli.processes import free_port
-from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable
+from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable, answers_ping
 from tests.shared.tls import Certificate, self_signed
 
 logger = logging.getLogger(__name__)
@@ -77,24 +77,6 @@ def _ports(count: int) -> list[int]:
         if port <= MAX_PORT and port not in ports:
             ports.append(port)
     return ports
-
-
-def _answers(port: int, tls: Certificate | None) -> bool:
-    client = redis.Redis(
-        host="127.0.0.1",
-        port=port,
-        password=PASSWORD,
-        socket_timeout=0.5,
-        socket_connect_timeout=0.5,
-        ssl=tls is not None,
-        ssl_ca_certs=None if tls is None else str(tls.cert),
-    )
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
 
 
 def _cluster_ok(port: int, tls: Certificate | None) -> bool:
@@ -150,9 +132,7 @@ def running_cluster(workdir: Path, *, tls: bool = False) -> Iterator[Cluster]:
             with open(node_dir / "redis.log", "wb") as log:
                 cluster.procs[port] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + _START_TIMEOUT_S
-        while not all(
-            _cluster_ok(port, certificate) or _answers(port, certificate) for port in cluster.ports
-        ):
+        while not all(answers_ping(port, PASSWORD, certificate) for port in cluster.ports):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster nodes did not start; logs in {workdir}")
             time.sleep(0.05)
