@@ -47,6 +47,9 @@ class OpenConfig:
     context_policy: ContextPolicy = "error"
     # With `truncate`: how many of the first tokens (a system prompt) always stay in the window.
     keep_prefix_tokens: int = 0
+    # With `truncate`: a cut keeps the window to this share of `max_context_tokens`, so the next cut
+    # is far off (worker/engine/memory/window.py has the rule); 1.0 cuts to exactly the limit.
+    retention_ratio: float = 0.8
     # Per-token `output.delta` messages before each `output.done`.
     stream: bool = False
     # Only workers serving this model (their registered name) may hold the session; None: any.

@@ -28,6 +28,20 @@ length is in the header, so the log decodes in one pass. `seq` -1 marks tokens t
 belong to no turn (a prompt given at open). A record whose seq is not above the last one already
 read is a duplicate (an append retried after a connection broke mid-pipeline, or a worker the
 gateways had given up on flushing late) and is skipped: appends are idempotent per turn.
+
+A *directive* (16 bytes) may stand before a record and says what happens to the history before
+that record's tokens are added; it is skipped with its record when the record is a duplicate:
+
+    0xFFFFFFFF <u4 | kind <u4 | keep <u4 | recent <u4
+
+- `CUT` (1): the session's window was cut before this turn (worker/engine/memory/window.py): the
+  history becomes its first `keep` tokens followed by its last `recent`. A restore rebuilds the
+  window the session had, not one of its own.
+- `SNAPSHOT` (2): the record holds the whole history as of its seq (the log was compacted to it,
+  worker/server/token_log.py); it is no turn of its own, so it has no span to answer from.
+
+The marker cannot start a plain record (its token count would be 2**32 - 1), so logs written
+before directives existed read the same.
 """
 
 from __future__ import annotations
@@ -91,6 +105,23 @@ _RECORD_HEADER: Final = np.dtype(
     [("n", "<u4"), ("seq", "<i8"), ("inputs", "<u4"), ("tail", "<u4"), ("context", "<u4")]
 )
 RECORD_HEADER_BYTES: Final = _RECORD_HEADER.itemsize  # 24
+DIRECTIVE_MARKER: Final = 0xFFFFFFFF
+_DIRECTIVE: Final = np.dtype([("marker", "<u4"), ("kind", "<u4"), ("keep", "<u4"), ("recent", "<u4")])
+DIRECTIVE_BYTES: Final = _DIRECTIVE.itemsize  # 16
+DIRECTIVE_CUT: Final = 1
+DIRECTIVE_SNAPSHOT: Final = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """A window cut: the history becomes its first `keep` tokens followed by its last `recent`."""
+
+    keep: int
+    recent: int
+
+    def apply(self, tokens: list[int]) -> list[int]:
+        recent = tokens[len(tokens) - self.recent :] if self.recent > 0 else []
+        return tokens[: self.keep] + recent
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +281,32 @@ def encode_log_record(
     return header.tobytes() + encode_tokens(list(tokens)) + text + context
 
 
+def _spans_after_cut(
+    spans: dict[int, tuple[int, int, int]], length: int, cut: Cut
+) -> dict[int, tuple[int, int, int]]:
+    """The spans of turns that lie wholly in the recent tokens a cut keeps, moved to where they are
+    now; a turn the cut reached can no longer be answered from the log."""
+    first_kept = length - cut.recent
+    shift = cut.keep - first_kept
+    return {
+        seq: (start + shift, inputs_end + shift, end + shift)
+        for seq, (start, inputs_end, end) in spans.items()
+        if cut.recent > 0 and start >= first_kept
+    }
+
+
+def encode_directive(kind: int, cut: Cut = Cut(0, 0)) -> bytes:
+    """A directive (`DIRECTIVE_CUT` with its cut, or `DIRECTIVE_SNAPSHOT`) for the record after it."""
+    if kind not in (DIRECTIVE_CUT, DIRECTIVE_SNAPSHOT) or cut.keep < 0 or cut.recent < 0:
+        raise ValueError(f"bad directive {kind} {cut}")
+    directive = np.zeros(1, dtype=_DIRECTIVE)
+    directive["marker"] = DIRECTIVE_MARKER
+    directive["kind"] = kind
+    directive["keep"] = cut.keep
+    directive["recent"] = cut.recent
+    return directive.tobytes()
+
+
 def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
     """The log's bytes -> its tokens, last seq and text tail, skipping duplicate records;
     ValueError if corrupt.
@@ -262,7 +319,18 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
     spans: dict[int, tuple[int, int, int]] = {}
     tail = ("", "")
     offset = 0
+    directive: tuple[int, Cut] | None = None  # (kind, cut) for the next record
     while offset < len(view):
+        if len(view) - offset >= 4 and int.from_bytes(view[offset : offset + 4], "little") == DIRECTIVE_MARKER:
+            if directive is not None or len(view) - offset < DIRECTIVE_BYTES:
+                raise ValueError(f"token log has a misplaced or truncated directive at byte {offset}")
+            fields = np.frombuffer(view[offset : offset + DIRECTIVE_BYTES], dtype=_DIRECTIVE)[0]
+            kind = int(fields["kind"])
+            if kind not in (DIRECTIVE_CUT, DIRECTIVE_SNAPSHOT):
+                raise ValueError(f"token log has an unknown directive {kind} at byte {offset}")
+            directive = (kind, Cut(int(fields["keep"]), int(fields["recent"])))
+            offset += DIRECTIVE_BYTES
+            continue
         if len(view) - offset < RECORD_HEADER_BYTES:
             raise ValueError(f"token log truncated in a record header at byte {offset}")
         header = np.frombuffer(view[offset : offset + RECORD_HEADER_BYTES], dtype=_RECORD_HEADER)[0]
@@ -273,8 +341,16 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
         offset = context_start + int(header["context"])
         if offset > len(view) or n_inputs > n:
             raise ValueError(f"token log truncated or corrupt in the record at byte {record_start}")
+        pending, directive = directive, None
         if seq != NO_SEQ and durable_seq is not None and seq <= durable_seq:
-            continue  # a duplicate of a turn already read
+            continue  # a duplicate of a turn already read, with its directive
+        if pending is not None:
+            kind, cut = pending
+            if kind == DIRECTIVE_SNAPSHOT:
+                tokens, spans = [], {}
+            else:
+                spans = _spans_after_cut(spans, len(tokens), cut)
+                tokens = cut.apply(tokens)
         start = len(tokens)
         tokens.extend(decode_tokens(bytes(view[body_start:text_start])))
         try:
@@ -283,6 +359,9 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
             raise ValueError(f"token log has bad text in the record at byte {record_start}") from exc
         if seq != NO_SEQ:
             durable_seq = seq
-            if spans_after is not None and seq > spans_after:
+            is_turn = pending is None or pending[0] != DIRECTIVE_SNAPSHOT
+            if is_turn and spans_after is not None and seq > spans_after:
                 spans[seq] = (start, start + n_inputs, len(tokens))
+    if directive is not None:
+        raise ValueError("token log ends in a directive with no record after it")
     return LogState(tokens, durable_seq, spans, *tail)

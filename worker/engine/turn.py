@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from shared.protocol.messages import FinishReason
+from shared.store.schema import Cut
 from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
 
 
@@ -41,6 +42,9 @@ class TurnResult:
     # session's tail now: later chunks may have been admitted since). Logged with the turn, so a
     # session rebuilt from the log continues the text exactly (worker/server/restore.py).
     tail: TextTail = EMPTY_TAIL
+    # The window cut made just before this turn's input went in (worker/engine/memory/window.py),
+    # or None. Logged before the turn's record, so a restore rebuilds the same window.
+    cut: Cut | None = None
 
 
 TokenListener = Callable[[TokenDelta], None]
@@ -74,6 +78,8 @@ class Turn:
     # The session's text tail once this turn's input was committed (set at admission). Each chunk
     # folded into a merged append keeps its own, so each logged record carries the right one.
     tail_after: TextTail = EMPTY_TAIL
+    # The cut made before this turn's input (set at activation, for the first turn of an append).
+    cut: Cut | None = None
 
     @property
     def wants_output(self) -> bool:
