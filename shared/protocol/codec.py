@@ -114,9 +114,7 @@ def _config_from_reader(r: FieldReader) -> OpenConfig:
         max_context_tokens=r.opt_integer("max_context_tokens", 1),
         context_policy=default.context_policy if policy is None else cast(ContextPolicy, policy),
         keep_prefix_tokens=_or(r.opt_integer("keep_prefix_tokens"), default.keep_prefix_tokens),
-        retention_ratio=_or(
-            r.opt_number("retention_ratio", 0.0, 1.0, lo_open=True), default.retention_ratio
-        ),
+        retention_ratio=_or(r.opt_number("retention_ratio", 0.0, 1.0, lo_open=True), default.retention_ratio),
         stream=_or(r.opt_boolean("stream"), default.stream),
         model=r.opt_string("model"),
     )

@@ -321,7 +321,10 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
     offset = 0
     directive: tuple[int, Cut] | None = None  # (kind, cut) for the next record
     while offset < len(view):
-        if len(view) - offset >= 4 and int.from_bytes(view[offset : offset + 4], "little") == DIRECTIVE_MARKER:
+        if (
+            len(view) - offset >= 4
+            and int.from_bytes(view[offset : offset + 4], "little") == DIRECTIVE_MARKER
+        ):
             if directive is not None or len(view) - offset < DIRECTIVE_BYTES:
                 raise ValueError(f"token log has a misplaced or truncated directive at byte {offset}")
             fields = np.frombuffer(view[offset : offset + DIRECTIVE_BYTES], dtype=_DIRECTIVE)[0]

@@ -96,11 +96,13 @@ def test_stop_token_ends_the_turn_and_is_returned(tiny: Engine) -> None:
 
 
 def test_truncate_keeps_the_prefix_and_the_most_recent_tokens(tiny: Engine) -> None:
+    """A retention ratio of 1.0 is the rule before ratios existed: every cut is to the limit."""
     options = {
         "stop_token_ids": (),
         "max_context_tokens": 64,
         "context_policy": "truncate",
         "keep_prefix_tokens": 8,
+        "retention_ratio": 1.0,
     }
     sid = tiny.open_session(**options)
     history: list[int] = []

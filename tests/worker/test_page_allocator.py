@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine.page_allocator import OutOfPages, PageAllocator
+from worker.engine.memory.page_allocator import OutOfPages, PageAllocator
 
 
 def test_allocate_and_free_round_trip() -> None:

@@ -21,11 +21,12 @@ from shared.errors import (
     SessionNotFound,
 )
 from shared.protocol.messages import FinishReason, OpenConfig
+from shared.store.schema import Cut
 from worker.engine.admission import admit
 from worker.engine.config import EngineConfig
-from worker.engine.context_window import opening_history, session_limit, window
+from worker.engine.memory.page_allocator import PageAllocator
+from worker.engine.memory.window import cut_before, opening_history, session_limit
 from worker.engine.model_runner import ForwardRow, ModelRunner
-from worker.engine.page_allocator import PageAllocator
 from worker.engine.sampling import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
@@ -244,18 +245,17 @@ class EngineCore:
     # ---- internals ----------------------------------------------------------------------------
 
     def _activate(self, session: Session) -> None:
-        turns = [session.pending.popleft()]
-        while not turns[-1].wants_output and session.pending:
-            turns.append(session.pending.popleft())
+        turns, cut = self._fold(session)
         owner = turns[-1]
         owner.absorbed = turns[:-1]
         inputs = [t for turn in turns for t in turn.input_tokens]
         outputs = owner.max_output_tokens if owner.wants_output else 0
-        history = window(session.tokens, session.config, session.context_limit, len(inputs) + outputs)
-        truncating = history is not session.tokens
-        # A truncated window is re-prefilled into fresh pages; the session's old pages come back first.
-        held = 0 if truncating else len(session.pages)
-        reusable = len(session.pages) if truncating else 0
+        history = session.tokens if cut is None else cut.apply(session.tokens)
+        # A cut keeps the KV of the prefix (its positions do not move) and re-prefills the recent
+        # tokens into fresh pages; the session's other pages come back first.
+        kept_cached = session.num_cached if cut is None else min(session.num_cached, cut.keep)
+        held = -(-kept_cached // self.page_size) if cut is not None else len(session.pages)
+        reusable = len(session.pages) - held
         pages_needed = max(-(-(len(history) + len(inputs) + outputs) // self.page_size) - held, 0)
         if pages_needed > self.allocator.num_free + reusable:
             self._evict_idle_kv(pages_needed - reusable, keep=session)
@@ -272,9 +272,12 @@ class EngineCore:
                 self._reject(turn, error)
             session.pending.clear()
             return
-        if truncating:
-            self.allocator.free(session.drop_kv())
+        if cut is not None:
+            self.allocator.free(session.pages[held:])
+            del session.pages[held:]
+            session.num_cached = kept_cached
             session.tokens = history
+            turns[0].cut = cut
         last_page = session.pages[-1] if session.pages else None
         session.pages.extend(self.allocator.allocate(pages_needed, after=last_page))
         now = self.clock()
@@ -289,6 +292,25 @@ class EngineCore:
             self._finish(session, "cancelled" if owner.cancelled else "length")
         else:
             self.running[session.session_id] = session
+
+    def _fold(self, session: Session) -> tuple[list[Turn], Cut | None]:
+        """The turns one append takes from the queue, and the cut before it (None: none).
+
+        Queued no-output chunks fold into the next append, but the window rule is per turn: a fold
+        stops before a turn that would need a cut of its own, so the window is the same however
+        the chunks were batched (and a restore replaying them one by one rebuilds it)."""
+        config, limit = session.config, session.context_limit
+        first = session.pending.popleft()
+        cut = cut_before(len(session.tokens), first.grows_by, config, limit)
+        length = (len(session.tokens) if cut is None else cut.keep + cut.recent) + len(first.input_tokens)
+        turns = [first]
+        while not turns[-1].wants_output and session.pending:
+            following = session.pending[0]
+            if cut_before(length, following.grows_by, config, limit) is not None:
+                break
+            turns.append(session.pending.popleft())
+            length += len(following.input_tokens)
+        return turns, cut
 
     def _evict_idle_kv(self, pages_needed: int, *, keep: Session) -> None:
         idle = sorted(
@@ -338,6 +360,7 @@ class EngineCore:
             compute_ms=(now - started) * 1000.0,
             length=len(session.tokens),
             tail=turn.tail_after,
+            cut=turn.cut,
         )
         if not turn.future.done():
             turn.future.set_result(result)

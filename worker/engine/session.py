@@ -35,7 +35,7 @@ class Session:
     ) -> None:
         self.session_id = session_id
         self.config = config
-        # The longest this session's sequence may grow (worker/engine/context_window.py), fixed at open.
+        # The longest this session's sequence may grow (worker/engine/memory/window.py), fixed at open.
         self.context_limit = context_limit
         self.tokens: list[int] = history
         self.num_cached = 0

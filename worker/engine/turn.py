@@ -86,6 +86,12 @@ class Turn:
         return self.max_output_tokens > 0 and not self.cancelled
 
     @property
+    def grows_by(self) -> int:
+        """What the turn may add to the sequence: its input and the outputs it may ask for (the
+        window rule's measure, worker/engine/memory/window.py)."""
+        return len(self.input_tokens) + (self.max_output_tokens if self.wants_output else 0)
+
+    @property
     def outstanding_tokens(self) -> int:
         """Tokens this turn may still add to the sequence (its input is already counted once active)."""
         return 0 if self.cancelled else self.max_output_tokens - len(self.output_tokens)
