@@ -90,6 +90,13 @@ class EngineSettings:
     dtype: str = field(default="float32", metadata={"help": " or ".join(DTYPE_NAMES)})
     attention: str = field(default="auto", metadata={"help": "auto, torch or flashinfer"})
     kv_tokens: int = field(default=0, metadata={"help": "KV capacity in tokens; 0 sizes it automatically"})
+    host_kv_tokens: int = field(
+        default=-1,
+        metadata={
+            "help": "host KV tier in tokens, where idle sessions' KV waits instead of being dropped; "
+            "0 turns it off, -1 sizes it from available host memory"
+        },
+    )
     kv_memory_fraction: float = field(
         default=0.85, metadata={"help": "share of free GPU memory for KV (CUDA)"}
     )
