@@ -102,6 +102,13 @@ class EngineSettings:
     )
     page_size: int = 16
     max_batch_tokens: int = field(default=2048, metadata={"help": "tokens one forward step feeds at most"})
+    max_append_piece_tokens: int = field(
+        default=256,
+        metadata={
+            "help": "while other sessions have work, an append feeds at most this many tokens a step, "
+            "so a long re-prefill (a window cut, a restore) does not stall their turns"
+        },
+    )
     max_sessions: int = 256
     max_chunk_tokens: int = 512
     # A session's queue (chunks behind its running turn) is bounded by what it costs, not by a

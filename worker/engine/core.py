@@ -63,7 +63,9 @@ class EngineCore:
         # The one owner of KV memory: both tiers, windows, eviction (worker/engine/memory/).
         self.kv = KVManager(runner.kv_pool, host_pages, self.sessions)
         self.scheduler = Scheduler(
-            max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows
+            max_batch_tokens=config.max_batch_tokens,
+            max_batch_rows=config.max_batch_rows,
+            max_append_piece=config.max_append_piece_tokens,
         )
         # The longest sequence a session may reach: the model's context, and never more than the pool.
         self.context_limit = min(
