@@ -11,7 +11,7 @@ How events map (docs/protocol.md "OpenAI Realtime dialect"):
 - `response.cancel` -> `output.cancel`;
 - an item or a response asked for while a response runs is admitted at once and queued
   (pending.py); it joins when the running response ends, and its chunks are then handed to the
-  session through `take_released`.
+  session through `take_released`. What is in flight, and the queue, is flight.py's.
 
 Every event is validated, and admitted whole (admission.py, under the session's one admission
 rule), before the conversation changes; a refusal is an `error` event naming the client's
@@ -27,41 +27,30 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from gateway.dialect import Decoded, Frame, frame_size
-from gateway.limits import ChunkCost, LimitValues, SessionLimits
+from gateway.limits import LimitValues, SessionLimits
 from gateway.metrics import GatewayMetrics
 from gateway.openai import server_events as ev
-from gateway.openai.admission import DialectLimits, admit_event
+from gateway.openai.admission import DialectLimits
 from gateway.openai.client_events import (
     ClientEvent,
     ItemCreate,
     ItemDelete,
     ItemRetrieve,
     ItemTruncate,
-    NewItem,
     ResponseCancel,
     ResponseCreate,
     parse,
 )
 from gateway.openai.conversation import Conversation, Item
 from gateway.openai.errors import BadEvent, RealtimeProblem, problem_from_close, problem_from_native
+from gateway.openai.flight import Flight
 from gateway.openai.ids import conversation_id, session_id
-from gateway.openai.ids import item_id as new_item_id
-from gateway.openai.pending import (
-    PIECE_CHARS,
-    TEMPLATE_CHARS,
-    PendingInput,
-    QueuedItem,
-    QueuedResponse,
-    item_costs,
-    split,
-)
 from gateway.openai.responses import ActiveResponse
 from gateway.openai.session_config import SessionUpdate, merge_echoed
 from shared.chat_template import ChatTemplate
 from shared.protocol.messages import (
     ClientMessage,
     Error,
-    InputChunk,
     OpenConfig,
     OutputCancel,
     OutputDelta,
@@ -98,7 +87,6 @@ class OpenAIDialect:
         self._card = card
         self._limits = limits
         self._values = values  # the gateway's limits: an item's size is bounded by its queue
-        self._rule: SessionLimits | None = None  # the session's admission rule, once attached
         self._metrics = metrics
         self._session_id = session_id()
         self._conversation_id = conversation_id()
@@ -113,13 +101,7 @@ class OpenAIDialect:
         self._opened = False  # a native session.open has been sent (and not failed)
         self._confirmed = False  # ... and answered: the session is open underneath
         self._dropped: set[int] = set()  # seqs sent behind an open that failed
-        self._seq = 0  # the last seq given out (sent, or reserved for queued input)
-        self._sent_seq = 0  # the last seq handed to the session
-        # seq -> (item id, is the item's last piece) for item chunks in flight.
-        self._item_chunks: dict[int, tuple[str, bool]] = {}
-        self._response: ActiveResponse | None = None
-        self._pending = PendingInput()  # input that arrived while a response runs
-        self._released: list[ClientMessage] = []  # its requests, once it may run
+        self._flight = Flight(self._conversation_id, self._usable)
         self._context = 0  # tokens in the session's KV as of the last done seen
         self._cached = 0  # ... as of the end of the last response: what the next one finds cached
         self._broken: str | None = None
@@ -139,12 +121,10 @@ class OpenAIDialect:
         return Decoded((Ping(_GREETING),))
 
     def attach(self, limits: SessionLimits) -> None:
-        self._rule = limits
+        self._flight.rule = limits
 
     def take_released(self) -> tuple[ClientMessage, ...]:
-        released, self._released = tuple(self._released), []
-        self._note_sent(released)
-        return released
+        return self._flight.take_released()
 
     def decode(self, data: Frame) -> Decoded:
         client_event_id: str | None = None
@@ -156,7 +136,7 @@ class OpenAIDialect:
             event = parse(data, max_output_tokens=self._limits.max_output_tokens)
             client_event_id = event.event_id
             decoded = self._handle(event)
-            self._note_sent(decoded.messages)
+            self._flight.note_sent(decoded.messages)
             return decoded
         except BadEvent as exc:
             return Decoded(replies=(ev.frame(ev.error(exc, exc.event_id)),))
@@ -185,20 +165,6 @@ class OpenAIDialect:
             self._session_id, self._card.name, self._instructions, self._max_output_tokens, self._echoed
         )
 
-    def _note_sent(self, messages: Sequence[ClientMessage]) -> None:
-        for message in messages:
-            if isinstance(message, InputChunk):
-                self._sent_seq = message.seq
-
-    def _admit(self, chunks: Sequence[ChunkCost], param: str) -> None:
-        assert self._rule is not None, "attach() comes before the first frame"
-        admit_event(self._rule, chunks, param)
-
-    @property
-    def _busy(self) -> bool:
-        """A response runs (or input waits behind one): new input queues."""
-        return self._response is not None or bool(self._pending)
-
     def _session_update(self, event: SessionUpdate) -> Decoded:
         if event.model is not None and event.model != self._card.name:
             raise RealtimeProblem(
@@ -223,78 +189,20 @@ class OpenAIDialect:
         return Decoded(replies=(ev.frame(ev.session_updated(self._session_view())),))
 
     def _item_create(self, event: ItemCreate) -> Decoded:
-        if self._busy:
-            return self._queue_item(event)
-        conversation = self._usable()
-        previous = conversation.last_item_id
-        checkpoint = conversation.checkpoint()
-        item, text = conversation.append(event.item, event.previous_item_id)
-        pieces = [text[i : i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS)] or [""]
-        seqs = list(range(self._seq + 1, self._seq + 1 + len(pieces)))
-        try:
-            self._admit(
-                [ChunkCost(s, len(p), False) for s, p in zip(seqs, pieces, strict=True)], "item.content"
-            )
-        except RealtimeProblem:
-            conversation.rollback(checkpoint)
-            raise
-        self._seq = seqs[-1]
-        chunks = self._item_chunks_for(item, seqs, pieces)
-        added = ev.item_added(ev.message_item(item.item_id, item.role, item.text, "completed"), previous)
-        return Decoded(messages=(*self._open(), *chunks), replies=(ev.frame(added),))
-
-    def _item_chunks_for(self, item: Item, seqs: Sequence[int], pieces: Sequence[str]) -> list[ClientMessage]:
-        for s in seqs:
-            self._item_chunks[s] = (item.item_id, s == seqs[-1])
-        return [InputChunk(s, text=p, max_output_tokens=0) for s, p in zip(seqs, pieces, strict=True)]
-
-    def _queue_item(self, event: ItemCreate) -> Decoded:
-        """An item while a response runs: checked and admitted now, joined when the response ends."""
-        conversation = self._usable()
-        if event.item.item_id is not None and event.item.item_id in self._pending.item_ids:
-            raise RealtimeProblem(
-                f"item.id {event.item.item_id!r} already exists", param="item.id", code="duplicate_item_id"
-            )
-        last = self._pending.last_item_id if self._pending else None
-        if last is None:
-            last = self._response.item_id if self._response is not None else conversation.last_item_id
-        conversation.check(event.item, event.previous_item_id, last)
-        costs = item_costs(self._seq + 1, len(event.item.text))
-        self._admit(costs, "item.content")
-        self._seq = costs[-1].seq
-        item = NewItem(event.item.item_id or new_item_id(), event.item.role, event.item.text)
-        seqs = tuple(c.seq for c in costs)
-        self._pending.put(QueuedItem(event.event_id, item, event.previous_item_id, seqs))
-        return Decoded()
+        messages, replies = self._flight.add_item(event)
+        return self._sending(messages, replies)
 
     def _response_create(self, event: ResponseCreate) -> Decoded:
-        conversation = self._usable()
         limit = event.max_output_tokens or self._max_output_tokens or self._limits.max_output_tokens
-        if self._busy:
-            # Queued: it starts when what runs and what waits before it are done.
-            self._admit([ChunkCost(self._seq + 1, TEMPLATE_CHARS, True)], "response")
-            self._seq += 1
-            self._pending.put(
-                QueuedResponse(event.event_id, ActiveResponse(self._seq, limit, event.metadata))
-            )
-            return Decoded()
-        checkpoint = conversation.checkpoint()
-        header = conversation.begin_response()
-        seq = self._seq + 1
-        try:
-            self._admit([ChunkCost(seq, len(header), True)], "response")
-        except RealtimeProblem:
-            conversation.rollback(checkpoint)
-            raise
-        self._seq = seq
-        response = ActiveResponse(seq, limit, event.metadata)
-        self._response = response
-        replies = response.opening(self._conversation_id, conversation.last_item_id)
-        chunk = InputChunk(seq, text=header, max_output_tokens=limit)
-        return Decoded(messages=(*self._open(), chunk), replies=tuple(ev.frame(r) for r in replies))
+        messages, replies = self._flight.add_response(event, limit)
+        return self._sending(messages, replies)
+
+    def _sending(self, messages: list[ClientMessage], replies: list[ev.Event]) -> Decoded:
+        opening = self._open() if messages else ()
+        return Decoded(messages=(*opening, *messages), replies=tuple(ev.frame(r) for r in replies))
 
     def _response_cancel(self, event: ResponseCancel) -> Decoded:
-        response = self._response
+        response = self._flight.response
         if response is None or (event.response_id is not None and event.response_id != response.response_id):
             raise RealtimeProblem(
                 "there is no response in progress to cancel", code="response_cancel_not_active"
@@ -389,15 +297,15 @@ class OpenAIDialect:
         return []  # restored, resumed, expiring, closed: nothing an OpenAI client has a name for
 
     def _delta(self, delta: OutputDelta) -> list[ev.Event]:
-        response = self._response
+        response = self._flight.response
         if response is None or delta.seq != response.seq:
             return []
         return response.on_delta(delta, self._eos_ids)
 
     def _done(self, done: OutputDone) -> list[ev.Event]:
-        self._settle((done.seq,))
+        self._flight.settle((done.seq,))
         self._context += (done.committed_tokens or 0) + len(done.tokens)
-        piece = self._item_chunks.pop(done.seq, None)
+        piece = self._flight.item_chunks.pop(done.seq, None)
         if piece is not None:
             item_id_, last = piece
             item = self._conversation.find(item_id_) if self._conversation is not None else None
@@ -406,46 +314,13 @@ class OpenAIDialect:
             index = self._conversation.items.index(item) if self._conversation is not None else 0
             previous = self._conversation.items[index - 1].item_id if index and self._conversation else None
             return [ev.item_done(ev.message_item(item.item_id, item.role, item.text, "completed"), previous)]
-        response = self._response
+        response = self._flight.response
         if response is None or done.seq != response.seq:
             return []
         return self._finish(response, done)
 
-    def _release(self) -> list[ev.Event]:
-        """The running response ended: queued input joins, in order, up to the next response."""
-        events: list[ev.Event] = []
-        while self._pending and self._response is None:
-            entry = self._pending.pop()
-            seqs = entry.seqs if isinstance(entry, QueuedItem) else (entry.response.seq,)
-            try:
-                conversation = self._usable()
-                if isinstance(entry, QueuedItem):
-                    previous = conversation.last_item_id
-                    item, text = conversation.append(entry.item, entry.previous_item_id)
-                    self._released += self._item_chunks_for(item, seqs, split(text, len(seqs)))
-                    done = ev.message_item(item.item_id, item.role, item.text, "completed")
-                    events.append(ev.item_added(done, previous))
-                else:
-                    response = entry.response
-                    header = conversation.begin_response()
-                    self._response = response
-                    events += response.opening(self._conversation_id, conversation.last_item_id)
-                    chunk = InputChunk(
-                        response.seq, text=header, max_output_tokens=response.max_output_tokens
-                    )
-                    self._released.append(chunk)
-            except RealtimeProblem as exc:
-                self._settle(seqs)
-                events.append(ev.error(exc, entry.event_id))
-        return events
-
-    def _settle(self, seqs: Sequence[int]) -> None:
-        if self._rule is not None:
-            for seq in seqs:
-                self._rule.settle(seq)
-
     def _finish(self, response: ActiveResponse, done: OutputDone) -> list[ev.Event]:
-        self._response = None
+        self._flight.response = None
         conversation = self._conversation
         assert conversation is not None
         outcome = response.outcome(done, self._eos_ids)
@@ -464,7 +339,9 @@ class OpenAIDialect:
         self._cached = self._context
         if self._metrics is not None:
             self._metrics.dialect_turn(DIALECT_NAME)
-        return events + response.closing(self._conversation_id, outcome, usage, previous) + self._release()
+        return (
+            events + response.closing(self._conversation_id, outcome, usage, previous) + self._flight.join()
+        )
 
     def _error(self, error: Error) -> list[ev.Event]:
         if error.seq is None:
@@ -472,21 +349,21 @@ class OpenAIDialect:
             if self._opened and not self._confirmed and not error.fatal:
                 return [ev.error(self._open_failed(problem))]
             return [ev.error(problem)]
-        self._settle((error.seq,))
+        self._flight.settle((error.seq,))
         if error.seq in self._dropped:
             self._dropped.discard(error.seq)  # refused because the open failed: already reported
             return []
         events = []
-        response = self._response
+        response = self._flight.response
         if response is not None and error.seq == response.seq:
-            self._response = None
+            self._flight.response = None
             problem = problem_from_native(error, "the response was refused")
-            if error.seq == self._sent_seq and self._conversation is not None:
+            if error.seq == self._flight.sent_seq and self._conversation is not None:
                 self._conversation.abandon_response()  # nothing of it reached the KV
             else:
                 self._broken = problem.message
-            return response.failed(self._conversation_id, problem) + self._release()
-        piece = self._item_chunks.pop(error.seq, None)
+            return response.failed(self._conversation_id, problem) + self._flight.join()
+        piece = self._flight.item_chunks.pop(error.seq, None)
         problem = problem_from_native(error, "a piece of an item was refused" if piece else None)
         if piece is not None:
             self._broken = problem.message
@@ -496,13 +373,12 @@ class OpenAIDialect:
     def _open_failed(self, problem: RealtimeProblem) -> RealtimeProblem:
         """The lazy open was refused: the chunks sent behind it will be refused too; start afresh."""
         self._opened = False
-        self._dropped.update(self._item_chunks)
-        self._item_chunks.clear()
-        if self._response is not None:
-            self._dropped.add(self._response.seq)
-            self._response = None
-        for entry in self._pending.clear():  # sent behind the open: as if never sent
-            self._settle(entry.seqs if isinstance(entry, QueuedItem) else (entry.response.seq,))
+        self._dropped.update(self._flight.item_chunks)
+        self._flight.item_chunks.clear()
+        if self._flight.response is not None:
+            self._dropped.add(self._flight.response.seq)
+            self._flight.response = None
+        self._flight.drop_queued()  # sent behind the open: as if never sent
         if self._conversation is not None:
             self._conversation = self._new_conversation()
         return RealtimeProblem(
