@@ -174,8 +174,12 @@ class ClientSession:
         a response runs, so none of the reader's requests can be between them and their turn.
         """
         now = time.monotonic()
-        for message in messages:
-            self.machine.receive(message, now)
+        try:
+            for message in messages:
+                self.machine.receive(message, now)
+        except Exception:
+            logger.exception("released message handling failed (session %s)", self.machine.sid)
+            self.machine.refuse(InternalError("internal gateway error"), fatal=True)
         self._apply()
 
     async def _release(self) -> None:
