@@ -230,6 +230,7 @@ def test_an_item_sent_while_a_response_streams_joins_after_it_and_is_answered_ex
             while (event := await conn.recv()).type != "response.output_text.delta":
                 seen.append(event)
             seen.append(event)
+            sent_at = len(seen)
             # Mid-stream: the next user turn and its response, as a user who keeps talking.
             await conn.conversation.item.create(item=user(TURNS[1]), event_id="late_item")  # type: ignore[arg-type]
             await conn.response.create(response={"max_output_tokens": MAX_TOKENS}, event_id="late_response")
@@ -239,6 +240,9 @@ def test_an_item_sent_while_a_response_streams_joins_after_it_and_is_answered_ex
                 seen.append(event)
                 done += event.type == "response.done"
         texts = [e.text for e in seen if e.type == "response.output_text.done"]
+        first_id = next(e.response.id for e in seen if e.type == "response.done")
+        streamed_after = [e for e in seen[sent_at:] if getattr(e, "response_id", None) == first_id]
+        print(f"[openai queued] {len(streamed_after)} events of the first response came after the late item")
         return texts, seen
 
     texts, seen = run(stack, body)
