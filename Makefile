@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test lint typecheck pytest bench chromium clean
+.PHONY: install up test lint typecheck pytest bench chromium node-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,7 +34,13 @@ chromium:
 	@test -x /usr/bin/chromium || { test "$$(id -u)" = 0 && apt-get update -q && apt-get install -y -q chromium; } \
 		|| echo "chromium missing: the browser test will skip (sudo apt-get install -y chromium)"
 
-pytest: $(STAMP) chromium
+# The OpenAI JavaScript SDKs the dialect's system tests drive (tests/node/package-lock.json, from the npm
+# registry); without Node those tests skip, saying why.
+node-deps:
+	@if command -v npm >/dev/null; then cd tests/node && npm ci --no-audit --no-fund --loglevel=error; \
+		else echo "npm missing: the JavaScript SDK tests will skip (install Node 20+ and npm)"; fi
+
+pytest: $(STAMP) chromium node-deps
 	$(PY) -m pytest
 
 test: lint typecheck pytest
@@ -43,4 +49,4 @@ bench: $(STAMP)
 	$(VENV)/bin/microturn bench --json bench-out/bench.json --plot bench-out/bench.png
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache tests/node/node_modules

@@ -90,7 +90,10 @@ class ClientSession:
             new_token=new_resume_token,
             clock=time.monotonic,
         )
-        self.outbox = Outbox(ws, dialect, services.metrics, self.machine.turns.limits.observe_turn)
+        dialect.attach(self.machine.turns.limits)  # one admission rule per session, both dialects
+        self.outbox = Outbox(
+            ws, dialect, services.metrics, self.machine.turns.limits.observe_turn, self._run_released
+        )
         self._ready = asyncio.Event()  # set while the machine takes the next client message
         self._ready.set()
         self._effects: asyncio.Queue[Effect] = asyncio.Queue()
@@ -163,6 +166,21 @@ class ClientSession:
             logger.exception("client message handling failed (session %s)", self.machine.sid)
             self.machine.refuse(InternalError("internal gateway error"), fatal=True)
         await self._drain()
+
+    def _run_released(self, messages: tuple[ClientMessage, ...]) -> None:
+        """Requests the dialect held back until now (input queued behind a response), in order.
+
+        Run here, from the writer, without awaiting: the dialect only holds requests back while
+        a response runs, so none of the reader's requests can be between them and their turn.
+        """
+        now = time.monotonic()
+        try:
+            for message in messages:
+                self.machine.receive(message, now)
+        except Exception:
+            logger.exception("released message handling failed (session %s)", self.machine.sid)
+            self.machine.refuse(InternalError("internal gateway error"), fatal=True)
+        self._apply()
 
     async def _release(self) -> None:
         """The socket is gone: the machine lets the session go; its last actions are done here."""

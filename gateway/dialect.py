@@ -10,7 +10,11 @@ Contract (Sans-I/O, as the codec): no I/O and no clock. `decode` turns one clien
 native requests to run, in order, and any frames the dialect answers itself (sent before the
 requests run); it raises `MicroturnError` only for what the session should answer as a native error.
 `encode` turns one session message into the frames to send (none, one or several), in order; it is
-called by the socket's one writer, in the order the messages were queued.
+called by the socket's one writer, in the order the messages were queued. A dialect that holds
+client requests back until a session message comes (the OpenAI dialect queues input behind a
+running response) hands them over through `take_released` right after that message's `encode`;
+the shell runs them at once, in order. `attach` gives the dialect the session's one admission rule
+(gateway/limits.py `SessionLimits`), built once by the session machine, before any frame is read.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.limits import check_frame_size
+from gateway.limits import SessionLimits, check_frame_size
 from gateway.metrics import GatewayMetrics
 from shared.protocol.codec import Encoding, decode_client, encode_server
 from shared.protocol.messages import ClientMessage, OutputDone, ServerMessage, SessionOpened
@@ -52,9 +56,17 @@ class Dialect(Protocol):
         """What runs and is sent as the socket opens, before its first frame is read."""
         ...
 
+    def attach(self, limits: SessionLimits) -> None:
+        """The session's admission rule, for a dialect that admits whole events itself."""
+        ...
+
     def decode(self, data: Frame) -> Decoded: ...
 
     def encode(self, message: ServerMessage) -> Sequence[Frame]: ...
+
+    def take_released(self) -> tuple[ClientMessage, ...]:
+        """Requests held back until the message just encoded; each is handed over once."""
+        ...
 
 
 def frame_size(data: Frame, limit: int) -> int:
@@ -84,9 +96,15 @@ class NativeDialect:
     def greeting(self) -> Decoded:
         return Decoded()
 
+    def attach(self, limits: SessionLimits) -> None:
+        pass  # each native chunk is admitted by the session machine itself
+
     def decode(self, data: Frame) -> Decoded:
         check_frame_size(frame_size(data, self.max_frame_bytes), self.max_frame_bytes)
         return Decoded((decode_client(data, self.encoding),))
+
+    def take_released(self) -> tuple[ClientMessage, ...]:
+        return ()  # a native client's chunks queue in the session (docs/protocol.md)
 
     def encode(self, message: ServerMessage) -> Sequence[Frame]:
         if self.metrics is not None:

@@ -6,8 +6,12 @@ every other session on that worker stay untouched. The worker repeats the checks
 session (sequence, context), the gateway only does the ones it can decide alone.
 
 Every check here raises a typed, recoverable `MicroturnError` *before* the session state changes:
-`SessionLimits.admit_chunk` either mutates nothing and raises, or charges the token bucket, records
-the chunk's cost as in flight and returns. The in-flight queue is bounded by what it costs (input
+`SessionLimits.admit` takes a batch of chunks (one native chunk, or every chunk one OpenAI event
+becomes) and either mutates nothing and raises, or charges the token bucket for all of them, records
+their costs as in flight and returns. It is the one admission rule of a session, whatever its
+dialect: the session machine builds it once (gateway/session/turns.py) and a dialect that admits
+whole events ahead of their chunks (gateway/openai/) uses that same object.
+The in-flight queue is bounded by what it costs (input
 tokens, text counted by characters since only the worker tokenizes, and chunks asking for output),
 not by a count of chunks: no-output pieces merge into one append on the worker, so a paste sent as
 twenty small pieces costs about what it would sent whole.
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from shared.errors import Backpressure, ChunkTooLarge, RateLimited
@@ -77,11 +81,22 @@ class TokenBucket:
             return None
         return max(MIN_RETRY_AFTER_MS, math.ceil((1.0 - self._level) / self._rate * 1000))
 
-    def try_take(self) -> int | None:
-        wait = self.wait_ms()
-        if wait is None:
-            self._level -= 1.0
-        return wait
+    def try_take(self, count: int = 1) -> int | None:
+        """Take `count` tokens, or none and say how long until `count` are there (`count` <= burst)."""
+        self._refill()
+        if self._level >= count:
+            self._level -= count
+            return None
+        return max(MIN_RETRY_AFTER_MS, math.ceil((count - self._level) / self._rate * 1000))
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCost:
+    """What one chunk costs the session's queue: tokens, or text counted by characters."""
+
+    seq: int
+    cost: int
+    wants_output: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +120,9 @@ class LimitValues:
 
 class SessionLimits:
     """The mutable limit state of one client session: its token bucket, its turn-time estimate, and
-    the cost of its chunks in flight (sent to the worker, not yet answered by a done or an error)."""
+    the cost of its chunks in flight (admitted, not yet answered by a done or an error)."""
 
-    __slots__ = ("_bucket", "_in_flight", "_outputs", "_tokens", "_turn_ms", "values")
+    __slots__ = ("_ahead", "_bucket", "_in_flight", "_outputs", "_tokens", "_turn_ms", "values")
 
     def __init__(self, values: LimitValues, clock: Clock = time.monotonic) -> None:
         self.values = values
@@ -117,25 +132,36 @@ class SessionLimits:
         self._in_flight: dict[int, tuple[int, bool]] = {}
         self._tokens = 0
         self._outputs = 0
+        # Seqs admitted with their event (a dialect's `admit(..., ahead=True)`) whose chunks have not
+        # reached `admit_chunk` yet: charged once, when the event was admitted.
+        self._ahead: set[int] = set()
+
+    @property
+    def in_flight(self) -> int:
+        """How many chunks are admitted and not yet settled."""
+        return len(self._in_flight)
 
     def observe_turn(self, elapsed_ms: float) -> None:
         """Feed a finished turn's time (exponential average): it sizes the backpressure retry hint."""
         self._turn_ms = 0.8 * self._turn_ms + 0.2 * max(elapsed_ms, 0.0)
 
-    def admit_chunk(self, seq: int, *, tokens: int | None, text_chars: int, wants_output: bool) -> None:
-        """Admit one chunk or raise; on success one bucket token is charged and its cost is in flight.
+    def admit(self, chunks: Sequence[ChunkCost], *, ahead: bool = False) -> None:
+        """Admit every chunk of `chunks` or none: checked whole, then charged whole.
 
-        `tokens` is a token chunk's length (None for text: the worker counts its tokens after
-        tokenizing; `text_chars` stands in for them here). Order: size, then queue, then rate, so a
-        refused chunk never costs the client a rate token it could not use. A chunk with nothing in
-        flight ahead of it is never refused for the queue (its size has its own limit).
+        Order: size, then queue, then rate, so a refused batch never costs the client a rate token
+        it could not use. A batch with nothing in flight ahead of it is never refused for the queue
+        (its size has its own limits). `ahead`: the chunks will come through `admit_chunk` later
+        (the session machine), which then lets them pass without charging them again.
         """
-        if tokens is not None:
-            check_chunk_tokens(tokens, self.values.max_chunk_tokens)
-        cost = max(tokens if tokens is not None else text_chars, 1)
+        if len(chunks) > self.values.chunk_burst:
+            raise ChunkTooLarge(
+                f"{len(chunks)} chunks at once can never fit the burst of {self.values.chunk_burst}"
+            )
+        cost = sum(max(c.cost, 1) for c in chunks)
+        asks = sum(1 for c in chunks if c.wants_output)
         if self._in_flight and (
             self._tokens + cost > self.values.max_queued_tokens
-            or (wants_output and self._outputs >= self.values.max_queued_outputs)
+            or (asks and self._outputs + asks > self.values.max_queued_outputs)
         ):
             retry = max(MIN_RETRY_AFTER_MS, math.ceil(self._turn_ms))
             raise Backpressure(
@@ -143,19 +169,37 @@ class SessionLimits:
                 f"running (limits {self.values.max_queued_tokens} and {self.values.max_queued_outputs})",
                 retry_after_ms=retry,
             )
-        wait = self._bucket.try_take()
+        wait = self._bucket.try_take(len(chunks))
         if wait is not None:
             raise RateLimited(
                 f"more than {self.values.max_chunks_per_s:g} chunks per second "
                 f"(burst {self.values.chunk_burst})",
                 retry_after_ms=wait,
             )
-        self._in_flight[seq] = (cost, wants_output)
-        self._tokens += cost
-        self._outputs += wants_output
+        for chunk in chunks:
+            self._in_flight[chunk.seq] = (max(chunk.cost, 1), chunk.wants_output)
+            self._tokens += max(chunk.cost, 1)
+            self._outputs += chunk.wants_output
+            if ahead:
+                self._ahead.add(chunk.seq)
+
+    def admit_chunk(self, seq: int, *, tokens: int | None, text_chars: int, wants_output: bool) -> None:
+        """Admit one chunk or raise; on success one bucket token is charged and its cost is in flight.
+
+        `tokens` is a token chunk's length (None for text: the worker counts its tokens after
+        tokenizing; `text_chars` stands in for them here). A chunk admitted ahead with its event
+        passes: it was checked and charged then.
+        """
+        if seq in self._ahead:
+            self._ahead.discard(seq)
+            return
+        if tokens is not None:
+            check_chunk_tokens(tokens, self.values.max_chunk_tokens)
+        self.admit([ChunkCost(seq, tokens if tokens is not None else text_chars, wants_output)])
 
     def settle(self, seq: int) -> None:
         """The chunk `seq` was answered (done or error) or lost: its cost is no longer in flight."""
+        self._ahead.discard(seq)
         cost = self._in_flight.pop(seq, None)
         if cost is not None:
             self._tokens -= cost[0]

@@ -26,7 +26,7 @@ from gateway.dialect import Dialect, Frame
 from gateway.metrics import GatewayMetrics
 from shared.errors import ErrorCode
 from shared.protocol.close_codes import close_code_for
-from shared.protocol.messages import Error, OutputDone, ServerMessage
+from shared.protocol.messages import ClientMessage, Error, OutputDone, ServerMessage
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +58,13 @@ class Outbox:
         dialect: Dialect,
         metrics: GatewayMetrics,
         on_turn: Callable[[float], None] | None = None,
+        on_released: Callable[[tuple[ClientMessage, ...]], None] | None = None,
     ) -> None:
         self._ws = ws
         self._dialect = dialect
         self._metrics = metrics
         self._on_turn = on_turn
+        self._on_released = on_released  # the shell runs the requests a dialect let go of
         self._queue: asyncio.Queue[_Send | _Raw | _Close] = asyncio.Queue()
         self._closing = False
 
@@ -117,6 +119,9 @@ class Outbox:
                 logger.exception("cannot encode %s", message.type)
                 message = Error(ErrorCode.INTERNAL, f"could not encode a {message.type}", fatal=False)
                 frames = self._dialect.encode(message)
+            released = self._dialect.take_released()
+            if released and self._on_released is not None:
+                self._on_released(released)
             for frame in frames:
                 if not await self._send(frame):
                     return

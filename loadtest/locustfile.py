@@ -29,7 +29,7 @@ import logging
 import os
 import random
 import time
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import gevent
 from locust import User, events, task
@@ -224,15 +224,19 @@ class RealtimeUser(User):
         try:
             subprotocol = Subprotocol(self.load.wire_encoding.subprotocol)
             # Entered as a context manager: websockets >= 17 deprecates using a bare `connect()`.
-            self.ws = connect(
-                self.url,
-                subprotocols=[subprotocol],
-                additional_headers=handshake_headers(None, self.api_key),
-                open_timeout=_OPEN_TIMEOUT_S,
-                max_size=MAX_SERVER_FRAME_BYTES,
-                compression=None,
-                proxy=None,
-            ).__enter__()
+            # (Cast: websockets 16, which openai-agents needs, types `__enter__` as its base class.)
+            self.ws = cast(
+                ClientConnection,
+                connect(
+                    self.url,
+                    subprotocols=[subprotocol],
+                    additional_headers=handshake_headers(None, self.api_key),
+                    open_timeout=_OPEN_TIMEOUT_S,
+                    max_size=MAX_SERVER_FRAME_BYTES,
+                    compression=None,
+                    proxy=None,
+                ).__enter__(),
+            )
             if self.session_id is None:
                 self._send(SessionOpen(OpenConfig(stop_token_ids=())))
             else:

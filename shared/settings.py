@@ -164,11 +164,22 @@ class GatewaySettings(CommonSettings):
     open_timeout_s: float = 30.0
     auth: str = field(default="on", metadata={"help": "on: every socket needs an API key or browser token"})
     client_token_ttl_s: float = field(default=600.0, metadata={"help": "how long a browser token may start"})
+    # TLS on the gateway's own port (https and wss); empty: plain http and ws (docs/deploy.md).
+    tls_cert_file: str = field(
+        default="", metadata={"help": "PEM certificate (chain): serve https/wss with --tls-key-file"}
+    )
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of --tls-cert-file"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.auth not in AUTH_MODES:
             raise ValueError(f"auth: {self.auth!r} is not one of {', '.join(AUTH_MODES)}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls: give both --tls-cert-file and --tls-key-file, or neither")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
 
     @property
     def auth_required(self) -> bool:
@@ -205,8 +216,16 @@ class UpSettings:
         default=600.0,
         metadata={"help": "seconds to wait for each process to be ready", "aliases": ("--ready-timeout",)},
     )
+    tls_cert_file: str = field(
+        default=GatewaySettings.tls_cert_file, metadata={"help": "the gateway's TLS certificate (PEM)"}
+    )
+    tls_key_file: str = field(
+        default=GatewaySettings.tls_key_file, metadata={"help": "the gateway's TLS private key (PEM)"}
+    )
 
     def __post_init__(self) -> None:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls: give both --tls-cert-file and --tls-key-file, or neither")
         if self.device is not None and self.device not in UP_DEVICES:
             raise ValueError(f"device: {self.device!r} is not one of {', '.join(UP_DEVICES)}")
         if self.auth is not None and self.auth not in AUTH_MODES:

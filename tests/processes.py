@@ -40,6 +40,7 @@ class Proc:
     args: list[str]
     log_path: Path
     child: Child
+    tls: bool = False  # serves https and wss (a gateway given --tls-cert-file)
 
     @property
     def popen(self) -> subprocess.Popen[bytes]:
@@ -47,11 +48,11 @@ class Proc:
 
     @property
     def http(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}"
 
     def alive(self) -> bool:
         return self.child.alive
@@ -96,8 +97,9 @@ def stop(proc: Proc, sig: int = signal.SIGTERM) -> None:
     proc.child.stop(sig)
 
 
-def start(name: str, command: str, flags: list[str], log_dir: Path) -> Proc:
-    """Start `python -m shared.cli <command> --host 127.0.0.1 --port <free> <flags>`, wait for /readyz."""
+def start(name: str, command: str, flags: list[str], log_dir: Path, *, tls: bool = False) -> Proc:
+    """Start `python -m shared.cli <command> --host 127.0.0.1 --port <free> <flags>`, wait for /readyz
+    (over https for a process that serves TLS: `tls`)."""
     for attempt in range(_PORT_ATTEMPTS):
         port = free_port()
         args = [sys.executable, "-m", "shared.cli", command, "--host", "127.0.0.1", "--port", str(port)]
@@ -105,7 +107,7 @@ def start(name: str, command: str, flags: list[str], log_dir: Path) -> Proc:
         log_path = log_dir / f"{name}-{port}.log"
         with open(log_path, "wb") as log:
             child = spawn(name, args, _STOP_TIMEOUT_S, log, env=_ENV, cwd=REPO, die_with_parent=False)
-        proc = Proc(name, port, args, log_path, child)
+        proc = Proc(name, port, args, log_path, child, tls)
         try:
             if _wait_ready(proc, _READY_TIMEOUT_S):
                 logger.info("%s up on port %d", name, port)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.settings import REDIS_MODES, WorkerSettings
+from shared.settings import REDIS_MODES, CommonSettings, WorkerSettings
 from worker.server.main import EXIT_WATCHDOG_S
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
@@ -96,3 +96,24 @@ def test_the_link_secret_comes_from_a_secret_in_every_process() -> None:
     assert "MT_REDIS_URL" in config
     # The mode the settings parser accepts, pointed at an external Redis Cluster.
     assert config["MT_REDIS_MODE"] == "cluster" and "cluster" in REDIS_MODES
+
+
+def test_the_ingress_terminates_tls_from_a_secret_and_outwaits_the_idle_timeout() -> None:
+    ingress = by_kind("Ingress", "gateway")
+    spec = ingress["spec"]
+    (tls,) = spec["tls"]
+    assert tls["secretName"] and tls["hosts"]
+    hosts = {rule["host"] for rule in spec["rules"]}
+    assert set(tls["hosts"]) == hosts  # every host it serves is covered by the certificate
+    service = by_kind("Service", "gateway")
+    ports = {p["name"] for p in service["spec"]["ports"]}
+    for rule in spec["rules"]:
+        for path in rule["http"]["paths"]:
+            backend = path["backend"]["service"]
+            assert backend["name"] == "gateway" and backend["port"]["name"] in ports
+    # nginx must not cut a quiet realtime socket before the session's idle timeout does.
+    config = by_kind("ConfigMap", "microturn")["data"]
+    idle_s = float(config.get("MT_IDLE_TIMEOUT_S", CommonSettings.idle_timeout_s))
+    annotations = ingress["metadata"]["annotations"]
+    for name in ("proxy-read-timeout", "proxy-send-timeout"):
+        assert float(annotations[f"nginx.ingress.kubernetes.io/{name}"]) > idle_s, name

@@ -3,9 +3,8 @@ parsed and validated into frozen dataclasses before anything acts on them.
 
 Why strict here: the dialect promises "validate before mutating", so everything a client can get
 wrong in one event is found while reading it and answered with an `error` naming the event. What a
-text-only model cannot do (audio, tools, out-of-band responses) is refused here too, with a message
-saying so, rather than silently ignored. Settings that change nothing for text (tracing, voice,
-turn detection turned off) are accepted and left alone.
+text-only model cannot do is refused when a client *uses* it (audio sent, out-of-band responses),
+with a message saying so; settings it cannot act on are accepted and echoed (session_config.py).
 """
 
 from __future__ import annotations
@@ -15,7 +14,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias
 
-from gateway.openai.errors import RealtimeProblem
+from gateway.openai.errors import BadEvent
+from gateway.openai.session_config import (
+    SessionUpdate,
+    parse_session_update,
+    read_max_output_tokens,
+    text_only,
+)
 
 Role = Literal["user", "system", "assistant"]
 ROLES: Final = ("user", "system", "assistant")
@@ -25,22 +30,7 @@ _TEXT_PARTS: Final[dict[str, tuple[str, ...]]] = {
     "system": ("input_text", "text"),
     "assistant": ("output_text", "text"),
 }
-# session.update fields that mean nothing to a text session: accepted, kept out of the way.
-_IGNORED_SESSION_FIELDS: Final = frozenset(
-    {"type", "include", "tracing", "prompt", "truncation", "tool_choice", "parallel_tool_calls", "reasoning"}
-)
 MAX_EVENT_ID_CHARS: Final = 512
-
-
-@dataclass(frozen=True, slots=True)
-class SessionUpdate:
-    event_id: str | None
-    # Only the fields the event carried; `max_output_tokens` None means "inf".
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    model: str | None = None
-    given: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,16 +82,6 @@ class ItemRetrieve:
 ClientEvent: TypeAlias = (
     SessionUpdate | ItemCreate | ResponseCreate | ResponseCancel | ItemDelete | ItemTruncate | ItemRetrieve
 )
-
-
-class BadEvent(RealtimeProblem):
-    """A problem found while parsing, with whatever `event_id` could be read."""
-
-    def __init__(
-        self, message: str, event_id: str | None, *, code: str = "invalid_value", param: str | None = None
-    ):
-        super().__init__(message, code=code, param=param)
-        self.event_id = event_id
 
 
 def parse(data: str | bytes, *, max_output_tokens: int) -> ClientEvent:
@@ -174,82 +154,12 @@ class _Reader:
             raise self.bad(f"missing {param or key}", param or key, "missing_required_parameter")
         return value
 
-    def max_tokens(self, where: Mapping[str, object], param: str, limit: int) -> tuple[bool, int | None]:
-        """(given, value): `inf` gives None; an integer must be 1..limit."""
-        if "max_output_tokens" not in where:
-            return False, None
-        value = where["max_output_tokens"]
-        if value == "inf":
-            return True, None
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-            raise self.bad(f'{param} must be an integer from 1 to {limit}, or "inf"', param)
-        return True, value
 
-    def text_only(self, where: Mapping[str, object], param: str) -> None:
-        modalities = where.get("output_modalities")
-        if modalities is not None and modalities != ["text"]:
-            raise self.bad(
-                f'{param}: this model answers in text only: use ["text"]', param, "unsupported_value"
-            )
-
-
-def _session_update(r: _Reader, max_output_tokens: int) -> SessionUpdate:
+def _session_update(r: _Reader, limit: int) -> SessionUpdate:
     session = r.obj_at(r.obj, "session", "session")
     if session is None:
         raise r.bad("missing session", "session", "missing_required_parameter")
-    kind = session.get("type", "realtime")
-    if kind != "realtime":
-        raise r.bad('session.type: only "realtime" sessions are served (no transcription)', "session.type")
-    given: set[str] = set()
-    instructions = r.opt_str(session, "instructions", "session.instructions")
-    if "instructions" in session:
-        given.add("instructions")
-    r.text_only(session, "session.output_modalities")
-    has_max, max_tokens = r.max_tokens(session, "session.max_output_tokens", max_output_tokens)
-    if has_max:
-        given.add("max_output_tokens")
-    temperature = session.get("temperature")
-    if temperature is not None:
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, int | float)
-            or not 0 <= temperature <= 2
-        ):
-            raise r.bad("session.temperature must be a number from 0 to 2", "session.temperature")
-        given.add("temperature")
-    if session.get("tools"):
-        raise r.bad("session.tools: this model calls no tools", "session.tools", "unsupported_value")
-    audio = r.obj_at(session, "audio", "session.audio")
-    if audio is not None and any(v for k, v in audio.items() if k != "input" or v):
-        raise r.bad(
-            "session.audio: this model takes and gives no audio", "session.audio", "unsupported_value"
-        )
-    model = r.opt_str(session, "model", "session.model")
-    if model is not None:
-        given.add("model")
-    unknown = (
-        set(session)
-        - _IGNORED_SESSION_FIELDS
-        - {
-            "instructions",
-            "output_modalities",
-            "max_output_tokens",
-            "temperature",
-            "tools",
-            "audio",
-            "model",
-        }
-    )
-    if unknown:
-        raise r.bad(f"unknown session field {sorted(unknown)[0][:64]!r}", "session", "unknown_parameter")
-    return SessionUpdate(
-        r.event_id,
-        instructions,
-        max_tokens,
-        None if temperature is None else float(temperature),
-        model,
-        frozenset(given),
-    )
+    return parse_session_update(session, r.event_id, limit)
 
 
 def _item_create(r: _Reader) -> ItemCreate:
@@ -287,7 +197,7 @@ def _item_create(r: _Reader) -> ItemCreate:
     return ItemCreate(r.event_id, NewItem(item_id, role, "".join(texts)), previous)
 
 
-def _response_create(r: _Reader, max_output_tokens: int) -> ResponseCreate:
+def _response_create(r: _Reader, limit: int) -> ResponseCreate:
     response = r.obj_at(r.obj, "response", "response") or {}
     for key in ("input", "tools", "instructions", "prompt", "audio", "tool_choice"):
         if response.get(key):
@@ -301,8 +211,8 @@ def _response_create(r: _Reader, max_output_tokens: int) -> ResponseCreate:
         raise r.bad(
             'response.conversation: only "auto" (the session\'s conversation)', "response.conversation"
         )
-    r.text_only(response, "response.output_modalities")
-    has_max, max_tokens = r.max_tokens(response, "response.max_output_tokens", max_output_tokens)
+    text_only(response, "response.output_modalities", r.event_id)
+    has_max, max_tokens = read_max_output_tokens(response, "response.max_output_tokens", limit, r.event_id)
     metadata = r.obj_at(response, "metadata", "response.metadata")
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise r.bad("response.metadata values must be strings", "response.metadata", "invalid_type")
@@ -320,5 +230,5 @@ def _response_create(r: _Reader, max_output_tokens: int) -> ResponseCreate:
     }
     if unknown:
         raise r.bad(f"unknown response field {sorted(unknown)[0][:64]!r}", "response", "unknown_parameter")
-    limit = (max_tokens if max_tokens is not None else max_output_tokens) if has_max else None
-    return ResponseCreate(r.event_id, limit, metadata)  # type: ignore[arg-type]
+    wanted = (max_tokens if max_tokens is not None else limit) if has_max else None
+    return ResponseCreate(r.event_id, wanted, metadata)  # type: ignore[arg-type]

@@ -26,10 +26,11 @@ from gateway.auth.api_keys import API_KEY_PREFIX
 from gateway.auth.client_tokens import TokenLimits
 from gateway.auth.credentials import MAX_BODY_BYTES, bearer_credential
 from gateway.auth.session_auth import UNAUTHORIZED_MESSAGE
-from gateway.openai.client_events import BadEvent, SessionUpdate, parse
-from gateway.openai.errors import INVALID_REQUEST, SERVER_ERROR
+from gateway.openai.client_events import parse
+from gateway.openai.errors import INVALID_REQUEST, SERVER_ERROR, BadEvent
 from gateway.openai.ids import session_id
 from gateway.openai.server_events import SessionView
+from gateway.openai.session_config import SessionUpdate
 from gateway.services import GatewayServices
 from shared.settings import EngineSettings
 
@@ -96,7 +97,11 @@ def _read_body(raw: bytes, default_ttl_s: float) -> tuple[float, SessionUpdate |
 
 def _kept(update: SessionUpdate) -> dict[str, Any]:
     """What a socket opened with the secret starts from (gateway/openai/connect.py reads it)."""
-    kept: dict[str, Any] = {"model": update.model, "instructions": update.instructions}
+    kept: dict[str, Any] = {
+        "model": update.model,
+        "instructions": update.instructions,
+        "echoed": dict(update.echoed),
+    }
     if "max_output_tokens" in update.given:
         kept["max_output_tokens"] = (
             update.max_output_tokens if update.max_output_tokens is not None else "inf"
@@ -110,6 +115,7 @@ def _session(update: SessionUpdate | None) -> dict[str, Any]:
         (update.model if update is not None else None) or "",
         (update.instructions if update is not None else None) or "",
         update.max_output_tokens if update is not None else None,
+        update.echoed if update is not None else {},
     )
     return view.as_dict(identified=True)
 

@@ -9,7 +9,6 @@ and exactly one model served, that one is used.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from typing import Any
@@ -20,7 +19,7 @@ from starlette.websockets import WebSocket
 from gateway.auth.api_keys import ms_until_next_day
 from gateway.auth.session_auth import Principal
 from gateway.openai import server_events as ev
-from gateway.openai.admission import DialectLimits, EventAdmission
+from gateway.openai.admission import DialectLimits
 from gateway.openai.dialect import OpenAIDialect
 from gateway.openai.errors import SERVER_ERROR, RealtimeProblem
 from gateway.services import GatewayServices
@@ -33,9 +32,7 @@ logger = logging.getLogger(__name__)
 
 def refusal_dialect(services: GatewayServices, model: str | None) -> OpenAIDialect:
     """A translator for the errors sent before a session exists (a refused credential)."""
-    return OpenAIDialect(
-        ModelCard(model or "unknown"), _limits(services, None), EventAdmission(services.limits)
-    )
+    return OpenAIDialect(ModelCard(model or "unknown"), _limits(services, None), services.limits)
 
 
 def _limits(services: GatewayServices, principal: Principal | None) -> DialectLimits:
@@ -110,17 +107,15 @@ async def openai_dialect(
         problem = RealtimeProblem(f"{what}; served: {served}", code="model_not_found", param="model")
         await _send_refusal(ws, problem, CLOSE_POLICY_VIOLATION)
         return None
-    values = services.limits
-    if principal is not None and 0 < principal.key.limits.chunks_per_s < values.max_chunks_per_s:
-        # The key's rate caps the gateway's, as the session underneath does.
-        values = dataclasses.replace(values, max_chunks_per_s=principal.key.limits.chunks_per_s)
+    echoed = secret.get("echoed")
     return OpenAIDialect(
         card if card is not None else ModelCard(name),
         _limits(services, principal),
-        EventAdmission(values),
+        services.limits,  # the rate and queue are the session's own rule, attached by the shell
         services.metrics,
         instructions=secret.get("instructions") or None,
         max_output_tokens=_max_tokens(secret.get("max_output_tokens")),
+        echoed=echoed if isinstance(echoed, dict) else None,
     )
 
 

@@ -105,17 +105,16 @@ class Conversation:
             )
         self.instructions = instructions or None
 
-    def append(self, new: NewItem, previous_item_id: str | None) -> tuple[Item, str]:
-        """Add a message item; returns it and the text to append to the session."""
-        if self._prompt is not None:
-            raise RealtimeProblem(
-                "an item cannot be added while a response is being generated: wait for response.done",
-                code="conversation_already_has_active_response",
-            )
-        if previous_item_id is not None and previous_item_id != (self.last_item_id or "root"):
+    def check(self, new: NewItem, previous_item_id: str | None, last_item_id: str | None) -> None:
+        """Refuse an item that could not join after `last_item_id`; changes nothing.
+
+        `last_item_id` is the last item's id as the item will find it: the current last one, or,
+        for an item queued behind a running response, the last of what joins before it.
+        """
+        if previous_item_id is not None and previous_item_id != (last_item_id or "root"):
             raise RealtimeProblem(
                 "previous_item_id: items can only be appended after the last item "
-                f"({self.last_item_id or 'root'!r}): the conversation is one KV sequence",
+                f"({last_item_id or 'root'!r}): the conversation is one KV sequence",
                 param="previous_item_id",
             )
         if new.item_id is not None and new.item_id in self._ids:
@@ -128,6 +127,15 @@ class Conversation:
             )
         if len(self.items) >= MAX_ITEMS:
             raise RealtimeProblem(f"at most {MAX_ITEMS} items per conversation", code="too_many_items")
+
+    def append(self, new: NewItem, previous_item_id: str | None) -> tuple[Item, str]:
+        """Add a message item; returns it and the text to append to the session."""
+        if self._prompt is not None:
+            raise RealtimeProblem(
+                "an item cannot be added while a response is being generated: it waits for the response",
+                code="conversation_already_has_active_response",
+            )
+        self.check(new, previous_item_id, self.last_item_id)
         messages = [*self._head(), {"role": new.role, "content": new.text}]
         rendered = self._render(messages, generation_prompt=False)
         text = self._owed + rendered[len(self._rendered) :]

@@ -8,10 +8,14 @@ How events map (docs/protocol.md "OpenAI Realtime dialect"):
   output (the item's rendering, conversation.py); `conversation.item.done` once the last is in;
 - `response.create` -> one chunk with the assistant header that asks for `max_output_tokens`;
   its deltas -> `response.output_text.delta`, its done -> the closing events and `response.done`;
-- `response.cancel` -> `output.cancel`.
+- `response.cancel` -> `output.cancel`;
+- an item or a response asked for while a response runs is admitted at once and queued
+  (pending.py); it joins when the running response ends, and its chunks are then handed to the
+  session through `take_released`. What is in flight, and the queue, is flight.py's.
 
-Every event is validated, and admitted whole (admission.py), before the conversation changes; a
-refusal is an `error` event naming the client's `event_id`, and the socket stays open. Should the
+Every event is validated, and admitted whole (admission.py, under the session's one admission
+rule), before the conversation changes; a refusal is an `error` event naming the client's
+`event_id`, and the socket stays open. Should the
 session still refuse a chunk (a key's daily budget, say), the conversation no longer matches the
 KV: the dialect says so and refuses further items and responses rather than answer inexactly.
 """
@@ -19,15 +23,15 @@ KV: the dialect says so and refuses further items and responses rather than answ
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
 
 from gateway.dialect import Decoded, Frame, frame_size
+from gateway.limits import LimitValues, SessionLimits
 from gateway.metrics import GatewayMetrics
 from gateway.openai import server_events as ev
-from gateway.openai.admission import DialectLimits, EventAdmission
+from gateway.openai.admission import DialectLimits
 from gateway.openai.client_events import (
-    BadEvent,
     ClientEvent,
     ItemCreate,
     ItemDelete,
@@ -35,18 +39,18 @@ from gateway.openai.client_events import (
     ItemTruncate,
     ResponseCancel,
     ResponseCreate,
-    SessionUpdate,
     parse,
 )
 from gateway.openai.conversation import Conversation, Item
-from gateway.openai.errors import RealtimeProblem, problem_from_close, problem_from_native
+from gateway.openai.errors import BadEvent, RealtimeProblem, problem_from_close, problem_from_native
+from gateway.openai.flight import Flight
 from gateway.openai.ids import conversation_id, session_id
 from gateway.openai.responses import ActiveResponse
+from gateway.openai.session_config import SessionUpdate, merge_echoed
 from shared.chat_template import ChatTemplate
 from shared.protocol.messages import (
     ClientMessage,
     Error,
-    InputChunk,
     OpenConfig,
     OutputCancel,
     OutputDelta,
@@ -63,8 +67,6 @@ from shared.store.models import ModelCard
 logger = logging.getLogger(__name__)
 
 DIALECT_NAME: Final = "openai"
-# Characters per native text chunk: well under the worker's 512-token chunk limit for any text.
-PIECE_CHARS: Final = 256
 _GREETING: Final = "openai.session.created"
 
 
@@ -75,15 +77,16 @@ class OpenAIDialect:
         self,
         card: ModelCard,
         limits: DialectLimits,
-        admission: EventAdmission,
+        values: LimitValues,
         metrics: GatewayMetrics | None = None,
         *,
         instructions: str | None = None,
         max_output_tokens: int | None = None,
+        echoed: Mapping[str, Any] | None = None,
     ) -> None:
         self._card = card
         self._limits = limits
-        self._admission = admission
+        self._values = values  # the gateway's limits: an item's size is bounded by its queue
         self._metrics = metrics
         self._session_id = session_id()
         self._conversation_id = conversation_id()
@@ -91,16 +94,14 @@ class OpenAIDialect:
             ChatTemplate(card.chat_template, card.bos_token, card.eos_token) if card.chat_template else None
         )
         self._instructions = instructions or ""
+        self._echoed: dict[str, Any] = dict(echoed or {})  # settings kept only to be echoed
         self._conversation = self._new_conversation() if self._template is not None else None
         self._max_output_tokens = max_output_tokens  # None: "inf"
         self._temperature = 0.0
         self._opened = False  # a native session.open has been sent (and not failed)
         self._confirmed = False  # ... and answered: the session is open underneath
         self._dropped: set[int] = set()  # seqs sent behind an open that failed
-        self._seq = 0
-        # seq -> (item id, is the item's last piece) for item chunks in flight.
-        self._item_chunks: dict[int, tuple[str, bool]] = {}
-        self._response: ActiveResponse | None = None
+        self._flight = Flight(self._conversation_id, self._usable)
         self._context = 0  # tokens in the session's KV as of the last done seen
         self._cached = 0  # ... as of the end of the last response: what the next one finds cached
         self._broken: str | None = None
@@ -119,6 +120,12 @@ class OpenAIDialect:
     def greeting(self) -> Decoded:
         return Decoded((Ping(_GREETING),))
 
+    def attach(self, limits: SessionLimits) -> None:
+        self._flight.rule = limits
+
+    def take_released(self) -> tuple[ClientMessage, ...]:
+        return self._flight.take_released()
+
     def decode(self, data: Frame) -> Decoded:
         client_event_id: str | None = None
         try:
@@ -128,7 +135,9 @@ class OpenAIDialect:
                 )
             event = parse(data, max_output_tokens=self._limits.max_output_tokens)
             client_event_id = event.event_id
-            return self._handle(event)
+            decoded = self._handle(event)
+            self._flight.note_sent(decoded.messages)
+            return decoded
         except BadEvent as exc:
             return Decoded(replies=(ev.frame(ev.error(exc, exc.event_id)),))
         except RealtimeProblem as exc:
@@ -152,7 +161,9 @@ class OpenAIDialect:
         return handlers[type(event)](event)
 
     def _session_view(self) -> ev.SessionView:
-        return ev.SessionView(self._session_id, self._card.name, self._instructions, self._max_output_tokens)
+        return ev.SessionView(
+            self._session_id, self._card.name, self._instructions, self._max_output_tokens, self._echoed
+        )
 
     def _session_update(self, event: SessionUpdate) -> Decoded:
         if event.model is not None and event.model != self._card.name:
@@ -174,54 +185,24 @@ class OpenAIDialect:
             self._max_output_tokens = event.max_output_tokens
         if event.temperature is not None:
             self._temperature = event.temperature
+        self._echoed = merge_echoed(self._echoed, event.echoed)
         return Decoded(replies=(ev.frame(ev.session_updated(self._session_view())),))
 
     def _item_create(self, event: ItemCreate) -> Decoded:
-        conversation = self._usable()
-        previous = conversation.last_item_id
-        checkpoint = conversation.checkpoint()
-        item, text = conversation.append(event.item, event.previous_item_id)
-        pieces = [text[i : i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS)] or [""]
-        seqs = list(range(self._seq + 1, self._seq + 1 + len(pieces)))
-        try:
-            self._admission.admit([(s, p, False) for s, p in zip(seqs, pieces, strict=True)], "item.content")
-        except RealtimeProblem:
-            conversation.rollback(checkpoint)
-            raise
-        self._seq = seqs[-1]
-        chunks: list[ClientMessage] = [
-            InputChunk(s, text=p, max_output_tokens=0) for s, p in zip(seqs, pieces, strict=True)
-        ]
-        for s in seqs:
-            self._item_chunks[s] = (item.item_id, s == seqs[-1])
-        added = ev.item_added(ev.message_item(item.item_id, item.role, item.text, "completed"), previous)
-        return Decoded(messages=(*self._open(), *chunks), replies=(ev.frame(added),))
+        messages, replies = self._flight.add_item(event)
+        return self._sending(messages, replies)
 
     def _response_create(self, event: ResponseCreate) -> Decoded:
-        conversation = self._usable()
-        if self._response is not None:
-            raise RealtimeProblem(
-                "a response is already being generated: wait for response.done or cancel it",
-                code="conversation_already_has_active_response",
-            )
         limit = event.max_output_tokens or self._max_output_tokens or self._limits.max_output_tokens
-        checkpoint = conversation.checkpoint()
-        header = conversation.begin_response()
-        seq = self._seq + 1
-        try:
-            self._admission.admit([(seq, header, True)], "response")
-        except RealtimeProblem:
-            conversation.rollback(checkpoint)
-            raise
-        self._seq = seq
-        response = ActiveResponse(seq, limit, event.metadata)
-        self._response = response
-        replies = response.opening(self._conversation_id, conversation.last_item_id)
-        chunk = InputChunk(seq, text=header, max_output_tokens=limit)
-        return Decoded(messages=(*self._open(), chunk), replies=tuple(ev.frame(r) for r in replies))
+        messages, replies = self._flight.add_response(event, limit)
+        return self._sending(messages, replies)
+
+    def _sending(self, messages: list[ClientMessage], replies: list[ev.Event]) -> Decoded:
+        opening = self._open() if messages else ()
+        return Decoded(messages=(*opening, *messages), replies=tuple(ev.frame(r) for r in replies))
 
     def _response_cancel(self, event: ResponseCancel) -> Decoded:
-        response = self._response
+        response = self._flight.response
         if response is None or (event.response_id is not None and event.response_id != response.response_id):
             raise RealtimeProblem(
                 "there is no response in progress to cancel", code="response_cancel_not_active"
@@ -316,15 +297,15 @@ class OpenAIDialect:
         return []  # restored, resumed, expiring, closed: nothing an OpenAI client has a name for
 
     def _delta(self, delta: OutputDelta) -> list[ev.Event]:
-        response = self._response
+        response = self._flight.response
         if response is None or delta.seq != response.seq:
             return []
         return response.on_delta(delta, self._eos_ids)
 
     def _done(self, done: OutputDone) -> list[ev.Event]:
-        self._admission.settle(done.seq)
+        self._flight.settle((done.seq,))
         self._context += (done.committed_tokens or 0) + len(done.tokens)
-        piece = self._item_chunks.pop(done.seq, None)
+        piece = self._flight.item_chunks.pop(done.seq, None)
         if piece is not None:
             item_id_, last = piece
             item = self._conversation.find(item_id_) if self._conversation is not None else None
@@ -333,13 +314,13 @@ class OpenAIDialect:
             index = self._conversation.items.index(item) if self._conversation is not None else 0
             previous = self._conversation.items[index - 1].item_id if index and self._conversation else None
             return [ev.item_done(ev.message_item(item.item_id, item.role, item.text, "completed"), previous)]
-        response = self._response
+        response = self._flight.response
         if response is None or done.seq != response.seq:
             return []
         return self._finish(response, done)
 
     def _finish(self, response: ActiveResponse, done: OutputDone) -> list[ev.Event]:
-        self._response = None
+        self._flight.response = None
         conversation = self._conversation
         assert conversation is not None
         outcome = response.outcome(done, self._eos_ids)
@@ -358,7 +339,9 @@ class OpenAIDialect:
         self._cached = self._context
         if self._metrics is not None:
             self._metrics.dialect_turn(DIALECT_NAME)
-        return events + response.closing(self._conversation_id, outcome, usage, previous)
+        return (
+            events + response.closing(self._conversation_id, outcome, usage, previous) + self._flight.join()
+        )
 
     def _error(self, error: Error) -> list[ev.Event]:
         if error.seq is None:
@@ -366,21 +349,21 @@ class OpenAIDialect:
             if self._opened and not self._confirmed and not error.fatal:
                 return [ev.error(self._open_failed(problem))]
             return [ev.error(problem)]
-        self._admission.settle(error.seq)
+        self._flight.settle((error.seq,))
         if error.seq in self._dropped:
             self._dropped.discard(error.seq)  # refused because the open failed: already reported
             return []
         events = []
-        response = self._response
+        response = self._flight.response
         if response is not None and error.seq == response.seq:
-            self._response = None
+            self._flight.response = None
             problem = problem_from_native(error, "the response was refused")
-            if error.seq == self._seq and self._conversation is not None:
+            if error.seq == self._flight.sent_seq and self._conversation is not None:
                 self._conversation.abandon_response()  # nothing of it reached the KV
             else:
                 self._broken = problem.message
-            return response.failed(self._conversation_id, problem)
-        piece = self._item_chunks.pop(error.seq, None)
+            return response.failed(self._conversation_id, problem) + self._flight.join()
+        piece = self._flight.item_chunks.pop(error.seq, None)
         problem = problem_from_native(error, "a piece of an item was refused" if piece else None)
         if piece is not None:
             self._broken = problem.message
@@ -390,11 +373,12 @@ class OpenAIDialect:
     def _open_failed(self, problem: RealtimeProblem) -> RealtimeProblem:
         """The lazy open was refused: the chunks sent behind it will be refused too; start afresh."""
         self._opened = False
-        self._dropped.update(self._item_chunks)
-        self._item_chunks.clear()
-        if self._response is not None:
-            self._dropped.add(self._response.seq)
-            self._response = None
+        self._dropped.update(self._flight.item_chunks)
+        self._flight.item_chunks.clear()
+        if self._flight.response is not None:
+            self._dropped.add(self._flight.response.seq)
+            self._flight.response = None
+        self._flight.drop_queued()  # sent behind the open: as if never sent
         if self._conversation is not None:
             self._conversation = self._new_conversation()
         return RealtimeProblem(
@@ -406,7 +390,7 @@ class OpenAIDialect:
 
     def _new_conversation(self) -> Conversation:
         assert self._template is not None
-        conversation = Conversation(self._template, self._admission.values.max_queued_tokens)
+        conversation = Conversation(self._template, self._values.max_queued_tokens)
         if self._instructions:
             conversation.set_instructions(self._instructions)
         return conversation

@@ -40,6 +40,16 @@ class RealtimeProblem(Exception):
         self.kind = kind
 
 
+class BadEvent(RealtimeProblem):
+    """A problem found while parsing a client event, with whatever `event_id` could be read."""
+
+    def __init__(
+        self, message: str, event_id: str | None, *, code: str = "invalid_value", param: str | None = None
+    ):
+        super().__init__(message, code=code, param=param)
+        self.event_id = event_id
+
+
 def problem_from_native(error: Error, what: str | None = None) -> RealtimeProblem:
     """A native `error` (from the session underneath) as the dialect's problem."""
     kind = SERVER_ERROR if error.code in _SERVER_CODES else INVALID_REQUEST

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.openai.errors import RealtimeProblem
@@ -35,6 +35,8 @@ class SessionView:
     model: str
     instructions: str
     max_output_tokens: int | None  # None: "inf"
+    # The settings kept only to be echoed (gateway/openai/session_config.py `ECHOED_FIELDS`).
+    echoed: Mapping[str, Any] = field(default_factory=dict)
 
     def as_dict(self, *, identified: bool = False) -> Event:
         """The SDK's session config (`session.created`); `identified` adds the `id` and `object` of
@@ -48,6 +50,7 @@ class SessionView:
             "instructions": self.instructions,
             "tools": [],
             "tool_choice": "auto",
+            **self.echoed,
             "max_output_tokens": "inf" if self.max_output_tokens is None else self.max_output_tokens,
         }
 

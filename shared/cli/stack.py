@@ -180,6 +180,8 @@ class Stack:
         options = self.options
         argv = [sys.executable, "-m", "shared.cli", "gateway", "--host", options.host]
         argv += ["--port", str(options.port), *self.redis_args, "--auth", self.auth]
+        if options.tls_cert_file:
+            argv += ["--tls-cert-file", options.tls_cert_file, "--tls-key-file", options.tls_key_file]
         argv += options.gateway_args
         self._spawn("gateway", argv, _GATEWAY_STOP_TIMEOUT_S)
         url = f"{self.local_url}/readyz"
@@ -207,7 +209,8 @@ class Stack:
             host = "127.0.0.1"
         elif ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.options.port}"
+        scheme = "https" if self.options.tls_cert_file else "http"
+        return f"{scheme}://{host}:{self.options.port}"
 
     # -- lifecycle --
 

@@ -7,6 +7,7 @@ import pytest
 from gateway.limits import (
     DEFAULT_TURN_MS,
     MIN_RETRY_AFTER_MS,
+    ChunkCost,
     LimitValues,
     SessionLimits,
     TokenBucket,
@@ -141,3 +142,36 @@ def test_limit_values_come_from_settings_and_are_reported() -> None:
         "max_queued_tokens": settings.max_queued_tokens,
         "max_queued_outputs": 3,
     }
+
+
+def test_a_batch_is_checked_whole_and_charged_whole() -> None:
+    clock = Clock()
+    rule = limits(clock, max_queued_tokens=20, max_queued_outputs=2, chunk_burst=3)
+    rule.admit([ChunkCost(1, 5, False)])
+    # Three more would pass the bucket's burst (one token left after two): refused, nothing charged.
+    with pytest.raises(RateLimited):
+        rule.admit([ChunkCost(2, 1, False), ChunkCost(3, 1, False), ChunkCost(4, 1, False)])
+    with pytest.raises(Backpressure):  # 5 in flight + 16 > 20: the queue, before the rate
+        rule.admit([ChunkCost(2, 8, False), ChunkCost(3, 8, True)])
+    assert rule.in_flight == 1
+    rule.admit([ChunkCost(2, 7, False), ChunkCost(3, 8, True)])  # exactly the rest of both
+    assert rule.in_flight == 3
+    with pytest.raises(ChunkTooLarge, match="burst"):
+        rule.admit([ChunkCost(s, 1, False) for s in range(10, 14)])  # more than the burst, ever
+
+
+def test_chunks_admitted_ahead_pass_the_machines_admission_uncharged() -> None:
+    clock = Clock()
+    rule = limits(clock, max_queued_tokens=20, chunk_burst=3)
+    rule.admit([ChunkCost(1, 10, False), ChunkCost(2, 10, False)], ahead=True)  # a dialect's event
+    # The machine admits each chunk as it comes: charged once already, so no second charge.
+    rule.admit_chunk(1, tokens=None, text_chars=10, wants_output=False)
+    rule.admit_chunk(2, tokens=None, text_chars=10, wants_output=False)
+    assert rule.in_flight == 2
+    with pytest.raises(Backpressure):  # a native chunk meets the same full queue
+        rule.admit_chunk(3, tokens=None, text_chars=1, wants_output=False)
+    rule.settle(1)
+    rule.settle(2)
+    rule.admit_chunk(3, tokens=None, text_chars=1, wants_output=False)  # one bucket token was left
+    with pytest.raises(RateLimited):
+        rule.admit_chunk(4, tokens=None, text_chars=1, wants_output=False)

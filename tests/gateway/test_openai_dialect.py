@@ -13,9 +13,10 @@ from openai.types.realtime import RealtimeServerEvent
 from pydantic import BaseModel, TypeAdapter
 
 from gateway.dialect import Decoded
-from gateway.limits import LimitValues
-from gateway.openai.admission import DialectLimits, EventAdmission
-from gateway.openai.dialect import PIECE_CHARS, OpenAIDialect
+from gateway.limits import LimitValues, SessionLimits
+from gateway.openai.admission import DialectLimits
+from gateway.openai.dialect import OpenAIDialect
+from gateway.openai.pending import PIECE_CHARS
 from gateway.openai.server_events import RateLimit
 from shared.chat_template import ChatTemplate
 from shared.errors import ErrorCode
@@ -91,7 +92,9 @@ def types(evs: list[dict[str, Any]]) -> list[str]:
 
 class Harness:
     def __init__(self, card: ModelCard, limits: LimitValues = LIMITS) -> None:
-        self.dialect = OpenAIDialect(card, DialectLimits(512, 65536), EventAdmission(limits))
+        self.rule = SessionLimits(limits)  # the session's one admission rule
+        self.dialect = OpenAIDialect(card, DialectLimits(512, 65536), limits)
+        self.dialect.attach(self.rule)
         greeting = self.dialect.greeting()
         assert len(greeting.messages) == 1 and isinstance(greeting.messages[0], Ping)
         self.created = events(self.dialect.encode(Pong(greeting.messages[0].data)))
@@ -282,13 +285,119 @@ def test_events_over_the_rate_are_refused_before_any_chunk(card: ModelCard) -> N
     assert events(decoded.replies)[0]["error"]["code"] == "rate_limit_exceeded"
 
 
-def test_one_response_at_a_time_and_no_items_during_it(card: ModelCard) -> None:
+def test_input_during_a_response_joins_after_it_and_its_response_follows(card: ModelCard) -> None:
     h = Harness(card)
     h.send(user("Hi"))
+    (first,) = h.send({"type": "response.create"}).messages
+    assert isinstance(first, InputChunk)
+    # Accepted and queued: nothing reaches the session, nothing is said yet.
+    queued = h.send(user("And now?", event_id="late"))
+    assert queued.messages == () and queued.replies == ()
+    assert h.send({"type": "response.create", "event_id": "next"}).messages == ()
+    assert h.dialect.take_released() == ()
+    h.encode(OutputDelta(first.seq, 0, 28, "Hello"))
+    h.encode(OutputDelta(first.seq, 1, EOS, "<|im_end|>"))
+    closing = h.encode(done(first.seq, (28, EOS), "stop"))
+    # The running response closes, then the item joins (after the reply) and the next response opens.
+    assert types(closing) == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "conversation.item.done",
+        "response.done",
+        "conversation.item.added",
+        "response.created",
+        "conversation.item.added",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    reply_item = closing[3]["item"]["id"]
+    assert closing[5]["previous_item_id"] == reply_item
+    assert closing[5]["item"]["content"][0]["text"] == "And now?"
+    released = h.dialect.take_released()
+    chunks = [m for m in released if isinstance(m, InputChunk)]
+    assert [c.seq for c in chunks] == list(range(first.seq + 1, first.seq + 1 + len(chunks)))
+    assert chunks[-1].max_output_tokens == 512 and all(c.max_output_tokens == 0 for c in chunks[:-1])
+    # Exactly what the template renders after the reply; the model sampled <|im_end|> itself.
+    template = template_of(card)
+    before = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    after = [*before, {"role": "user", "content": "And now?"}]
+    prompt = template.render(before[:1], add_generation_prompt=True)
+    want = template.render(after, add_generation_prompt=True)[len(prompt + "Hello<|im_end|>") :]
+    assert texts(tuple(chunks)) == want
+    assert h.dialect.take_released() == ()
+    item_done = h.encode(done(chunks[-2].seq, committed=5))
+    assert types(item_done) == ["conversation.item.done"]
+
+
+def test_input_queued_behind_a_response_is_bounded_by_the_sessions_rule(card: ModelCard) -> None:
+    tight = LimitValues(65536, 512, 1000.0, 32, 600, 2)
+    h = Harness(card, tight)
+    h.send(user("Hi"))
     h.send({"type": "response.create"})
-    for event in ({"type": "response.create"}, user("interrupt")):
-        (error,) = h.reply({**event, "event_id": "busy"})
-        assert error["error"]["code"] == "conversation_already_has_active_response"
+    assert h.send(user("a" * 300)).replies == ()  # queued: 300 + the template's share, in flight
+    (refused,) = h.reply(user("b" * 300, event_id="too_much"))
+    assert refused["error"]["code"] == "rate_limit_exceeded" and "retry" in refused["error"]["message"]
+    assert refused["error"]["event_id"] == "too_much"
+    assert h.send({"type": "response.create"}).replies == ()  # the second output allowed in flight
+    (refused,) = h.reply({"type": "response.create", "event_id": "third"})
+    assert refused["error"]["code"] == "rate_limit_exceeded"
+    # The rule is the session's own: a native chunk would be refused by it just the same.
+    with pytest.raises(Exception, match="still running"):
+        h.rule.admit_chunk(999, tokens=None, text_chars=300, wants_output=False)
+
+
+def test_the_agents_sdks_session_update_is_kept_echoed_and_refused_only_when_used(card: ModelCard) -> None:
+    h = Harness(card)
+    session = {
+        "type": "realtime",
+        "model": "smollm2-135m",
+        "instructions": "Be brief.",
+        "output_modalities": ["text"],
+        "audio": {
+            "input": {
+                "format": {"type": "audio/pcm", "rate": 24000},
+                "transcription": {"model": "gpt-4o-mini-transcribe"},
+                "turn_detection": {"type": "semantic_vad"},
+                "noise_reduction": None,
+            },
+            "output": {"voice": "ash", "format": {"type": "audio/pcm", "rate": 24000}, "speed": 1.0},
+        },
+        "tools": [],
+        "tool_choice": "auto",
+        "tracing": "auto",
+        "prompt": None,
+        "include": ["item.input_audio_transcription.logprobs"],
+        "truncation": "auto",
+        "max_output_tokens": "inf",
+    }
+    (updated,) = h.reply({"type": "session.update", "session": session})
+    assert updated["type"] == "session.updated"
+    echo = updated["session"]
+    assert echo["audio"]["output"]["voice"] == "ash" and echo["audio"]["input"]["turn_detection"] == {
+        "type": "semantic_vad"
+    }
+    assert echo["tracing"] == "auto" and echo["truncation"] == "auto" and echo["instructions"] == "Be brief."
+    assert "prompt" not in echo  # null: unset
+    # A later partial update merges into audio.output and keeps the rest.
+    (updated,) = h.reply({"type": "session.update", "session": {"audio": {"output": {"speed": 1.2}}}})
+    assert updated["session"]["audio"]["output"] == {
+        "voice": "ash",
+        "format": {"type": "audio/pcm", "rate": 24000},
+        "speed": 1.2,
+    }
+    assert updated["session"]["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
+    # Used, not set: audio out, tools, and a misspelt field are refused.
+    for bad, code in (
+        ({"output_modalities": ["audio"]}, "unsupported_value"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_value"),
+        ({"audio": {"output": {"volume": 3}}}, "unknown_parameter"),
+        ({"tracing": 5}, "invalid_type"),
+    ):
+        (error,) = h.reply({"type": "session.update", "event_id": "u", "session": bad})
+        assert error["error"]["code"] == code, bad
+    (error,) = h.reply({"type": "input_audio_buffer.append", "audio": "AAAA", "event_id": "a"})
+    assert error["error"]["code"] == "audio_unsupported"
 
 
 def test_a_refused_open_empties_the_conversation_and_the_next_item_reopens(card: ModelCard) -> None:
@@ -312,7 +421,7 @@ def test_idle_timeout_is_an_error_event_before_the_close(card: ModelCard) -> Non
 
 def test_a_key_with_a_token_budget_gets_rate_limits_after_session_created(card: ModelCard) -> None:
     limits = DialectLimits(512, 65536, rate_limits=(RateLimit("tokens", 1000, 1000, 3600.0),))
-    dialect = OpenAIDialect(card, limits, EventAdmission(LIMITS))
+    dialect = OpenAIDialect(card, limits, LIMITS)
     created = events(dialect.encode(Pong(dialect.greeting().messages[0].data)))  # type: ignore[union-attr]
     assert types(created) == ["session.created", "rate_limits.updated"]
     assert created[1]["rate_limits"] == [

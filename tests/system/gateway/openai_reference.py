@@ -11,8 +11,12 @@ plan on stdin: {"instructions": str | null, "turns": [str, ...], "max_output_tok
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from typing import Any
+
+from tests.processes import REPO
 
 
 def compute(plan: dict[str, Any]) -> dict[str, Any]:
@@ -52,6 +56,35 @@ def compute(plan: dict[str, Any]) -> dict[str, Any]:
                 f"turn {turn}: the template moved the reply"
             )
     return {"replies": replies, "texts": texts}
+
+
+def start(plan: dict[str, Any]) -> subprocess.Popen[str]:
+    """The reference of `plan`, computing in a subprocess while the test's stack starts."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.system.gateway.openai_reference"],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(plan))
+    proc.stdin.close()
+    return proc
+
+
+_RESULTS: dict[int, dict[str, Any]] = {}
+
+
+def result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    """The reference's answer (read once, then remembered: several tests compare with it)."""
+    if proc.pid not in _RESULTS:
+        assert proc.stdout is not None
+        out = proc.stdout.read()
+        assert proc.wait(600) == 0, "the reference failed"
+        _RESULTS[proc.pid] = json.loads(out)
+    return _RESULTS[proc.pid]
 
 
 if __name__ == "__main__":

@@ -57,10 +57,13 @@ class Stack:
             self.gateways[index] = proc
         return proc
 
-    def start_extra_gateway(self, name: str, flags: list[str], prefix: str | None = None) -> Proc:
-        """A gateway with its own flags (e.g. tight limits), stopped with the stack."""
+    def start_extra_gateway(
+        self, name: str, flags: list[str], prefix: str | None = None, *, tls: bool = False
+    ) -> Proc:
+        """A gateway with its own flags (e.g. tight limits; `tls`: they give it a certificate),
+        stopped with the stack."""
         common = ["--redis-url", self.redis_url, "--key-prefix", prefix or self.prefix, *AUTH_OFF]
-        proc = start(name, "gateway", [*common, *flags], self.log_dir)
+        proc = start(name, "gateway", [*common, *flags], self.log_dir, tls=tls)
         self.extra.append(proc)
         return proc
 

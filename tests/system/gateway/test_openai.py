@@ -11,11 +11,8 @@ mid-response costs the client nothing but time (the reply completes, exact).
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -28,7 +25,8 @@ from gateway.auth.api_keys import KeyLimits, KeyStore
 from shared.store.registry import read_session
 from shared.store.schema import KeySchema
 from tests.conftest import Servers
-from tests.processes import REPO, http_get
+from tests.processes import http_get
+from tests.system.gateway import openai_reference
 from tests.system.gateway.stack import Stack, stop
 from tests.wait import await_until
 
@@ -45,31 +43,10 @@ STORY_TOKENS = 48
 
 
 def reference(plan: dict[str, Any]) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.system.gateway.openai_reference"],
-        cwd=REPO,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.stdin is not None
-    proc.stdin.write(json.dumps(plan))
-    proc.stdin.close()
-    return proc
+    return openai_reference.start(plan)
 
 
-_RESULTS: dict[int, dict[str, Any]] = {}
-
-
-def result(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    """The reference's answer (read once, then remembered: several tests compare with it)."""
-    if proc.pid not in _RESULTS:
-        assert proc.stdout is not None
-        out = proc.stdout.read()
-        assert proc.wait(600) == 0, "the reference failed"
-        _RESULTS[proc.pid] = json.loads(out)
-    return _RESULTS[proc.pid]
+result = openai_reference.result
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,180 @@
+"""What one OpenAI socket has in flight with its session: the seqs it gave out, the item pieces and
+the response not yet answered, and the input queued behind a running response (pending.py).
+
+Why apart from the dialect: this is the bookkeeping of items and responses as native chunks, which
+the dialect's two sides share (client events add to it, session messages settle it); the dialect
+keeps the routing, the session settings and what each session message means to the client.
+
+Invariants: seqs are given out in increasing order and handed to the session in that order (queued
+input only while a response runs, released when it ends, before any later input can be decoded);
+every chunk is admitted under the session's one rule before it exists, and settled from it when
+answered or dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from gateway.limits import ChunkCost, SessionLimits
+from gateway.openai import server_events as ev
+from gateway.openai.admission import admit_event
+from gateway.openai.client_events import ItemCreate, NewItem, ResponseCreate
+from gateway.openai.conversation import Conversation, Item
+from gateway.openai.errors import RealtimeProblem
+from gateway.openai.ids import item_id as new_item_id
+from gateway.openai.pending import (
+    PIECE_CHARS,
+    TEMPLATE_CHARS,
+    PendingInput,
+    QueuedItem,
+    QueuedResponse,
+    item_costs,
+    split,
+)
+from gateway.openai.responses import ActiveResponse
+from shared.protocol.messages import ClientMessage, InputChunk
+
+# What an event sends: native requests for the session, and events for the client.
+Sent = tuple[list[ClientMessage], list[ev.Event]]
+
+
+class Flight:
+    def __init__(self, conversation_id: str, usable: Callable[[], Conversation]) -> None:
+        self._conversation_id = conversation_id
+        self._usable = usable  # the conversation, or a RealtimeProblem if it can take no more
+        self.rule: SessionLimits | None = None  # the session's admission rule, once attached
+        self.seq = 0  # the last seq given out (sent, or reserved for queued input)
+        self.sent_seq = 0  # the last seq handed to the session
+        # seq -> (item id, is the item's last piece) for item chunks in flight.
+        self.item_chunks: dict[int, tuple[str, bool]] = {}
+        self.response: ActiveResponse | None = None
+        self.pending = PendingInput()  # input that arrived while a response runs
+        self._released: list[ClientMessage] = []  # its requests, once it may run
+
+    @property
+    def busy(self) -> bool:
+        """A response runs (or input waits behind one): new input queues."""
+        return self.response is not None or bool(self.pending)
+
+    def admit(self, chunks: Sequence[ChunkCost], param: str) -> None:
+        assert self.rule is not None, "attach() comes before the first frame"
+        admit_event(self.rule, chunks, param)
+
+    def settle(self, seqs: Sequence[int]) -> None:
+        if self.rule is not None:
+            for seq in seqs:
+                self.rule.settle(seq)
+
+    def note_sent(self, messages: Sequence[ClientMessage]) -> None:
+        for message in messages:
+            if isinstance(message, InputChunk):
+                self.sent_seq = message.seq
+
+    def take_released(self) -> tuple[ClientMessage, ...]:
+        released, self._released = tuple(self._released), []
+        self.note_sent(released)
+        return released
+
+    # ---- client events ------------------------------------------------------------------------
+
+    def add_item(self, event: ItemCreate) -> Sent:
+        """The item's chunks now, or nothing now when it queues behind a running response."""
+        if self.busy:
+            self._queue_item(event)
+            return [], []
+        conversation = self._usable()
+        previous = conversation.last_item_id
+        checkpoint = conversation.checkpoint()
+        item, text = conversation.append(event.item, event.previous_item_id)
+        pieces = [text[i : i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS)] or [""]
+        seqs = list(range(self.seq + 1, self.seq + 1 + len(pieces)))
+        try:
+            self.admit(
+                [ChunkCost(s, len(p), False) for s, p in zip(seqs, pieces, strict=True)], "item.content"
+            )
+        except RealtimeProblem:
+            conversation.rollback(checkpoint)
+            raise
+        self.seq = seqs[-1]
+        added = ev.item_added(ev.message_item(item.item_id, item.role, item.text, "completed"), previous)
+        return self._item_chunks_for(item, seqs, pieces), [added]
+
+    def add_response(self, event: ResponseCreate, limit: int) -> Sent:
+        """The response's chunk and opening events now, or nothing now when it queues."""
+        conversation = self._usable()
+        if self.busy:  # it starts when what runs and what waits before it are done
+            self.admit([ChunkCost(self.seq + 1, TEMPLATE_CHARS, True)], "response")
+            self.seq += 1
+            self.pending.put(QueuedResponse(event.event_id, ActiveResponse(self.seq, limit, event.metadata)))
+            return [], []
+        checkpoint = conversation.checkpoint()
+        header = conversation.begin_response()
+        try:
+            self.admit([ChunkCost(self.seq + 1, len(header), True)], "response")
+        except RealtimeProblem:
+            conversation.rollback(checkpoint)
+            raise
+        self.seq += 1
+        response = ActiveResponse(self.seq, limit, event.metadata)
+        self.response = response
+        opening = response.opening(self._conversation_id, conversation.last_item_id)
+        return [InputChunk(self.seq, text=header, max_output_tokens=limit)], opening
+
+    def _queue_item(self, event: ItemCreate) -> None:
+        """Checked and admitted now, joined when the running response ends."""
+        conversation = self._usable()
+        wanted = event.item.item_id
+        if wanted is not None and wanted in self.pending.item_ids:
+            raise RealtimeProblem(
+                f"item.id {wanted!r} already exists", param="item.id", code="duplicate_item_id"
+            )
+        last = self.pending.last_item_id if self.pending else None
+        if last is None:
+            last = self.response.item_id if self.response is not None else conversation.last_item_id
+        conversation.check(event.item, event.previous_item_id, last)
+        costs = item_costs(self.seq + 1, len(event.item.text))
+        self.admit(costs, "item.content")
+        self.seq = costs[-1].seq
+        item = NewItem(wanted or new_item_id(), event.item.role, event.item.text)
+        self.pending.put(
+            QueuedItem(event.event_id, item, event.previous_item_id, tuple(c.seq for c in costs))
+        )
+
+    def _item_chunks_for(self, item: Item, seqs: Sequence[int], pieces: Sequence[str]) -> list[ClientMessage]:
+        for s in seqs:
+            self.item_chunks[s] = (item.item_id, s == seqs[-1])
+        return [InputChunk(s, text=p, max_output_tokens=0) for s, p in zip(seqs, pieces, strict=True)]
+
+    # ---- when the running response ends ---------------------------------------------------------
+
+    def join(self) -> list[ev.Event]:
+        """Queued input joins, in order, up to the next response; its requests wait in
+        `take_released`. An entry that can no longer join is an `error` naming its event."""
+        events: list[ev.Event] = []
+        while self.pending and self.response is None:
+            entry = self.pending.pop()
+            seqs = entry.seqs if isinstance(entry, QueuedItem) else (entry.response.seq,)
+            try:
+                conversation = self._usable()
+                if isinstance(entry, QueuedItem):
+                    previous = conversation.last_item_id
+                    item, text = conversation.append(entry.item, entry.previous_item_id)
+                    self._released += self._item_chunks_for(item, seqs, split(text, len(seqs)))
+                    added = ev.message_item(item.item_id, item.role, item.text, "completed")
+                    events.append(ev.item_added(added, previous))
+                else:
+                    response = entry.response
+                    header = conversation.begin_response()
+                    self.response = response
+                    events += response.opening(self._conversation_id, conversation.last_item_id)
+                    limit = response.max_output_tokens
+                    self._released.append(InputChunk(response.seq, text=header, max_output_tokens=limit))
+            except RealtimeProblem as exc:
+                self.settle(seqs)
+                events.append(ev.error(exc, entry.event_id))
+        return events
+
+    def drop_queued(self) -> None:
+        """The session underneath is gone (a failed open): the queue goes as if never sent."""
+        for entry in self.pending.clear():
+            self.settle(entry.seqs if isinstance(entry, QueuedItem) else (entry.response.seq,))
