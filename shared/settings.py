@@ -90,11 +90,25 @@ class EngineSettings:
     dtype: str = field(default="float32", metadata={"help": " or ".join(DTYPE_NAMES)})
     attention: str = field(default="auto", metadata={"help": "auto, torch or flashinfer"})
     kv_tokens: int = field(default=0, metadata={"help": "KV capacity in tokens; 0 sizes it automatically"})
+    host_kv_tokens: int = field(
+        default=-1,
+        metadata={
+            "help": "host KV tier in tokens, where idle sessions' KV waits instead of being dropped; "
+            "0 turns it off, -1 sizes it from available host memory"
+        },
+    )
     kv_memory_fraction: float = field(
         default=0.85, metadata={"help": "share of free GPU memory for KV (CUDA)"}
     )
     page_size: int = 16
     max_batch_tokens: int = field(default=2048, metadata={"help": "tokens one forward step feeds at most"})
+    max_append_piece_tokens: int = field(
+        default=256,
+        metadata={
+            "help": "while other sessions have work, an append feeds at most this many tokens a step, "
+            "so a long re-prefill (a window cut, a restore) does not stall their turns"
+        },
+    )
     max_sessions: int = 256
     max_chunk_tokens: int = 512
     # A session's queue (chunks behind its running turn) is bounded by what it costs, not by a

@@ -119,12 +119,14 @@ def test_truncate_keeps_the_prefix_and_the_most_recent_tokens(tiny: Engine) -> N
 
 
 def test_idle_sessions_lose_their_kv_under_pressure_and_recompute_it() -> None:
-    with Engine.load("tiny", kv_tokens=128, page_size=16) as engine:
+    """With no host tier (`host_kv_tokens` 0) pressure drops KV, as before the tier existed."""
+    with Engine.load("tiny", kv_tokens=128, page_size=16, host_kv_tokens=0) as engine:
         idle = engine.open_session(stop_token_ids=())
         engine.run_turn(idle, tokens=list(range(1, 60)), max_output_tokens=2, timeout=30)
         busy = engine.open_session(stop_token_ids=())
         engine.run_turn(busy, tokens=list(range(100, 180)), max_output_tokens=2, timeout=30)
         assert engine.stats().kv_evictions == 1
+        assert engine.stats().memory.host_pages_total == 0
         resumed = engine.run_turn(idle, tokens=[5, 6, 7], max_output_tokens=4, timeout=30)
         with Engine.load("tiny", kv_tokens=1024) as roomy:
             sid = roomy.open_session(stop_token_ids=())
@@ -133,6 +135,7 @@ def test_idle_sessions_lose_their_kv_under_pressure_and_recompute_it() -> None:
                 roomy.run_turn(sid, tokens=[5, 6, 7], max_output_tokens=4, timeout=30).tokens
                 == resumed.tokens
             )
+        assert engine.stats().memory.recomputes == 1
 
 
 @pytest.mark.parametrize(

@@ -43,3 +43,13 @@ def test_no_output_turns_are_not_sampled_and_row_limit_holds() -> None:
 
 def test_nothing_to_do() -> None:
     assert Scheduler(max_batch_tokens=10, max_batch_rows=2).schedule([session("done", 10, 10)]) is None
+
+
+def test_a_long_append_goes_in_pieces_while_others_have_work() -> None:
+    long, decode = session("long", 900, 0), session("decode", 50, 49)
+    scheduler = Scheduler(max_batch_tokens=2048, max_batch_rows=8, max_append_piece=256)
+    batch = scheduler.schedule([long, decode])
+    assert batch is not None
+    assert [(r.session.session_id, r.count) for r in batch.rows] == [("decode", 1), ("long", 256)]
+    alone = scheduler.schedule([long])  # nobody waits on it: the whole budget
+    assert alone is not None and alone.rows[0].count == 900

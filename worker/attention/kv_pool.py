@@ -1,6 +1,6 @@
 """The KV tensor pool: every layer's keys and values in fixed pages, allocated once at start.
 
-Page ids come from `worker.engine.page_allocator`; this module only owns the memory. Page p holds
+Page ids come from `worker.engine.memory.page_allocator`; this module only owns the memory. Page p holds
 slots p * page_size ... (p + 1) * page_size - 1 in either layout; each attention backend picks the
 layout it reads best:
 - `nhd`: per layer [num_pages, page_size, num_kv_heads, head_dim] for K and for V, the paged layout
@@ -50,6 +50,24 @@ class KVPool:
 
     def values(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 1]
+
+    @property
+    def page_axis(self) -> int:
+        """The axis of `paged()` that indexes pages."""
+        return 2 if self.layout == "nhd" else 3
+
+    def paged(self) -> torch.Tensor:
+        """The whole pool with an explicit page axis (a view, no copy): `nhd` [L, 2, P, page, H, D],
+        `head_major` [L, 2, H, P, page, D]. The host tier copies whole pages along this axis."""
+        if self.layout == "nhd":
+            return self.buffer
+        layers, two, heads, _slots, head_dim = self.buffer.shape
+        return self.buffer.view(layers, two, heads, self.num_pages, self.page_size, head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every layer, keys and values."""
+        return self.num_bytes // self.num_pages
 
     @property
     def device(self) -> torch.device:

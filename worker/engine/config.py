@@ -17,7 +17,9 @@ from worker.model.presets import TINY_SEED
 class EngineConfig(EngineSettings):
     """The worker's engine settings (their defaults are `EngineSettings`') and what only the engine sets.
 
-    `kv_tokens` 0 sizes the pool from free GPU memory (CUDA) or a fixed default (CPU).
+    `kv_tokens` 0 sizes the pool from free GPU memory (CUDA) or a fixed default (CPU);
+    `host_kv_tokens` -1 sizes the host tier from available host memory, 0 turns it off
+    (worker/engine/memory/sizing.py).
     """
 
     max_batch_rows: int = 256
@@ -30,11 +32,18 @@ class EngineConfig(EngineSettings):
         return copy_fields(cls, settings, **engine_only)
 
     def __post_init__(self) -> None:
-        if self.page_size < 1 or self.max_batch_tokens < 1 or self.max_batch_rows < 1:
-            raise ValueError("page_size, max_batch_tokens and max_batch_rows must be positive")
+        if min(self.page_size, self.max_batch_tokens, self.max_batch_rows, self.max_append_piece_tokens) < 1:
+            raise ValueError(
+                "page_size, max_batch_tokens, max_batch_rows and max_append_piece_tokens must be positive"
+            )
         if self.kv_tokens < 0 or 0 < self.kv_tokens < self.page_size:
             raise ValueError(f"kv_tokens {self.kv_tokens} is below one page of {self.page_size}")
         if self.max_queued_tokens < 1 or self.max_queued_outputs < 1:
             raise ValueError("max_queued_tokens and max_queued_outputs must be positive")
+        if self.host_kv_tokens < -1 or 0 < self.host_kv_tokens < self.page_size:
+            raise ValueError(
+                f"host_kv_tokens {self.host_kv_tokens}: 0 (off), -1 (sized from host memory) or one page "
+                f"of {self.page_size} tokens at least"
+            )
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError("kv_memory_fraction must be in (0, 1]")

@@ -24,7 +24,7 @@ from shared.protocol.messages import FinishReason, OpenConfig
 from shared.store.schema import Cut
 from worker.engine.admission import admit
 from worker.engine.config import EngineConfig
-from worker.engine.memory.page_allocator import PageAllocator
+from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager
 from worker.engine.memory.window import cut_before, opening_history, session_limit
 from worker.engine.model_runner import ForwardRow, ModelRunner
 from worker.engine.sampling import SamplingParams
@@ -38,8 +38,6 @@ from worker.tokenizer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 CloseListener = Callable[[str, str], None]
-# A client told to retry after capacity ran out waits about this long before its next try.
-CAPACITY_RETRY_MS = 500
 
 
 class EngineCore:
@@ -50,6 +48,7 @@ class EngineCore:
         tokenizer: Tokenizer | None,
         *,
         eos_token_ids: tuple[int, ...],
+        host_pages: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -60,22 +59,24 @@ class EngineCore:
         self.clock = clock
         self.vocab_size = runner.config.vocab_size
         self.page_size = runner.page_size
-        self.allocator = PageAllocator(runner.kv_pool.num_pages)
+        self.sessions: dict[str, Session] = {}
+        # The one owner of KV memory: both tiers, windows, eviction (worker/engine/memory/).
+        self.kv = KVManager(runner.kv_pool, host_pages, self.sessions)
         self.scheduler = Scheduler(
-            max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows
+            max_batch_tokens=config.max_batch_tokens,
+            max_batch_rows=config.max_batch_rows,
+            max_append_piece=config.max_append_piece_tokens,
         )
         # The longest sequence a session may reach: the model's context, and never more than the pool.
         self.context_limit = min(
-            runner.config.max_position_embeddings, self.allocator.num_pages * self.page_size
+            runner.config.max_position_embeddings, self.kv.device.num_pages * self.page_size
         )
-        self.sessions: dict[str, Session] = {}
         self.running: dict[str, Session] = {}  # sessions with an active turn, in activation order
         self.waiting: dict[str, Session] = {}  # sessions with pending turns and no active one
         self.close_listeners: list[CloseListener] = []
         self.steps = 0
         self.turns_completed = 0
         self.tokens_forwarded = 0
-        self.kv_evictions = 0
 
     # ---- intake -------------------------------------------------------------------------------
 
@@ -125,6 +126,7 @@ class EngineCore:
         session.pending.append(turn)
         if session.active is None:
             self.waiting[session_id] = session
+            self.kv.prefetch(session)
 
     def next_seq(self, session_id: str) -> int:
         accepted = self._get(session_id).accepted_seq
@@ -151,7 +153,7 @@ class EngineCore:
             self._resolve(session, turn, "cancelled")
         session.active = None
         session.pending.clear()
-        self.allocator.free(session.drop_kv())
+        self.kv.release(session)
         logger.debug("session %s closed (%s)", session_id, reason)
         for listener in self.close_listeners:
             try:
@@ -175,22 +177,24 @@ class EngineCore:
         return soonest
 
     def stats(self) -> EngineStats:
-        free = self.allocator.num_free
+        memory = self.kv.stats()
+        free = memory.device_pages_total - memory.device_pages_used
         return EngineStats(
             sessions=len(self.sessions),
             active_sessions=len(self.running),
             queued_turns=sum(len(s.pending) for s in self.sessions.values()),
-            pages_total=self.allocator.num_pages,
-            pages_used=self.allocator.num_used,
+            pages_total=memory.device_pages_total,
+            pages_used=memory.device_pages_used,
             pages_free=free,
             page_size=self.page_size,
-            kv_tokens_total=self.allocator.num_pages * self.page_size,
+            kv_tokens_total=memory.device_pages_total * self.page_size,
             kv_tokens_free=free * self.page_size,
             steps=self.steps,
             turns_completed=self.turns_completed,
             tokens_forwarded=self.tokens_forwarded,
-            kv_evictions=self.kv_evictions,
+            kv_evictions=memory.drops,
             attention_backend=self.runner.attention_name,
+            memory=memory,
         )
 
     # ---- the step -----------------------------------------------------------------------------
@@ -250,20 +254,9 @@ class EngineCore:
         owner.absorbed = turns[:-1]
         inputs = [t for turn in turns for t in turn.input_tokens]
         outputs = owner.max_output_tokens if owner.wants_output else 0
-        history = session.tokens if cut is None else cut.apply(session.tokens)
-        # A cut keeps the KV of the prefix (its positions do not move) and re-prefills the recent
-        # tokens into fresh pages; the session's other pages come back first.
-        kept_cached = session.num_cached if cut is None else min(session.num_cached, cut.keep)
-        held = -(-kept_cached // self.page_size) if cut is not None else len(session.pages)
-        reusable = len(session.pages) - held
-        pages_needed = max(-(-(len(history) + len(inputs) + outputs) // self.page_size) - held, 0)
-        if pages_needed > self.allocator.num_free + reusable:
-            self._evict_idle_kv(pages_needed - reusable, keep=session)
-        if pages_needed > self.allocator.num_free + reusable:
-            error = CapacityExhausted(
-                f"KV pool full: {pages_needed} pages needed, {self.allocator.num_free + reusable} free",
-                retry_after_ms=CAPACITY_RETRY_MS,
-            )
+        try:
+            self.kv.prepare(session, cut, len(inputs) + outputs)
+        except CapacityExhausted as error:
             # Later chunks were sent assuming this one lands: refuse them too rather than reorder input,
             # and forget all of them (seq and text included), so each may be sent again as it was.
             assert turns[0].before is not None
@@ -272,14 +265,7 @@ class EngineCore:
                 self._reject(turn, error)
             session.pending.clear()
             return
-        if cut is not None:
-            self.allocator.free(session.pages[held:])
-            del session.pages[held:]
-            session.num_cached = kept_cached
-            session.tokens = history
-            turns[0].cut = cut
-        last_page = session.pages[-1] if session.pages else None
-        session.pages.extend(self.allocator.allocate(pages_needed, after=last_page))
+        turns[0].cut = cut
         now = self.clock()
         for turn in turns:
             turn.started_at = now
@@ -312,18 +298,6 @@ class EngineCore:
             length += len(following.input_tokens)
         return turns, cut
 
-    def _evict_idle_kv(self, pages_needed: int, *, keep: Session) -> None:
-        idle = sorted(
-            (s for s in self.sessions.values() if s is not keep and not s.is_busy and s.pages),
-            key=lambda s: s.last_activity,
-        )
-        for session in idle:
-            if self.allocator.num_free >= pages_needed:
-                return
-            self.allocator.free(session.drop_kv())
-            self.kv_evictions += 1
-            logger.info("dropped the KV of idle session %s; its next chunk recomputes it", session.session_id)
-
     def _finish(self, session: Session, reason: FinishReason) -> None:
         owner = session.active
         assert owner is not None
@@ -333,13 +307,10 @@ class EngineCore:
             self._resolve(session, turn, "cancelled" if turn.cancelled else "length")
         self._resolve(session, owner, reason)
         # Give back pages reserved for outputs the turn did not produce (early stop or cancel).
-        needed = -(-len(session.tokens) // self.page_size)
-        if len(session.pages) > needed:
-            self.allocator.free(session.pages[needed:])
-            del session.pages[needed:]
+        self.kv.trim(session)
         if self.config.no_session:
-            # The same path as an eviction under memory pressure: the next turn recomputes the history.
-            self.allocator.free(session.drop_kv())
+            # The same path as a drop under memory pressure: the next turn recomputes the history.
+            self.kv.forget(session)
         session.last_activity = self.clock()
         if session.pending:
             self.waiting[session.session_id] = session
@@ -382,7 +353,7 @@ class EngineCore:
             session.active = None
             self.running.pop(session.session_id, None)
             # The KV of this step's tokens may be half written: recompute the whole history next time.
-            self.allocator.free(session.drop_kv())
+            self.kv.forget(session)
 
     def _notify_token(self, session: Session, turn: Turn, token: int, logprob: float | None) -> None:
         if turn.on_token is None:

@@ -27,10 +27,10 @@ from shared.protocol.messages import OpenConfig
 from shared.settings import DTYPE_NAMES
 from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore
+from worker.engine.memory.sizing import device_pages, host_pages
 from worker.engine.model_runner import ModelRunner
 from worker.engine.stats import EngineStats
 from worker.engine.turn import TokenListener, Turn, TurnResult
-from worker.model.config import ModelConfig
 from worker.model.loader import LoadedModel, load_model
 from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail
 from worker.tokenizer.tokenizer import Tokenizer
@@ -39,9 +39,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# CPU pools are sized by bytes: the pool is touched at start so its memory is resident, not lazy.
-CPU_KV_BYTES = 512 * 2**20
-CPU_KV_TOKENS_CAP = 131072
 # Text longer than this many characters per allowed token could not fit a chunk: refused before
 # tokenizing (which is the cost being bounded). The exact token count is checked on commit.
 MAX_CHARS_PER_TOKEN = 32
@@ -56,18 +53,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _kv_pages(config: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
-    bytes_per_token = model.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
-    if config.kv_tokens:
-        tokens = config.kv_tokens
-    elif device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        tokens = int(free * config.kv_memory_fraction) // bytes_per_token
-    else:
-        tokens = min(CPU_KV_BYTES // bytes_per_token, CPU_KV_TOKENS_CAP)
-    return max(tokens // config.page_size, 1)
-
-
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.config = config
@@ -79,13 +64,17 @@ class Engine:
             loaded,
             device=device,
             dtype=dtype,
-            num_pages=_kv_pages(config, loaded.config, device, dtype),
+            num_pages=device_pages(config, loaded.config, device, dtype),
             page_size=config.page_size,
             attention=config.attention,
         )
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer and loaded.tokenizer.eos_token_ids else ()
         self._core = EngineCore(
-            config, runner, loaded.tokenizer, eos_token_ids=eos or loaded.config.eos_token_ids
+            config,
+            runner,
+            loaded.tokenizer,
+            eos_token_ids=eos or loaded.config.eos_token_ids,
+            host_pages=host_pages(config, loaded.config, dtype),
         )
         self._inbox: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Event()

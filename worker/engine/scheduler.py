@@ -2,7 +2,10 @@
 
 Policy, for realtime latency: rows that decode one token go first (a turn in progress waits on
 each), then appends shortest-first, so a long restore or re-prefill only takes the budget the
-micro-turns leave; an append that does not fit is split and continues in the next step.
+micro-turns leave; an append that does not fit is split and continues in the next step. While
+other sessions have work too, an append is fed at most `max_append_piece` tokens a step: a long
+re-prefill (a window cut, a restore from the log, a long prompt) is spread over steps that also
+carry the other sessions' micro-turns, instead of making them all wait for one long step.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, *, max_batch_tokens: int, max_batch_rows: int) -> None:
+    def __init__(
+        self, *, max_batch_tokens: int, max_batch_rows: int, max_append_piece: int | None = None
+    ) -> None:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_rows = max_batch_rows
+        self.max_append_piece = max_append_piece or max_batch_tokens
 
     def schedule(self, running: Iterable[Session]) -> ScheduledBatch | None:
         """`running`: sessions with an active turn, in activation order."""
@@ -44,10 +50,11 @@ class Scheduler:
         appends = sorted((s for s in with_work if s.uncached > 1), key=lambda s: s.uncached)
         rows: list[ScheduledRow] = []
         budget = self.max_batch_tokens
+        piece = self.max_append_piece if len(with_work) > 1 else budget
         for session in decodes + appends:
             if budget == 0 or len(rows) == self.max_batch_rows:
                 break
-            count = min(session.uncached, budget)
+            count = min(session.uncached, budget, piece)
             turn = session.active
             completes = count == session.uncached
             rows.append(

@@ -1,7 +1,9 @@
-"""A streaming session: its whole token sequence, which prefix of it has KV, and its page table.
+"""A streaming session: its whole token sequence, which prefix of it has KV, and its page tables.
 
-Invariants (the engine thread is the only writer):
-- `tokens[:num_cached]` have their KV in `pages`, at position p in page `pages[p // page_size]`.
+Invariants (the engine thread is the only writer; the pages are worker/engine/memory/manager.py's):
+- `tokens[:num_cached]` have their KV in `pages`, at position p in page `pages[p // page_size]`,
+  or, while the session is parked on the host tier, in `host_pages` the same way (then `pages` is
+  empty). At most one of the two is non-empty.
 - `len(pages) * page_size >= num_cached`; pages beyond that are reserved for the active turn.
 - Tokens past `num_cached` are fed by the next forward: the rest of an append that did not fit
   one step, or the last sampled token, which gets its KV at the start of the next append.
@@ -40,6 +42,10 @@ class Session:
         self.tokens: list[int] = history
         self.num_cached = 0
         self.pages: list[int] = []
+        self.host_pages: list[int] = []
+        # The next append recomputes KV that existed once (dropped under pressure, or a history
+        # given at open or restore): counted as a recompute when it happens.
+        self.recompute = bool(history)
         self.active: Turn | None = None
         self.pending: deque[Turn] = deque()
         # The last chunk seq this session accepted (None: none yet, so any seq may start it); chunks
@@ -79,8 +85,3 @@ class Session:
         for turn in self.pending:
             length += len(turn.input_tokens) + turn.max_output_tokens
         return length
-
-    def drop_kv(self) -> list[int]:
-        """Forget the KV (its token history stays, so the next append recomputes it); returns the pages."""
-        released, self.pages, self.num_cached = self.pages, [], 0
-        return released

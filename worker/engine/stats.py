@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.engine.memory.manager import MemoryStats
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -19,6 +21,9 @@ class EngineStats:
     steps: int
     turns_completed: int
     tokens_forwarded: int
+    # KV dropped under pressure (the host tier was full too, or off): `memory.drops`.
     kv_evictions: int
     # The attention backend the model runner chose at start (`torch` or `flashinfer`).
     attention_backend: str
+    # Both KV tiers: pages, offloads and restores (count, bytes, seconds), recomputes.
+    memory: MemoryStats

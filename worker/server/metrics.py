@@ -27,17 +27,37 @@ class WorkerMetrics:
             "microturn_worker_kv_pages_free": stats.pages_free,
             "microturn_worker_links": self.links,
         }
+        memory = stats.memory
+        # Pages per tier: the device pool and the host tier (0 total: no host tier).
+        tiers = {
+            "device": (memory.device_pages_used, memory.device_pages_total),
+            "host": (memory.host_pages_used, memory.host_pages_total),
+        }
         lines = []
         for name, value in gauges.items():
             lines += [f"# TYPE {name} gauge", f"{name} {value}"]
-        counters = {
+        counters: dict[str, float] = {
             "microturn_worker_turns_total": self.turns,
             "microturn_worker_steps_total": stats.steps,
             "microturn_worker_tokens_forwarded_total": stats.tokens_forwarded,
             "microturn_worker_kv_evictions_total": stats.kv_evictions,
+            "microturn_worker_kv_offloads_total": memory.offloads.count,
+            "microturn_worker_kv_offload_bytes_total": memory.offloads.bytes,
+            "microturn_worker_kv_offload_seconds_total": memory.offloads.seconds,
+            "microturn_worker_kv_restores_total": memory.restores.count,
+            "microturn_worker_kv_restore_bytes_total": memory.restores.bytes,
+            "microturn_worker_kv_restore_seconds_total": memory.restores.seconds,
+            "microturn_worker_kv_recomputes_total": memory.recomputes,
+            "microturn_worker_kv_recomputed_tokens_total": memory.recomputed_tokens,
         }
-        for name, value in counters.items():
-            lines += [f"# TYPE {name} counter", f"{name} {value}"]
+        for name, total in counters.items():
+            lines += [f"# TYPE {name} counter", f"{name} {total}"]
+        for name, index in (
+            ("microturn_worker_kv_tier_pages_used", 0),
+            ("microturn_worker_kv_tier_pages_total", 1),
+        ):
+            lines.append(f"# TYPE {name} gauge")
+            lines += [f'{name}{{tier="{tier}"}} {pages[index]}' for tier, pages in tiers.items()]
         # An info gauge: which attention backend serves (its start-up check passed, or `torch`).
         lines += [
             "# TYPE microturn_worker_attention_backend gauge",

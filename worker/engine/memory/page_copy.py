@@ -1,0 +1,123 @@
+"""Copies whole KV pages between the device pool and the host tier.
+
+Pages are copied in runs: where consecutive device pages map to consecutive host pages (the page
+allocator keeps a session's pages contiguous when it can), a run is one `narrow` per side, a
+strided block per layer, not a gather of tokens.
+
+On CUDA the copies run on a side stream, ordered by events both ways, and never block the host:
+- before a copy the side stream waits for the work already queued on the compute stream (the
+  pages' last writer, or the step that last read pages now reused);
+- after it the compute stream waits for the copy: a step that reads restored pages, or writes into
+  pages just offloaded (now free), is queued behind it.
+So the engine thread may free or reuse page ids at once: the GPU keeps the order. On the CPU the
+copies are plain synchronous copies, the same runs. Seconds are wall time on the CPU and, on CUDA,
+the events' elapsed time, settled when the copy has finished (`settle`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from worker.attention.kv_pool import KVPool
+from worker.engine.memory.host_pool import HostKVPool
+
+
+@dataclass
+class CopyCounter:
+    """One direction's totals, for the worker's /metrics."""
+
+    count: int = 0
+    pages: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+def page_runs(sources: Sequence[int], targets: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(source start, target start, length) runs where both page lists are consecutive."""
+    if len(sources) != len(targets):
+        raise ValueError(f"{len(sources)} pages copied into {len(targets)}")
+    runs: list[tuple[int, int, int]] = []
+    for source, target in zip(sources, targets, strict=True):
+        if runs:
+            s0, t0, n = runs[-1]
+            if source == s0 + n and target == t0 + n:
+                runs[-1] = (s0, t0, n + 1)
+                continue
+        runs.append((source, target, 1))
+    return runs
+
+
+class PageCopier:
+    def __init__(self, device_pool: KVPool, host_pool: HostKVPool) -> None:
+        self.device_paged = device_pool.paged()
+        self.host_paged = host_pool.paged
+        self.axis = device_pool.page_axis
+        self.page_bytes = device_pool.page_bytes
+        device = device_pool.device
+        # torch's CUDA stream and event constructors are untyped.
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self.offloaded = CopyCounter()
+        self.restored = CopyCounter()
+        # CUDA: (counter, start event, end event) of copies whose time is not yet settled.
+        self._timing: list[tuple[CopyCounter, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        self._copy(self.device_paged, device_pages, self.host_paged, host_pages, self.offloaded)
+
+    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+        self._copy(self.host_paged, host_pages, self.device_paged, device_pages, self.restored)
+
+    def settle(self) -> None:
+        """Add the elapsed time of finished CUDA copies to their counters (no-op on the CPU)."""
+        pending = []
+        for counter, start, end in self._timing:
+            if end.query():  # type: ignore[no-untyped-call]
+                counter.seconds += start.elapsed_time(end) / 1000.0
+            else:
+                pending.append((counter, start, end))
+        self._timing = pending
+
+    def _copy(
+        self,
+        source: torch.Tensor,
+        source_pages: Sequence[int],
+        target: torch.Tensor,
+        target_pages: Sequence[int],
+        counter: CopyCounter,
+    ) -> None:
+        runs = page_runs(source_pages, target_pages)
+        counter.count += 1
+        counter.pages += len(source_pages)
+        counter.bytes += len(source_pages) * self.page_bytes
+        if self.stream is None:
+            started = time.perf_counter()
+            self._copy_runs(source, target, runs, non_blocking=False)
+            counter.seconds += time.perf_counter() - started
+            return
+        compute = torch.cuda.current_stream(self.stream.device)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            self._copy_runs(source, target, runs, non_blocking=True)
+            end.record(self.stream)
+        compute.wait_event(end)
+        self._timing.append((counter, start, end))
+
+    def _copy_runs(
+        self,
+        source: torch.Tensor,
+        target: torch.Tensor,
+        runs: list[tuple[int, int, int]],
+        *,
+        non_blocking: bool,
+    ) -> None:
+        for source_start, target_start, length in runs:
+            target.narrow(self.axis, target_start, length).copy_(
+                source.narrow(self.axis, source_start, length), non_blocking=non_blocking
+            )
