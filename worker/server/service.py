@@ -65,7 +65,13 @@ class WorkerService:
         self.schema = schema
         self.loop = loop
         self.directory = SessionDirectory()
-        self.token_log = TokenLogWriter(client, schema, grace_s=settings.session_grace_s, worker_id=worker_id)
+        self.token_log = TokenLogWriter(
+            client,
+            schema,
+            grace_s=settings.session_grace_s,
+            worker_id=worker_id,
+            keep_records=settings.log_keep_records,
+        )
         self.metrics = WorkerMetrics()
         self.draining = False
         # Sessions a drain is handing over: chunks that still arrive for them are not answered here.

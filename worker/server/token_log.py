@@ -17,11 +17,11 @@ Invariants (docs/failover.md):
 - A window cut is logged with the turn it preceded (a `CUT` directive before its record), so a
   restore rebuilds the window the session had.
 - Compaction keeps a log (and its mirror) bounded however long the session runs: once the mirror
-  holds more than 2 x `KEEP_RECORDS` records since its last snapshot, a flush writes the log
-  compacted to a snapshot plus the last `KEEP_RECORDS` records (shared/store/log_compaction.py),
+  holds more than 2 x `keep_records` records since its last snapshot, a flush writes the log
+  compacted to a snapshot plus the last `keep_records` records (shared/store/log_compaction.py),
   then its new records, in one script that SETs it only while the session's record names this
-  worker. Its cost (bounded by the window and `KEEP_RECORDS`, not by the session's age) comes once
-  per `KEEP_RECORDS` turns; every other flush of the session is one APPEND.
+  worker. Its cost (bounded by the window and `keep_records`, not by the session's age) comes once
+  per `keep_records` turns; every other flush of the session is one APPEND.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Final
 import redis.asyncio as redis
 from redis.typing import EncodableT
 
+from shared.settings import WorkerSettings
 from shared.store.connection import OutageLog
 from shared.store.log_compaction import compact_log, records_since_snapshot
 from shared.store.schema import DIRECTIVE_CUT, Cut, KeySchema, encode_directive, encode_log_record, lua_script
@@ -45,14 +46,9 @@ FLUSH_INTERVAL_S: Final = 0.02
 # After a failed flush the next try waits this, doubling up to the cap: an outage is not a hot loop.
 RETRY_BASE_S: Final = 0.05
 RETRY_MAX_S: Final = 1.0
-# Records a compacted log keeps verbatim after its snapshot: a restore answers a turn the gateway
-# holds undelivered from its record (worker/server/restore.py), and the gateway holds a turn until
-# its `done` arrived, which is sent before the turn is logged. For a compaction to fold such a turn,
-# KEEP_RECORDS later turns must have been admitted, run and flushed while its `done` was still on its
-# way: twice the gateway's default burst of chunks (`chunk_burst` 32, then `max_chunks_per_s` 20:
-# over 1.6 s of a saturated stream whose link delivers nothing). A log holds at most 2 x this many
-# records past its snapshot, each one turn (its tokens and text tail).
-KEEP_RECORDS: Final = 64
+# Records a compacted log keeps whole after its snapshot, unless the worker's `log_keep_records`
+# says otherwise (shared/settings.py says why this many).
+KEEP_RECORDS: Final = WorkerSettings.log_keep_records
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +86,17 @@ class _Queued:
 
 
 class TokenLogWriter:
-    def __init__(self, client: redis.Redis, schema: KeySchema, *, grace_s: float, worker_id: str) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        schema: KeySchema,
+        *,
+        grace_s: float,
+        worker_id: str,
+        keep_records: int = KEEP_RECORDS,
+    ) -> None:
         self.client = client
+        self.keep_records = keep_records
         self.schema = schema
         self.grace_s = grace_s
         self.worker_id = worker_id
@@ -216,7 +221,7 @@ class TokenLogWriter:
                         self._confirm(sid, batch[sid], records[sid], int(replies[index]), None)
                         confirmed.add(sid)
                 # Not in the pipeline: a script there would not be loaded on a cluster node that
-                # lacks it. A compaction comes once per KEEP_RECORDS turns of a session.
+                # lacks it. A compaction comes once per `keep_records` turns of a session.
                 for sid, log in compacted.items():
                     keys = [self.schema.session(sid), self.schema.log(sid)]
                     args: list[EncodableT] = [self.worker_id, self._ttl_ms(batch[sid]), log, records[sid]]
@@ -245,16 +250,17 @@ class TokenLogWriter:
         return int((queued.ttl_s + self.grace_s) * 1000)
 
     def _compacted(self, sid: str, new_records: int) -> bytes | None:
-        """The session's mirror compacted, when this flush would take it past 2 x KEEP_RECORDS
+        """The session's mirror compacted, when this flush would take it past 2 x `keep_records`
         records since its snapshot; None otherwise (most flushes: then nothing is read)."""
         mirror, count = self._mirror.get(sid), self._records.get(sid, 0)
-        if not mirror or count <= KEEP_RECORDS or count + new_records <= 2 * KEEP_RECORDS:
+        keep = self.keep_records
+        if not mirror or count <= keep or count + new_records <= 2 * keep:
             return None
         try:
-            return compact_log(bytes(mirror), KEEP_RECORDS)
+            return compact_log(bytes(mirror), keep)
         except ValueError as exc:  # not expected: the mirror holds what this worker wrote or read
             logger.error("the token log of session %s cannot be compacted: %s", sid, exc)
-            self._records[sid] = 0  # appended to as before; tried again after 2 x KEEP_RECORDS more
+            self._records[sid] = 0  # appended to as before; tried again after 2 x `keep_records` more
             return None
 
     def _confirm(
@@ -267,7 +273,7 @@ class TokenLogWriter:
             return
         if compacted is not None:
             mirror[:] = compacted
-            self._records[sid] = KEEP_RECORDS
+            self._records[sid] = self.keep_records
             self.compactions += 1
         mirror.extend(records)
         self._records[sid] = self._records.get(sid, 0) + len(queued.turns)
