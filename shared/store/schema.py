@@ -12,7 +12,8 @@ drift apart on spelling. Two groups of keys with different placement needs:
   sessions' keys in one command.
 
 The token log is a plain STRING grown with APPEND once per turn (O(1) amortised, no
-read-modify-write). It is a run of *records*, one per logged turn:
+read-modify-write), and replaced whole by its compacted form once per many turns
+(shared/store/log_compaction.py). It is a run of *records*, one per logged turn:
 
     header (24 bytes): n_tokens <u4 | seq <i8 | n_inputs <u4 | tail_bytes <u4 | context_bytes <u4
     body:              n_tokens token ids (<u4 each: the turn's inputs, then its outputs),
