@@ -6,15 +6,21 @@ whole log would, keep their TTL, and a log whose session moved to another worker
 from __future__ import annotations
 
 import asyncio
+import shutil
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
+import pytest
 from redis.asyncio import Redis
 
 from shared.store.registry import SessionRecord, write_session
 from shared.store.schema import DIRECTIVE_CUT, Cut, KeySchema, decode_log, encode_directive, encode_log_record
 from tests.conftest import Servers
+from tests.shared.redis_servers import REDIS_SERVER
+from tests.system.gateway.faults import restartable_redis
+from tests.wait import await_until
 from worker.server.token_log import KEEP_RECORDS, TokenLogWriter
 from worker.tokenizer.incremental import TextTail
 
@@ -124,3 +130,32 @@ def test_a_log_whose_session_moved_is_only_appended_to(servers: Servers) -> None
         assert decode_log(await r.get(schema.log("s"))).durable_seq == 10_000
 
     run(servers.redis(), body)
+
+
+def test_a_compaction_redis_refused_stays_queued_and_a_lost_record_is_found(tmp_path: Path) -> None:
+    """Redis dies as a flush would compact: the turns stay queued, in order; it comes back empty, so
+    the record no longer names this worker and the flush only appends: the reply, shorter than the
+    mirror, marks the log damaged for the heartbeat to re-write (shared/store/held.py)."""
+    if shutil.which(REDIS_SERVER) is None:
+        pytest.skip(f"{REDIS_SERVER} is not installed")
+    with restartable_redis(tmp_path) as server:
+
+        async def body(r: Redis, schema: KeySchema) -> None:
+            writer = TokenLogWriter(r, schema, grace_s=0.0, worker_id="w")
+            await own(r, schema, "s", "w")
+            writer.start("s", b"", None)
+            await write_turns(writer, "s", range(2 * KEEP_RECORDS), per_flush=2 * KEEP_RECORDS)
+            server.kill()
+            first, second = turn(2 * KEEP_RECORDS), turn(2 * KEEP_RECORDS + 1)
+            writer.append("s", 2 * KEEP_RECORDS, *first[:2], TTL_S, tail=first[2], cut=first[3])
+            assert not await writer.flush()
+            server.start()
+            writer.append("s", 2 * KEEP_RECORDS + 1, *second[:2], TTL_S, tail=second[2], cut=second[3])
+            await await_until(writer.flush, 10, "a flush once Redis is back")
+            assert writer.compactions == 0 and writer.damaged == {"s"}
+            assert await r.get(schema.log("s")) == record(2 * KEEP_RECORDS) + record(2 * KEEP_RECORDS + 1)
+            mirror = writer.held_logs()["s"]
+            assert mirror == b"".join(record(seq) for seq in range(2 * KEEP_RECORDS + 2))
+            assert writer.durable_seq("s") == 2 * KEEP_RECORDS + 1
+
+        run(server.url, body)
