@@ -4,7 +4,8 @@
 #   2. run the CUDA tests (`pytest -m cuda`),
 #   3. run `microturn bench` (streaming, reprefill, hf; 16 in, 8 out) on random bf16 weights shaped
 #      like Llama-3.2-1B and Llama-3.1-8B, at 4 x 300 and at SGLang's CI shape 8 x 150,
-#   4. run the capacity benchmark (`microturn bench --capacity`) on the first model.
+#   4. run the capacity benchmark (`microturn bench --capacity`) on the first model,
+#   5. measure the host KV tier's copies (`python -m loadtest.kv_copy`: offload and restore GB/s).
 # Every report, log, JSON and plot goes into one archive, $OUT/gpu-check.tar.gz (the device tool
 # brings back at most 8 files), beside $OUT/summary.txt (each bench's table and floor lines).
 # Wheels, fetched here beforehand:
@@ -66,5 +67,9 @@ if [ "$CAPACITY_S" != 0 ]; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     grep -v " INFO " "$RESULTS/$name.log" | tail -n 25 >>"$OUT/summary.txt"
 fi
+"$PYTHON" -m loadtest.kv_copy --device "$DEVICE" --dtype "$DTYPE" --json "$RESULTS/kv-copy.json" \
+    2>&1 | tee "$RESULTS/kv-copy.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+cat "$RESULTS/kv-copy.log" >>"$OUT/summary.txt"
 tar -czf "$OUT/gpu-check.tar.gz" -C "$RESULTS" .
 exit "$status"

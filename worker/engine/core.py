@@ -87,7 +87,20 @@ class EngineCore:
         history: list[int],
         accepted_seq: int | None = None,
         text_tail: TextTail = EMPTY_TAIL,
+        *,
+        adopt: bool = False,
     ) -> None:
+        """Open a session with `history`. With `adopt`, a session of that id already here (a copy
+        warmed before a handover, `warm`) is taken over when its tokens begin `history` and its
+        config is the same: it keeps its KV and only the rest of `history` is prefilled; any other
+        copy is discarded first."""
+        existing = self.sessions.get(session_id)
+        if existing is not None and adopt:
+            context_limit = session_limit(config, self.context_limit)
+            window = opening_history(history, config, context_limit)
+            if self._adopt(existing, config, window, accepted_seq, text_tail):
+                return
+            self._discard(existing)
         if session_id in self.sessions:
             raise InvalidMessage(f"session {session_id} already exists")
         if len(self.sessions) >= self.config.max_sessions:
@@ -112,6 +125,17 @@ class EngineCore:
             accepted_seq=accepted_seq,
             tail=text_tail,
         )
+
+    def warm(self, session_id: str, turn: Turn) -> None:
+        """Compute the KV of the session's whole history now, in the background class of the
+        schedule (worker/engine/scheduler.py): `turn` (no input, no output) resolves when it is in.
+        A warm copy is what a draining worker's session is rebuilt into before the switch."""
+        session = self._get(session_id)
+        if session.is_busy:
+            raise InvalidMessage(f"session {session_id} is busy: only an idle session is warmed")
+        turn.background = True
+        session.pending.append(turn)
+        self.waiting[session_id] = session
 
     def submit(self, session_id: str, turn: Turn) -> None:
         """Validate, tokenize and queue `turn`; raises having changed nothing, or accepts it whole."""
@@ -278,6 +302,35 @@ class EngineCore:
             self._finish(session, "cancelled" if owner.cancelled else "length")
         else:
             self.running[session.session_id] = session
+
+    def _adopt(
+        self,
+        session: Session,
+        config: OpenConfig,
+        history: list[int],
+        accepted_seq: int | None,
+        text_tail: TextTail,
+    ) -> bool:
+        if session.is_busy or session.config != config or history[: len(session.tokens)] != session.tokens:
+            return False
+        session.tokens = list(history)
+        session.accepted_seq = accepted_seq
+        session.tail = text_tail
+        session.last_activity = self.clock()
+        return True
+
+    def _discard(self, session: Session) -> None:
+        """Drop a warm copy that cannot be adopted, quietly: it was never the live session, so no
+        close listener hears of it (they would end the live one)."""
+        del self.sessions[session.session_id]
+        self.running.pop(session.session_id, None)
+        self.waiting.pop(session.session_id, None)
+        for turn in ([session.active] if session.active else []) + list(session.pending):
+            turn.cancelled = True
+            self._resolve(session, turn, "cancelled")
+        session.active = None
+        session.pending.clear()
+        self.kv.release(session)
 
     def _fold(self, session: Session) -> tuple[list[Turn], Cut | None]:
         """The turns one append takes from the queue, and the cut before it (None: none).

@@ -125,12 +125,14 @@ class Engine:
         accepted_seq: int | None = None,
         text_tail: TextTail = EMPTY_TAIL,
         config: OpenConfig | None = None,
+        adopt: bool = False,
         **options: Any,
     ) -> tuple[str, Future[str]]:
         """Open a session with `config`, or with `options` given by hand (tests, the bench, the console).
 
         `config` has been validated where it entered (the client codec, or the session record read
-        back from Redis); hand-given `options` enter here, so the same rules check them.
+        back from Redis); hand-given `options` enter here, so the same rules check them. `adopt`
+        takes over a warm copy of the session (`warm_async`) whose tokens begin `history`.
         """
         if config is None:
             config = config_from_map(options, "session options")
@@ -142,10 +144,43 @@ class Engine:
         sid = session_id or uuid.uuid4().hex
 
         def open_it() -> str:
-            self._core.open_session(sid, config, history_tokens, accepted_seq, text_tail)
+            self._core.open_session(sid, config, history_tokens, accepted_seq, text_tail, adopt=adopt)
             return sid
 
         return sid, self._call(open_it)
+
+    def warm_async(
+        self,
+        session_id: str,
+        *,
+        config: OpenConfig,
+        history: Sequence[int],
+        accepted_seq: int | None = None,
+        text_tail: TextTail = EMPTY_TAIL,
+    ) -> Future[TurnResult]:
+        """Open a copy of a session and compute its history's KV in the background class of the
+        schedule (client turns first, then at most one append piece a step): the future resolves
+        when the copy is current up to `history`. A later `open_session_async(adopt=True)` with a
+        longer history takes it over and prefills only the rest (a make-before-break handover)."""
+        history_tokens = self._check_tokens(history)
+        future: Future[TurnResult] = Future()
+        future.set_running_or_notify_cancel()
+
+        def warm_it() -> None:
+            self._core.open_session(session_id, config, history_tokens, accepted_seq, text_tail)
+            turn = Turn(
+                seq=-1 if accepted_seq is None else accepted_seq,
+                input_tokens=[],
+                max_output_tokens=0,
+                logprobs=False,
+                future=future,
+                on_token=None,
+                submitted_at=time.monotonic(),
+            )
+            self._core.warm(session_id, turn)
+
+        self._enqueue(warm_it, future)
+        return future
 
     def open_session(
         self,

@@ -6,6 +6,8 @@ micro-turns leave; an append that does not fit is split and continues in the nex
 other sessions have work too, an append is fed at most `max_append_piece` tokens a step: a long
 re-prefill (a window cut, a restore from the log, a long prompt) is spread over steps that also
 carry the other sessions' micro-turns, instead of making them all wait for one long step.
+Background appends (a session warmed before a drain hands it over, `EngineCore.warm`) come after
+every client row and, while clients have work, share one piece between them.
 """
 
 from __future__ import annotations
@@ -46,15 +48,23 @@ class Scheduler:
     def schedule(self, running: Iterable[Session]) -> ScheduledBatch | None:
         """`running`: sessions with an active turn, in activation order."""
         with_work = [s for s in running if s.uncached > 0]
-        decodes = [s for s in with_work if s.uncached == 1]
-        appends = sorted((s for s in with_work if s.uncached > 1), key=lambda s: s.uncached)
+        background = [s for s in with_work if s.active is not None and s.active.background]
+        foreground = [s for s in with_work if s.active is None or not s.active.background]
+        decodes = [s for s in foreground if s.uncached == 1]
+        appends = sorted((s for s in foreground if s.uncached > 1), key=lambda s: s.uncached)
         rows: list[ScheduledRow] = []
         budget = self.max_batch_tokens
         piece = self.max_append_piece if len(with_work) > 1 else budget
-        for session in decodes + appends:
+        background_budget = self.max_append_piece if foreground else budget
+        for session in decodes + appends + sorted(background, key=lambda s: s.uncached):
             if budget == 0 or len(rows) == self.max_batch_rows:
                 break
-            count = min(session.uncached, budget, piece)
+            is_background = session.active is not None and session.active.background
+            if is_background and background_budget == 0:
+                break
+            count = min(session.uncached, budget, piece, background_budget if is_background else budget)
+            if is_background:
+                background_budget -= count
             turn = session.active
             completes = count == session.uncached
             rows.append(

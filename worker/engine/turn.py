@@ -80,6 +80,8 @@ class Turn:
     tail_after: TextTail = EMPTY_TAIL
     # The cut made before this turn's input (set at activation, for the first turn of an append).
     cut: Cut | None = None
+    # A warm-up (`EngineCore.warm`): scheduled after every client turn, within a small budget.
+    background: bool = False
 
     @property
     def wants_output(self) -> bool:

@@ -1,0 +1,58 @@
+"""The host tier on a real GPU: pinned pages, copies on a side stream ordered by events. Run first
+by scripts/gpu-check.sh; without CUDA these skip and say so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.attention.kv_pool import KVPool
+from worker.engine import Engine
+from worker.engine.memory.host_pool import HostKVPool
+from worker.engine.memory.page_copy import PageCopier
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none"),
+]
+CUDA = torch.device("cuda")
+
+
+def test_pages_round_trip_through_pinned_memory_in_stream_order() -> None:
+    pool = KVPool(
+        num_layers=4,
+        num_pages=64,
+        page_size=16,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device=CUDA,
+    )
+    host = HostKVPool(pool, 64)
+    assert host.paged.is_pinned()
+    copier = PageCopier(pool, host)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, device=CUDA).to(torch.bfloat16))
+    original = pool.paged().clone()
+    copier.to_host(list(range(8, 40)), list(range(32)))
+    pool.buffer.zero_()  # queued on the compute stream after the copy: must not reach the host copy
+    copier.to_device(list(range(32)), list(range(20, 52)))
+    restored = pool.paged().narrow(pool.page_axis, 20, 32)  # read on the compute stream, after the copy
+    assert torch.equal(restored, original.narrow(pool.page_axis, 8, 32))
+    torch.cuda.synchronize()
+    copier.settle()
+    assert copier.restored.seconds > 0
+
+
+def test_sessions_parked_on_the_host_answer_as_in_a_roomy_pool_on_cuda() -> None:
+    def converse(engine: Engine) -> list[tuple[int, ...]]:
+        sids = [engine.open_session(stop_token_ids=()) for _ in range(4)]
+        for i, sid in enumerate(sids):
+            engine.run_turn(sid, tokens=[(3 * i + j) % 200 + 1 for j in range(90)], max_output_tokens=2)
+        return [engine.run_turn(sid, tokens=[1, 2, 3], max_output_tokens=4).tokens for sid in sids]
+
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16}
+    with Engine.load("smollm2-135m", kv_tokens=16 * 16, host_kv_tokens=64 * 16, **options) as pressed:
+        parked = converse(pressed)
+        assert pressed.stats().memory.restores.count >= 4
+    with Engine.load("smollm2-135m", kv_tokens=64 * 16, host_kv_tokens=0, **options) as roomy:
+        assert converse(roomy) == parked
