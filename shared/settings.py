@@ -133,6 +133,20 @@ class WorkerSettings(CommonSettings, EngineSettings):
     heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
     link_secret: str = field(default="", metadata={"help": "shared secret gateways must present"})
     drain_timeout_s: float = 10.0
+    # Token-log records a compaction keeps whole after its snapshot (worker/server/token_log.py); a
+    # log then holds at most twice this many. A restore answers a turn the gateway holds undelivered
+    # from its record, and for a compaction to fold such a turn this many later turns must have been
+    # admitted, run and flushed while its `done` was still on its way: keep it at least twice the
+    # gateways' `chunk_burst` (32 by default, then 20 chunks/s: over 1.6 s of a saturated stream
+    # whose link delivered nothing).
+    log_keep_records: int = field(
+        default=64, metadata={"help": "token-log records kept whole after a compaction (>= 2 x chunk_burst)"}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.log_keep_records < 1:
+            raise ValueError(f"log_keep_records: {self.log_keep_records} must be at least 1")
 
 
 @dataclass(frozen=True)

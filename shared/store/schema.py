@@ -12,7 +12,8 @@ drift apart on spelling. Two groups of keys with different placement needs:
   sessions' keys in one command.
 
 The token log is a plain STRING grown with APPEND once per turn (O(1) amortised, no
-read-modify-write). It is a run of *records*, one per logged turn:
+read-modify-write), and replaced whole by its compacted form once per many turns
+(shared/store/log_compaction.py). It is a run of *records*, one per logged turn:
 
     header (24 bytes): n_tokens <u4 | seq <i8 | n_inputs <u4 | tail_bytes <u4 | context_bytes <u4
     body:              n_tokens token ids (<u4 each: the turn's inputs, then its outputs),
@@ -47,6 +48,7 @@ before directives existed read the same.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -307,64 +309,91 @@ def encode_directive(kind: int, cut: Cut = Cut(0, 0)) -> bytes:
     return directive.tobytes()
 
 
-def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
-    """The log's bytes -> its tokens, last seq and text tail, skipping duplicate records;
-    ValueError if corrupt.
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """One record of a log as stored, with the directive before it (if any): where its bytes lie.
 
-    Walks the records (one step per logged turn, not per token): it runs only on restore.
-    """
+    `start` is where the entry begins (its directive, or its header when it has none) and `end`
+    where the next begins, so `data[entry.start:]` is a log of its own from that record on."""
+
+    start: int
+    end: int
+    seq: int
+    inputs: int
+    tokens_at: int  # where its token ids begin; its tail text follows them at `text_at`
+    text_at: int
+    context_at: int
+    directive: tuple[int, Cut] | None = None
+
+
+def log_entries(data: bytes) -> Iterator[LogEntry]:
+    """The log's records in stored order, duplicates included; ValueError if it is corrupt.
+
+    One step per record (its header has every length), never per token."""
     view = memoryview(data)
-    tokens: list[int] = []
-    durable_seq: int | None = None
-    spans: dict[int, tuple[int, int, int]] = {}
-    tail = ("", "")
     offset = 0
-    directive: tuple[int, Cut] | None = None  # (kind, cut) for the next record
     while offset < len(view):
-        if (
-            len(view) - offset >= 4
-            and int.from_bytes(view[offset : offset + 4], "little") == DIRECTIVE_MARKER
-        ):
-            if directive is not None or len(view) - offset < DIRECTIVE_BYTES:
-                raise ValueError(f"token log has a misplaced or truncated directive at byte {offset}")
+        start, directive = offset, None
+        if _directive_at(view, offset):
+            if len(view) - offset < DIRECTIVE_BYTES:
+                raise ValueError(f"token log has a truncated directive at byte {offset}")
             fields = np.frombuffer(view[offset : offset + DIRECTIVE_BYTES], dtype=_DIRECTIVE)[0]
             kind = int(fields["kind"])
             if kind not in (DIRECTIVE_CUT, DIRECTIVE_SNAPSHOT):
                 raise ValueError(f"token log has an unknown directive {kind} at byte {offset}")
             directive = (kind, Cut(int(fields["keep"]), int(fields["recent"])))
             offset += DIRECTIVE_BYTES
-            continue
+            if offset == len(view):
+                raise ValueError("token log ends in a directive with no record after it")
+            if _directive_at(view, offset):
+                raise ValueError(f"token log has a misplaced directive at byte {offset}")
         if len(view) - offset < RECORD_HEADER_BYTES:
             raise ValueError(f"token log truncated in a record header at byte {offset}")
         header = np.frombuffer(view[offset : offset + RECORD_HEADER_BYTES], dtype=_RECORD_HEADER)[0]
-        n, seq, n_inputs = int(header["n"]), int(header["seq"]), int(header["inputs"])
-        record_start, body_start = offset, offset + RECORD_HEADER_BYTES
-        text_start = body_start + n * TOKEN_BYTES
-        context_start = text_start + int(header["tail"])
-        offset = context_start + int(header["context"])
-        if offset > len(view) or n_inputs > n:
-            raise ValueError(f"token log truncated or corrupt in the record at byte {record_start}")
-        pending, directive = directive, None
+        n, n_inputs = int(header["n"]), int(header["inputs"])
+        tokens_at = offset + RECORD_HEADER_BYTES
+        text_at = tokens_at + n * TOKEN_BYTES
+        context_at = text_at + int(header["tail"])
+        end = context_at + int(header["context"])
+        if end > len(view) or n_inputs > n:
+            raise ValueError(f"token log truncated or corrupt in the record at byte {offset}")
+        yield LogEntry(start, end, int(header["seq"]), n_inputs, tokens_at, text_at, context_at, directive)
+        offset = end
+
+
+def _directive_at(view: memoryview, offset: int) -> bool:
+    return len(view) - offset >= 4 and int.from_bytes(view[offset : offset + 4], "little") == DIRECTIVE_MARKER
+
+
+def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
+    """The log's bytes -> its tokens, last seq and text tail, skipping duplicate records;
+    ValueError if corrupt. Runs only on restore (and on a compaction, log_compaction.py)."""
+    view = memoryview(data)
+    tokens: list[int] = []
+    durable_seq: int | None = None
+    spans: dict[int, tuple[int, int, int]] = {}
+    tail = ("", "")
+    for entry in log_entries(data):
+        seq = entry.seq
         if seq != NO_SEQ and durable_seq is not None and seq <= durable_seq:
             continue  # a duplicate of a turn already read, with its directive
-        if pending is not None:
-            kind, cut = pending
+        if entry.directive is not None:
+            kind, cut = entry.directive
             if kind == DIRECTIVE_SNAPSHOT:
                 tokens, spans = [], {}
             else:
                 spans = _spans_after_cut(spans, len(tokens), cut)
                 tokens = cut.apply(tokens)
         start = len(tokens)
-        tokens.extend(decode_tokens(bytes(view[body_start:text_start])))
+        tokens.extend(decode_tokens(bytes(view[entry.tokens_at : entry.text_at])))
         try:
-            tail = (str(view[text_start:context_start], "utf-8"), str(view[context_start:offset], "utf-8"))
+            text = str(view[entry.text_at : entry.context_at], "utf-8")
+            tail = (text, str(view[entry.context_at : entry.end], "utf-8"))
         except UnicodeDecodeError as exc:
-            raise ValueError(f"token log has bad text in the record at byte {record_start}") from exc
+            raise ValueError(f"token log has bad text in the record at byte {entry.start}") from exc
         if seq != NO_SEQ:
             durable_seq = seq
-            is_turn = pending is None or pending[0] != DIRECTIVE_SNAPSHOT
+            is_turn = entry.directive is None or entry.directive[0] != DIRECTIVE_SNAPSHOT
             if is_turn and spans_after is not None and seq > spans_after:
-                spans[seq] = (start, start + n_inputs, len(tokens))
-    if directive is not None:
-        raise ValueError("token log ends in a directive with no record after it")
+                spans[seq] = (start, start + entry.inputs, len(tokens))
     return LogState(tokens, durable_seq, spans, *tail)

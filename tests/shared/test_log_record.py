@@ -1,10 +1,20 @@
-"""The token log's record format (shared/store/schema.py): tokens, input count and text tail."""
+"""The token log's record format (shared/store/schema.py): tokens, input count, text tail, directives."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.store.schema import NO_SEQ, RECORD_HEADER_BYTES, LogState, decode_log, encode_log_record
+from shared.store.schema import (
+    DIRECTIVE_CUT,
+    DIRECTIVE_SNAPSHOT,
+    NO_SEQ,
+    RECORD_HEADER_BYTES,
+    Cut,
+    LogState,
+    decode_log,
+    encode_directive,
+    encode_log_record,
+)
 
 
 def test_records_round_trip_with_their_input_counts_and_the_last_tail() -> None:
@@ -54,3 +64,57 @@ def test_bad_utf8_in_a_tail_is_refused() -> None:
 def test_an_input_count_above_the_tokens_is_refused() -> None:
     with pytest.raises(ValueError):
         encode_log_record(0, [1], inputs=2)
+
+
+# --- directives (a window cut, a snapshot) -----------------------------------------------------
+
+
+def test_a_cut_directive_cuts_the_history_before_its_record_and_moves_the_kept_spans() -> None:
+    log = (
+        encode_log_record(0, [1, 2, 3], inputs=2)
+        + encode_log_record(1, [4, 5, 6], inputs=1)
+        + encode_directive(DIRECTIVE_CUT, Cut(2, 3))  # keep [1, 2] + the last 3: [4, 5, 6]
+        + encode_log_record(2, [7, 8], inputs=1, tail_text="t")
+    )
+    state = decode_log(log, spans_after=-1)
+    assert state.tokens == [1, 2, 4, 5, 6, 7, 8] and state.durable_seq == 2 and state.tail_text == "t"
+    # Turn 0 was reached by the cut (its span is gone); turn 1 lies wholly in the kept recent tokens.
+    assert state.spans == {1: (2, 3, 5), 2: (5, 6, 7)}
+    assert decode_log(
+        encode_log_record(0, [1, 2]) + encode_directive(DIRECTIVE_CUT, Cut(1, 0)) + encode_log_record(1, [3])
+    ).tokens == [1, 3]
+
+
+def test_a_snapshot_replaces_the_history_and_answers_no_turn() -> None:
+    log = (
+        encode_log_record(0, [1, 2])
+        + encode_directive(DIRECTIVE_SNAPSHOT)
+        + encode_log_record(5, [9, 8, 7], tail_text="ab", tail_context="c")
+        + encode_log_record(6, [6], inputs=1)
+    )
+    state = decode_log(log, spans_after=-1)
+    assert state == LogState([9, 8, 7, 6], 6, {6: (3, 4, 4)}, "", "")
+    assert decode_log(log[: -len(encode_log_record(6, [6]))], spans_after=-1).spans == {}
+
+
+def test_a_duplicate_record_is_skipped_with_its_directive() -> None:
+    first = encode_log_record(0, [1, 2, 3])
+    second = encode_directive(DIRECTIVE_CUT, Cut(1, 1)) + encode_log_record(1, [4])
+    assert decode_log(first + second + second).tokens == [1, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "log",
+    [
+        encode_log_record(0, [1]) + encode_directive(DIRECTIVE_CUT, Cut(1, 0)),  # no record after it
+        encode_directive(DIRECTIVE_CUT, Cut(0, 0))
+        + encode_directive(DIRECTIVE_SNAPSHOT)
+        + encode_log_record(0, [1]),
+        (0xFFFFFFFF).to_bytes(4, "little") + (9).to_bytes(4, "little") + bytes(8) + encode_log_record(0, [1]),
+        encode_directive(DIRECTIVE_CUT, Cut(0, 0))[:10],
+    ],
+    ids=["trailing", "two-in-a-row", "unknown-kind", "truncated"],
+)
+def test_a_bad_directive_is_refused(log: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode_log(log)

@@ -16,6 +16,10 @@ new session starts from and what still has to run. docs/failover.md has the why;
   and the frame leaving its socket) is answered from the log: `answers` rebuilds its `done`.
 - Once one tail chunk must be re-run, every later one is re-run too: outputs depend on everything
   before them. (The gateway drops a `done` for a seq it has already delivered.)
+- The window is the one the session had: the log's cuts are applied as it is read, and each forced
+  turn is cut before by the same per-turn rule the engine applies (worker/engine/memory/window.py),
+  the cut kept with the turn so the new worker logs it. The engine folds queued no-output chunks
+  into one append but never across a cut, so replaying the turns one by one reaches its window.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.protocol.link import LinkDone, UndurableTurn
-from shared.protocol.messages import FinishReason, InputChunk, OutputDone, Timing
-from shared.store.schema import decode_log
+from shared.protocol.messages import FinishReason, InputChunk, OpenConfig, OutputDone, Timing
+from shared.store.schema import Cut, decode_log
 from worker.engine.admission import commit_chunk, flushes
+from worker.engine.memory.window import cut_before
 from worker.tokenizer.incremental import IncrementalTokenizer, TextTail
 
 
@@ -38,6 +43,7 @@ class ForcedTurn:
     tokens: list[int]  # its committed inputs, then the output the client got
     inputs: int
     tail: TextTail  # the session's text tail after its input
+    cut: Cut | None = None  # the window cut made before it (logged with it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +72,16 @@ def plan_restore(
     seen_seq: int | None,
     *,
     text: IncrementalTokenizer | None,
-    max_output_tokens: int,
+    config: OpenConfig,
+    limit: int,
 ) -> RestorePlan:
     """Raises ValueError on a corrupt log (InvalidMessage: text on a model without a tokenizer).
 
     `text` is the engine's incremental tokenizer: a forced turn's inputs are what the engine's
     admission committed, so they are recomputed the same way, statefully in seq order from the
     log's text tail (a re-encode of the chunk's text alone would give other tokens).
-    `max_output_tokens` is the session's default per chunk. `seen_seq` is the last output seq the
+    `config` is the session's (its default `max_output_tokens` per chunk, its window policy) and
+    `limit` its context limit (window.py `session_limit`). `seen_seq` is the last output seq the
     client saw (`LinkRestore.seen_seq`): that turn finished, so the rebuilt session is at least there.
     """
     first = tail[0].chunk.seq if tail else None
@@ -81,6 +89,7 @@ def plan_restore(
     history = list(state.tokens)
     durable_seq = state.durable_seq
     text_tail = TextTail(state.tail_text, state.tail_context)
+    max_output_tokens = config.max_output_tokens
     forced: list[ForcedTurn] = []
     rerun: list[InputChunk] = []
     answers: list[LinkDone] = []
@@ -93,17 +102,21 @@ def plan_restore(
         if rerun or turn.output is None:
             rerun.append(chunk)
             continue
-        limit = max_output_tokens if chunk.max_output_tokens is None else chunk.max_output_tokens
+        outputs = max_output_tokens if chunk.max_output_tokens is None else chunk.max_output_tokens
         inputs, text_tail = commit_chunk(
             text,
             text_tail,
             text=chunk.text,
             tokens=chunk.tokens or (),
-            flush=flushes(text=chunk.text, flush=bool(chunk.flush), max_output_tokens=limit),
+            flush=flushes(text=chunk.text, flush=bool(chunk.flush), max_output_tokens=outputs),
         )
+        # What the engine's turn would reserve (turn.py `grows_by`): its input and its outputs.
+        cut = cut_before(len(history), len(inputs) + max(outputs, 0), config, limit)
+        if cut is not None:
+            history = cut.apply(history)
         tokens = inputs + list(turn.output)
         history.extend(tokens)
-        forced.append(ForcedTurn(chunk.seq, tokens, len(inputs), text_tail))
+        forced.append(ForcedTurn(chunk.seq, tokens, len(inputs), text_tail, cut))
     seqs = [s for s in (seen_seq, durable_seq, *(f.seq for f in forced)) if s is not None]
     finished = max(seqs) if seqs else None
     if rerun and finished is not None:

@@ -36,6 +36,7 @@ from shared.settings import WorkerSettings
 from shared.store.schema import NO_SEQ, KeySchema, encode_log_record
 from shared.store.values import now_ms
 from worker.engine import Engine, TokenDelta, TurnResult
+from worker.engine.memory.window import session_limit
 from worker.server.bindings import LinkPeer, SessionBinding, SessionDirectory
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
@@ -64,7 +65,13 @@ class WorkerService:
         self.schema = schema
         self.loop = loop
         self.directory = SessionDirectory()
-        self.token_log = TokenLogWriter(client, schema, grace_s=settings.session_grace_s, worker_id=worker_id)
+        self.token_log = TokenLogWriter(
+            client,
+            schema,
+            grace_s=settings.session_grace_s,
+            worker_id=worker_id,
+            keep_records=settings.log_keep_records,
+        )
         self.metrics = WorkerMetrics()
         self.draining = False
         # Sessions a drain is handing over: chunks that still arrive for them are not answered here.
@@ -161,7 +168,7 @@ class WorkerService:
             for turn in plan.forced:  # delivered turns the log lacked: now in the history
                 sid, idle = binding.sid, binding.idle_timeout_s
                 inputs, outputs = tuple(turn.tokens[: turn.inputs]), tuple(turn.tokens[turn.inputs :])
-                self.token_log.append(sid, turn.seq, inputs, outputs, idle, tail=turn.tail)
+                self.token_log.append(sid, turn.seq, inputs, outputs, idle, tail=turn.tail, cut=turn.cut)
         durable = self.token_log.durable_seq(binding.sid)
         binding.send(LinkOpened(binding.sid, binding.length, binding.finished_seq, durable))
         if plan is not None:
@@ -219,10 +226,13 @@ class WorkerService:
 
     def _rebuild(self, link: LinkPeer, frame: LinkRestore, log: bytes) -> None:
         """Open the session from its log plus the gateway's undurable tail (worker/server/restore.py)."""
-        out = frame.config.max_output_tokens
+        config = frame.config
+        limit = session_limit(config, self.engine.context_limit)  # the window the engine keeps
         try:
             text = self.engine.text
-            plan = plan_restore(frame.sid, log, frame.tail, frame.seen_seq, text=text, max_output_tokens=out)
+            plan = plan_restore(
+                frame.sid, log, frame.tail, frame.seen_seq, text=text, config=config, limit=limit
+            )
         except ValueError as exc:
             logger.error("session %s cannot be restored: %s", frame.sid, exc)
             corrupt = SessionNotFound("the session's token log is corrupt")
@@ -338,7 +348,13 @@ class WorkerService:
         self.directory.touched.add(binding.sid)
         # Only once the reply is out: the log is for rebuilding, never on the client's critical path.
         self.token_log.append(
-            binding.sid, result.seq, result.inputs, result.tokens, binding.idle_timeout_s, tail=result.tail
+            binding.sid,
+            result.seq,
+            result.inputs,
+            result.tokens,
+            binding.idle_timeout_s,
+            tail=result.tail,
+            cut=result.cut,
         )
 
     # ---- errors -------------------------------------------------------------------------------

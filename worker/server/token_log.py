@@ -14,6 +14,14 @@ Invariants (docs/failover.md):
   data, the heartbeat re-writes each log from this copy (`held_logs`), records (text tails
   included) as they were, so a restore from the re-written log is as exact as from the original.
   It costs 4 bytes per token plus each turn's text tail, next to KV that costs kilobytes per token.
+- A window cut is logged with the turn it preceded (a `CUT` directive before its record), so a
+  restore rebuilds the window the session had.
+- Compaction keeps a log (and its mirror) bounded however long the session runs: once the mirror
+  holds more than 2 x `keep_records` records since its last snapshot, a flush writes the log
+  compacted to a snapshot plus the last `keep_records` records (shared/store/log_compaction.py),
+  then its new records, in one script that SETs it only while the session's record names this
+  worker. Its cost (bounded by the window and `keep_records`, not by the session's age) comes once
+  per `keep_records` turns; every other flush of the session is one APPEND.
 """
 
 from __future__ import annotations
@@ -24,9 +32,12 @@ from dataclasses import dataclass
 from typing import Final
 
 import redis.asyncio as redis
+from redis.typing import EncodableT
 
+from shared.settings import WorkerSettings
 from shared.store.connection import OutageLog
-from shared.store.schema import KeySchema, encode_log_record, lua_script
+from shared.store.log_compaction import compact_log, records_since_snapshot
+from shared.store.schema import DIRECTIVE_CUT, Cut, KeySchema, encode_directive, encode_log_record, lua_script
 from worker.tokenizer.incremental import TextTail
 
 logger = logging.getLogger(__name__)
@@ -35,6 +46,9 @@ FLUSH_INTERVAL_S: Final = 0.02
 # After a failed flush the next try waits this, doubling up to the cap: an outage is not a hot loop.
 RETRY_BASE_S: Final = 0.05
 RETRY_MAX_S: Final = 1.0
+# Records a compacted log keeps whole after its snapshot, unless the worker's `log_keep_records`
+# says otherwise (shared/settings.py says why this many).
+KEEP_RECORDS: Final = WorkerSettings.log_keep_records
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +59,12 @@ class _Turn:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     tail: TextTail
+    cut: Cut | None
 
     def record(self) -> bytes:
         inputs, tail = self.inputs, self.tail
-        return encode_log_record(
+        directive = b"" if self.cut is None else encode_directive(DIRECTIVE_CUT, self.cut)
+        return directive + encode_log_record(
             self.seq,
             inputs + self.outputs,
             inputs=len(inputs),
@@ -70,12 +86,22 @@ class _Queued:
 
 
 class TokenLogWriter:
-    def __init__(self, client: redis.Redis, schema: KeySchema, *, grace_s: float, worker_id: str) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        schema: KeySchema,
+        *,
+        grace_s: float,
+        worker_id: str,
+        keep_records: int = KEEP_RECORDS,
+    ) -> None:
         self.client = client
+        self.keep_records = keep_records
         self.schema = schema
         self.grace_s = grace_s
         self.worker_id = worker_id
         self._delete_if_owned = client.register_script(lua_script("delete_session_if_owned"))
+        self._compact = client.register_script(lua_script("log_compact"))
         # Held while a flush, a rewrite or a delete talks to Redis: a delete never lands before an
         # append already on its way (which would re-create a closed session's log), and a rewrite
         # never interleaves with an append.
@@ -84,6 +110,7 @@ class TokenLogWriter:
         # task's work, so the reply path only appends to a list.
         self._pending: dict[str, _Queued] = {}
         self._mirror: dict[str, bytearray] = {}
+        self._records: dict[str, int] = {}  # sid -> records its mirror holds past its last snapshot
         self._durable: dict[str, int] = {}
         # Sessions whose log in Redis came back shorter than written (a failover lost writes): the
         # heartbeat re-writes them from the mirror (shared/store/held.py).
@@ -92,10 +119,12 @@ class TokenLogWriter:
         self._outage = OutageLog("token log flush", logger)
         self.flushes = 0
         self.failures = 0
+        self.compactions = 0
 
     def start(self, sid: str, log: bytes, durable_seq: int | None) -> None:
         """A session opened or restored here: `log` is what Redis holds for it (its records)."""
         self._mirror[sid] = bytearray(log)
+        self._records[sid] = records_since_snapshot(log)
         if durable_seq is not None:
             self._durable[sid] = durable_seq
 
@@ -108,12 +137,13 @@ class TokenLogWriter:
         idle_timeout_s: float,
         *,
         tail: TextTail,
+        cut: Cut | None = None,
     ) -> None:
-        """Queue turn `seq`'s committed input and output tokens and the session's text tail after
-        its input. A turn that added nothing is still recorded: its seq is what tells a restoring
-        worker that the turn was done. Nothing is copied or encoded here (the reply path): the flush
-        task builds the record."""
-        turn = _Turn(seq, inputs, outputs, tail)
+        """Queue turn `seq`'s committed input and output tokens, the session's text tail after its
+        input and the window cut made before it (None: none). A turn that added nothing is still
+        recorded: its seq is what tells a restoring worker that the turn was done. Nothing is copied
+        or encoded here (the reply path): the flush task builds the record."""
+        turn = _Turn(seq, inputs, outputs, tail, cut)
         queued = self._pending.get(sid)
         if queued is None:
             self._pending[sid] = _Queued([turn], idle_timeout_s)
@@ -157,6 +187,7 @@ class TokenLogWriter:
         """Forget the session here without touching Redis (it was handed to another worker)."""
         self._pending.pop(sid, None)
         self._mirror.pop(sid, None)
+        self._records.pop(sid, None)
         self._durable.pop(sid, None)
 
     async def flush(self) -> bool:
@@ -165,9 +196,14 @@ class TokenLogWriter:
             return True
         batch, self._pending = self._pending, {}
         records = {sid: b"".join(turn.record() for turn in queued.turns) for sid, queued in batch.items()}
+        compacted = {
+            sid: log for sid, queued in batch.items() if (log := self._compacted(sid, len(queued.turns)))
+        }
         pipe = self.client.pipeline(transaction=False)
         appends: dict[str, int] = {}  # sid -> the index of its APPEND's reply
         for sid, queued in batch.items():
+            if sid in compacted:
+                continue
             key = self.schema.log(sid)
             appends[sid] = len(pipe)
             pipe.append(key, records[sid])
@@ -175,18 +211,31 @@ class TokenLogWriter:
             # it with the session's record (`touch_sessions`, every session active since the last
             # beat), so a chunk costs Redis one command, not two (docs/scaling.md).
             if not self._mirror.get(sid):
-                pipe.pexpire(key, int((queued.ttl_s + self.grace_s) * 1000))
+                pipe.pexpire(key, self._ttl_ms(queued))
+        confirmed: set[str] = set()
         try:
             async with self._redis_turn:
-                replies = await pipe.execute()
+                if appends:
+                    replies = await pipe.execute()
+                    for sid, index in appends.items():
+                        self._confirm(sid, batch[sid], records[sid], int(replies[index]), None)
+                        confirmed.add(sid)
+                # Not in the pipeline: a script there would not be loaded on a cluster node that
+                # lacks it. A compaction comes once per `keep_records` turns of a session.
+                for sid, log in compacted.items():
+                    keys = [self.schema.session(sid), self.schema.log(sid)]
+                    args: list[EncodableT] = [self.worker_id, self._ttl_ms(batch[sid]), log, records[sid]]
+                    done, length = await self._compact(keys=keys, args=args)
+                    self._confirm(sid, batch[sid], records[sid], int(length), log if int(done) else None)
+                    confirmed.add(sid)
         except redis.RedisError as exc:
             # Put them back in front of anything queued since, so the log keeps its order. A record
             # that did land before the failure is written twice; the reader skips the duplicate.
             self.failures += 1
             self._outage.failed(exc)
             for sid, queued in batch.items():
-                if sid not in self._mirror:
-                    continue  # the session ended meanwhile: its log must not come back
+                if sid in confirmed or sid not in self._mirror:
+                    continue  # written, or the session ended meanwhile: its log must not come back
                 later = self._pending.get(sid)
                 if later is not None:
                     queued.turns.extend(later.turns)
@@ -195,16 +244,44 @@ class TokenLogWriter:
             return False
         self._outage.succeeded()
         self.flushes += 1
-        for sid, queued in batch.items():
-            mirror = self._mirror.get(sid)
-            if mirror is not None:  # None: the session ended while its append was on its way
-                mirror.extend(records[sid])
-                self._durable[sid] = queued.last_seq
-                # APPEND answers the log's new length: shorter than the mirror means Redis lost
-                # writes it had acknowledged (longer is a retried append, which readers skip).
-                if int(replies[appends[sid]]) < len(mirror):
-                    self.damaged.add(sid)
         return True
+
+    def _ttl_ms(self, queued: _Queued) -> int:
+        return int((queued.ttl_s + self.grace_s) * 1000)
+
+    def _compacted(self, sid: str, new_records: int) -> bytes | None:
+        """The session's mirror compacted, when this flush would take it past 2 x `keep_records`
+        records since its snapshot; None otherwise (most flushes: then nothing is read)."""
+        mirror, count = self._mirror.get(sid), self._records.get(sid, 0)
+        keep = self.keep_records
+        if not mirror or count <= keep or count + new_records <= 2 * keep:
+            return None
+        try:
+            return compact_log(bytes(mirror), keep)
+        except ValueError as exc:  # not expected: the mirror holds what this worker wrote or read
+            logger.error("the token log of session %s cannot be compacted: %s", sid, exc)
+            self._records[sid] = 0  # appended to as before; tried again after 2 x `keep_records` more
+            return None
+
+    def _confirm(
+        self, sid: str, queued: _Queued, records: bytes, length: int, compacted: bytes | None
+    ) -> None:
+        """Redis holds the session's new records (after `compacted`, when it took the compacted
+        log) and answered the log's `length`: the mirror follows."""
+        mirror = self._mirror.get(sid)
+        if mirror is None:  # the session ended while its append was on its way
+            return
+        if compacted is not None:
+            mirror[:] = compacted
+            self._records[sid] = self.keep_records
+            self.compactions += 1
+        mirror.extend(records)
+        self._records[sid] = self._records.get(sid, 0) + len(queued.turns)
+        self._durable[sid] = queued.last_seq
+        # APPEND answers the log's new length: shorter than the mirror means Redis lost writes it
+        # had acknowledged (longer is a retried append, which readers skip).
+        if length < len(mirror):
+            self.damaged.add(sid)
 
     async def run(self) -> None:
         delay = RETRY_BASE_S

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol.link import UndurableTurn
-from shared.protocol.messages import InputChunk
+from shared.protocol.messages import InputChunk, OpenConfig
 from shared.store.schema import encode_log_record
 from worker.server.restore import ForcedTurn, plan_restore
 from worker.tokenizer.incremental import EMPTY_TAIL
@@ -18,6 +18,7 @@ def chunk(seq: int, tokens: list[int], max_out: int | None = None) -> InputChunk
     return InputChunk(seq, tuple(tokens), None, max_out)
 
 
+NO_WINDOW = 1024  # a context limit these sessions never reach
 LOG = encode_log_record(1, [1, 2, 90, 91], inputs=2) + encode_log_record(2, [3, 4, 92, 93], inputs=2)
 
 
@@ -28,7 +29,7 @@ def test_delivered_turns_past_the_log_are_forced_and_the_rest_re_run() -> None:
         UndurableTurn(chunk(4, [7, 8]), None),  # in flight: re-run
         UndurableTurn(chunk(5, [9, 10]), None),  # queued: re-run
     ]
-    plan = plan_restore("s", LOG, tail, 3, text=None, max_output_tokens=2)
+    plan = plan_restore("s", LOG, tail, 3, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW)
     assert plan.history == [1, 2, 90, 91, 3, 4, 92, 93, 5, 6, 94, 95]
     assert plan.forced == [ForcedTurn(3, [5, 6, 94, 95], 2, EMPTY_TAIL)]
     assert [c.seq for c in plan.rerun] == [4, 5]
@@ -37,7 +38,7 @@ def test_delivered_turns_past_the_log_are_forced_and_the_rest_re_run() -> None:
 
 def test_a_logged_turn_whose_answer_was_lost_is_answered_from_the_log() -> None:
     tail = [UndurableTurn(chunk(2, [3, 4]), None), UndurableTurn(chunk(3, [5, 6], 4), None)]
-    plan = plan_restore("s", LOG, tail, 1, text=None, max_output_tokens=2)
+    plan = plan_restore("s", LOG, tail, 1, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW)
     [answer] = plan.answers
     done = answer.done
     assert (done.seq, done.tokens, done.finish, answer.length) == (2, (92, 93), "length", 8)
@@ -47,14 +48,16 @@ def test_a_logged_turn_whose_answer_was_lost_is_answered_from_the_log() -> None:
 
 def test_after_one_re_run_every_later_chunk_re_runs() -> None:
     tail = [UndurableTurn(chunk(3, [5]), None), UndurableTurn(chunk(4, [6]), (7,))]
-    plan = plan_restore("s", LOG, tail, 4, text=None, max_output_tokens=1)
+    plan = plan_restore("s", LOG, tail, 4, text=None, config=OpenConfig(max_output_tokens=1), limit=NO_WINDOW)
     assert [c.seq for c in plan.rerun] == [3, 4] and plan.forced == []
     assert plan.finished_seq == 2  # seq ordering resumes right before the first re-run
 
 
 def test_a_corrupt_log_is_refused() -> None:
     with pytest.raises(ValueError):
-        plan_restore("s", LOG[:-3], [], None, text=None, max_output_tokens=1)
+        plan_restore(
+            "s", LOG[:-3], [], None, text=None, config=OpenConfig(max_output_tokens=1), limit=NO_WINDOW
+        )
 
 
 def test_a_restore_never_reopens_a_finished_turn_to_a_resent_chunk() -> None:
@@ -62,9 +65,15 @@ def test_a_restore_never_reopens_a_finished_turn_to_a_resent_chunk() -> None:
     socket) or lead it (the turn was not durable yet); either way the rebuilt session's seq ordering
     is past every turn it holds or the client saw, so a resent chunk for one is refused by the
     engine's admission, never run and logged a second time."""
-    lagging = plan_restore("s", LOG, [], 1, text=None, max_output_tokens=2)
+    lagging = plan_restore(
+        "s", LOG, [], 1, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW
+    )
     assert (lagging.finished_seq, lagging.durable_seq, lagging.rerun) == (2, 2, [])
-    leading = plan_restore("s", LOG, [], 3, text=None, max_output_tokens=2)
+    leading = plan_restore(
+        "s", LOG, [], 3, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW
+    )
     assert (leading.finished_seq, leading.history) == (3, [1, 2, 90, 91, 3, 4, 92, 93])
-    fresh = plan_restore("s", b"", [], None, text=None, max_output_tokens=2)
+    fresh = plan_restore(
+        "s", b"", [], None, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW
+    )
     assert fresh.finished_seq is None  # one "none": no turn finished yet

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from shared.protocol.link import UndurableTurn
-from shared.protocol.messages import InputChunk
+from shared.protocol.messages import InputChunk, OpenConfig
 from shared.store.schema import encode_log_record
 from worker.engine import Engine, TurnResult
 from worker.server.restore import plan_restore
@@ -26,6 +26,7 @@ TEXT = (
     "<|im_start|>assistant\nSure: the fox (a vulpine) jumped 678 times.<|im_end|>\n"
 )
 OUT = 2
+NO_WINDOW = 8192  # a context limit these sessions never reach
 CONFIG: dict[str, Any] = {"max_output_tokens": OUT, "stop_token_ids": ()}
 
 
@@ -95,7 +96,15 @@ def test_a_restored_text_session_equals_the_uninterrupted_one(
             UndurableTurn(c, reference[c.seq].tokens if c.seq <= delivered else None)
             for c in all_chunks[durable + 1 :]
         ]
-        plan = plan_restore("s", log, tail, delivered, text=engine.text, max_output_tokens=OUT)
+        plan = plan_restore(
+            "s",
+            log,
+            tail,
+            delivered,
+            text=engine.text,
+            config=OpenConfig(max_output_tokens=OUT),
+            limit=NO_WINDOW,
+        )
         for forced in plan.forced:
             expected = reference[forced.seq]
             assert (forced.tokens, forced.inputs) == (
@@ -127,7 +136,9 @@ def test_the_log_answers_a_text_turn_with_its_committed_input_count(reference: l
     asked = next(r for r in reference if r.tokens and r.seq > 0)
     log = b"".join(record(r) for r in reference[: asked.seq + 1])
     lost = [UndurableTurn(c, None) for c in chunks()[asked.seq : asked.seq + 1]]
-    plan = plan_restore("s", log, lost, asked.seq - 1, text=None, max_output_tokens=OUT)
+    plan = plan_restore(
+        "s", log, lost, asked.seq - 1, text=None, config=OpenConfig(max_output_tokens=OUT), limit=NO_WINDOW
+    )
     [answer] = plan.answers
     assert (answer.done.tokens, answer.done.committed_tokens, answer.length) == (
         asked.tokens,
