@@ -117,8 +117,11 @@ def _config_from_reader(r: FieldReader) -> OpenConfig:
         retention_ratio=_or(r.opt_number("retention_ratio", 0.0, 1.0, lo_open=True), default.retention_ratio),
         stream=_or(r.opt_boolean("stream"), default.stream),
         model=r.opt_string("model"),
+        keep_prefix_text=r.opt_string("keep_prefix_text"),
     )
     r.done()
+    if config.keep_prefix_text is not None and config.keep_prefix_tokens:
+        raise InvalidMessage("give keep_prefix_text or keep_prefix_tokens, not both")
     return config
 
 

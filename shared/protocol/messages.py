@@ -50,6 +50,9 @@ class OpenConfig:
     # With `truncate`: a cut keeps the window to this share of `max_context_tokens`, so the next cut
     # is far off (worker/engine/memory/window.py has the rule); 1.0 cuts to exactly the limit.
     retention_ratio: float = 0.8
+    # With `truncate`: text the session starts with (a system prompt), kept across every cut. The
+    # worker commits it whole at open; its tokens are the kept prefix (`keep_prefix_tokens` stays 0).
+    keep_prefix_text: str | None = None
     # Per-token `output.delta` messages before each `output.done`.
     stream: bool = False
     # Only workers serving this model (their registered name) may hold the session; None: any.

@@ -26,7 +26,8 @@ from its text alone). The tail text and context are the session's uncommitted te
 turn's input was committed (worker/tokenizer/incremental.py `TextTail`): a restored session starts
 from the tail of the log's last record, so text held back at the durable point is not lost. Every
 length is in the header, so the log decodes in one pass. `seq` -1 marks tokens that
-belong to no turn (a prompt given at open). A record whose seq is not above the last one already
+belong to no turn (a prompt given at open): only a log's first record (or a snapshot) may be one,
+so a later copy is a retried append and is skipped. A record whose seq is not above the last one already
 read is a duplicate (an append retried after a connection broke mid-pipeline, or a worker the
 gateways had given up on flushing late) and is skipped: appends are idempotent per turn.
 
@@ -373,10 +374,15 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
     durable_seq: int | None = None
     spans: dict[int, tuple[int, int, int]] = {}
     tail = ("", "")
+    read_any = False
     for entry in log_entries(data):
         seq = entry.seq
         if seq != NO_SEQ and durable_seq is not None and seq <= durable_seq:
             continue  # a duplicate of a turn already read, with its directive
+        snapshot = entry.directive is not None and entry.directive[0] == DIRECTIVE_SNAPSHOT
+        if seq == NO_SEQ and read_any and not snapshot:
+            continue  # tokens of no turn open a log: after another record, a retried append's copy
+        read_any = True
         if entry.directive is not None:
             kind, cut = entry.directive
             if kind == DIRECTIVE_SNAPSHOT:

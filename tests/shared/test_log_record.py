@@ -118,3 +118,9 @@ def test_a_duplicate_record_is_skipped_with_its_directive() -> None:
 def test_a_bad_directive_is_refused(log: bytes) -> None:
     with pytest.raises(ValueError):
         decode_log(log)
+
+
+def test_tokens_of_no_turn_only_open_a_log_and_a_retried_copy_is_skipped() -> None:
+    prompt = encode_log_record(NO_SEQ, [7, 8])
+    turn = encode_log_record(0, [1, 2], inputs=1)
+    assert decode_log(prompt + prompt + turn + prompt + turn).tokens == [7, 8, 1, 2]

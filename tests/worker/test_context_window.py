@@ -114,3 +114,16 @@ def test_queued_chunks_cut_where_chunks_sent_one_by_one_cut(tiny: Engine) -> Non
     one_by_one = run(False)
     assert sum(cut is not None for cut, _ in one_by_one) >= 2
     assert run(True) == one_by_one
+
+
+def test_a_prefix_given_as_text_is_counted_in_tokens_and_kept(tiny: Engine) -> None:
+    from shared.errors import InvalidMessage
+    from shared.protocol.codec import config_from_map
+    from worker.engine.memory.window import resolve_prefix
+
+    config = config_from_map({"context_policy": "truncate", "keep_prefix_text": "be brief"})
+    resolved, tokens = resolve_prefix(config, tiny.text)
+    assert tokens and resolved.keep_prefix_tokens == len(tokens) and resolved.keep_prefix_text is None
+    assert resolve_prefix(OpenConfig(), tiny.text) == (OpenConfig(), [])
+    with pytest.raises(InvalidMessage, match="not both"):
+        config_from_map({"keep_prefix_text": "x", "keep_prefix_tokens": 3})

@@ -44,6 +44,8 @@ class SessionBinding:
     auth: AuthLimits | None = None
     # Set while a restore opens the session: what `opened` still has to log, answer and run.
     restore: RestorePlan | None = None
+    # Set while a fresh session opens with `keep_prefix_text`: its tokens, logged once it is open.
+    prefix: list[int] = field(default_factory=list)
 
     def send(self, frame: ToGateway) -> None:
         if self.link is not None:

@@ -36,7 +36,7 @@ from shared.settings import WorkerSettings
 from shared.store.schema import NO_SEQ, KeySchema, encode_log_record
 from shared.store.values import now_ms
 from worker.engine import Engine, TokenDelta, TurnResult
-from worker.engine.memory.window import session_limit
+from worker.engine.memory.window import resolve_prefix, session_limit
 from worker.server.bindings import LinkPeer, SessionBinding, SessionDirectory
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
@@ -118,6 +118,13 @@ class WorkerService:
         plan: RestorePlan | None = None,
     ) -> None:
         sid, config = frame.sid, frame.config
+        try:  # a system prompt given as text: its tokens open a fresh session (a restore logged them)
+            engine_config, prefix = resolve_prefix(config, self.engine.text)
+        except MicroturnError as error:
+            self._send_error(link, sid, error, fatal=True)
+            return
+        fresh_prefix = prefix if plan is None and not history else []
+        history = fresh_prefix or history
         if self.draining:
             self._send_error(link, sid, WorkerUnavailable("worker is draining"), fatal=True)
             return
@@ -132,6 +139,7 @@ class WorkerService:
         binding.auth = frame.auth
         binding.created_ms = frame.created_ms or now_ms()
         binding.restore = plan
+        binding.prefix = fresh_prefix
         if plan is not None:
             binding.waiting = list(plan.rerun)  # run first, in seq order, once the session is open
         self.directory.add(binding)
@@ -142,7 +150,7 @@ class WorkerService:
                 history=history,
                 accepted_seq=finished_seq,
                 text_tail=EMPTY_TAIL if plan is None else plan.text_tail,
-                config=replace(config, idle_timeout_s=idle),
+                config=replace(engine_config, idle_timeout_s=idle),
             )
         except MicroturnError as error:
             self.directory.remove(sid)
@@ -164,6 +172,9 @@ class WorkerService:
             return
         binding.ready = True
         plan, binding.restore = binding.restore, None
+        if binding.prefix:  # a fresh session's system prompt: logged as tokens of no turn
+            prefix, binding.prefix = tuple(binding.prefix), []
+            self.token_log.append(binding.sid, NO_SEQ, prefix, (), binding.idle_timeout_s, tail=EMPTY_TAIL)
         if plan is not None:
             for turn in plan.forced:  # delivered turns the log lacked: now in the history
                 sid, idle = binding.sid, binding.idle_timeout_s
@@ -226,10 +237,10 @@ class WorkerService:
 
     def _rebuild(self, link: LinkPeer, frame: LinkRestore, log: bytes) -> None:
         """Open the session from its log plus the gateway's undurable tail (worker/server/restore.py)."""
-        config = frame.config
-        limit = session_limit(config, self.engine.context_limit)  # the window the engine keeps
         try:
             text = self.engine.text
+            config, _prefix = resolve_prefix(frame.config, text)  # the window's rule as the engine runs it
+            limit = session_limit(config, self.engine.context_limit)
             plan = plan_restore(
                 frame.sid, log, frame.tail, frame.seen_seq, text=text, config=config, limit=limit
             )

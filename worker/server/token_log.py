@@ -37,7 +37,15 @@ from redis.typing import EncodableT
 from shared.settings import WorkerSettings
 from shared.store.connection import OutageLog
 from shared.store.log_compaction import compact_log, records_since_snapshot
-from shared.store.schema import DIRECTIVE_CUT, Cut, KeySchema, encode_directive, encode_log_record, lua_script
+from shared.store.schema import (
+    DIRECTIVE_CUT,
+    NO_SEQ,
+    Cut,
+    KeySchema,
+    encode_directive,
+    encode_log_record,
+    lua_script,
+)
 from worker.tokenizer.incremental import TextTail
 
 logger = logging.getLogger(__name__)
@@ -81,8 +89,10 @@ class _Queued:
     ttl_s: float
 
     @property
-    def last_seq(self) -> int:
-        return self.turns[-1].seq
+    def last_seq(self) -> int | None:
+        """The last turn's seq (None: only tokens of no turn, a system prompt, are queued)."""
+        seqs = [turn.seq for turn in self.turns if turn.seq != NO_SEQ]
+        return seqs[-1] if seqs else None
 
 
 class TokenLogWriter:
@@ -277,7 +287,8 @@ class TokenLogWriter:
             self.compactions += 1
         mirror.extend(records)
         self._records[sid] = self._records.get(sid, 0) + len(queued.turns)
-        self._durable[sid] = queued.last_seq
+        if queued.last_seq is not None:
+            self._durable[sid] = queued.last_seq
         # APPEND answers the log's new length: shorter than the mirror means Redis lost writes it
         # had acknowledged (longer is a retried append, which readers skip).
         if length < len(mirror):

@@ -22,10 +22,13 @@ re-prefilled (worker/engine/memory/manager.py).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from shared.errors import ContextFull, InvalidMessage
 from shared.protocol.messages import OpenConfig
 from shared.store.schema import Cut
+from worker.engine.admission import commit_chunk
+from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer
 
 
 def session_limit(config: OpenConfig, engine_limit: int) -> int:
@@ -63,3 +66,13 @@ def cut_before(length: int, grows_by: int, config: OpenConfig, limit: int) -> Cu
 
 def _recent(config: OpenConfig, limit: int, grows_by: int) -> int:
     return max(math.floor(config.retention_ratio * limit) - config.keep_prefix_tokens - grows_by, 0)
+
+
+def resolve_prefix(config: OpenConfig, text: IncrementalTokenizer | None) -> tuple[OpenConfig, list[int]]:
+    """The config the engine runs (`keep_prefix_tokens` counting `keep_prefix_text`'s tokens) and
+    those tokens, committed whole as a text chunk that flushes would commit them. Pure: a worker
+    restoring the session computes the same count from the same text."""
+    if config.keep_prefix_text is None:
+        return config, []
+    tokens, _tail = commit_chunk(text, EMPTY_TAIL, text=config.keep_prefix_text, tokens=(), flush=True)
+    return replace(config, keep_prefix_text=None, keep_prefix_tokens=len(tokens)), tokens
