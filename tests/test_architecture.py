@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("shared", "gateway", "worker", "loadtest")
+PACKAGES = ("shared", "gateway", "worker", "loadtest", "microturn")
 UPPER_LAYERS = ("gateway", "worker")
 OPERATIONS = "shared/cli/"
 
@@ -169,7 +169,7 @@ def test_shared_imports_neither_gateway_nor_worker_outside_its_operations_packag
     ]
     assert upward == []
     # The scan sees imports inside functions: the entry point imports what it starts lazily.
-    names = [imported for _, imported in imports["shared.cli.main"]]
+    names = [imported for _, imported in imports["microturn.main"]]
     assert "worker.server.main" in names and "gateway.main" in names
 
 
@@ -197,6 +197,6 @@ def test_the_gateway_session_machine_loads_no_io_library() -> None:
     code = f"import sys, gateway.session.machine; print(sorted(set({io!r}) & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
-    code = "import sys, gateway.client_session; print('asyncio' in sys.modules)"  # the check can fail
+    code = "import sys, gateway.session.client_session; print('asyncio' in sys.modules)"  # the check can fail
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "True"

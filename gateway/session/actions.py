@@ -1,7 +1,7 @@
 """What the session machine asks its caller to do: the actions it queues, and the timers it names.
 
 Why values: the machine (machine.py) does no I/O, so every effect on the world is one of these,
-drained in order by the asyncio shell (gateway/client_session.py) or read by a unit test. Three
+drained in order by the asyncio shell (gateway/session/client_session.py) or read by a unit test. Three
 kinds:
 - messages: `SendClient`, `CloseSocket`, `SendWorker` (sent in the order queued);
 - routing and timers, done at once by the caller: `Bind`, `Unbind`, `ArmTimer`, `CancelTimer`;

@@ -3,7 +3,7 @@
 Why this shape (websockets' `Protocol` is the model): every decision about a session on this
 gateway is here, in one class, with no I/O, no clock of its own and no event loop, so each event and
 the transition it causes can be read in one place and tested by playing events and reading actions
-(tests/gateway/test_session_machine.py). The asyncio shell (gateway/client_session.py) only moves
+(tests/gateway/test_session_machine.py). The asyncio shell (gateway/session/client_session.py) only moves
 bytes: it decodes client frames, routes worker frames, performs the effects and the timers
 (actions.py) and answers each effect with its result method.
 

@@ -144,7 +144,7 @@ def _name_of(secret: str, keys: list[Any]) -> str:
 
 def test_keys_command_creates_lists_and_revokes(stack: Stack) -> None:
     name = new_name()
-    base = [sys.executable, "-m", "shared.cli", "keys"]
+    base = [sys.executable, "-m", "microturn", "keys"]
     where = ["--redis-url", stack.redis_url, "--key-prefix", stack.prefix]
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -61,7 +61,7 @@ def create_key(redis_url: str) -> str:
     argv = [
         sys.executable,
         "-m",
-        "shared.cli",
+        "microturn",
         "keys",
         "create",
         "--redis-url",

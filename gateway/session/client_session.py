@@ -35,7 +35,6 @@ from starlette.websockets import WebSocket
 from gateway.auth.session_auth import Principal, SessionAuth
 from gateway.dialect import Dialect, Frame
 from gateway.links import Link
-from gateway.outbox import Outbox
 from gateway.services import GatewayServices
 from gateway.session.actions import (
     Action,
@@ -59,6 +58,7 @@ from gateway.session.actions import (
     Unbind,
 )
 from gateway.session.machine import MachineConfig, SessionMachine
+from gateway.session.outbox import Outbox
 from shared.errors import InternalError, MicroturnError, WorkerUnavailable
 from shared.protocol.link import LinkClose, ToGateway
 from shared.protocol.messages import ClientMessage
