@@ -17,7 +17,7 @@ It implements the machine's `SessionGuard` (gateway/session/guard.py): verdicts 
 called back, and it reads no clock: the machine gives the time of each event (monotonic), the shell
 gives admission an `Instant`, where the wall-clock deadline and the end of the UTC day become
 monotonic times once. So its decisions are a function of what it is given (tested with made-up times
-in tests/gateway/test_session_auth.py).
+in tests/system/gateway/test_session_auth.py).
 
 The limits a session lives under (`grant()`, an `AuthLimits`) are part of its session record,
 written whole at open by the record's one owner (shared/store/registry.py) and carried to the worker,
