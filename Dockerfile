@@ -19,6 +19,7 @@ COPY shared shared
 COPY worker worker
 COPY gateway gateway
 COPY loadtest loadtest
+COPY microturn microturn
 RUN pip install ".${EXTRAS:+[$EXTRAS]}"
 
 # Nothing is fetched at run time: the weights are in the image, the runtime never downloads.

@@ -31,7 +31,6 @@ from starlette.websockets import WebSocket
 
 from gateway.auth.credentials import bearer_credential
 from gateway.auth.session_auth import UNAUTHORIZED_MESSAGE, Principal
-from gateway.client_session import ClientSession
 from gateway.dialect import Dialect, NativeDialect
 from gateway.handshake import negotiate
 from gateway.links import LinkPool
@@ -39,6 +38,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai.client_secrets import client_secrets
 from gateway.openai.connect import openai_dialect, refusal_dialect
 from gateway.services import GatewayServices
+from gateway.session.client_session import ClientSession
 from shared.errors import ErrorCode, MicroturnError, Unauthorized, WorkerUnavailable
 from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION, close_code_for, error_message_from
 from shared.settings import GatewaySettings, is_loopback_host

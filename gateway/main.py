@@ -60,7 +60,7 @@ def uvicorn_config(settings: GatewaySettings) -> uvicorn.Config:
         lifespan="on",
         ws_max_size=max(settings.max_frame_bytes * _TRANSPORT_FRAME_FACTOR, _MIN_TRANSPORT_FRAME_BYTES),
         ws_per_message_deflate=False,
-        log_config=None,  # keep the process's logging setup (shared/cli/main.py configures it)
+        log_config=None,  # keep the process's logging setup (microturn/main.py configures it)
         access_log=False,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         ssl_certfile=settings.tls_cert_file or None,  # both or neither (GatewaySettings checks)

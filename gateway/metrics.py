@@ -36,6 +36,13 @@ class GatewayMetrics:
         self.dialect_turns: Counter[str] = Counter()
         self.turn_latency = Histogram()
 
+    def count(self, counter: str, by: int = 1) -> None:
+        """Add to the int counter named `counter` (the session machine's `Count` actions name theirs)."""
+        value = getattr(self, counter)
+        if not isinstance(value, int):
+            raise TypeError(f"{counter} is not a counter")
+        setattr(self, counter, value + by)
+
     def error(self, code: str) -> None:
         self.errors[code] += 1
 

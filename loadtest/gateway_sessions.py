@@ -1,6 +1,6 @@
 """`python -m loadtest.gateway_sessions`: what N open sessions cost one gateway process.
 
-One real stack (embedded Valkey, one `tiny` worker, one gateway; shared/cli/stack.py). Then:
+One real stack (embedded Valkey, one `tiny` worker, one gateway; microturn/stack.py). Then:
 
 1. 8 active sessions stream for `--duration-s` (a chunk of 16 tokens every 200 ms, 8 output tokens
    every 5th chunk, as the Locust user does): their chunk latencies, and the Redis commands the
@@ -29,8 +29,8 @@ from pathlib import Path
 import psutil
 from redis.asyncio import Redis
 
-from shared.cli.processes import free_port
-from shared.cli.stack import Stack, StackOptions
+from microturn.processes import free_port
+from microturn.stack import Stack, StackOptions
 from shared.client import RealtimeClient
 from shared.store.values import text
 

@@ -1,7 +1,7 @@
 """`python -m loadtest.openai_bench`: a 20-turn text conversation through the OpenAI dialect, with the
 official SDK, against the same conversation re-sent whole each turn (what pipeline servers do).
 
-One real stack of its own (embedded Valkey, one worker, one gateway; shared/cli/stack.py), auth off
+One real stack of its own (embedded Valkey, one worker, one gateway; microturn/stack.py), auth off
 on loopback. Two runs of the same conversation, one after the other:
 
 - `session`: one `realtime.connect`; each turn sends its user item and `response.create`: the
@@ -31,8 +31,8 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from shared.cli.processes import free_port
-from shared.cli.stack import Stack, StackOptions
+from microturn.processes import free_port
+from microturn.stack import Stack, StackOptions
 
 logger = logging.getLogger(__name__)
 

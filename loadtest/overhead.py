@@ -10,7 +10,7 @@ identical inputs, so with the tiny model's greedy sampling they must also produc
 outputs: every round trip is checked, and a wrong frame fails the run rather than skewing it.
 
 It starts what it measures (an embedded Valkey, one `tiny` worker, one gateway; separate processes
-via `shared.cli.stack`) with the gateway's per-session rate limit lifted: back-to-back chunks are the
+via `microturn.stack`) with the gateway's per-session rate limit lifted: back-to-back chunks are the
 point here, not a misbehaving client. Auth is on, as in production (`--auth off` to compare): the
 client presents an API key with a session limit and a daily token budget, so every chunk goes
 through the per-key budget check and every `done` through the usage count.
@@ -36,8 +36,8 @@ from websockets.asyncio.client import ClientConnection
 from gateway.auth.api_keys import KeyLimits, KeyStore
 from loadtest.report_files import write_json
 from loadtest.stack_redis import add_redis_arguments
-from shared.cli.processes import StackError, free_port
-from shared.cli.stack import Stack, StackOptions
+from microturn.processes import StackError, free_port
+from microturn.stack import Stack, StackOptions
 from shared.client.clients import RealtimeClient
 from shared.protocol.link import (
     LinkChunk,

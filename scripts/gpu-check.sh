@@ -50,7 +50,7 @@ tail -n 3 "$RESULTS/gpu-tests.log" >>"$OUT/summary.txt"
 for model in "${MODELS[@]}"; do
     for shape in "${SHAPES[@]}"; do
         sessions=${shape%x*} turns=${shape#*x} name="bench-$model-$shape"
-        "$PYTHON" -m shared.cli.main bench --model "$model" --device "$DEVICE" --dtype "$DTYPE" \
+        "$PYTHON" -m microturn.main bench --model "$model" --device "$DEVICE" --dtype "$DTYPE" \
             --sessions "$sessions" --turns "$turns" --input-tokens 16 --output-tokens 8 \
             --modes streaming,reprefill,hf --json "$RESULTS/$name.json" --plot "$RESULTS/$name.png" \
             2>&1 | tee "$RESULTS/$name.log"
@@ -61,7 +61,7 @@ done
 
 if [ "$CAPACITY_S" != 0 ]; then
     name="capacity-${MODELS[0]}"
-    "$PYTHON" -m shared.cli.main bench --capacity --model "${MODELS[0]}" --device "$DEVICE" --dtype "$DTYPE" \
+    "$PYTHON" -m microturn.main bench --capacity --model "${MODELS[0]}" --device "$DEVICE" --dtype "$DTYPE" \
         --duration-s "$CAPACITY_S" --json "$RESULTS/$name.json" --plot "$RESULTS/$name.png" \
         --work-dir "$RESULTS/$name" 2>&1 | tee "$RESULTS/$name.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

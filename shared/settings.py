@@ -202,7 +202,7 @@ class GatewaySettings(CommonSettings):
 
 @dataclass(frozen=True)
 class UpSettings:
-    """`microturn up`: the whole stack on this machine (shared/cli/stack.py). None: decided at start."""
+    """`microturn up`: the whole stack on this machine (microturn/stack.py). None: decided at start."""
 
     redis_url: str | None = field(
         default=None, metadata={"help": "use this Redis/Valkey instead of starting an embedded Valkey"}

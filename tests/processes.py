@@ -1,6 +1,6 @@
 """Real microturn processes for integration tests: started on free ports, stopped at teardown.
 
-Every process is a supervised child (shared/cli/processes.py, as `microturn up` runs them) with a free
+Every process is a supervised child (microturn/processes.py, as `microturn up` runs them) with a free
 port and a log file, waited for on its `/readyz`; a start that fails is retried on another port,
 and `stop` sends the signal, then SIGKILL, so nothing leaks.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from shared.cli.processes import Child, free_port, http_ready, spawn
+from microturn.processes import Child, free_port, http_ready, spawn
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ _PORT_ATTEMPTS: Final = 3
 
 @dataclass
 class Proc:
-    """A supervised child (shared/cli/processes.py) on a known port, with its log file."""
+    """A supervised child (microturn/processes.py) on a known port, with its log file."""
 
     name: str
     port: int
@@ -98,11 +98,11 @@ def stop(proc: Proc, sig: int = signal.SIGTERM) -> None:
 
 
 def start(name: str, command: str, flags: list[str], log_dir: Path, *, tls: bool = False) -> Proc:
-    """Start `python -m shared.cli <command> --host 127.0.0.1 --port <free> <flags>`, wait for /readyz
+    """Start `python -m microturn <command> --host 127.0.0.1 --port <free> <flags>`, wait for /readyz
     (over https for a process that serves TLS: `tls`)."""
     for attempt in range(_PORT_ATTEMPTS):
         port = free_port()
-        args = [sys.executable, "-m", "shared.cli", command, "--host", "127.0.0.1", "--port", str(port)]
+        args = [sys.executable, "-m", "microturn", command, "--host", "127.0.0.1", "--port", str(port)]
         args += flags
         log_path = log_dir / f"{name}-{port}.log"
         with open(log_path, "wb") as log:
@@ -122,7 +122,7 @@ def start(name: str, command: str, flags: list[str], log_dir: Path, *, tls: bool
 
 @contextlib.contextmanager
 def microturn(kind: str, args: list[str], workdir: Path, name: str | None = None) -> Iterator[Proc]:
-    """`python -m shared.cli <kind> --port <free> <args>`, ready when `/readyz` answers 200."""
+    """`python -m microturn <kind> --port <free> <args>`, ready when `/readyz` answers 200."""
     process = start(name or kind, kind, args, workdir)
     try:
         yield process

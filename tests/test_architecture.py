@@ -4,9 +4,10 @@
   function or under TYPE_CHECKING too), and importing `a.b.c` runs the `__init__` of `a` and `a.b`
   first, so it counts as importing those packages as well: a cycle through a package's `__init__`
   breaks at import time depending on which module happens to be imported first.
-- No import upward: shared/ is what the gateway and the worker both speak and imports neither of
-  them, except its operations subpackage (shared/cli/: the `microturn` entry point, `microturn up`,
-  the keys CLI), which starts them.
+- No import upward, with no exception: shared/ is what the gateway and the worker both speak and
+  imports nothing above it; the gateway and the worker import neither each other nor what starts or
+  loads them (loadtest/, and microturn/: the `microturn` command, `microturn up` and its process
+  supervision), which stand on top.
 
 The whole tree is parsed in a fresh interpreter (`in_fresh_process`): inside a long pytest run,
 CPython 3.11.7's `ast.parse` now and then fails with "AST constructor recursion depth mismatch"
@@ -23,9 +24,14 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("shared", "gateway", "worker", "loadtest")
-UPPER_LAYERS = ("gateway", "worker")
-OPERATIONS = "shared/cli/"
+PACKAGES = ("shared", "gateway", "worker", "loadtest", "microturn")
+# Each package and the packages it must never import (the top floor, loadtest/ and microturn/, may
+# import everything below it; a cycle among modules is still caught by the cycle test).
+BELOW_ALL_OF = {
+    "shared": ("gateway", "worker", "loadtest", "microturn"),
+    "gateway": ("worker", "loadtest", "microturn"),
+    "worker": ("gateway", "loadtest", "microturn"),
+}
 
 
 def module_name(path: Path) -> str:
@@ -157,20 +163,35 @@ def test_importing_a_submodule_counts_its_packages(tmp_path: Path) -> None:
     assert graph["p.q.r"] == set()  # `from . import sibling` names p.q, the package it lives in
 
 
-def test_shared_imports_neither_gateway_nor_worker_outside_its_operations_package() -> None:
-    _, imports = in_fresh_process()
-    operations = OPERATIONS.rstrip("/").replace("/", ".")
-    upward = [
+def upward_imports(imports: dict[str, list[tuple[int, str]]]) -> list[str]:
+    """Every import from a package into one it must never import (BELOW_ALL_OF), as `module:line`."""
+    return [
         f"{name}:{line} imports {imported}"
         for name, pairs in imports.items()
-        if name.startswith("shared") and not name.startswith(operations)
         for line, imported in pairs
-        if imported.split(".")[0] in UPPER_LAYERS
+        if imported.split(".")[0] in BELOW_ALL_OF.get(name.split(".")[0], ())
     ]
-    assert upward == []
+
+
+def test_no_package_imports_a_layer_above_it_with_no_exception() -> None:
+    _, imports = in_fresh_process()
+    assert upward_imports(imports) == []
     # The scan sees imports inside functions: the entry point imports what it starts lazily.
-    names = [imported for _, imported in imports["shared.cli.main"]]
+    names = [imported for _, imported in imports["microturn.main"]]
     assert "worker.server.main" in names and "gateway.main" in names
+    assert "shared.cli" not in imports and "microturn.stack" in imports  # the operations moved up
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    imports = {
+        "shared.store.values": [(3, "gateway.session.machine")],
+        "gateway.auth.keys": [(5, "shared.settings"), (9, "microturn.processes")],
+        "loadtest.overhead": [(7, "microturn.stack")],  # the top floor may
+    }
+    assert upward_imports(imports) == [
+        "shared.store.values:3 imports gateway.session.machine",
+        "gateway.auth.keys:9 imports microturn.processes",
+    ]
 
 
 def test_protocol_names_are_imported_from_their_defining_module() -> None:
@@ -197,6 +218,97 @@ def test_the_gateway_session_machine_loads_no_io_library() -> None:
     code = f"import sys, gateway.session.machine; print(sorted(set({io!r}) & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
-    code = "import sys, gateway.client_session; print('asyncio' in sys.modules)"  # the check can fail
+    code = "import sys, gateway.session.client_session; print('asyncio' in sys.modules)"  # can fail
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "True"
+
+
+# The session's core: the machine's modules (every module of gateway/session/ but its asyncio shell
+# and the socket's writer) and the credential it consults. It reads no clock and moves no metric.
+SESSION_SHELL = ("gateway/session/client_session.py", "gateway/session/outbox.py")
+SESSION_CORE_EXTRA = ("gateway/auth/session_auth.py",)
+CLOCK_READERS = frozenset(
+    {"time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns", "now", "utcnow"}
+    | {"today", "now_ms", "get_running_loop", "get_event_loop"}
+)
+CLOCK_MODULES = frozenset({"time", "datetime", "asyncio"})
+# Reads the clock when called with no time (gateway/auth/api_keys.py): the core must pass one.
+CLOCK_DEFAULTING = frozenset({"ms_until_next_day"})
+
+
+def session_core() -> list[Path]:
+    core = [
+        p
+        for p in sorted((REPO / "gateway" / "session").glob("*.py"))
+        if str(p.relative_to(REPO)) not in SESSION_SHELL
+    ]
+    return core + [REPO / extra for extra in SESSION_CORE_EXTRA]
+
+
+def clock_and_metric_uses(source: str) -> list[str]:
+    """Where `source` imports a clock or a metrics module, calls a clock, or names a metric."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for module in modules:
+                if module.split(".")[0] in CLOCK_MODULES or "metrics" in module.split("."):
+                    found.append(f"{node.lineno}: imports {module}")
+            if isinstance(node, ast.ImportFrom):
+                found += [f"{node.lineno}: imports {a.name}" for a in node.names if a.name in CLOCK_READERS]
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = (
+                func.attr
+                if isinstance(func, ast.Attribute)
+                else func.id
+                if isinstance(func, ast.Name)
+                else ""
+            )
+            if name in CLOCK_READERS or (name in CLOCK_DEFAULTING and not node.args and not node.keywords):
+                found.append(f"{node.lineno}: calls {name}()")
+        elif isinstance(node, ast.Attribute | ast.Name | ast.arg):
+            name = (
+                node.attr
+                if isinstance(node, ast.Attribute)
+                else node.id
+                if isinstance(node, ast.Name)
+                else node.arg
+            )
+            if "metrics" in name:
+                found.append(f"{node.lineno}: names {name}")
+    return found
+
+
+def test_the_session_core_reads_no_clock_and_moves_no_metric() -> None:
+    """Time comes in with the events, counts go out as actions: the machine is a function of its inputs."""
+    core = session_core()
+    assert {p.name for p in core} >= {"machine.py", "actions.py", "turns.py", "guard.py", "session_auth.py"}
+    offending = {
+        str(path.relative_to(REPO)): uses
+        for path in core
+        if (uses := clock_and_metric_uses(path.read_text()))
+    }
+    assert offending == {}
+    # The shell is where the clocks are read and the counts land: the scan sees it.
+    shell = clock_and_metric_uses((REPO / SESSION_SHELL[0]).read_text())
+    assert any("calls monotonic()" in use for use in shell) and any("metrics" in use for use in shell)
+
+
+def test_the_clock_check_sees_every_way_in() -> None:
+    source = (
+        "import time\nfrom gateway.metrics import GatewayMetrics\nfrom time import monotonic\n"
+        "def f(self, metrics):\n    self._metrics.chunks += 1\n    return time.time(), ms_until_next_day()\n"
+        "def g(at):\n    return ms_until_next_day(at.wall_s), now_ms()\n"
+    )
+    assert clock_and_metric_uses(source) == [
+        "1: imports time",
+        "2: imports gateway.metrics",
+        "3: imports time",
+        "3: imports monotonic",
+        "4: names metrics",
+        "5: names _metrics",
+        "6: calls time()",
+        "6: calls ms_until_next_day()",
+        "8: calls now_ms()",
+    ]

@@ -14,7 +14,10 @@ limits without any Redis call on the hot path:
   arms). A token budget warns at `TOKEN_WARN_FRACTION` and expires once spent.
 
 It implements the machine's `SessionGuard` (gateway/session/guard.py): verdicts are returned, never
-called back.
+called back, and it reads no clock: the machine gives the time of each event (monotonic), the shell
+gives admission an `Instant`, where the wall-clock deadline and the end of the UTC day become
+monotonic times once. So its decisions are a function of what it is given (tested with made-up times
+in tests/system/gateway/test_session_auth.py).
 
 The limits a session lives under (`grant()`, an `AuthLimits`) are part of its session record,
 written whole at open by the record's one owner (shared/store/registry.py) and carried to the worker,
@@ -27,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 from typing import Final
 
@@ -36,7 +38,7 @@ from redis.exceptions import RedisError
 from gateway.auth.api_keys import ApiKey, ms_until_next_day
 from gateway.auth.client_tokens import ClientToken, ClientTokenStore
 from gateway.auth.key_ledger import REFRESH_S, KeyLedger
-from gateway.session.guard import Deadline, Expire, Verdict
+from gateway.session.guard import Deadline, Expire, Instant, Verdict
 from shared.errors import RateLimited, SessionExpired, Unauthorized
 from shared.protocol.link import AuthLimits
 from shared.protocol.messages import SessionExpiring
@@ -50,11 +52,12 @@ WARN_LEAD_FRACTION: Final = 0.2
 WARN_LEAD_MAX_S: Final = 30.0
 TOKEN_WARN_FRACTION: Final = 0.9
 UNAUTHORIZED_MESSAGE: Final = "missing, invalid, revoked or expired credential"
+SECONDS_PER_DAY: Final = 86400  # a UTC day (POSIX time has no leap seconds)
 
 
-def _budget_spent(budget: int) -> RateLimited:
-    """Recoverable: the same chunk or open succeeds once the UTC day turns."""
-    return RateLimited(f"this key spent its {budget} tokens for today", retry_after_ms=ms_until_next_day())
+def _budget_spent(budget: int, retry_after_ms: int) -> RateLimited:
+    """Recoverable: the same chunk or open succeeds once the UTC day turns (in `retry_after_ms`)."""
+    return RateLimited(f"this key spent its {budget} tokens for today", retry_after_ms=max(1, retry_after_ms))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +97,9 @@ class SessionAuth:
         self._sid: str | None = None
         self._claimed: str | None = None  # the sid this socket's browser token was claimed for
         self._started = False
-        self._deadline_s: float | None = None  # wall clock (time.time), from the session's creation
+        # Monotonic times, set at admission: the session's end (from its creation), the UTC day's end.
+        self._deadline: float | None = None
+        self._day_ends = 0.0
         self._limit_s = 0.0  # the session's allowed duration (0: none)
         self._max_tokens = 0
         self._used = 0
@@ -117,7 +122,7 @@ class SessionAuth:
 
     # ---- open and resume (Redis) ------------------------------------------------------------------
 
-    async def _admit(self, sid: str) -> None:
+    async def _admit(self, sid: str, at: Instant) -> None:
         # Read again at every open and resume: a key revoked (or re-limited) since the handshake is
         # refused (or limited) at its next open, not only on its next socket.
         key = await self._d.ledger.keys.by_digest(self.principal.key.digest)
@@ -125,21 +130,23 @@ class SessionAuth:
             raise Unauthorized(UNAUTHORIZED_MESSAGE)
         self.principal = dataclasses.replace(self.principal, key=key)
         budget = key.limits.max_tokens_per_day
+        until_next_day_ms = ms_until_next_day(at.wall_s)
         if budget and await self._d.ledger.load_usage(key.digest) >= budget:
-            raise _budget_spent(budget)
+            raise _budget_spent(budget, until_next_day_ms)
         if not await self._d.ledger.admit(key.digest, sid, key.limits.max_sessions):
             raise RateLimited(
                 f"this key already has {key.limits.max_sessions} sessions open",
                 retry_after_ms=int(REFRESH_S * 1000),
             )
         self._sid = sid
+        self._day_ends = at.monotonic_s + until_next_day_ms / 1000
 
-    async def admit_open(self, sid: str) -> None:
+    async def admit_open(self, sid: str, at: Instant) -> None:
         """Budget, slot, then the browser token's one session; raises with nothing held."""
         token = self.principal.token
         if token is not None and token.sid is not None:
             raise Unauthorized(UNAUTHORIZED_MESSAGE)
-        await self._admit(sid)
+        await self._admit(sid, at)
         if token is not None:
             hold_s = self._d.session_ttl_s + self.principal.max_session_s
             if not await self._d.tokens.claim(token, sid, hold_s):
@@ -151,13 +158,13 @@ class SessionAuth:
             0,
             self.principal.max_session_s,
         )
-        self._deadline_s = time.time() + self._limit_s if self._limit_s else None
+        self._deadline = at.monotonic_s + self._limit_s if self._limit_s else None
 
     def grant(self) -> AuthLimits:
         """The limits this session is opened under, as its record keeps them."""
         return AuthLimits(self.principal.key.digest, self.principal.max_session_s, self.principal.max_tokens)
 
-    async def admit_resume(self, sid: str, created_ms: int, granted: AuthLimits | None) -> None:
+    async def admit_resume(self, sid: str, created_ms: int, granted: AuthLimits | None, at: Instant) -> None:
         """The session must be this key's (and this token's); its limits carry over, clock included."""
         token = self.principal.token
         if granted is None or granted.key_sha256 != self.principal.key.digest:
@@ -165,26 +172,26 @@ class SessionAuth:
         if token is not None and token.sid != sid:
             raise Unauthorized(UNAUTHORIZED_MESSAGE)
         max_session_s, max_tokens = granted.max_session_s, granted.max_tokens
-        deadline = created_ms / 1000 + max_session_s if max_session_s else None
-        if deadline is not None and deadline <= time.time():
+        deadline = at.monotonic_at(created_ms / 1000 + max_session_s) if max_session_s else None
+        if deadline is not None and deadline <= at.monotonic_s:
             raise SessionExpired(f"the session reached its maximum duration of {max_session_s:g} s")
         used = await self._d.ledger.session_used(sid) if max_tokens else 0
         if max_tokens and used >= max_tokens:
             raise SessionExpired(f"the session spent its budget of {max_tokens} tokens")
-        await self._admit(sid)
-        self._deadline_s, self._limit_s = deadline, max_session_s
+        await self._admit(sid, at)
+        self._deadline, self._limit_s = deadline, max_session_s
         self._max_tokens, self._used = max_tokens, used
 
     # ---- the session's life (no Redis) ------------------------------------------------------------
 
-    def start(self) -> tuple[Verdict, Deadline | None]:
+    def start(self, now: float) -> tuple[Verdict, Deadline | None]:
         """The session is active on this socket: a resumed session already near its token budget is
         warned (or ended) at once; the deadline, if any, is for the caller's timers."""
         self._started = True
         verdict = self._check_budget(self._sid) if self._sid is not None and self._max_tokens else None
-        if self._deadline_s is None or self._sid is None:
+        if self._deadline is None or self._sid is None:
             return verdict, None
-        left = self._deadline_s - time.time()
+        left = self._deadline - now
         lead = min(WARN_LEAD_MAX_S, WARN_LEAD_FRACTION * self._limit_s)
         # A session resumed inside the warning window is warned at once: every socket that will see
         # `session_expired` sees the warning first.
@@ -193,12 +200,19 @@ class SessionAuth:
         warning = SessionExpiring(self._sid, "max_duration", expires_in_ms=warn_ms)
         return verdict, Deadline(warn_in, warning, max(0.0, left), Expire(why))
 
-    def check_chunk(self) -> None:
+    def check_chunk(self, now: float) -> None:
         """Per chunk: a spent daily budget refuses it (recoverable, retry when the day turns)."""
         key = self.principal.key
         budget = key.limits.max_tokens_per_day
         if budget and self._d.ledger.spent(key.digest) >= budget:
-            raise _budget_spent(budget)
+            raise _budget_spent(budget, self._ms_until_day_ends(now))
+
+    def _ms_until_day_ends(self, now: float) -> int:
+        """Until the UTC day turns, from the day's end known at admission (a day later once passed)."""
+        ends = self._day_ends
+        if now >= ends:  # the session outlived the day it was admitted on
+            ends += SECONDS_PER_DAY * (1 + (now - ends) // SECONDS_PER_DAY)
+        return int((ends - now) * 1000)
 
     def on_done(self, tokens: int) -> Verdict:
         """Per `done`: count the turn's tokens; warn near the session's budget, expire at it."""

@@ -1,10 +1,11 @@
 """What the session machine asks its caller to do: the actions it queues, and the timers it names.
 
 Why values: the machine (machine.py) does no I/O, so every effect on the world is one of these,
-drained in order by the asyncio shell (gateway/client_session.py) or read by a unit test. Three
+drained in order by the asyncio shell (gateway/session/client_session.py) or read by a unit test. Three
 kinds:
 - messages: `SendClient`, `CloseSocket`, `SendWorker` (sent in the order queued);
-- routing and timers, done at once by the caller: `Bind`, `Unbind`, `ArmTimer`, `CancelTimer`;
+- routing, timers and counts, done at once by the caller: `Bind`, `Unbind`, `ArmTimer`,
+  `CancelTimer`, `Count` (the machine moves no metric itself: it says what to count);
 - effects that await Redis or a worker (`Effect`), performed one at a time in order; each answers
   the machine with its result method (named on the class), or with `effect_failed`.
 """
@@ -63,7 +64,7 @@ class SendWorker:
     worker: WorkerRef
 
 
-# ---- routing and timers --------------------------------------------------------------------------
+# ---- routing, timers and counts ------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,25 @@ class ArmTimer:
 @dataclass(frozen=True, slots=True)
 class CancelTimer:
     timer: Timer
+
+
+class Metric(enum.Enum):
+    """A gateway counter the machine moves; the value names its attribute in gateway/metrics.py."""
+
+    SESSIONS_OPENED = "sessions_opened"
+    SESSIONS_RESUMED = "sessions_resumed"
+    SESSIONS_RESTORED = "sessions_restored"
+    SESSIONS_MIGRATED = "sessions_migrated"
+    CHUNKS_FORWARDED = "chunks_forwarded"
+    CHUNKS_REPLAYED = "chunks_replayed"
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """Add `by` to the gateway's `metric` counter."""
+
+    metric: Metric
+    by: int = 1
 
 
 # ---- effects (one at a time, in order) -------------------------------------------------------------
@@ -168,4 +188,6 @@ class EndOnWorker:
 Effect: TypeAlias = (
     Place | Move | Lookup | FindWorker | Delete | AdmitOpen | AdmitResume | ReleaseAuth | EndOnWorker
 )
-Action: TypeAlias = SendClient | CloseSocket | SendWorker | Bind | Unbind | ArmTimer | CancelTimer | Effect
+Action: TypeAlias = (
+    SendClient | CloseSocket | SendWorker | Bind | Unbind | ArmTimer | CancelTimer | Count | Effect
+)

@@ -1,11 +1,15 @@
 """One client socket's session as a Sans-I/O state machine: events in, actions out.
 
 Why this shape (websockets' `Protocol` is the model): every decision about a session on this
-gateway is here, in one class, with no I/O, no clock of its own and no event loop, so each event and
-the transition it causes can be read in one place and tested by playing events and reading actions
-(tests/gateway/test_session_machine.py). The asyncio shell (gateway/client_session.py) only moves
-bytes: it decodes client frames, routes worker frames, performs the effects and the timers
-(actions.py) and answers each effect with its result method.
+gateway is here, in one class, with no I/O, no clock and no event loop, so each event and the
+transition it causes can be read in one place and tested by playing events and reading actions
+(tests/gateway/test_session_machine.py). It is a function of its inputs: time comes in with the
+events (a client message's `received`, a worker frame's `arrived`: monotonic seconds), and what it
+counts goes out as `Count` actions; it reads no clock and moves no metric (tests/test_architecture.py
+checks both in the source of the machine's modules and of its credential, session_auth.py). The
+asyncio shell (client_session.py, beside it) only moves bytes: it decodes client frames, routes
+worker frames, reads the clocks, performs the effects, the timers and the counts (actions.py) and
+answers each effect with its result method.
 
 Events: a client message (`receive`), a frame the client sent that could not be decoded
 (`refuse`), a worker frame (`worker_frame`), the link lost or the session taken over, a send that
@@ -40,7 +44,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.limits import LimitValues
-from gateway.metrics import GatewayMetrics
 from gateway.session.actions import (
     Action,
     AdmitOpen,
@@ -49,10 +52,12 @@ from gateway.session.actions import (
     Bind,
     CancelTimer,
     CloseSocket,
+    Count,
     Delete,
     EndOnWorker,
     FindWorker,
     Lookup,
+    Metric,
     Move,
     Place,
     ReleaseAuth,
@@ -123,6 +128,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_CHUNK_FORWARDED = Count(Metric.CHUNKS_FORWARDED)  # one per forwarded chunk: built once (hot path)
+
 
 @dataclass(frozen=True, slots=True)
 class MachineConfig:
@@ -136,21 +143,20 @@ class SessionMachine:
     def __init__(
         self,
         config: MachineConfig,
-        metrics: GatewayMetrics,
         *,
         guard: SessionGuard | None = None,
         new_sid: Callable[[], str],
         new_token: Callable[[], str],
-        clock: Callable[[], float],
     ) -> None:
         limits = config.limits
         if guard is not None and 0 < guard.chunks_per_s < limits.max_chunks_per_s:
             limits = dataclasses.replace(limits, max_chunks_per_s=guard.chunks_per_s)  # the key's caps
         self._cfg = config
-        self._metrics = metrics
         self._guard = guard
         self._new_sid, self._new_token = new_sid, new_token
-        self.turns = Turns(limits, clock)
+        # The time of the event being handled (monotonic s): the only clock the rate limit reads.
+        self._now = 0.0
+        self.turns = Turns(limits, self._event_time)
         self.life = SessionLifecycle()
         self._out: list[Action] = []
         self.sid: str | None = None
@@ -189,8 +195,13 @@ class SessionMachine:
 
     # ---- client messages -------------------------------------------------------------------------
 
+    def _event_time(self) -> float:
+        return self._now
+
     def receive(self, msg: ClientMessage, received: float) -> None:
-        """One decoded client message; every refusal is answered here as a typed error."""
+        """One decoded client message, `received` at that monotonic time; every refusal is answered
+        here as a typed error."""
+        self._now = received
         seq = msg.seq if isinstance(msg, InputChunk | OutputCancel) else None
         try:
             if isinstance(msg, InputChunk):
@@ -218,15 +229,14 @@ class SessionMachine:
         assert sid is not None and worker is not None, "an active session has a worker"
         self.turns.check_seq(msg)
         if self._guard is not None:
-            self._guard.check_chunk()
+            self._guard.check_chunk(received)
         limit = msg.max_output_tokens if msg.max_output_tokens is not None else self.config.max_output_tokens
         frame = LinkChunk(sid, msg)
         # Held while RESTORING: it goes to the new worker with the tail, or right after its restore.
         held = phase is Phase.RESTORING
         self.turns.admit(msg, wants_output=limit > 0, received=received, frame=frame, sent=not held)
         if not held:
-            self._out.append(SendWorker(frame, worker))
-            self._metrics.chunks_forwarded += 1
+            self._out += (SendWorker(frame, worker), _CHUNK_FORWARDED)
 
     def _cancel(self, msg: OutputCancel) -> None:
         self.life.check(Request.CANCEL)
@@ -428,16 +438,15 @@ class SessionMachine:
             self.turns.undurable.durable(frame.durable_seq)
             for held in self.turns.undurable.take_unsent():  # before any chunk that arrives after this
                 self._out.append(SendWorker(held, self.worker))
-            self._metrics.sessions_restored += 1
-            self._metrics.chunks_replayed += flow.replayed
+            self._out += (Count(Metric.SESSIONS_RESTORED), Count(Metric.CHUNKS_REPLAYED, flow.replayed))
             logger.info(
                 "session %s restored on %s (length %d)", self.sid, self.worker.worker_id, frame.length
             )
         if flow.step is Step.OPEN:
-            self._metrics.sessions_opened += 1
+            self._out.append(Count(Metric.SESSIONS_OPENED))
             logger.info("session %s opened on worker %s", self.sid, self.worker.worker_id)
         elif flow.origin is Origin.RESUME:
-            self._metrics.sessions_resumed += 1
+            self._out.append(Count(Metric.SESSIONS_RESUMED))
         was = self.life.phase
         self.life.move(Phase.ACTIVE)
         if was is Phase.OPENING:
@@ -577,7 +586,9 @@ class SessionMachine:
 
     # ---- the worker's frames ---------------------------------------------------------------------------
 
-    def worker_frame(self, frame: ToGateway) -> None:
+    def worker_frame(self, frame: ToGateway, arrived: float) -> None:
+        """A frame from the session's worker, `arrived` at that monotonic time."""
+        self._now = arrived
         flow = self.flow
         pending = flow in (Step.OPEN, Step.ATTACH, Step.RESTORE)
         if isinstance(frame, LinkOpened):
@@ -587,7 +598,7 @@ class SessionMachine:
         elif isinstance(frame, LinkMigrate):
             self.turns.undurable.durable(frame.durable_seq)
             if self.life.phase is Phase.ACTIVE:
-                self._metrics.sessions_migrated += 1
+                self._out.append(Count(Metric.SESSIONS_MIGRATED))
                 self._move("its worker is draining")
         elif isinstance(frame, LinkError) and frame.error.seq is None and pending:
             self._request_failed(frame.error.to_exception())
@@ -658,7 +669,7 @@ class SessionMachine:
     def _start_guard(self) -> None:
         if self._guard is None:
             return
-        verdict, deadline = self._guard.start()
+        verdict, deadline = self._guard.start(self._now)
         if deadline is not None:
             self._warning, self._expiry = deadline.warning, deadline.expiry
             self._out += [

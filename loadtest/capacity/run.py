@@ -1,6 +1,6 @@
 """`microturn bench --capacity`: step Locust against a real stack per mode; the largest passing count.
 
-Per mode a fresh stack (embedded Valkey, one worker, one gateway; `shared.cli.stack`), `no_session`
+Per mode a fresh stack (embedded Valkey, one worker, one gateway; `microturn.stack`), `no_session`
 with the worker's `--no-session`. Per step: scrape both `/metrics`, run Locust for `duration_s`
 with S users spawned at once, scrape again; the figures are Locust's, the scrapes check them.
 Sessions of a step are closed by its users before the next step starts, so steps do not stack.
@@ -25,8 +25,8 @@ from loadtest.capacity.report import CapacityReport, table, write_json, write_pl
 from loadtest.capacity.search import next_sessions
 from loadtest.capacity.workload import ENCODINGS, ChunkLoad
 from loadtest.stack_redis import add_redis_arguments
-from shared.cli.processes import free_port
-from shared.cli.stack import Stack, StackOptions
+from microturn.processes import free_port
+from microturn.stack import Stack, StackOptions
 from shared.settings import DTYPE_NAMES, copy_fields
 
 logger = logging.getLogger(__name__)

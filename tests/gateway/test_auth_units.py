@@ -21,9 +21,9 @@ from gateway.auth.api_keys import (
 )
 from gateway.auth.client_tokens import TokenLimits
 from gateway.auth.credentials import bearer_credential
+from gateway.auth.keys import build_parser
 from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX, negotiate
-from shared.cli.keys import build_parser
-from shared.cli.stack import Stack, StackOptions
+from microturn.stack import Stack, StackOptions
 from shared.client.core import handshake_headers
 from shared.protocol.codec import Encoding, decode_server, encode_server
 from shared.protocol.messages import SessionExpiring

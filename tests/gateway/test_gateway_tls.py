@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.main import tls_problem
-from shared.cli.stack import Stack, StackOptions
+from microturn.stack import Stack, StackOptions
 from shared.settings import GatewaySettings, UpSettings, parse_settings
 from tests.processes import REPO
 from tests.shared.tls import Certificate, self_signed
@@ -63,7 +63,7 @@ def test_the_gateway_exits_at_start_naming_an_unreadable_certificate(
     missing = tmp_path / "nowhere" / "cert.pem"
     args = ["gateway", "--auth", "off", "--port", "0", "--tls-cert-file", str(missing)]
     done = subprocess.run(
-        [sys.executable, "-m", "shared.cli", *args, "--tls-key-file", str(cert.key)],
+        [sys.executable, "-m", "microturn", *args, "--tls-key-file", str(cert.key)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -6,6 +6,7 @@ reads the actions the machine queues: nothing here is a socket, a link, Redis or
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 
@@ -19,10 +20,12 @@ from gateway.session.actions import (
     ArmTimer,
     Bind,
     CloseSocket,
+    Count,
     Delete,
     EndOnWorker,
     FindWorker,
     Lookup,
+    Metric,
     Move,
     Place,
     ReleaseAuth,
@@ -89,11 +92,9 @@ def machine(guard: FakeGuard | None = None) -> SessionMachine:
     ids = itertools.count(1)
     return SessionMachine(
         MachineConfig(LIMITS, open_timeout_s=5.0),
-        GatewayMetrics(),
         guard=guard,
         new_sid=lambda: f"s{next(ids)}",
         new_token=lambda: "tok",
-        clock=lambda: 0.0,
     )
 
 
@@ -126,7 +127,7 @@ def opened(m: SessionMachine, worker: WorkerRef = W1) -> SessionMachine:
     bind, send, arm = m.actions()
     assert bind == Bind(SID, worker) and arm == ArmTimer(Timer.REQUEST, 5.0)
     assert isinstance(send, SendWorker) and isinstance(send.frame, LinkOpen) and send.worker == worker
-    m.worker_frame(LinkOpened(SID, 0))
+    m.worker_frame(LinkOpened(SID, 0), 0.0)
     assert [type(x) for x in client(m)] == [SessionOpened] and m.life.phase is Phase.ACTIVE
     return m
 
@@ -134,9 +135,9 @@ def opened(m: SessionMachine, worker: WorkerRef = W1) -> SessionMachine:
 def test_a_chunk_goes_to_the_worker_and_its_done_to_the_client() -> None:
     m = opened(machine())
     m.receive(chunk(1), 7.0)
-    assert m.actions() == [SendWorker(LinkChunk(SID, chunk(1)), W1)]
-    m.worker_frame(LinkDelta(SID, OutputDelta(1, 0, 5)))
-    m.worker_frame(done(1, (5,), 3))
+    assert m.actions() == [SendWorker(LinkChunk(SID, chunk(1)), W1), Count(Metric.CHUNKS_FORWARDED)]
+    m.worker_frame(LinkDelta(SID, OutputDelta(1, 0, 5)), 0.0)
+    m.worker_frame(done(1, (5,), 3), 0.0)
     actions = m.actions()
     assert actions[0] == SendClient(OutputDelta(1, 0, 5)) and actions[1] == SendClient(
         done(1, (5,), 3).done, 7.0
@@ -147,7 +148,7 @@ def test_a_lost_worker_is_replaced_and_every_chunk_gets_exactly_one_done() -> No
     m = opened(machine())
     for seq in (1, 2):
         m.receive(chunk(seq), 0.0)
-    m.worker_frame(done(1, (5,), 3))  # 1 answered, not yet durable; 2 in flight
+    m.worker_frame(done(1, (5,), 3), 0.0)  # 1 answered, not yet durable; 2 in flight
     m.actions()
     m.link_lost()
     assert m.actions() == [Move(SID, record(W1), OpenConfig())] and m.life.phase is Phase.RESTORING
@@ -158,12 +159,12 @@ def test_a_lost_worker_is_replaced_and_every_chunk_gets_exactly_one_done() -> No
     assert isinstance(restore, LinkRestore) and restore.seen_seq == 1
     assert [(t.chunk.seq, t.output) for t in restore.tail] == [(1, (5,)), (2, None), (3, None)]
     m.receive(chunk(4), 0.0)  # held too, but it arrived after the restore frame was built
-    m.worker_frame(LinkOpened(SID, 3, finished_seq=1, durable_seq=None))
+    m.worker_frame(LinkOpened(SID, 3, finished_seq=1, durable_seq=None), 0.0)
     actions = m.actions()
     assert [a.frame for a in actions if isinstance(a, SendWorker)] == [LinkChunk(SID, chunk(4))]
     assert [a.message for a in actions if isinstance(a, SendClient)] == [SessionRestored(SID, 3)]
-    m.worker_frame(done(1, (5,), 3))  # the new worker re-sends a turn the client had: dropped
-    m.worker_frame(done(2, (6,), 5))
+    m.worker_frame(done(1, (5,), 3), 0.0)  # the new worker re-sends a turn the client had: dropped
+    m.worker_frame(done(2, (6,), 5), 0.0)
     assert [d.seq for d in client(m) if isinstance(d, OutputDone)] == [2]
 
 
@@ -182,10 +183,10 @@ def test_a_restore_retries_on_another_worker_then_ends_the_socket_not_the_sessio
 def test_a_draining_worker_moves_the_session() -> None:
     m = opened(machine())
     m.receive(chunk(1), 0.0)
-    m.worker_frame(done(1, (5,), 3, durable=1))
+    m.worker_frame(done(1, (5,), 3, durable=1), 0.0)
     m.actions()
-    m.worker_frame(LinkMigrate(SID, durable_seq=1))
-    assert m.actions() == [Unbind(SID), Move(SID, record(W1), OpenConfig())]
+    m.worker_frame(LinkMigrate(SID, durable_seq=1), 0.0)
+    assert m.actions() == [Count(Metric.SESSIONS_MIGRATED), Unbind(SID), Move(SID, record(W1), OpenConfig())]
     m.placed(record(W2), W2.url)
     restore = next(a.frame for a in m.actions() if isinstance(a, SendWorker))
     assert isinstance(restore, LinkRestore) and restore.tail == ()  # turn 1 is durable
@@ -199,12 +200,12 @@ def test_resume_attaches_on_the_live_worker_or_restores_when_it_is_gone() -> Non
     assert m.actions() == [FindWorker("w1")]
     m.worker_found(W1.url)
     assert SendWorker(LinkAttach(SID, 4), W1) in m.actions()
-    m.worker_frame(LinkError(SID, Error(ErrorCode.SESSION_NOT_FOUND, "gone", fatal=False)))
+    m.worker_frame(LinkError(SID, Error(ErrorCode.SESSION_NOT_FOUND, "gone", fatal=False)), 0.0)
     assert of(m.actions(), Move)  # not on its worker any more: rebuilt elsewhere
     m.placed(record(W2), W2.url)
     restore = next(a.frame for a in m.actions() if isinstance(a, SendWorker))
     assert isinstance(restore, LinkRestore) and restore.seen_seq == 4
-    m.worker_frame(LinkOpened(SID, 9, finished_seq=4))
+    m.worker_frame(LinkOpened(SID, 9, finished_seq=4), 0.0)
     assert client(m) == [SessionResumed(SID, 9, 4), SessionRestored(SID, 9)]
     assert m.life.phase is Phase.ACTIVE and m.turns.finished_seq == 4
 
@@ -219,7 +220,7 @@ def test_close_is_confirmed_by_the_worker_or_ended_here() -> None:
     m = opened(machine())
     m.receive(SessionClose(), 0.0)
     assert SendWorker(LinkClose(SID), W1) in m.actions() and m.busy
-    m.worker_frame(LinkClosed(SID, "closed"))
+    m.worker_frame(LinkClosed(SID, "closed"), 0.0)
     assert [a for a in m.actions() if isinstance(a, SendClient | CloseSocket)][-2:] == [
         SendClient(SessionClosed("closed")),
         CloseSocket(CLOSE_NORMAL),
@@ -285,7 +286,7 @@ def test_a_refused_chunk_changes_nothing() -> None:
     m.receive(chunk(1), 0.0)  # already running
     [error] = client(m)
     assert isinstance(error, Error) and error.code is ErrorCode.BAD_SEQUENCE and error.seq == 1
-    m.worker_frame(done(1, (5,), 3))
+    m.worker_frame(done(1, (5,), 3), 0.0)
     m.actions()
     m.receive(chunk(1), 0.0)  # at or below the finished seq
     assert (
@@ -312,6 +313,8 @@ class FakeGuard:
     def __init__(self, on_done: Callable[[int], Verdict] = lambda tokens: None) -> None:
         self.chunks_per_s = 0.0
         self._on_done = on_done
+        self.started_at: float | None = None
+        self.chunks_at: list[float] = []  # the time each chunk was checked at
 
     def limits_map(self) -> dict[str, int | float]:
         return {"max_session_s": 60}
@@ -319,11 +322,12 @@ class FakeGuard:
     def grant(self) -> AuthLimits:
         return AuthLimits("k" * 64, 60.0, 0)
 
-    def start(self) -> tuple[Verdict, Deadline | None]:
+    def start(self, now: float) -> tuple[Verdict, Deadline | None]:
+        self.started_at = now
         return None, Deadline(48.0, SessionExpiring(SID, "max_duration", 12000), 60.0, Expire("60 s"))
 
-    def check_chunk(self) -> None:
-        return None
+    def check_chunk(self, now: float) -> None:
+        self.chunks_at.append(now)
 
     def on_done(self, tokens: int) -> Verdict:
         return self._on_done(tokens)
@@ -337,7 +341,7 @@ def test_a_credential_admits_the_open_warns_then_expires_the_session() -> None:
     assert m.actions() == [Place(SID, "tok", OpenConfig(), AuthLimits("k" * 64, 60.0, 0))]
     m.placed(record(W1), W1.url)
     m.actions()
-    m.worker_frame(LinkOpened(SID, 0))
+    m.worker_frame(LinkOpened(SID, 0), 0.0)
     actions = m.actions()
     assert ArmTimer(Timer.AUTH_WARN, 48.0) in actions and ArmTimer(Timer.AUTH_EXPIRE, 60.0) in actions
     m.timer_fired(Timer.AUTH_WARN)
@@ -361,7 +365,7 @@ def test_a_refused_credential_leaves_the_socket_idle_and_releases_its_slot() -> 
 def test_a_spent_token_budget_expires_the_session_at_its_done() -> None:
     m = opened(machine(FakeGuard(on_done=lambda tokens: Expire("budget spent") if tokens >= 3 else None)))
     m.receive(chunk(1), 0.0)
-    m.worker_frame(done(1, (5,), 3))
+    m.worker_frame(done(1, (5,), 3), 0.0)
     kinds = [type(a.message) for a in m.actions() if isinstance(a, SendClient)]
     assert kinds == [OutputDone, Error] and m.life.phase is Phase.GONE
 
@@ -372,7 +376,7 @@ def test_an_attach_refused_for_another_reason_fails_the_resume() -> None:
     m.looked_up(record(W1), OpenConfig())
     m.worker_found(W1.url)
     m.actions()
-    m.worker_frame(LinkError(SID, Error(ErrorCode.UNAUTHORIZED, "no", fatal=True)))
+    m.worker_frame(LinkError(SID, Error(ErrorCode.UNAUTHORIZED, "no", fatal=True)), 0.0)
     assert of(m.actions(), Unbind) and m.life.phase is not Phase.ACTIVE
     m2 = machine()
     m2.receive(SessionResume(SID, "tok"), 0.0)
@@ -380,3 +384,64 @@ def test_an_attach_refused_for_another_reason_fails_the_resume() -> None:
     [error] = client(m2)
     assert isinstance(error, Error) and error.code is ErrorCode.SESSION_NOT_FOUND and error.fatal
     assert m2.life.phase is Phase.ENDED and m2.sid is None
+
+
+def counts(actions: list[Action]) -> dict[Metric, int]:
+    found: dict[Metric, int] = {}
+    for action in actions:
+        if isinstance(action, Count):
+            found[action.metric] = found.get(action.metric, 0) + action.by
+    return found
+
+
+def test_what_the_session_counts_goes_out_as_actions() -> None:
+    m = machine()
+    m.receive(SessionOpen(OpenConfig()), 0.0)
+    m.placed(record(W1), W1.url)
+    m.worker_frame(LinkOpened(SID, 0), 0.0)
+    assert counts(m.actions()) == {Metric.SESSIONS_OPENED: 1}
+    for seq in (1, 2):
+        m.receive(chunk(seq), 0.0)
+    assert counts(m.actions()) == {Metric.CHUNKS_FORWARDED: 2}
+    m.link_lost()
+    m.placed(record(W2), W2.url)
+    m.worker_frame(LinkOpened(SID, 0, finished_seq=None, durable_seq=None), 0.0)
+    assert counts(m.actions()) == {Metric.SESSIONS_RESTORED: 1, Metric.CHUNKS_REPLAYED: 2}
+    r = machine()
+    r.receive(SessionResume(SID, "tok"), 0.0)
+    r.looked_up(record(W1), OpenConfig())
+    r.worker_found(W1.url)
+    r.worker_frame(LinkOpened(SID, 0), 0.0)
+    assert counts(r.actions()) == {Metric.SESSIONS_RESUMED: 1}
+
+
+def test_every_count_names_a_counter_of_the_gateway_metrics() -> None:
+    metrics = GatewayMetrics()
+    for metric in Metric:
+        metrics.count(metric.value, 2)
+        assert getattr(metrics, metric.value) == 2, metric
+    with pytest.raises(TypeError):
+        metrics.count("errors")  # a Counter of codes, not an int
+
+
+def test_time_comes_in_with_the_events() -> None:
+    """The rate limit and the credential read the event's time, never a clock: a chunk past the burst
+    is refused at one instant and served a moment later, the credential starts at the opened's time."""
+    values = dataclasses.replace(LIMITS, max_chunks_per_s=2.0, chunk_burst=1)
+    guard = FakeGuard()
+    m = SessionMachine(
+        MachineConfig(values, open_timeout_s=5.0), guard=guard, new_sid=lambda: SID, new_token=lambda: "t"
+    )
+    m.receive(SessionOpen(OpenConfig()), 100.0)
+    m.admitted()
+    m.placed(record(W1), W1.url)
+    m.worker_frame(LinkOpened(SID, 0), 100.25)
+    assert guard.started_at == 100.25
+    m.actions()
+    m.receive(chunk(1), 100.5)
+    m.receive(chunk(2), 100.5)  # the same instant: over the burst
+    [error] = client(m)
+    assert isinstance(error, Error) and error.code is ErrorCode.RATE_LIMITED and error.seq == 2
+    m.receive(chunk(2), 101.0)  # half a second later by the event's own time: a token is back
+    assert of(m.actions(), SendWorker) == [SendWorker(LinkChunk(SID, chunk(2)), W1)]
+    assert guard.chunks_at == [100.5, 100.5, 101.0]

@@ -24,7 +24,7 @@ from typing import Final
 
 import redis
 
-from shared.cli.processes import free_port
+from microturn.processes import free_port
 from tests.shared.redis_servers import REDIS_SERVER, ServerUnavailable, answers_ping
 from tests.shared.tls import Certificate, self_signed
 

@@ -19,7 +19,7 @@ from typing import Final
 
 import redis
 
-from shared.cli.processes import free_port
+from microturn.processes import free_port
 from tests.shared.tls import Certificate, self_signed
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from typing import Any, Final
 from websockets.sync.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
-from shared.cli.processes import spawn
+from microturn.processes import spawn
 from tests.processes import REPO, Proc, http_get, stop
 from tests.shared.redis_servers import free_port, running_server
 from tests.system.path_cut import GROUPS, TOKEN_LOG_FLUSH_TASK, ChunkPath, order_events
@@ -73,7 +73,7 @@ class _Traced:
 @contextlib.contextmanager
 def _traced(name: str, command: str, flags: list[str], workdir: Path) -> Iterator[_Traced]:
     port = free_port()
-    args = [sys.executable, "-m", "tests.system.traced", "shared.cli.main", command]
+    args = [sys.executable, "-m", "tests.system.traced", "microturn.main", command]
     args += ["--host", "127.0.0.1", "--port", str(port), *flags]
     env = {"OMP_NUM_THREADS": "1", OUT_ENV: str(workdir)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])

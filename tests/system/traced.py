@@ -1,6 +1,6 @@
 """Run a Python module under a recorder of which project files execute, between two signals.
 
-    python -m tests.system.traced shared.cli.main worker --port 8100 ...
+    python -m tests.system.traced microturn.main worker --port 8100 ...
 
 The wrapped process runs as usual (`runpy`, as `python -m` would), with a profile hook installed
 before anything starts, in the main thread and in every thread started later (the worker's engine

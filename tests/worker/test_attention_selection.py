@@ -44,7 +44,7 @@ def test_a_cpu_engine_never_imports_flashinfer_and_names_its_backend() -> None:
 def test_a_worker_asked_for_flashinfer_it_cannot_use_refuses_to_start_and_says_why() -> None:
     # A CPU machine without the `gpu` extra: the start-up check cannot pass.
     done = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "worker", "--model", "tiny", "--attention", "flashinfer"],
+        [sys.executable, "-m", "microturn", "worker", "--model", "tiny", "--attention", "flashinfer"],
         check=False,
         capture_output=True,
         text=True,

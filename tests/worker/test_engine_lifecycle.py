@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import threading
-import time
+from concurrent.futures import Future
 
 import pytest
+import torch
 
+from shared.protocol.messages import OpenConfig
 from tests.wait import wait_until
 from worker.engine import Engine
+from worker.engine.config import EngineConfig
+from worker.engine.core import EngineCore
+from worker.engine.engine import torch_dtype
+from worker.engine.model_runner import ModelRunner
+from worker.engine.turn import Turn, TurnResult
+from worker.model.loader import load_model
 
 
 def test_pages_return_to_the_pool_on_close(tiny: Engine) -> None:
@@ -37,13 +45,53 @@ def test_idle_timeout_frees_pages_and_tells_listeners(tiny: Engine) -> None:
     assert tiny.stats().pages_used == 0
 
 
-def test_idle_timeout_counts_from_the_last_activity(tiny: Engine) -> None:
-    sid = tiny.open_session(idle_timeout_s=0.5)
-    for _ in range(6):  # 6 x 0.2 s: longer than the timeout in total, never idle that long
-        tiny.run_turn(sid, tokens=[1, 2], max_output_tokens=1, timeout=30)
-        time.sleep(0.2)
-    assert tiny.stats().sessions == 1
-    wait_until(lambda: tiny.stats().sessions == 0, 10, "the idle session to close")
+class ManualClock:
+    """The engine core's clock, moved by the test: idle time is the subject, so the test names it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def core_on(clock: ManualClock) -> EngineCore:
+    """An engine core with no thread: the test calls its steps and its idle check itself."""
+    config = EngineConfig(model="tiny", kv_tokens=1024, page_size=16)
+    device, dtype = torch.device("cpu"), torch_dtype(config.dtype)
+    loaded = load_model("tiny", device=device, dtype=dtype, seed=config.seed)
+    runner = ModelRunner(
+        loaded, device=device, dtype=dtype, num_pages=64, page_size=16, attention=config.attention
+    )
+    return EngineCore(config, runner, loaded.tokenizer, eos_token_ids=(), clock=clock)
+
+
+def run_turn(core: EngineCore, sid: str, seq: int) -> None:
+    done: Future[TurnResult] = Future()
+    done.set_running_or_notify_cancel()
+    turn = Turn(seq, [1, 2], 1, False, done, None, submitted_at=0.0)
+    core.submit(sid, turn)
+    while not done.done():
+        core.step()
+    assert done.result().seq == seq
+
+
+def test_idle_timeout_counts_from_the_last_activity() -> None:
+    clock = ManualClock()
+    core = core_on(clock)
+    closed: list[tuple[str, str]] = []
+    core.close_listeners.append(lambda sid, reason: closed.append((sid, reason)))
+    core.open_session("s", OpenConfig(idle_timeout_s=0.5), [])
+    for seq in range(6):  # 6 x 0.3 s: longer than the timeout in total, never idle that long
+        clock.now += 0.3
+        assert core.expire_idle() == pytest.approx(0.2)  # 0.3 s of its 0.5 s gone
+        run_turn(core, "s", seq)
+    clock.now += 0.49
+    core.expire_idle()
+    assert closed == [] and list(core.sessions) == ["s"]
+    clock.now += 0.02  # 0.51 s since its last turn
+    assert core.expire_idle() is None
+    assert closed == [("s", "idle_timeout")] and core.sessions == {}
 
 
 def test_no_output_chunks_coalesce_into_one_append(tiny: Engine) -> None:

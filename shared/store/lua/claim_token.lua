@@ -1,4 +1,4 @@
--- claim_token.lua: bind a browser token to the session it opens (shared/client_tokens.py).
+-- claim_token.lua: bind a browser token to the session it opens (gateway/auth/client_tokens.py).
 --
 -- KEYS[1]  the token's hash
 -- ARGV[1]  the session id; ARGV[2] how long the claim holds, ms

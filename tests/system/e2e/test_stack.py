@@ -34,7 +34,7 @@ def test_up_chat_then_ctrl_c(tmp_path: Path) -> None:
     with running_up(tmp_path) as up:
         names = sorted(" ".join(p.cmdline()) for p in up.children)
         assert len(up.children) == 3, names
-        for needle in ("valkey-server", "shared.cli worker", "shared.cli gateway"):
+        for needle in ("valkey-server", "microturn worker", "microturn gateway"):
             up.child(needle)
 
         with SyncRealtimeClient.connect(up.ws) as client:
@@ -69,7 +69,7 @@ def test_up_chat_then_ctrl_c(tmp_path: Path) -> None:
 
 def test_up_stops_everything_when_a_child_dies(tmp_path: Path) -> None:
     with running_up(tmp_path, "--model", "tiny", "--kv-tokens", "4096") as up:
-        worker = up.child("shared.cli worker")
+        worker = up.child("microturn worker")
         worker.kill()
         assert up.proc.wait(STOP_TIMEOUT_S) != 0
         assert gone(up.children) == [], up.output()[-4000:]
@@ -80,7 +80,7 @@ def test_ctrl_c_while_the_worker_loads(tmp_path: Path) -> None:
     up = launch(tmp_path)
     try:
         deadline = time.monotonic() + 120
-        while not any("shared.cli worker" in " ".join(p.cmdline()) for p in up.record_children()):
+        while not any("microturn worker" in " ".join(p.cmdline()) for p in up.record_children()):
             assert up.proc.poll() is None, up.output()[-4000:]
             assert time.monotonic() < deadline, up.output()[-4000:]
             time.sleep(0.05)

@@ -1,7 +1,7 @@
 """`microturn up` as a real subprocess for end-to-end tests: started on free ports, always stopped.
 
 Why a helper of its own: the e2e tests check the command a user runs, not the pieces, so they start
-`python -m shared.cli up` exactly as `make up` would, with an embedded Valkey. The helper records
+`python -m microturn up` exactly as `make up` would, with an embedded Valkey. The helper records
 the children `up` started so a test can prove none of them outlives it, and its teardown kills
 whatever is left (only those recorded processes) even when the test failed half way.
 """
@@ -105,7 +105,7 @@ def kill_leftovers(up: Up) -> None:
 
 
 def launch(workdir: Path, *args: str) -> Up:
-    """Start `python -m shared.cli up --port <free> --worker-port <free> *args`; do not wait."""
+    """Start `python -m microturn up --port <free> --worker-port <free> *args`; do not wait."""
     port, worker_port = free_port(), free_port()
     log = workdir / f"up-{port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MT_")}  # embedded Valkey, defaults
@@ -113,7 +113,7 @@ def launch(workdir: Path, *args: str) -> Up:
     argv = [
         sys.executable,
         "-m",
-        "shared.cli",
+        "microturn",
         "up",
         "--port",
         str(port),

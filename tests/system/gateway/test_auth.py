@@ -32,7 +32,7 @@ from shared.errors import ErrorCode, RateLimited, SessionNotFound, WorkerUnavail
 from shared.protocol.close_codes import close_code_for
 from shared.protocol.codec import Encoding, decode_server, encode_client
 from shared.protocol.messages import Error, InputChunk, SessionExpiring, SessionOpen, SessionResume
-from shared.store.schema import KeySchema
+from shared.store.schema import SESSION_CREATED_MS, KeySchema
 from tests.conftest import Servers
 from tests.processes import REPO
 from tests.system.gateway.stack import Proc, Stack, stop
@@ -144,7 +144,7 @@ def _name_of(secret: str, keys: list[Any]) -> str:
 
 def test_keys_command_creates_lists_and_revokes(stack: Stack) -> None:
     name = new_name()
-    base = [sys.executable, "-m", "shared.cli", "keys"]
+    base = [sys.executable, "-m", "microturn", "keys"]
     where = ["--redis-url", stack.redis_url, "--key-prefix", stack.prefix]
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -503,18 +503,27 @@ def test_a_token_is_claimed_by_one_session_and_given_back_only_by_it(stack: Stac
     run(stack, body)
 
 
+async def redis_now_ms(redis: Redis) -> int:
+    seconds, micros = await redis.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 def test_a_session_resumed_near_its_end_is_warned_at_once_then_expires(stack: Stack) -> None:
+    """Its record says it was created 28 s ago (the time its 30 s count from, set there rather than
+    waited for): the resume lands inside the warning window, the last 20 % of its life."""
+
     async def body(keys: KeyStore) -> None:
-        secret, _ = await keys.create(new_name(), KeyLimits(max_session_s=3.0))
+        secret, _ = await keys.create(new_name(), KeyLimits(max_session_s=30.0))
         first = await RealtimeClient.connect(stack.realtime_url(0), api_key=secret)
         opened = await first.open()
         await first.disconnect()
-        await asyncio.sleep(2.6)  # inside the last 20 % of its 3 s: past the point of the warning
+        record = keys.schema.session(opened.session_id)
+        await keys.redis.hset(record, SESSION_CREATED_MS, await redis_now_ms(keys.redis) - 28_000)
         async with await RealtimeClient.connect(stack.realtime_url(1), api_key=secret) as again:
             await again.resume(opened.session_id, opened.resume_token)
             warning = await again.recv(timeout=30)
             assert isinstance(warning, SessionExpiring) and warning.reason == "max_duration", warning
-            assert warning.expires_in_ms is not None and warning.expires_in_ms <= 600
+            assert warning.expires_in_ms is not None and 0 < warning.expires_in_ms <= 2000
             expired = await again.recv(timeout=30)
             assert isinstance(expired, Error) and expired.code == ErrorCode.SESSION_EXPIRED, expired
 
@@ -528,12 +537,21 @@ def test_a_live_session_keeps_its_slot_past_the_lease(stack: Stack) -> None:
         secret, key = await keys.create(new_name(), KeyLimits(max_sessions=1))
         async with await RealtimeClient.connect(stack.realtime_url(0), api_key=secret) as client:
             opened = await client.open()
-            await asyncio.sleep(LEASE_S + 1.5)  # only the gateway's batched renewals keep it now
-            await turn(client, 0)
-            members = await keys.redis.zrange(keys.schema.key_sessions(key.digest), 0, -1)
-            assert members == [opened.session_id.encode()]
-            await expect_refusal(stack.realtime_url(1), ErrorCode.RATE_LIMITED, api_key=secret)
             zset = keys.schema.key_sessions(key.digest)
+            first_lease_end = await keys.redis.zscore(zset, opened.session_id)
+            assert first_lease_end is not None
+
+            async def first_lease_over() -> bool:  # by the clock the leases are scored on
+                return await redis_now_ms(keys.redis) > first_lease_end
+
+            # Past the lease it was admitted with: only the gateway's batched renewals keep it now.
+            await await_until(first_lease_over, LEASE_S + 30, "the session's first lease to run out")
+            await turn(client, 0)
+            members = await keys.redis.zrange(zset, 0, -1)
+            assert members == [opened.session_id.encode()]
+            renewed = await keys.redis.zscore(zset, opened.session_id)
+            assert renewed is not None and renewed > first_lease_end
+            await expect_refusal(stack.realtime_url(1), ErrorCode.RATE_LIMITED, api_key=secret)
             await client.close()
             lease_end_ms = await keys.redis.zscore(zset, opened.session_id)
 
@@ -542,8 +560,7 @@ def test_a_live_session_keeps_its_slot_past_the_lease(stack: Stack) -> None:
 
         await await_until(released, 30, "the lease to be released")
         # Removed by the close, not lapsed: the Redis clock had not reached the lease's end yet.
-        seconds, micros = await keys.redis.time()
-        assert lease_end_ms is None or seconds * 1000 + micros // 1000 < lease_end_ms
+        assert lease_end_ms is None or await redis_now_ms(keys.redis) < lease_end_ms
 
     run(stack, body)
 

@@ -31,7 +31,9 @@ from worker.server.session_log import read_log
 SEEDS = tuple(range(24, 32))
 TURNS = 50
 KILL_AT = 15
-PROBE_OPENS = 6
+PROBE_OPENS = 6  # at least; more while the failover lasts
+PROBE_PACE_S = 0.25  # the probes' pace (a load, not a wait: the loop ends when the failover has)
+FAILOVER_TIMEOUT_S = 60.0
 CLUSTER = ["--redis-mode", "cluster"]
 
 
@@ -47,14 +49,24 @@ def test_a_master_killed_under_load_costs_no_turn(servers: Servers, references: 
         streamers = [await Streamer.open(stack.realtime_url(seed % 2), seed, TURNS) for seed in SEEDS]
         receivers = [asyncio.create_task(s.receive()) for s in streamers]
         await asyncio.gather(*(s.send_until(KILL_AT) for s in streamers))
-        masters = Counter(cluster.master_of(schema.session(s.session_id)) for s in streamers)
-        victim, held = masters.most_common(1)[0]
+        masters = {s.session_id: cluster.master_of(schema.session(s.session_id)) for s in streamers}
+        victim, held = Counter(masters.values()).most_common(1)[0]
+        on_victim = [schema.session(sid) for sid, master in masters.items() if master == victim]
+
+        def failed_over() -> bool:
+            """A replica serves the killed master's slots now: the failover window is over."""
+            return all(cluster.master_of(key) != victim for key in on_victim)
+
         cluster.kill(victim)
         killed = time.monotonic()
         print(f"[fault] killed master {victim} holding {held} of {len(SEEDS)} sessions")
         senders = asyncio.gather(*(s.send_until(TURNS) for s in streamers))
         outcomes: Counter[str] = Counter()
-        for i in range(PROBE_OPENS):  # opens in the failover window: served, or told when to retry
+        probes = 0
+        # Opens through the failover window, until it is over: each served, or told when to retry.
+        while probes < PROBE_OPENS or not await asyncio.to_thread(failed_over):
+            assert time.monotonic() - killed < FAILOVER_TIMEOUT_S, "no replica took over the master"
+            i, probes = probes, probes + 1
             try:
                 async with await RealtimeClient.connect(stack.realtime_url(i % 2)) as probe:
                     await probe.open(**SESSION_CONFIG)
@@ -63,7 +75,7 @@ def test_a_master_killed_under_load_costs_no_turn(servers: Servers, references: 
             except MicroturnError as exc:
                 assert exc.retry_after_ms is not None, exc
                 outcomes[f"retry:{exc.code}"] += 1
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(PROBE_PACE_S)
         await senders
         await asyncio.wait_for(asyncio.gather(*receivers), 120)
         result = tally(streamers, expected)

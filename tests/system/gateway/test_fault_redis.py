@@ -26,7 +26,7 @@ from worker.server.session_log import read_log
 SEEDS = (20, 21, 22, 23)
 TURNS = 50
 KILL_AT = 15  # turns sent before Redis is killed
-OUTAGE_S = 1.0
+TURNS_WITHOUT_REDIS = 10  # answered for each session while Redis is down, before it comes back
 PROBE_OPENS = 8
 
 
@@ -49,7 +49,11 @@ def test_redis_restarted_empty_costs_no_session(tmp_path: Path, references: Pend
             server.kill()
             killed = time.monotonic()
             senders = asyncio.gather(*(s.send_until(TURNS) for s in streamers))
-            await asyncio.sleep(OUTAGE_S)  # the sessions keep streaming without Redis
+            await await_until(  # the sessions keep streaming without Redis
+                lambda: all(len(s.dones) >= KILL_AT + TURNS_WITHOUT_REDIS for s in streamers),
+                60,
+                f"every session to be answered {TURNS_WITHOUT_REDIS} turns with Redis down",
+            )
             server.start()
             restarted = time.monotonic()
             opened = 0

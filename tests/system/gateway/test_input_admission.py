@@ -10,13 +10,15 @@ import asyncio
 
 import pytest
 
+from loadtest.capacity.metrics import by_label, scrape
 from shared.client.clients import RealtimeClient, RetryPolicy
 from shared.client.retry import NO_RETRY
-from shared.errors import CapacityExhausted, RateLimited
+from shared.errors import CapacityExhausted, ErrorCode, RateLimited
 from shared.protocol.messages import Error, OutputDelta, OutputDone
 from tests.conftest import Servers
 from tests.system.gateway.conftest import LINK_SECRET
 from tests.system.gateway.stack import Stack
+from tests.wait import await_until
 
 TEST_TIMEOUT_S = 120.0
 # 256 KV tokens: one long turn holds most of the pool, so another session's chunk cannot fit.
@@ -44,6 +46,12 @@ async def hog_the_pool(url: str) -> RealtimeClient:
     await hog.send_chunk(1, tokens=[1] * 20, max_output_tokens=200)
     assert isinstance(await hog.recv(timeout=30), OutputDelta)  # running: its pages are reserved
     return hog
+
+
+async def capacity_refusals(stack: Stack) -> float:
+    """How many `capacity_exhausted` errors the gateway has sent its clients (its /metrics)."""
+    samples = await asyncio.to_thread(scrape, stack.gateways[0].http + "/metrics")
+    return by_label(samples, "microturn_gateway_errors_total").get(ErrorCode.CAPACITY_EXHAUSTED, 0.0)
 
 
 async def release(hog: RealtimeClient) -> None:
@@ -112,13 +120,20 @@ def test_the_client_retries_a_refused_chunk_by_itself(stack: Stack) -> None:
                 await client.wait_done(3)
             await client.close()
         # Capacity: the client waits out the hog by itself; the session equals the unrefused one.
+        # 2 + 40 tokens need 3 pages; the hog leaves 2 of the 16: refused until the hog is gone.
         hog = await hog_the_pool(url)
         async with await RealtimeClient.connect(url, "msgpack", retry=RetryPolicy(attempts=50)) as client:
             await client.open(**CONFIG)
-            turn = asyncio.create_task(client.turn(1, tokens=[1, 7], max_output_tokens=2))
-            await asyncio.sleep(0.3)
+            refused_before = await capacity_refusals(stack)
+            turn = asyncio.create_task(client.turn(1, tokens=[1, 7], max_output_tokens=40))
+
+            async def refused() -> bool:
+                return await capacity_refusals(stack) > refused_before
+
+            await await_until(refused, 30, "the chunk to be refused for capacity")  # then freed
             await release(hog)
-            assert (await turn).tokens == expected[0]
+            done = await turn
+            assert len(done.tokens) == 40 and done.tokens[:2] == expected[0]  # greedy: the same start
             await client.close()
 
     run(body())

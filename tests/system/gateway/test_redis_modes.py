@@ -84,7 +84,7 @@ def test_the_keys_cli_works_against_a_cluster(servers: Servers) -> None:
 
     def keys(*args: str) -> str:
         done = subprocess.run(
-            [sys.executable, "-m", "shared.cli", "keys", *args, *common],
+            [sys.executable, "-m", "microturn", "keys", *args, *common],
             capture_output=True,
             text=True,
             timeout=60,

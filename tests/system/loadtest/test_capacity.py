@@ -192,7 +192,7 @@ def test_locust_command_carries_the_workload(tmp_path: Path) -> None:
 def test_the_benchmark_never_imports_locust_or_gevent() -> None:
     """Locust monkey-patches its process with gevent at import: only its own subprocess may do that."""
     code = (
-        "import sys, loadtest.capacity.run, loadtest.capacity.report, shared.cli.main\n"
+        "import sys, loadtest.capacity.run, loadtest.capacity.report, microturn.main\n"
         "import gateway.app, worker.server.app\n"
         "assert not {'locust', 'gevent'} & set(sys.modules), sorted({'locust', 'gevent'} & set(sys.modules))"
     )

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,6 +26,7 @@ from loadtest.capacity.metrics import ServerCounts, Snapshot, scrape, total
 from loadtest.capacity.workload import CHUNK_NAME, REPLY_NAME
 from tests.processes import REPO, Proc, microturn, worker_args
 from tests.shared.redis_servers import running_server
+from tests.wait import wait_until
 
 USERS, RUN_S = 3, 4
 
@@ -61,7 +61,7 @@ def create_key(redis_url: str) -> str:
     argv = [
         sys.executable,
         "-m",
-        "shared.cli",
+        "microturn",
         "keys",
         "create",
         "--redis-url",
@@ -210,10 +210,22 @@ def test_users_resume_their_sessions_after_a_disconnect(stack: Stack, tmp_path: 
         argv = locust_argv(f"ws://127.0.0.1:{proxy.port}", stack.api_key)
         argv += ["-u", str(USERS), "-r", str(USERS), "-t", "8s"]
         argv += ["--json-file", str(tmp_path / "stats")]
+        outputs_before = http_metric(gateway, "microturn_gateway_outputs_total")
         with subprocess.Popen(
             argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         ) as run:
-            time.sleep(4.0)
+
+            def streaming() -> bool:
+                """Every user is connected through the proxy, has its session and has been answered."""
+                assert run.poll() is None, "locust ended before its users were dropped"
+                return (
+                    len(proxy.sockets) == 2 * USERS
+                    and http_metric(gateway, "microturn_gateway_sessions_opened_total") - opened_before
+                    == USERS
+                    and http_metric(gateway, "microturn_gateway_outputs_total") - outputs_before >= 2 * USERS
+                )
+
+            wait_until(streaming, 60, f"{USERS} users streaming through the proxy")
             assert proxy.drop() == USERS
             output, _ = run.communicate(timeout=120)
         counts = ServerCounts.between(before, Snapshot.take(gateway.http, worker.http))

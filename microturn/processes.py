@@ -1,6 +1,6 @@
 """Supervised child processes: start in their own group, die with the supervisor, stop in steps.
 
-Why its own module: `microturn up` (shared/cli/stack.py), the benchmarks that start stacks and the
+Why its own module: `microturn up` (microturn/stack.py), the benchmarks that start stacks and the
 integration tests (tests/processes.py) need exactly one way to run a child that can never outlive
 them; the readiness probes (a raw RESP PING, an HTTP 200) are what a supervisor waits on before it
 starts the next piece.

@@ -7,7 +7,7 @@ import sys
 
 
 def _up(argv: list[str]) -> int:
-    from shared.cli.stack import main as stack_main
+    from microturn.stack import main as stack_main
 
     def announce(url: str) -> None:
         print(f"microturn is up: open {url}  (Ctrl-C stops everything)", flush=True)
@@ -56,7 +56,7 @@ def _gateway(argv: list[str]) -> int:
 
 
 def _keys(argv: list[str]) -> int:
-    from shared.cli.keys import main as keys_main
+    from gateway.auth.keys import main as keys_main
 
     return keys_main(argv)
 

@@ -7,7 +7,9 @@ module only moves bytes and performs the actions it asks for (gateway/session/ac
 - the link pool calls `on_frame` / `on_link_lost` / `on_taken_over` (the `LinkListener`) from the
   shared link reader, which must never wait: those feed the machine and queue what it says;
 - one task performs the effects (Redis, the credential) one at a time, in order, and answers the
-  machine with each result; timers are the loop's `call_later`;
+  machine with each result; timers are the loop's `call_later`; counts go to the gateway's metrics;
+- the clocks are read here, never in the machine: each event is handed the monotonic time it
+  happened, and the credential's admission an `Instant` (both clocks);
 - frames to the worker go out in the order the machine queued them: the receive loop sends a
   chunk inline (the hot path: no task switch, no Redis), anything queued from a callback is sent by
   a short-lived task, and whoever sends first sends what is queued behind it;
@@ -35,7 +37,6 @@ from starlette.websockets import WebSocket
 from gateway.auth.session_auth import Principal, SessionAuth
 from gateway.dialect import Dialect, Frame
 from gateway.links import Link
-from gateway.outbox import Outbox
 from gateway.services import GatewayServices
 from gateway.session.actions import (
     Action,
@@ -45,6 +46,7 @@ from gateway.session.actions import (
     Bind,
     CancelTimer,
     CloseSocket,
+    Count,
     Delete,
     Effect,
     EndOnWorker,
@@ -58,7 +60,9 @@ from gateway.session.actions import (
     Timer,
     Unbind,
 )
+from gateway.session.guard import Instant
 from gateway.session.machine import MachineConfig, SessionMachine
+from gateway.session.outbox import Outbox
 from shared.errors import InternalError, MicroturnError, WorkerUnavailable
 from shared.protocol.link import LinkClose, ToGateway
 from shared.protocol.messages import ClientMessage
@@ -84,11 +88,9 @@ class ClientSession:
         )
         self.machine = SessionMachine(
             MachineConfig(services.limits, services.settings.open_timeout_s),
-            services.metrics,
             guard=self._auth,
             new_sid=lambda: uuid.uuid4().hex,
             new_token=new_resume_token,
-            clock=time.monotonic,
         )
         dialect.attach(self.machine.turns.limits)  # one admission rule per session, both dialects
         self.outbox = Outbox(
@@ -198,7 +200,7 @@ class ClientSession:
     # ---- the link pool's callbacks (no awaiting) -------------------------------------------------
 
     def on_frame(self, frame: ToGateway) -> None:
-        self.machine.worker_frame(frame)
+        self.machine.worker_frame(frame, time.monotonic())
         self._apply()
 
     def on_link_lost(self, link: Link) -> None:
@@ -233,6 +235,8 @@ class ClientSession:
             self.outbox.put(action.message, action.started)
         elif isinstance(action, SendWorker):
             self._to_worker.append(action)
+        elif isinstance(action, Count):
+            self._s.metrics.count(action.metric.value, action.by)
         elif isinstance(action, CloseSocket):
             self.outbox.close(action.code)
         elif isinstance(action, Bind):
@@ -323,11 +327,12 @@ class ClientSession:
             machine.deleted()
         elif isinstance(effect, AdmitOpen):
             assert self._auth is not None
-            await self._auth.admit_open(effect.sid)
+            await self._auth.admit_open(effect.sid, Instant(time.monotonic(), time.time()))
             machine.admitted()
         elif isinstance(effect, AdmitResume):
             assert self._auth is not None
-            await self._auth.admit_resume(effect.sid, effect.created_ms, effect.granted)
+            at = Instant(time.monotonic(), time.time())
+            await self._auth.admit_resume(effect.sid, effect.created_ms, effect.granted, at)
             machine.admitted()
         elif isinstance(effect, ReleaseAuth):
             if self._auth is not None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Final
 
-from shared.cli.processes import (
+from microturn.processes import (
     Child,
     StackError,
     free_port,
@@ -158,7 +158,7 @@ class Stack:
         argv = [
             sys.executable,
             "-m",
-            "shared.cli",
+            "microturn",
             "worker",
             "--model",
             options.model,
@@ -178,7 +178,7 @@ class Stack:
 
     def start_gateway(self) -> None:
         options = self.options
-        argv = [sys.executable, "-m", "shared.cli", "gateway", "--host", options.host]
+        argv = [sys.executable, "-m", "microturn", "gateway", "--host", options.host]
         argv += ["--port", str(options.port), *self.redis_args, "--auth", self.auth]
         if options.tls_cert_file:
             argv += ["--tls-cert-file", options.tls_cert_file, "--tls-key-file", options.tls_key_file]

@@ -1,0 +1,5 @@
+"""`python -m microturn`: the same entry point as the `microturn` command."""
+
+from microturn.main import main
+
+raise SystemExit(main())

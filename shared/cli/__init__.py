@@ -1,1 +1,0 @@
-"""Operations: the `microturn` command, `microturn up`, the keys CLI and process supervision."""
