@@ -105,6 +105,23 @@ class Conversation:
             )
         self.instructions = instructions or None
 
+    def instructions_prefix(self) -> str | None:
+        """The instructions as the template renders them alone (the system message): the text a
+        conversation starting with them begins with, which a session keeps across window cuts
+        (`keep_prefix_text`). None without instructions, or when the template renders the system
+        message alone as no prefix of a conversation that starts with it."""
+        if not self.instructions:
+            return None
+        system: list[Message] = [{"role": "system", "content": self.instructions}]
+        try:
+            alone = self.template.render(system, add_generation_prompt=False)
+            probe = self.template.render(
+                [*system, {"role": "user", "content": "."}], add_generation_prompt=False
+            )
+        except jinja2.TemplateError:
+            return None
+        return alone if alone and probe.startswith(alone) else None
+
     def check(self, new: NewItem, previous_item_id: str | None, last_item_id: str | None) -> None:
         """Refuse an item that could not join after `last_item_id`; changes nothing.
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Final
 
 from gateway.dialect import Decoded, Frame, frame_size
@@ -47,10 +48,12 @@ from gateway.openai.flight import Flight
 from gateway.openai.ids import conversation_id, session_id
 from gateway.openai.responses import ActiveResponse
 from gateway.openai.session_config import SessionUpdate, merge_echoed
+from gateway.openai.truncation import parse_truncation
 from shared.chat_template import ChatTemplate
 from shared.protocol.messages import (
     ClientMessage,
     Error,
+    InputChunk,
     OpenConfig,
     OutputCancel,
     OutputDelta,
@@ -98,6 +101,8 @@ class OpenAIDialect:
         self._conversation = self._new_conversation() if self._template is not None else None
         self._max_output_tokens = max_output_tokens  # None: "inf"
         self._temperature = 0.0
+        # The context window (truncation.py); a client secret's settings may carry it.
+        self._truncation = parse_truncation((echoed or {}).get("truncation"), None)
         self._opened = False  # a native session.open has been sent (and not failed)
         self._confirmed = False  # ... and answered: the session is open underneath
         self._dropped: set[int] = set()  # seqs sent behind an open that failed
@@ -177,6 +182,12 @@ class OpenAIDialect:
                 param="session.temperature",
                 code="unsupported_value",
             )
+        if "truncation" in event.echoed and self._opened and event.truncation != self._truncation:
+            raise RealtimeProblem(
+                "session.truncation can only change before the first item or response",
+                param="session.truncation",
+                code="unsupported_value",
+            )
         if "instructions" in event.given:
             conversation = self._need_conversation()
             conversation.set_instructions(event.instructions or "")  # raises having changed nothing
@@ -185,6 +196,8 @@ class OpenAIDialect:
             self._max_output_tokens = event.max_output_tokens
         if event.temperature is not None:
             self._temperature = event.temperature
+        if "truncation" in event.echoed:
+            self._truncation = event.truncation
         self._echoed = merge_echoed(self._echoed, event.echoed)
         return Decoded(replies=(ev.frame(ev.session_updated(self._session_view())),))
 
@@ -198,7 +211,9 @@ class OpenAIDialect:
         return self._sending(messages, replies)
 
     def _sending(self, messages: list[ClientMessage], replies: list[ev.Event]) -> Decoded:
-        opening = self._open() if messages else ()
+        opening: tuple[ClientMessage, ...] = ()
+        if messages and not self._opened:
+            opening, messages = self._open(messages)
         return Decoded(messages=(*opening, *messages), replies=tuple(ev.frame(r) for r in replies))
 
     def _response_cancel(self, event: ResponseCancel) -> Decoded:
@@ -258,18 +273,37 @@ class OpenAIDialect:
             )
         return conversation
 
-    def _open(self) -> tuple[ClientMessage, ...]:
-        if self._opened:
-            return ()
+    def _open(self, messages: list[ClientMessage]) -> tuple[tuple[ClientMessage, ...], list[ClientMessage]]:
+        """The native open for the first messages, and those messages. With truncation on, the
+        instructions leave the first chunk for the open's `keep_prefix_text`: the session starts with
+        them and keeps them across every cut (truncation.py)."""
         self._opened = True
+        prefix = None
+        if self._truncation.policy == "truncate" and self._conversation is not None:
+            prefix = self._conversation.instructions_prefix()
+            first = messages[0]
+            text = first.text if isinstance(first, InputChunk) else None
+            if (
+                prefix
+                and isinstance(first, InputChunk)
+                and text
+                and len(text) > len(prefix)
+                and text.startswith(prefix)
+            ):
+                messages = [replace(first, text=text[len(prefix) :]), *messages[1:]]
+            else:
+                prefix = None
         config = OpenConfig(
+            context_policy=self._truncation.policy,
+            retention_ratio=self._truncation.retention_ratio,
+            keep_prefix_text=prefix,
             max_output_tokens=0,
             temperature=self._temperature,
             stream=True,
             model=self._card.name,
             idle_timeout_s=self._limits.idle_timeout_s,
         )
-        return (SessionOpen(config),)
+        return (SessionOpen(config),), messages
 
     # ---- session messages ---------------------------------------------------------------------
 

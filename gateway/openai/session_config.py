@@ -9,8 +9,9 @@ events (client_events.py). Everything else a realtime session may carry is type-
 echoed back in `session.created` / `session.updated` as OpenAI echoes it.
 
 Acted on: `type` (only "realtime"), `model` (must be the socket's), `instructions`,
-`max_output_tokens`, `output_modalities` (["text"]), `tools` (empty), and `temperature` (a
-pre-GA field some clients still send). Echoed only: `ECHOED_FIELDS`.
+`max_output_tokens`, `output_modalities` (["text"]), `tools` (empty), `truncation` (the session's
+context window, truncation.py; also echoed) and `temperature` (a pre-GA field some clients still
+send). Echoed only: the rest of `ECHOED_FIELDS`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from gateway.openai.errors import BadEvent
+from gateway.openai.truncation import AUTO, Truncation, parse_truncation
 
 JSON = Any  # a value as json.loads gives it
 # The GA session fields kept and echoed, with the JSON types each may have (null: back to unset).
@@ -57,8 +59,10 @@ class SessionUpdate:
     temperature: float | None = None
     model: str | None = None
     given: frozenset[str] = frozenset()
-    # The echoed-only fields the event carried, as sent (validated types).
+    # The echoed fields the event carried, as sent (validated types).
     echoed: Mapping[str, JSON] = field(default_factory=dict)
+    # The context window `truncation` asks for (when given: "truncation" in `echoed`).
+    truncation: Truncation = AUTO
 
 
 def _bad(message: str, event_id: str | None, param: str, code: str = "invalid_value") -> BadEvent:
@@ -187,6 +191,7 @@ def parse_session_update(session: Mapping[str, JSON], event_id: str | None, limi
             "session.tools",
             "unsupported_value",
         )
+    truncation = parse_truncation(session.get("truncation"), event_id)
     model = session.get("model")
     _check_type(model, (str,), "session.model", event_id)
     if model is not None:
@@ -199,4 +204,5 @@ def parse_session_update(session: Mapping[str, JSON], event_id: str | None, limi
         model,
         frozenset(given),
         echoed,
+        truncation,
     )

@@ -115,7 +115,10 @@ def done(seq: int, tokens: tuple[int, ...] = (), finish: str = "length", committ
 
 
 def texts(messages: tuple[Any, ...]) -> str:
-    return "".join(m.text for m in messages if isinstance(m, InputChunk))
+    """The text the messages put in the session: an open's kept prefix (the instructions, with
+    truncation on), then the chunks'."""
+    prefix = "".join(m.config.keep_prefix_text or "" for m in messages if isinstance(m, SessionOpen))
+    return prefix + "".join(m.text for m in messages if isinstance(m, InputChunk))
 
 
 def user(text: str, **extra: Any) -> dict[str, Any]:
@@ -141,6 +144,10 @@ def test_two_turns_append_exactly_what_the_template_renders(card: ModelCard) -> 
     first = h.send(user("Hi!", event_id="evt_1"))
     assert isinstance(first.messages[0], SessionOpen)
     assert first.messages[0].config.model == "smollm2-135m" and first.messages[0].config.stream
+    # Truncation unset is OpenAI's "auto": a window cut to 0.8 of the context, instructions kept.
+    opened = first.messages[0].config
+    assert (opened.context_policy, opened.retention_ratio) == ("truncate", 0.8)
+    assert opened.keep_prefix_text == template.render([{"role": "system", "content": "Be terse."}])
     assert types(events(first.replies)) == ["conversation.item.added"]
     assert all(m.max_output_tokens == 0 for m in first.messages[1:])  # type: ignore[union-attr]
     conversation = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi!"}]
@@ -427,3 +434,55 @@ def test_a_key_with_a_token_budget_gets_rate_limits_after_session_created(card: 
     assert created[1]["rate_limits"] == [
         {"name": "tokens", "limit": 1000, "remaining": 1000, "reset_seconds": 3600.0}
     ]
+
+
+@pytest.mark.parametrize(
+    ("truncation", "policy", "ratio"),
+    [
+        ("auto", "truncate", 0.8),
+        ("disabled", "error", 0.8),
+        ({"type": "retention_ratio", "retention_ratio": 0.5}, "truncate", 0.5),
+        (
+            {"type": "retention_ratio", "retention_ratio": 1, "token_limits": {"post_instructions": 900}},
+            "truncate",
+            1.0,
+        ),
+    ],
+)
+def test_truncation_sets_the_sessions_window(
+    card: ModelCard, truncation: Any, policy: str, ratio: float
+) -> None:
+    h = Harness(card)
+    session = {"type": "realtime", "instructions": "Be terse.", "truncation": truncation}
+    updated = h.reply({"type": "session.update", "session": session})
+    assert updated[0]["session"]["truncation"] == truncation  # echoed as set
+    opened = h.send(user("Hi!")).messages[0]
+    assert isinstance(opened, SessionOpen)
+    assert (opened.config.context_policy, opened.config.retention_ratio) == (policy, ratio)
+    assert (opened.config.keep_prefix_text is not None) == (policy == "truncate")
+
+
+@pytest.mark.parametrize(
+    "truncation",
+    [
+        "sometimes",
+        {"type": "retention_ratio", "retention_ratio": 0},
+        {"type": "retention_ratio"},
+        {"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {"post_instructions": -1}},
+    ],
+)
+def test_a_bad_truncation_is_an_error_that_changes_nothing(card: ModelCard, truncation: Any) -> None:
+    h = Harness(card)
+    (error,) = h.reply({"type": "session.update", "session": {"type": "realtime", "truncation": truncation}})
+    assert error["type"] == "error" and error["error"]["param"].startswith("session.truncation")
+    opened = h.send(user("Hi!")).messages[0]
+    assert isinstance(opened, SessionOpen) and opened.config.context_policy == "truncate"
+
+
+def test_truncation_is_fixed_once_the_session_is_open(card: ModelCard) -> None:
+    h = Harness(card)
+    h.send(user("Hi!"))
+    (error,) = h.reply({"type": "session.update", "session": {"type": "realtime", "truncation": "disabled"}})
+    assert error["type"] == "error" and error["error"]["code"] == "unsupported_value"
+    same = h.reply({"type": "session.update", "session": {"type": "realtime", "truncation": "auto"}})
+    assert same[0]["type"] == "session.updated"
