@@ -39,7 +39,7 @@ from tests.conftest import Servers
 from tests.processes import Proc, microturn, worker_args
 from tests.wait import await_until
 from worker.engine import Engine
-from worker.server.session_log import read_log
+from worker.server.session_log import read_log, read_log_state
 
 CONFIG = OpenConfig(stop_token_ids=(), stream=True, logprobs=True)
 SCHEMA = KeySchema("mt")
@@ -299,3 +299,58 @@ def test_a_session_restored_elsewhere_keeps_its_keys_when_this_worker_lets_go(
         await client.aclose()
 
     asyncio.run(run())
+
+
+def test_a_prefix_given_as_text_is_logged_and_kept_across_cuts_and_a_restore(
+    worker: Proc, redis_url: str, workdir: Path, reference: Engine
+) -> None:
+    """`keep_prefix_text`: the worker opens the session with its tokens (logged as tokens of no
+    turn), keeps them at every cut, and a worker restoring it counts the same prefix."""
+    from worker.engine.memory.window import resolve_prefix
+
+    config = OpenConfig(
+        stop_token_ids=(),
+        context_policy="truncate",
+        max_context_tokens=64,
+        retention_ratio=0.5,
+        keep_prefix_text="hello world, be brief",
+    )
+    engine_config, prefix = resolve_prefix(config, reference.text)
+    assert engine_config.keep_prefix_tokens == len(prefix) > 0
+    twin = reference.open_session(config=engine_config, history=prefix)
+
+    async def run(other: Proc) -> None:
+        client = redis.from_url(redis_url, decode_responses=False)
+        async with link_to(worker) as first, link_to(other) as second:
+            a, b = Link(first), Link(second)
+            await a.send(LinkOpen("t9", config))
+            opened = await a.recv()
+            assert isinstance(opened, LinkOpened) and opened.length == len(prefix)
+            for seq in range(1, 13):
+                tokens = tuple((seq * 7 + j) % 200 + 1 for j in range(8))
+                _, done = await a.turn(chunk("t9", seq, tokens, k=2))
+                expected = reference.run_turn(
+                    twin, tokens=list(tokens), seq=seq, max_output_tokens=2, timeout=30
+                )
+                assert (done.done.tokens, done.length) == (expected.tokens, expected.length)
+
+            async def logged() -> bool:
+                return (await read_log_state(client, SCHEMA, "t9")).durable_seq == 12
+
+            await await_until(logged, 10, "the twelve turns in the token log")
+            state = await read_log_state(client, SCHEMA, "t9")
+            assert state.tokens[: len(prefix)] == prefix and len(state.tokens) == expected.length
+            await b.send(LinkRestore("t9", config, None, seen_seq=12))
+            assert await b.recv() == LinkOpened("t9", expected.length, 12, 12)
+            _, rebuilt = await b.turn(chunk("t9", 13, (1, 2, 3, 4, 5, 6, 7, 8), k=2))
+            want = reference.run_turn(
+                twin, tokens=[1, 2, 3, 4, 5, 6, 7, 8], seq=13, max_output_tokens=2, timeout=30
+            )
+            assert (rebuilt.done.tokens, rebuilt.length) == (want.tokens, want.length)
+            for link in (a, b):
+                await link.send(LinkClose("t9"))
+                await link.recv()
+        await client.aclose()
+
+    with microturn("worker", worker_args(redis_url, "w-prefix"), workdir) as other:
+        asyncio.run(run(other))
