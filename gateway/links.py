@@ -32,10 +32,10 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from gateway.metrics import GatewayMetrics
-from gateway.placement import SUSPECT_TTL_S
 from shared.errors import InvalidMessage, WorkerUnavailable
 from shared.protocol.link import LINK_PATH, LINK_SECRET_HEADER, LinkError, ToGateway, ToWorker
 from shared.protocol.link_codec import decode_link, encode_link
+from shared.store.placement import SUSPECT_TTL_S
 
 logger = logging.getLogger(__name__)
 

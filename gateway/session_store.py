@@ -18,11 +18,11 @@ from typing import Final
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.placement import Placement, mark_suspect, place_session
 from shared.errors import CapacityExhausted, InvalidMessage, SessionNotFound, Unauthorized
 from shared.protocol.codec import config_from_map, config_to_map
 from shared.protocol.link import AuthLimits
 from shared.protocol.messages import OpenConfig
+from shared.store.placement import Placement, mark_suspect, place_session
 from shared.store.registry import (
     SessionRecord,
     delete_session,
@@ -31,7 +31,7 @@ from shared.store.registry import (
     verify_token,
     write_session,
 )
-from shared.store.schema import KeySchema
+from shared.store.schema import STATE_READY, KeySchema
 from shared.store.values import now_ms, sha256_hex
 
 logger = logging.getLogger(__name__)
@@ -113,12 +113,25 @@ class SessionStore:
         await write_session(self.redis, self.schema, sid, record, self.ttl_s(config))
         return Placed(record, url)
 
-    async def move(self, sid: str, record: SessionRecord, config: OpenConfig) -> Placed:
-        """Pick a worker to restore a session on, and point its record there."""
-        worker_id, url, model = await self._place(config.model)
+    async def move(
+        self, sid: str, record: SessionRecord, config: OpenConfig, target: str | None = None
+    ) -> Placed:
+        """Pick a worker to restore a session on, and point its record there: `target` when it is
+        live, ready and not suspect (a draining worker warmed the session's copy there and charged
+        it its slot), else wherever placement says."""
+        chosen = await self._target(target, config.model) if target else None
+        worker_id, url, model = chosen or await self._place(config.model)
         moved = replace(record, worker=worker_id, model=model or record.model)
         await write_session(self.redis, self.schema, sid, moved, self.ttl_s(config))
         return Placed(moved, url)
+
+    async def _target(self, worker_id: str, model: str | None) -> tuple[str, str, str] | None:
+        info = await read_worker(self.redis, self.schema, worker_id)
+        if info is None or info.state != STATE_READY or worker_id in self.suspects():
+            return None
+        if model and info.model != model:
+            return None
+        return worker_id, info.url, info.model
 
     async def lookup(self, sid: str, token: str) -> tuple[SessionRecord, OpenConfig]:
         """The record and config of a session a client wants to resume, once its token checks out."""

@@ -127,11 +127,13 @@ class Place:
 
 @dataclass(frozen=True, slots=True)
 class Move:
-    """Pick a worker to restore the session on and point its record there; answer `placed`."""
+    """Pick a worker to restore the session on and point its record there; answer `placed`.
+    `target`: that worker if it is live and ready (a drain warmed the session's copy there)."""
 
     sid: str
     record: SessionRecord
     config: OpenConfig
+    target: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -315,7 +315,7 @@ class ClientSession:
             placed = await store.place_new(effect.sid, effect.token, effect.config, effect.auth)
             machine.placed(placed.record, placed.url)
         elif isinstance(effect, Move):
-            placed = await store.move(effect.sid, effect.record, effect.config)
+            placed = await store.move(effect.sid, effect.record, effect.config, effect.target)
             machine.placed(placed.record, placed.url)
         elif isinstance(effect, Lookup):
             record, config = await store.lookup(effect.sid, effect.resume_token)

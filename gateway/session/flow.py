@@ -66,3 +66,4 @@ class Flow:
     fail_with: MicroturnError | None = None  # raised once a failed open's keys are deleted
     frame: ToWorker | None = None  # the request awaiting `opened`
     replayed: int = 0  # undurable turns the restore frame carried
+    target: str | None = None  # a move's first choice of worker (a drain's warm copy is there)

@@ -314,8 +314,9 @@ class SessionMachine:
 
     # ---- restore -----------------------------------------------------------------------------------
 
-    def _restore(self, origin: Origin) -> None:
-        """Place the session on a live worker and rebuild it there from its token log and tail."""
+    def _restore(self, origin: Origin, *, target: str | None = None) -> None:
+        """Place the session on a live worker and rebuild it there from its token log and tail;
+        first on `target` (the worker a draining one warmed a copy on), if it can take it."""
         assert self.sid is not None
         sid = self.sid
         if origin is Origin.RESUME:
@@ -335,7 +336,7 @@ class SessionMachine:
             def reply(opened: LinkOpened) -> list[ServerMessage]:
                 return [SessionRestored(sid, opened.length)]
 
-        self._flow = Flow(Step.MOVE, origin=origin, seen_seq=seen, reply=reply)
+        self._flow = Flow(Step.MOVE, origin=origin, seen_seq=seen, reply=reply, target=target)
         self._move_attempt()
 
     def _move_attempt(self) -> None:
@@ -351,7 +352,8 @@ class SessionMachine:
             self._out.append(ArmTimer(Timer.BACKOFF, delay))
         else:
             flow.step = Step.MOVE
-            self._out.append(Move(self.sid, self._record, self.config))
+            target = flow.target if flow.attempt == 1 else None  # a retry goes wherever placement says
+            self._out.append(Move(self.sid, self._record, self.config, target))
 
     def placed(self, record: SessionRecord, url: str) -> None:
         """`Place` or `Move` wrote the record naming the worker at `url`: send it the request."""
@@ -396,7 +398,7 @@ class SessionMachine:
             except MicroturnError as exc:
                 self._error(exc)
 
-    def _move(self, why: str) -> None:
+    def _move(self, why: str, *, target: str | None = None) -> None:
         """The session leaves its worker (lost or draining): restore it elsewhere with its tail."""
         if self.life.phase is not Phase.ACTIVE or self.sid is None or self._record is None:
             return
@@ -408,7 +410,7 @@ class SessionMachine:
         )
         self._unbind()  # the old worker's late frames are not ours any more
         self.life.move(Phase.RESTORING)
-        self._restore(Origin.MOVE)
+        self._restore(Origin.MOVE, target=target)
 
     # ---- requests to a worker ------------------------------------------------------------------------
 
@@ -599,7 +601,7 @@ class SessionMachine:
             self.turns.undurable.durable(frame.durable_seq)
             if self.life.phase is Phase.ACTIVE:
                 self._out.append(Count(Metric.SESSIONS_MIGRATED))
-                self._move("its worker is draining")
+                self._move("its worker is draining", target=frame.target)
         elif isinstance(frame, LinkError) and frame.error.seq is None and pending:
             self._request_failed(frame.error.to_exception())
         elif pending:

@@ -197,10 +197,40 @@ class LinkMigrate:
     op: ClassVar[str] = "migrate"
     sid: str
     durable_seq: int | None = None
+    # The worker already holding a warm copy of the session (a make-before-break drain,
+    # worker/server/handover.py): restore it there, where only the turns since the copy are
+    # prefilled. None: wherever placement says.
+    target: str | None = None
 
 
-ToWorker: TypeAlias = LinkOpen | LinkAttach | LinkRestore | LinkChunk | LinkCancel | LinkDetach | LinkClose
-ToGateway: TypeAlias = LinkOpened | LinkDelta | LinkDone | LinkError | LinkClosed | LinkMigrate
+@dataclass(frozen=True, slots=True)
+class LinkWarm:
+    """From a draining worker to the worker it hands a session to (worker/server/handover.py):
+    build a copy of the session from its token log now, in the background, while the old worker
+    keeps serving it; answer `warmed` when the copy is current. The gateway's `restore` that
+    follows takes the copy over."""
+
+    op: ClassVar[str] = "warm"
+    sid: str
+    config: OpenConfig = field(default_factory=OpenConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkWarmed:
+    """The copy of `sid` is current up to the log's `durable_seq` (`length` tokens, all with KV)."""
+
+    op: ClassVar[str] = "warmed"
+    sid: str
+    length: int
+    durable_seq: int | None = None
+
+
+ToWorker: TypeAlias = (
+    LinkOpen | LinkAttach | LinkRestore | LinkChunk | LinkCancel | LinkDetach | LinkClose | LinkWarm
+)
+# `warmed` goes back to the draining worker that asked for the copy, which dials the link as a
+# gateway does; a gateway never asks for one.
+ToGateway: TypeAlias = LinkOpened | LinkDelta | LinkDone | LinkError | LinkClosed | LinkMigrate | LinkWarmed
 LinkFrame: TypeAlias = ToWorker | ToGateway
 
 # Every frame class by its op: the registry `decode_link` (link_codec.py) and the round-trip test walk.
@@ -220,6 +250,8 @@ FRAME_CLASSES: Final[dict[str, type[LinkFrame]]] = {
         LinkError,
         LinkClosed,
         LinkMigrate,
+        LinkWarm,
+        LinkWarmed,
     )
 }
 

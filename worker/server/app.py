@@ -10,6 +10,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Final
 
 import redis.asyncio as redis
 from starlette.applications import Starlette
@@ -28,8 +29,14 @@ from worker.server.handover import migrate_all
 from worker.server.heartbeat import HEARTBEATS_PER_TTL, heartbeat_loop, model_card, worker_info
 from worker.server.link import LinkAcceptor
 from worker.server.service import WorkerService
+from worker.server.switchover import SwitchReport, switch_over
 
 logger = logging.getLogger(__name__)
+
+# The end of a drain's deadline kept for the classic handover of the sessions whose warm copies
+# were not ready (worker/server/handover.py): a flush and a frame per session, well under a second.
+CLASSIC_HANDOVER_RESERVE_S: Final = 2.0
+CLASSIC_HANDOVER_SHARE: Final = 0.3
 
 
 class WorkerRuntime:
@@ -51,6 +58,7 @@ class WorkerRuntime:
         self.redis: redis.Redis | None = None
         self.draining = asyncio.Event()
         self.registered = False
+        self.last_switch: SwitchReport | None = None
 
     async def drain(self) -> None:
         """SIGTERM: leave placement, end every session with a reason, leave the registry."""
@@ -59,6 +67,18 @@ class WorkerRuntime:
         self.draining.set()
         logger.info("draining worker %s", self.worker_id)
         await mark_draining(self.redis, self.schema, self.worker_id)
+        self.service.draining = True  # no new session from here on
+        # Make before break within most of the deadline; what is left goes break-before-make.
+        timeout = self.settings.drain_timeout_s
+        budget = timeout - min(CLASSIC_HANDOVER_RESERVE_S, timeout * CLASSIC_HANDOVER_SHARE)
+        self.last_switch = await switch_over(
+            self.service,
+            self.redis,
+            self.schema,
+            worker_id=self.worker_id,
+            model=self.engine.model_config.name,
+            budget_s=budget,
+        )
         await migrate_all(self.service)
         await self.service.token_log.flush()
         await deregister(self.redis, self.schema, self.worker_id)

@@ -46,6 +46,10 @@ class SessionBinding:
     restore: RestorePlan | None = None
     # Set while a fresh session opens with `keep_prefix_text`: its tokens, logged once it is open.
     prefix: list[int] = field(default_factory=list)
+    # Chunks submitted to the engine and not answered yet: a switch waits for none (switchover.py).
+    in_flight: int = 0
+    # Chunks answered here (a drain reports how many it served while the session's copy warmed).
+    turns_answered: int = 0
 
     def send(self, frame: ToGateway) -> None:
         if self.link is not None:

@@ -28,6 +28,7 @@ from shared.protocol.link import (
     LinkOpen,
     LinkOpened,
     LinkRestore,
+    LinkWarm,
     ToWorker,
     link_error_from,
 )
@@ -42,6 +43,7 @@ from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
 from worker.server.session_log import read_log_bytes
 from worker.server.token_log import TokenLogWriter
+from worker.server.warm import WARM_DISCARDED, WarmCopies
 from worker.tokenizer.detokenize import IncrementalDecoder
 from worker.tokenizer.incremental import EMPTY_TAIL
 
@@ -76,6 +78,11 @@ class WorkerService:
         self.draining = False
         # Sessions a drain is handing over: chunks that still arrive for them are not answered here.
         self.handing_over: set[str] = set()
+        # Sessions switching to a warm copy elsewhere (worker/server/handover.py): the chunks in
+        # flight finish here, later ones wait in the gateway's tail for the new worker.
+        self.switching: set[str] = set()
+        # Copies of other workers' sessions, warmed here before their drain switches them over.
+        self.warm = WarmCopies(self)
         engine.add_close_listener(self._engine_closed_threadsafe)
 
     # ---- frames from a link -------------------------------------------------------------------
@@ -97,10 +104,13 @@ class WorkerService:
                 binding.link = None
         elif isinstance(frame, LinkClose):
             self._close(link, frame.sid)
+        elif isinstance(frame, LinkWarm):
+            self.warm.request(link, frame)
         else:  # pragma: no cover - decode_link only yields the frames above
             raise InvalidMessage(f"unexpected frame {frame!r}")
 
     def link_gone(self, link: LinkPeer) -> None:
+        self.warm.link_gone(link)
         detached = self.directory.unbind_link(link)
         if detached:
             logger.info("a link closed; %d sessions wait detached for a resume", detached)
@@ -151,6 +161,7 @@ class WorkerService:
                 accepted_seq=finished_seq,
                 text_tail=EMPTY_TAIL if plan is None else plan.text_tail,
                 config=replace(engine_config, idle_timeout_s=idle),
+                adopt=plan is not None and self.warm.adopt(sid),
             )
         except MicroturnError as error:
             self.directory.remove(sid)
@@ -284,6 +295,9 @@ class WorkerService:
             self.loop.call_soon_threadsafe(self._engine_closed, sid, reason)
 
     def _engine_closed(self, sid: str, reason: str) -> None:
+        if reason == WARM_DISCARDED or self.warm.owns(sid):
+            self.warm.forgotten(sid)  # a copy, never a live session here: no log, no keys
+            return
         binding = self.directory.remove(sid)
         wire_reason: CloseReason = "idle_timeout" if reason == "idle_timeout" else "evicted"
         self.loop.create_task(self._forget_then_tell(binding.link if binding else None, sid, wire_reason))
@@ -292,7 +306,7 @@ class WorkerService:
 
     def _chunk(self, sid: str, chunk: InputChunk, link: LinkPeer | None) -> None:
         binding = self.directory.get(sid)
-        if binding is None and sid in self.handing_over:
+        if (binding is None and sid in self.handing_over) or sid in self.switching:
             return  # the gateway has it in its tail: it runs on the session's next worker
         if binding is None:
             missing = SessionNotFound(f"no session {sid} on this worker")
@@ -319,6 +333,7 @@ class WorkerService:
                 flush=bool(chunk.flush),
                 on_token=on_token,
             )
+            binding.in_flight += 1
             future.add_done_callback(
                 lambda f: self.loop.call_soon_threadsafe(self._done, binding, chunk.seq, f)
             )
@@ -331,6 +346,7 @@ class WorkerService:
         binding.send(LinkDelta(binding.sid, delta_message))
 
     def _done(self, binding: SessionBinding, seq: int, future: Future[TurnResult]) -> None:
+        binding.in_flight -= 1
         error = future.exception()
         if error is not None:
             self._send_error(binding.link, binding.sid, error, seq=seq)
@@ -352,6 +368,7 @@ class WorkerService:
         )
         binding.record(done)
         binding.send(done)
+        binding.turns_answered += 1
         self.metrics.turns += 1
         self.metrics.turn_latency.observe((result.queue_ms + result.compute_ms) / 1000.0)
         if self.directory.get(binding.sid) is not binding:

@@ -17,8 +17,8 @@ from redis.asyncio import Redis
 
 from gateway.links import LinkPool
 from gateway.metrics import GatewayMetrics
-from gateway.placement import mark_suspect, place_session
 from shared.errors import CapacityExhausted
+from shared.store.placement import mark_suspect, place_session
 from shared.store.registry import WorkerInfo, register_worker
 from shared.store.schema import KeySchema
 from tests.conftest import open_servers

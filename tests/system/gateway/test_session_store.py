@@ -15,8 +15,8 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway import session_store
-from gateway.placement import Placement, place_session
 from shared.errors import CapacityExhausted
+from shared.store.placement import Placement, place_session
 from shared.store.registry import WorkerInfo, register_worker
 from shared.store.schema import KeySchema
 from tests.conftest import Servers

@@ -18,9 +18,9 @@ from typing import TypeVar
 import pytest
 from redis.asyncio import Redis
 
-from gateway.placement import place_script_source, place_session
 from shared.errors import CapacityExhausted
 from shared.store.models import ModelCard, read_model, served_models, write_model
+from shared.store.placement import place_script_source, place_session
 from shared.store.registry import (
     Placement,
     SessionRecord,

@@ -1,0 +1,208 @@
+"""Make-before-break drain: each session is rebuilt on its next worker while this one serves it.
+
+SIGTERM (docs/failover.md, "Drain"). The worker stops taking sessions, then for each session held
+with a gateway attached:
+
+1. *Place* it: placement (shared/store/placement.py, this worker excluded) picks and charges the
+   least-loaded worker with room, so the sessions spread over every worker that has it.
+2. *Warm* it there: this worker dials that worker's link (as a gateway would, with the link secret)
+   and sends `warm(sid, config)`; the target rebuilds the session from its token log in its
+   background prefill class (worker/server/warm.py). This worker keeps serving every chunk.
+3. *Switch* at a turn boundary once the target answers `warmed`: chunks that arrive from now on
+   are left unanswered (the gateway holds them in the session's undurable tail); the ones in
+   flight finish here and are logged; the log is flushed; then `migrate(sid, durable_seq,
+   target)`. The gateway restores the session on the target, which takes the warm copy over and
+   prefills only the turns answered since the copy read the log; the held chunks run there next.
+
+Sessions whose copy is not ready by the deadline (a share of `--drain-timeout-s`), whose target
+refused, died or could not be reached, or for which no worker had room, are handed over by the
+classic break-before-make `migrate_all` (worker/server/handover.py) that the drain runs after this,
+so a drain never outlives its deadline. Why a rebuild from the log and not the KV pages sent worker
+to worker: docs/failover.md, with the figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Final
+
+import websockets
+from redis.asyncio import Redis
+
+from shared.errors import CapacityExhausted, MicroturnError
+from shared.protocol.link import (
+    LINK_SECRET_HEADER,
+    LinkMigrate,
+    LinkWarm,
+    LinkWarmed,
+)
+from shared.protocol.link_codec import decode_link, encode_link
+from shared.store.placement import place_session
+from shared.store.schema import KeySchema
+from worker.server.bindings import SessionBinding
+from worker.server.service import WorkerService
+
+logger = logging.getLogger(__name__)
+
+# A switch polls for the session's chunks in flight to finish: a turn lasts milliseconds.
+IN_FLIGHT_POLL_S: Final = 0.002
+FLUSH_RETRY_S: Final = 0.05
+CONNECT_TIMEOUT_S: Final = 2.0
+
+
+@dataclass
+class SwitchReport:
+    """What a make-before-break drain did, for its log line and its tests."""
+
+    placed: int = 0
+    switched: int = 0
+    # Chunks this worker answered for sessions whose copies were being warmed elsewhere: > 0 shows
+    # the break came after the make.
+    served_while_warming: int = 0
+    fell_back: list[str] = field(default_factory=list)
+
+
+class _TargetLink:
+    """This worker's link to one target worker, dialed as a gateway dials it."""
+
+    def __init__(self, worker_id: str, url: str) -> None:
+        self.worker_id = worker_id
+        self.url = url
+        self.connection: websockets.ClientConnection | None = None
+
+    async def connect(self, secret: str) -> None:
+        headers = {LINK_SECRET_HEADER: secret} if secret else {}
+        self.connection = await asyncio.wait_for(
+            websockets.connect(self.url + "/v1/link", additional_headers=headers, max_size=None),
+            CONNECT_TIMEOUT_S,
+        )
+
+    async def close(self) -> None:
+        if self.connection is not None:
+            await self.connection.close()
+
+
+async def switch_over(
+    service: WorkerService, redis: Redis, schema: KeySchema, *, worker_id: str, model: str, budget_s: float
+) -> SwitchReport:
+    """Hand every attached session to a warm copy on another worker, within `budget_s`; the
+    sessions still here afterwards are for the classic handover."""
+    switcher = _Switcher(service, time.monotonic() + budget_s)
+    bindings = [b for b in service.directory.bindings.values() if b.ready and b.link is not None]
+    for binding in bindings:
+        try:
+            placement = await place_session(redis, schema, exclude=(worker_id,), model=model or None)
+        except CapacityExhausted:
+            break  # nobody has room: these go break-before-make, and end only if no one ever has
+        await switcher.warm(binding, placement.worker_id, placement.url)
+    await switcher.wait()
+    report = switcher.report
+    logger.info(
+        "drain: %d session(s) switched to warm copies (%d placed; %d chunks answered here while they "
+        "warmed); %d left for the classic handover",
+        report.switched,
+        report.placed,
+        report.served_while_warming,
+        len(report.fell_back),
+    )
+    return report
+
+
+class _Switcher:
+    """The copies asked for, and the switch of each once its copy is warm."""
+
+    def __init__(self, service: WorkerService, deadline: float) -> None:
+        self.service = service
+        self.deadline = deadline
+        self.report = SwitchReport()
+        self.targets: dict[str, _TargetLink] = {}
+        # sid -> (its binding, its target, the chunks it had answered when its copy was asked for)
+        self.waiting: dict[str, tuple[SessionBinding, _TargetLink, int]] = {}
+        self.readers: list[asyncio.Task[None]] = []
+        # Switches run as tasks of their own, never cancelled: one cut short would leave a session
+        # neither here nor told to move.
+        self.switches: list[asyncio.Task[None]] = []
+
+    async def warm(self, binding: SessionBinding, worker_id: str, url: str) -> None:
+        target = self.targets.get(worker_id)
+        if target is None:
+            target = self.targets[worker_id] = _TargetLink(worker_id, url)
+            try:
+                await target.connect(self.service.settings.link_secret)
+            except (OSError, TimeoutError, websockets.WebSocketException) as exc:
+                logger.warning("drain: cannot reach worker %s to warm sessions on it: %s", worker_id, exc)
+                return
+            self.readers.append(asyncio.create_task(self._read(target)))
+        if target.connection is None:
+            return
+        await target.connection.send(encode_link(LinkWarm(binding.sid, binding.config)))
+        self.waiting[binding.sid] = (binding, target, binding.turns_answered)
+        self.report.placed += 1
+
+    async def wait(self) -> None:
+        try:
+            while self.waiting and time.monotonic() < self.deadline and not self._readers_gone():
+                await asyncio.sleep(0.01)
+        finally:
+            for reader in self.readers:
+                reader.cancel()
+            await asyncio.gather(*self.switches)
+            self.report.fell_back += sorted(self.waiting)
+            # The targets keep unadopted copies a grace period after this link closes (warm.py).
+            await asyncio.gather(*(t.close() for t in self.targets.values()), return_exceptions=True)
+
+    def _readers_gone(self) -> bool:
+        return all(reader.done() for reader in self.readers)
+
+    async def _read(self, target: _TargetLink) -> None:
+        assert target.connection is not None
+        try:
+            async for data in target.connection:
+                frame = decode_link(data) if isinstance(data, bytes) else None
+                entry = self.waiting.get(frame.sid) if frame is not None else None
+                if frame is None or entry is None or entry[1] is not target:
+                    continue
+                del self.waiting[frame.sid]
+                if isinstance(frame, LinkWarmed):
+                    self.switches.append(asyncio.create_task(self._switch(entry)))
+                else:
+                    self.report.fell_back.append(frame.sid)
+                    logger.warning(
+                        "drain: worker %s gave no copy of %s: %s", target.worker_id, frame.sid, frame
+                    )
+        except (websockets.WebSocketException, MicroturnError) as exc:
+            logger.warning("drain: the link to worker %s broke while warming: %s", target.worker_id, exc)
+
+    async def _switch(self, entry: tuple[SessionBinding, _TargetLink, int]) -> None:
+        binding, target, answered_before = entry
+        self.report.served_while_warming += binding.turns_answered - answered_before
+        if await _switch(self.service, binding, target.worker_id, self.deadline):
+            self.report.switched += 1
+        else:
+            self.report.fell_back.append(binding.sid)
+
+
+async def _switch(service: WorkerService, binding: SessionBinding, target: str, deadline: float) -> bool:
+    """Finish the chunks in flight here, make the log durable, and send the gateway over; False
+    when they did not finish by the deadline (the classic handover then cancels them: they re-run
+    on the next worker, with the chunks held since the switch began)."""
+    sid = binding.sid
+    service.switching.add(sid)
+    while binding.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(IN_FLIGHT_POLL_S)
+    if binding.in_flight:
+        return False
+    service.directory.remove(sid)
+    service.handing_over.add(sid)
+    service.switching.discard(sid)
+    link, binding.link = binding.link, None
+    await asyncio.wrap_future(service.engine.close_session_async(sid, "closed"))
+    while not await service.token_log.flush():
+        await asyncio.sleep(FLUSH_RETRY_S)  # Redis is down: the switch waits for the log to be durable
+    if link is not None:
+        link.send(LinkMigrate(sid, service.token_log.durable_seq(sid), target=target))
+    service.token_log.drop(sid)
+    return True
