@@ -13,6 +13,10 @@ class WorkerMetrics:
     turns: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     links: int = 0
+    # Warm copies of other workers' sessions built here for their drains, and those a restore took
+    # over (worker/server/warm.py): a make-before-break handover landed.
+    warm_copies: int = 0
+    warm_adopted: int = 0
     # Queue plus compute time of each turn, in seconds.
     turn_latency: Histogram = field(default_factory=Histogram)
 
@@ -41,6 +45,8 @@ class WorkerMetrics:
             "microturn_worker_steps_total": stats.steps,
             "microturn_worker_tokens_forwarded_total": stats.tokens_forwarded,
             "microturn_worker_kv_evictions_total": stats.kv_evictions,
+            "microturn_worker_warm_copies_total": self.warm_copies,
+            "microturn_worker_warm_adopted_total": self.warm_adopted,
             "microturn_worker_kv_offloads_total": memory.offloads.count,
             "microturn_worker_kv_offload_bytes_total": memory.offloads.bytes,
             "microturn_worker_kv_offload_seconds_total": memory.offloads.seconds,

@@ -144,7 +144,7 @@ class _Switcher:
 
     async def wait(self) -> None:
         try:
-            while self.waiting and time.monotonic() < self.deadline and not self._readers_gone():
+            while self.waiting and time.monotonic() < self.deadline:
                 await asyncio.sleep(0.01)
         finally:
             for reader in self.readers:
@@ -153,9 +153,6 @@ class _Switcher:
             self.report.fell_back += sorted(self.waiting)
             # The targets keep unadopted copies a grace period after this link closes (warm.py).
             await asyncio.gather(*(t.close() for t in self.targets.values()), return_exceptions=True)
-
-    def _readers_gone(self) -> bool:
-        return all(reader.done() for reader in self.readers)
 
     async def _read(self, target: _TargetLink) -> None:
         assert target.connection is not None
@@ -170,11 +167,14 @@ class _Switcher:
                     self.switches.append(asyncio.create_task(self._switch(entry)))
                 else:
                     self.report.fell_back.append(frame.sid)
-                    logger.warning(
-                        "drain: worker %s gave no copy of %s: %s", target.worker_id, frame.sid, frame
-                    )
+                    logger.warning("drain: no copy of %s on %s: %s", frame.sid, target.worker_id, frame)
         except (websockets.WebSocketException, MicroturnError) as exc:
             logger.warning("drain: the link to worker %s broke while warming: %s", target.worker_id, exc)
+        # The link ended: no copy of these will come from there (the classic handover takes them).
+        for sid, entry in list(self.waiting.items()):
+            if entry[1] is target:
+                del self.waiting[sid]
+                self.report.fell_back.append(sid)
 
     async def _switch(self, entry: tuple[SessionBinding, _TargetLink, int]) -> None:
         binding, target, answered_before = entry

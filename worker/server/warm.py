@@ -30,6 +30,7 @@ from shared.store.schema import KeySchema
 from worker.engine import Engine
 from worker.engine.memory.window import resolve_prefix, session_limit
 from worker.server.bindings import LinkPeer, SessionDirectory
+from worker.server.metrics import WorkerMetrics
 from worker.server.restore import plan_restore
 from worker.server.session_log import read_log_bytes
 
@@ -51,6 +52,7 @@ class WarmHost(Protocol):
     settings: WorkerSettings
     loop: asyncio.AbstractEventLoop
     directory: SessionDirectory
+    metrics: WorkerMetrics
     draining: bool
 
 
@@ -58,8 +60,6 @@ class WarmCopies:
     def __init__(self, service: WarmHost) -> None:
         self.service = service
         self.copies: dict[str, LinkPeer] = {}  # sid -> the link of the worker that asked for it
-        self.warmed = 0
-        self.adopted = 0
 
     def request(self, link: LinkPeer, frame: LinkWarm) -> None:
         service = self.service
@@ -72,13 +72,15 @@ class WarmCopies:
             link.send(link_error_from(frame.sid, refusal, fatal=True))
             return
         self.copies[frame.sid] = link
+        logger.info("warming a copy of session %s for its worker's drain", frame.sid)
         service.loop.create_task(self._warm(link, frame))
 
     def adopt(self, sid: str) -> bool:
         """A restore of `sid` arrived: True when a copy is here for it to take over."""
         if self.copies.pop(sid, None) is None:
             return False
-        self.adopted += 1
+        self.service.metrics.warm_adopted += 1
+        logger.info("session %s: the restore takes over its warm copy", sid)
         return True
 
     def owns(self, sid: str) -> bool:
@@ -120,7 +122,7 @@ class WarmCopies:
             return
         if self.copies.get(sid) is not link or result.finish == "cancelled":
             return  # adopted or discarded while it warmed
-        self.warmed += 1
+        self.service.metrics.warm_copies += 1
         logger.info(
             "warm copy of session %s ready: %d tokens, log to seq %s", sid, result.length, plan.durable_seq
         )
