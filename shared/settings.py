@@ -23,6 +23,8 @@ AUTH_MODES = ("on", "off")
 # standalone: one server (or a Sentinel-less primary); cluster: MT_REDIS_URL names any seed node.
 REDIS_MODES = ("standalone", "cluster")
 UP_DEVICES = ("cpu", "cuda")
+# How a draining worker hands its sessions over (worker/server/switchover.py, docs/failover.md).
+DRAIN_HANDOVERS = ("warm", "log")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -133,6 +135,14 @@ class WorkerSettings(CommonSettings, EngineSettings):
     heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
     link_secret: str = field(default="", metadata={"help": "shared secret gateways must present"})
     drain_timeout_s: float = 10.0
+    drain_handover: str = field(
+        default="warm",
+        metadata={
+            "help": "warm: rebuild each session on its next worker before switching it (make before "
+            "break); log: hand sessions over at once, the next worker rebuilding them from the log",
+            "choices": DRAIN_HANDOVERS,
+        },
+    )
     # Token-log records a compaction keeps whole after its snapshot (worker/server/token_log.py); a
     # log then holds at most twice this many. A restore answers a turn the gateway holds undelivered
     # from its record, and for a compaction to fold such a turn this many later turns must have been

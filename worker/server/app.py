@@ -61,7 +61,8 @@ class WorkerRuntime:
         self.last_switch: SwitchReport | None = None
 
     async def drain(self) -> None:
-        """SIGTERM: leave placement, end every session with a reason, leave the registry."""
+        """SIGTERM: leave placement, hand every session to another worker (make before break where
+        the deadline allows, docs/failover.md), leave the registry."""
         if self.draining.is_set() or self.service is None or self.redis is None:
             return
         self.draining.set()
@@ -71,14 +72,15 @@ class WorkerRuntime:
         # Make before break within most of the deadline; what is left goes break-before-make.
         timeout = self.settings.drain_timeout_s
         budget = timeout - min(CLASSIC_HANDOVER_RESERVE_S, timeout * CLASSIC_HANDOVER_SHARE)
-        self.last_switch = await switch_over(
-            self.service,
-            self.redis,
-            self.schema,
-            worker_id=self.worker_id,
-            model=self.engine.model_config.name,
-            budget_s=budget,
-        )
+        if self.settings.drain_handover == "warm":
+            self.last_switch = await switch_over(
+                self.service,
+                self.redis,
+                self.schema,
+                worker_id=self.worker_id,
+                model=self.engine.model_config.name,
+                budget_s=budget,
+            )
         await migrate_all(self.service)
         await self.service.token_log.flush()
         await deregister(self.redis, self.schema, self.worker_id)
