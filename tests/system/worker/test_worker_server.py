@@ -267,7 +267,11 @@ def test_sigterm_drains_hands_sessions_over_and_leaves_the_registry(redis_url: s
             await link.recv()
             _, done = await link.turn(chunk("t7", 1, (1, 2)))
             worker.popen.send_signal(signal.SIGTERM)
-            assert await link.recv() == LinkMigrate("t7", 1)  # the log holds seq 1 already
+            migrate = await link.recv()
+            assert isinstance(migrate, LinkMigrate) and (migrate.sid, migrate.durable_seq) == ("t7", 1)
+            # With another worker in the registry (this module's w-main) the session was warmed
+            # there first (make before break) and the frame names it; alone, it names none.
+            assert migrate.target in (None, "w-main")
             assert await read_log(client, SCHEMA, "t7") == [1, 2, *done.done.tokens]
         assert worker.popen.wait(20) == 0
         assert await read_worker(client, SCHEMA, "w-drain") is None
