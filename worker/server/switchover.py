@@ -24,6 +24,7 @@ to worker: docs/failover.md, with the figures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -193,13 +194,17 @@ async def _switch(service: WorkerService, binding: SessionBinding, target: str, 
     service.switching.add(sid)
     while binding.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(IN_FLIGHT_POLL_S)
+    if service.directory.get(sid) is not binding:
+        service.switching.discard(sid)
+        return False  # the client closed it (or it expired) meanwhile: nothing left to move
     if binding.in_flight:
         return False
     service.directory.remove(sid)
     service.handing_over.add(sid)
     service.switching.discard(sid)
     link, binding.link = binding.link, None
-    await asyncio.wrap_future(service.engine.close_session_async(sid, "closed"))
+    with contextlib.suppress(MicroturnError):  # gone from the engine already: nothing to close
+        await asyncio.wrap_future(service.engine.close_session_async(sid, "closed"))
     while not await service.token_log.flush():
         await asyncio.sleep(FLUSH_RETRY_S)  # Redis is down: the switch waits for the log to be durable
     if link is not None:
