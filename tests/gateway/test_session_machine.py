@@ -192,6 +192,18 @@ def test_a_draining_worker_moves_the_session() -> None:
     assert isinstance(restore, LinkRestore) and restore.tail == ()  # turn 1 is durable
 
 
+def test_a_drain_with_a_warm_copy_moves_the_session_there_first_then_anywhere() -> None:
+    m = opened(machine())
+    m.worker_frame(LinkMigrate(SID, durable_seq=None, target="w2"), 0.0)
+    assert of(m.actions(), Move) == [Move(SID, record(W1), OpenConfig(), "w2")]
+    m.effect_failed(WorkerUnavailable("w2 went away"))
+    retried = m.actions()
+    if of(retried, Move) == []:  # a backoff first
+        m.timer_fired(Timer.BACKOFF)
+        retried = m.actions()
+    assert of(retried, Move) == [Move(SID, record(W1), OpenConfig())]  # the retry: wherever placement says
+
+
 def test_resume_attaches_on_the_live_worker_or_restores_when_it_is_gone() -> None:
     m = machine()
     m.receive(SessionResume(SID, "tok", last_seq=4), 0.0)

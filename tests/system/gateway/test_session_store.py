@@ -90,3 +90,30 @@ def test_an_empty_registry_is_refused_once_the_wait_is_over(
     monkeypatch.setattr(session_store, "EMPTY_REGISTRY_WAIT_S", 0.3)
     with pytest.raises(CapacityExhausted):
         pick(redis_url, monkeypatch)
+
+
+def test_a_move_lands_on_its_target_while_it_is_ready_and_elsewhere_once_it_is_not(redis_url: str) -> None:
+    """A drain's `migrate` names the worker holding the session's warm copy (docs/failover.md)."""
+    from dataclasses import replace
+
+    from shared.protocol.messages import OpenConfig
+    from shared.store.registry import SessionRecord, mark_draining
+
+    async def body() -> tuple[str, str]:
+        redis = Redis.from_url(redis_url)
+        schema = KeySchema(f"t{uuid.uuid4().hex[:10]}")
+        for worker_id in ("w-busy", "w-warm"):
+            await register_worker(
+                redis, schema, replace(worker_info(worker_id), sessions=int(worker_id == "w-warm")), TTL_S
+            )
+        store = session_store.SessionStore(redis, schema, grace_s=1.0, default_idle_timeout_s=60.0)
+        record = SessionRecord(worker="w-old", token_sha256="0" * 64, model="tiny", created_ms=0)
+        try:
+            to_target = await store.move("s", record, OpenConfig(), "w-warm")  # not the least loaded
+            await mark_draining(redis, schema, "w-warm")
+            elsewhere = await store.move("s", record, OpenConfig(), "w-warm")
+            return to_target.record.worker, elsewhere.record.worker
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(body()) == ("w-warm", "w-busy")
