@@ -3,8 +3,8 @@
     python -m loadtest.rolling_restart [--sessions 8] [--history-tokens 1000] [--json F]
 
 Starts an embedded Valkey, two `tiny` workers and one gateway (separate processes). Each session
-first gets a history of `--history-tokens` (prompt chunks, no output), then streams chunks of 16
-tokens asking for 2 outputs every `--period-s`, at most 4 unanswered, as an interaction model's
+first gets a history of `--history-tokens` (prompt chunks, no output), then streams chunks of 4
+tokens asking for 1 output every `--period-s`, at most 4 unanswered, as an interaction model's
 client would. Three runs, each on a fresh stack, the same load:
 - `steady`: no restart, the reference for the waits a client sees anyway;
 - `warm`: each worker in turn gets SIGTERM (make-before-break drain: sessions are rebuilt on the
@@ -39,8 +39,8 @@ from shared.protocol.messages import OutputDone
 logger = logging.getLogger(__name__)
 
 VOCAB: Final = 256  # the tiny model's
-CHUNK_TOKENS: Final = 16
-OUTPUT_TOKENS: Final = 2
+CHUNK_TOKENS: Final = 4
+OUTPUT_TOKENS: Final = 1
 PROMPT_PIECE: Final = 256
 WINDOW: Final = 4
 READY_TIMEOUT_S: Final = 60.0
@@ -208,10 +208,21 @@ async def _load(stack: _Stack, run: Run, period_s: float, phase_s: float) -> Non
     run.max_ms = 1000 * waits[-1]
 
 
-def measure(mode: str, sessions: int, history_tokens: int, *, period_s: float, phase_s: float) -> Run:
+def measure(
+    mode: str,
+    sessions: int,
+    history_tokens: int,
+    *,
+    period_s: float,
+    phase_s: float,
+    logs: Path | None = None,
+) -> Run:
+    """One run on a fresh stack; its processes' logs go to `logs/<mode>/` (default: a temporary dir)."""
     run = Run(mode, sessions, history_tokens)
-    with tempfile.TemporaryDirectory(prefix="rolling-restart-") as workdir:
-        stack = _Stack(Path(workdir), "log" if mode == "log" else "warm")
+    with tempfile.TemporaryDirectory(prefix="rolling-restart-") as scratch:
+        workdir = Path(scratch) if logs is None else logs / mode
+        workdir.mkdir(parents=True, exist_ok=True)
+        stack = _Stack(workdir, "log" if mode == "log" else "warm")
         try:
             stack.start()
             asyncio.run(_load(stack, run, period_s, phase_s))
@@ -232,10 +243,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--logs", type=Path, help="keep each process's log under this folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     runs = [
-        measure(mode, args.sessions, args.history_tokens, period_s=args.period_s, phase_s=args.phase_s)
+        measure(
+            mode,
+            args.sessions,
+            args.history_tokens,
+            period_s=args.period_s,
+            phase_s=args.phase_s,
+            logs=args.logs,
+        )
         for mode in args.modes.split(",")
     ]
     columns = ("mode", "sessions", "history", "chunks", "p50 ms", "p99 ms", "max ms")

@@ -42,6 +42,17 @@ def test_a_copy_the_history_does_not_extend_is_replaced(engine: Engine) -> None:
     assert engine.stats().sessions == 2
 
 
+def test_a_copy_still_warming_is_adopted_with_what_it_has(engine: Engine) -> None:
+    warming = engine.warm_async("s", config=CONFIG, history=HISTORY[:280])
+    # Queued right behind the warm-up: adopted before (or while) it ran, never recomputed twice.
+    engine.open_session(session_id="s", config=CONFIG, history=HISTORY, adopt=True)
+    assert warming.result(timeout=60).finish in ("cancelled", "length")
+    result = engine.run_turn("s", tokens=[7, 8], max_output_tokens=3, timeout=60)
+    fresh = engine.open_session(config=CONFIG, history=HISTORY)
+    assert engine.run_turn(fresh, tokens=[7, 8], max_output_tokens=3, timeout=60).tokens == result.tokens
+    assert engine.stats().sessions == 2
+
+
 def test_without_adopt_an_existing_session_is_refused(engine: Engine) -> None:
     engine.warm_async("s", config=CONFIG, history=HISTORY).result(timeout=60)
     with pytest.raises(Exception, match="already exists"):

@@ -92,8 +92,8 @@ class EngineCore:
     ) -> None:
         """Open a session with `history`. With `adopt`, a session of that id already here (a copy
         warmed before a handover, `warm`) is taken over when its tokens begin `history` and its
-        config is the same: it keeps its KV and only the rest of `history` is prefilled; any other
-        copy is discarded first."""
+        config is the same: it keeps its KV, as far as its warm-up got, and only the rest of
+        `history` is prefilled; any other copy is discarded first."""
         existing = self.sessions.get(session_id)
         if existing is not None and adopt:
             context_limit = session_limit(config, self.context_limit)
@@ -311,8 +311,20 @@ class EngineCore:
         accepted_seq: int | None,
         text_tail: TextTail,
     ) -> bool:
-        if session.is_busy or session.config != config or history[: len(session.tokens)] != session.tokens:
+        turns = ([session.active] if session.active else []) + list(session.pending)
+        if not all(turn.background for turn in turns) or session.config != config:
             return False
+        if history[: len(session.tokens)] != session.tokens:
+            return False
+        if turns:
+            # Still warming (a drain's deadline came first): keep the KV computed so far (the first
+            # `num_cached` tokens) and stop the warm-up; the next append prefills only the rest.
+            session.active = None
+            session.pending.clear()
+            self.running.pop(session.session_id, None)
+            self.waiting.pop(session.session_id, None)
+            for turn in turns:
+                self._resolve(session, turn, "cancelled")
         session.tokens = list(history)
         session.accepted_seq = accepted_seq
         session.tail = text_tail

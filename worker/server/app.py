@@ -81,7 +81,7 @@ class WorkerRuntime:
                 model=self.engine.model_config.name,
                 budget_s=budget,
             )
-        await migrate_all(self.service)
+        await migrate_all(self.service, self.last_switch.targets if self.last_switch else None)
         await self.service.token_log.flush()
         await deregister(self.redis, self.schema, self.worker_id)
         self.registered = False

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Final
 
 from shared.errors import WorkerUnavailable
@@ -55,8 +56,10 @@ def held_sessions(service: WorkerService) -> list[HeldSession]:
     return held
 
 
-async def migrate_all(service: WorkerService) -> tuple[int, int]:
-    """Drain: hand every session to its gateway for a planned restore; (migrated, left detached)."""
+async def migrate_all(service: WorkerService, targets: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """Drain: hand every session to its gateway for a planned restore; (migrated, left detached).
+    `targets`: sessions with a copy already on another worker (worker/server/switchover.py), which
+    `migrate` names so the gateway restores them there."""
     service.draining = True
     bindings = list(service.directory.bindings.values())
     for binding in bindings:
@@ -79,7 +82,8 @@ async def migrate_all(service: WorkerService) -> tuple[int, int]:
     for binding in bindings:
         link = links.get(binding.sid)
         if link is not None:
-            link.send(LinkMigrate(binding.sid, service.token_log.durable_seq(binding.sid)))
+            target = (targets or {}).get(binding.sid)
+            link.send(LinkMigrate(binding.sid, service.token_log.durable_seq(binding.sid), target))
         service.token_log.drop(binding.sid)
     deadline = time.monotonic() + SEND_WAIT_S
     while any(getattr(link, "pending_frames", lambda: 0)() for link in links.values()):

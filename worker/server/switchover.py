@@ -64,6 +64,9 @@ class SwitchReport:
     # the break came after the make.
     served_while_warming: int = 0
     fell_back: list[str] = field(default_factory=list)
+    # Of those, the ones with a copy (warm or part-warm) on a target still up: the classic handover
+    # names it, so the restore there keeps what the copy has.
+    targets: dict[str, str] = field(default_factory=dict)
 
 
 class _TargetLink:
@@ -152,6 +155,8 @@ class _Switcher:
                 reader.cancel()
             await asyncio.gather(*self.switches)
             self.report.fell_back += sorted(self.waiting)
+            for sid, (_binding, target, _answered) in self.waiting.items():
+                self.report.targets[sid] = target.worker_id
             # The targets keep unadopted copies a grace period after this link closes (warm.py).
             await asyncio.gather(*(t.close() for t in self.targets.values()), return_exceptions=True)
 
@@ -184,6 +189,7 @@ class _Switcher:
             self.report.switched += 1
         else:
             self.report.fell_back.append(binding.sid)
+            self.report.targets[binding.sid] = target.worker_id  # its copy there is warm
 
 
 async def _switch(service: WorkerService, binding: SessionBinding, target: str, deadline: float) -> bool:
