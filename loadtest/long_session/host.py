@@ -26,7 +26,6 @@ from worker.engine import Engine
 
 logger = logging.getLogger(__name__)
 
-# The issue's targets at 2,048 tokens.
 HOST_VS_WARM_TARGET = 1.2
 RECOMPUTE_VS_HOST_TARGET = 10.0
 TARGET_LENGTH = 2048
@@ -119,12 +118,14 @@ def run_host(model: str, config: HostConfig) -> dict[str, Any]:
         row["recompute_vs_host"] = ratio(row["recompute_ms"], row["host_ms"])
         rows[str(length)] = row
         logger.info("host %d: %s", length, row)
-    targets: dict[str, bool] = {}
+    # The issue: a resume from the host within 1.2x of a warm turn (every length), and at least
+    # 10x faster than a recompute at 2,048 tokens.
+    targets = {
+        f"host_within_{HOST_VS_WARM_TARGET}x_of_warm_at_{length}": row["host_vs_warm"] <= HOST_VS_WARM_TARGET
+        for length, row in rows.items()
+    }
     at_target = rows.get(str(TARGET_LENGTH))
     if at_target is not None:
-        targets[f"host_within_{HOST_VS_WARM_TARGET}x_of_warm_at_{TARGET_LENGTH}"] = (
-            at_target["host_vs_warm"] <= HOST_VS_WARM_TARGET
-        )
         targets[f"host_{RECOMPUTE_VS_HOST_TARGET:.0f}x_faster_than_recompute_at_{TARGET_LENGTH}"] = (
             at_target["recompute_vs_host"] >= RECOMPUTE_VS_HOST_TARGET
         )

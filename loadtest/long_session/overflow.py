@@ -162,8 +162,10 @@ def _one_run(
         near_cut = [s for s in side_turns if any(s.began < c.ended and c.began < s.ended for c in cuts)]
         row["side_turns"] = len(side_turns)
         row["side_median_ms"] = median([s.ms for s in side_turns])
-        row["side_max_near_cut_ms"] = max((s.ms for s in near_cut), default=0.0)
-        row["side_near_cut_vs_median"] = ratio(row["side_max_near_cut_ms"], row["side_median_ms"])
+        row["side_turns_near_cut"] = len(near_cut)
+        if near_cut:
+            row["side_max_near_cut_ms"] = max(s.ms for s in near_cut)
+            row["side_near_cut_vs_median"] = ratio(row["side_max_near_cut_ms"], row["side_median_ms"])
     return row
 
 
