@@ -6,7 +6,7 @@ out. Then:
 
 - host: A and B take turns; each turn first brings its session's KV back from the host tier
   (`host_kv_tokens` holds both), then runs. Every such turn is a sample;
-- warm: A alone takes turns, its KV staying on the device (the first, a restore, is not counted);
+- warm: B alone takes turns after the last of those (its own), its KV staying on the device;
 - recompute: the same alternation on an engine with `host_kv_tokens=0`: each turn's session lost
   its KV and recomputes its whole history from its tokens.
 
@@ -35,21 +35,23 @@ TARGET_LENGTH = 2048
 class HostConfig:
     lengths: tuple[int, ...] = (512, 2048, 8192)
     # Alternating turns (A, B, A, ...) resumed from the host, and warm turns of A.
-    samples: int = 8
+    samples: int = 6
     # Alternating turns that recompute (each costs a prefill of the whole history).
     recompute_samples: int = 4
     shape: TurnShape = field(default_factory=TurnShape)
 
 
-def _a_turns(config: HostConfig) -> int:
-    """Turns A takes after it is built: its half of the host phase, then the warm phase."""
-    return -(-config.samples // 2) + 1 + config.samples + 1
+def _longest_turns(config: HostConfig) -> int:
+    """Turns B (the longer) takes after it is built: its half of the host phase, the warm phase."""
+    return config.samples // 2 + config.samples
 
 
 def _engine(model: str, length: int, config: HostConfig, *, host: bool) -> Engine:
     shape = config.shape
+    if config.samples % 2:
+        raise ValueError("samples must be even: A and B take as many host turns each")
     # One session at its longest, with its next turn's room; two sessions of `length` do not fit.
-    device = pool_tokens(length + (_a_turns(config) + 1) * shape.grows_by) + 16
+    device = pool_tokens(length + (_longest_turns(config) + 1) * shape.grows_by) + 16
     if device >= 2 * length:
         raise ValueError(
             f"sessions of {length} tokens are too short for {config.samples} samples of "
@@ -60,7 +62,7 @@ def _engine(model: str, length: int, config: HostConfig, *, host: bool) -> Engin
 
 def _built_length(engine: Engine, length: int, config: HostConfig) -> int:
     """`length`, or less where the model's context could not take the turns that follow."""
-    return min(length, engine.context_limit - (_a_turns(config) + 1) * config.shape.grows_by)
+    return min(length, engine.context_limit - (_longest_turns(config) + 1) * config.shape.grows_by)
 
 
 def _alternate(a: Streamer, b: Streamer, turns: int) -> list[float]:
@@ -81,7 +83,8 @@ def _host_phase(model: str, length: int, config: HostConfig) -> dict[str, Any]:
         before = MemoryMark.of(engine)
         host_ms = _alternate(a, b, config.samples)
         moved = MemoryMark.of(engine).since(before)
-        warm_ms = [a.turn()[0] for _ in range(config.samples + 1)][1:]
+        # B took the last host turn (samples is even), so its KV is on the device.
+        warm_ms = [b.turn()[0] for _ in range(config.samples)]
         return {
             "built_tokens": built,
             "host_ms": median(host_ms),
