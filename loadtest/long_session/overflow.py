@@ -10,8 +10,11 @@ kept with its cut (`TurnResult.cut`). Figures per limit and ratio:
   is just the `recent` tokens the cut kept, so it prefills them (the cut's whole re-prefill; the
   kept prefix's KV is not recomputed, so a cut turn should cost no more);
 - beside it (ratio < 1 only), a second session streams the same turns from its own thread, reopened
-  fresh whenever it would reach the limit (so it never cuts): its median turn, and its longest turn
-  among those that overlapped a cut of the main session (a cut must not stall other sessions).
+  fresh whenever it would reach the limit (so it never cuts): its median and p99 turn, and the
+  median and longest of its turns that overlapped a cut of the main session (a cut's re-prefill
+  goes in pieces, so other sessions' turns share steps with it rather than wait behind it). The
+  references are measured while it still streams, so a cut and its reference have the same
+  neighbour.
 
 The same run with `retention_ratio` 1.0 (the rule before #24: every turn past the limit cuts to
 exactly the limit) shows the cliff the ratio removes; it runs fewer turns past the limit (each is a
@@ -128,22 +131,31 @@ def _main_session(
     return turns
 
 
+def _references(engine: Engine, turns: list[Timed], config: OverflowConfig) -> float:
+    """The median reference turn over the distinct numbers of recent tokens the cuts kept."""
+    recents = sorted({t.cut_recent for t in turns if t.cut_recent is not None})
+    return median([_reference_ms(engine, recent, config) for recent in recents])
+
+
 def _one_run(
     model: str, limit: int, retention: float, turns_past: int, config: OverflowConfig, *, side: bool
 ) -> dict[str, Any]:
     grows = config.shape.grows_by
     with Engine.load(model, kv_tokens=pool_tokens(3 * (limit + 2 * grows) + 256), host_kv_tokens=0) as engine:
         if side:
+            # The reference prefills run while the side session still streams: a cut turn and
+            # its reference share the engine with the same neighbour.
             with SideStream(engine, config.shape, limit) as beside:
                 turns = _main_session(engine, limit, retention, turns_past, config)
-            side_turns = beside.turns
+                side_turns = list(beside.turns)
+                reference = _references(engine, turns, config)
         else:
             turns, side_turns = _main_session(engine, limit, retention, turns_past, config), []
+            reference = _references(engine, turns, config)
         first_cut = next(i for i, t in enumerate(turns) if t.cut_recent is not None)
         before, after = turns[:first_cut], turns[first_cut:]
         cuts = [t for t in after if t.cut_recent is not None]
         recents = sorted({t.cut_recent for t in cuts if t.cut_recent is not None})
-        reference = median([_reference_ms(engine, recent, config) for recent in recents])
     row: dict[str, Any] = {
         "turns_before_first_cut": len(before),
         "turns_past_limit": len(after),
@@ -162,8 +174,10 @@ def _one_run(
         near_cut = [s for s in side_turns if any(s.began < c.ended and c.began < s.ended for c in cuts)]
         row["side_turns"] = len(side_turns)
         row["side_median_ms"] = median([s.ms for s in side_turns])
+        row["side_p99_ms"] = p99([s.ms for s in side_turns])
         row["side_turns_near_cut"] = len(near_cut)
         if near_cut:
+            row["side_median_near_cut_ms"] = median([s.ms for s in near_cut])
             row["side_max_near_cut_ms"] = max(s.ms for s in near_cut)
             row["side_near_cut_vs_median"] = ratio(row["side_max_near_cut_ms"], row["side_median_ms"])
     return row

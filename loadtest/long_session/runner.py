@@ -58,8 +58,9 @@ def machine() -> dict[str, Any]:
     }
 
 
-def run(config: LongSessionConfig) -> dict[str, Any]:
-    """Every chosen scenario's report, with the machine and each scenario's wall time."""
+def run(config: LongSessionConfig, json_path: Path | None = None) -> dict[str, Any]:
+    """Every chosen scenario's report, with the machine and each scenario's wall time; written to
+    `json_path` after each scenario, so a long run stopped part-way keeps what it measured."""
     runners: dict[str, Callable[[], dict[str, Any]]] = {
         "host": lambda: run_host(config.model, config.host),
         "overflow": lambda: run_overflow(config.model, config.overflow),
@@ -73,6 +74,8 @@ def run(config: LongSessionConfig) -> dict[str, Any]:
         result["wall_s"] = time.monotonic() - began
         report["scenarios"][name] = result
         logger.info("%s done in %.0f s", name, result["wall_s"])
+        if json_path is not None:
+            write_json(report, json_path)
     return report
 
 
@@ -167,8 +170,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     config, json_path = parse(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    report = run(config)
+    report = run(config, json_path)
     sys.stdout.write(table(report) + "\n")
-    if json_path is not None:
-        write_json(report, json_path)
     return 0
