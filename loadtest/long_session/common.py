@@ -99,6 +99,7 @@ class MemoryMark:
     restored_bytes: int
     restore_seconds: float
     offloads: int
+    offload_seconds: float
     recomputes: int
     drops: int
 
@@ -110,6 +111,7 @@ class MemoryMark:
             memory.restores.bytes,
             memory.restores.seconds,
             memory.offloads.count,
+            memory.offloads.seconds,
             memory.recomputes,
             memory.drops,
         )
@@ -120,9 +122,15 @@ class MemoryMark:
             self.restored_bytes - earlier.restored_bytes,
             self.restore_seconds - earlier.restore_seconds,
             self.offloads - earlier.offloads,
+            self.offload_seconds - earlier.offload_seconds,
             self.recomputes - earlier.recomputes,
             self.drops - earlier.drops,
         )
+
+    @property
+    def copy_seconds(self) -> float:
+        """Both directions' copies: a resume under pressure parks one session and restores another."""
+        return self.restore_seconds + self.offload_seconds
 
     @property
     def restore_gb_s(self) -> float:

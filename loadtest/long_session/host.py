@@ -91,6 +91,8 @@ def _host_phase(model: str, length: int, config: HostConfig) -> dict[str, Any]:
             "warm_ms": median(warm_ms),
             "restore_gb_s": moved.restore_gb_s,
             "restored_mb_per_turn": moved.restored_bytes / max(moved.restores, 1) / 1e6,
+            # The copies' share of a host turn (the other session parked, this one restored).
+            "copy_ms_per_host_turn": moved.copy_seconds * 1000 / len(host_ms),
             "host_restores": moved.restores,
             "host_recomputes": moved.recomputes,
             "host_drops": moved.drops,
