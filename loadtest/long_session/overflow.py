@@ -72,6 +72,7 @@ class SideStream:
     def __init__(self, engine: Engine, shape: TurnShape, limit: int) -> None:
         self.engine, self.shape, self.limit = engine, shape, limit
         self.turns: list[Timed] = []
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="long-session-side", daemon=True)
 
@@ -82,8 +83,16 @@ class SideStream:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        if self.error is not None:  # a neighbour that failed must fail the run, not thin its figures
+            raise RuntimeError("the side session failed") from self.error
 
     def _run(self) -> None:
+        try:
+            self._stream()
+        except BaseException as exc:
+            self.error = exc
+
+    def _stream(self) -> None:
         stream = 1000
         session = Streamer(self.engine, stream, self.shape)
         while not self._stop.is_set():
