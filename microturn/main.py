@@ -38,6 +38,10 @@ def _bench(argv: list[str]) -> int:
         from loadtest.overhead import main as overhead_main
 
         return overhead_main([arg for arg in argv if arg != "--gateway-overhead"])
+    if "--long-session" in argv:
+        from loadtest.long_session.runner import main as long_session_main
+
+        return long_session_main([arg for arg in argv if arg != "--long-session"])
     from loadtest.bench.run import main as bench_main
 
     return bench_main(argv)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared.errors import CapacityExhausted
 from shared.store.schema import Cut
@@ -151,8 +151,9 @@ class KVManager:
             device_pages_used=self.device.num_used,
             host_pages_total=self.host.num_pages if self.host is not None else 0,
             host_pages_used=self.host.num_used if self.host is not None else 0,
-            offloads=self.copier.offloaded if self.copier is not None else CopyCounter(),
-            restores=self.copier.restored if self.copier is not None else CopyCounter(),
+            # Copies: a snapshot, not the copier's live counters (a before/after difference works).
+            offloads=replace(self.copier.offloaded) if self.copier is not None else CopyCounter(),
+            restores=replace(self.copier.restored) if self.copier is not None else CopyCounter(),
             drops=self.drops,
             recomputes=self.recomputes,
             recomputed_tokens=self.recomputed_tokens,

@@ -1,0 +1,3 @@
+from loadtest.long_session.runner import main
+
+raise SystemExit(main())
