@@ -139,6 +139,7 @@ class _Session:
     stop: bool = False
 
     async def prompt(self, tokens: int) -> None:
+        """The history, a piece at a time (a worker bounds what one session may queue)."""
         while tokens > 0:
             piece = min(tokens, PROMPT_PIECE)
             self.seq += 1
@@ -146,9 +147,9 @@ class _Session:
                 self.seq, tokens=[self.rng.randrange(1, VOCAB) for _ in range(piece)]
             )
             tokens -= piece
-        while len(self.waits) < self.seq:
-            self.answered.clear()
-            await asyncio.wait_for(self.answered.wait(), 120)
+            while len(self.waits) < self.seq:
+                self.answered.clear()
+                await asyncio.wait_for(self.answered.wait(), 120)
         self.waits.clear()
 
     async def stream(self, period_s: float) -> None:
