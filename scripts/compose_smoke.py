@@ -246,6 +246,34 @@ def check_sessions(port: int, key: str, model: str, reference: subprocess.Popen[
     return failures
 
 
+def check_gpu_extra(worker: Service, entrypoint: list[str]) -> list[str]:
+    """In an image with the `gpu` extra (EXTRAS=gpu): flashinfer imports on this CUDA-less machine,
+    and `--attention flashinfer` on the CPU runs the start-up self-check against torch, which
+    refuses (exit 2, saying why) rather than crash: the CUDA kernels run only on a GPU
+    (scripts/gpu-check.sh). Images without the extra: nothing to check."""
+    probe = "import importlib.util as u, sys; sys.exit(u.find_spec('flashinfer') is None)"
+    if run_in(worker, ["python", "-c", probe], 60).returncode != 0:
+        return []
+    versions = (
+        "import flashinfer, torch; print(flashinfer.__version__, torch.__version__, torch.version.cuda)"
+    )
+    imported = run_in(worker, ["python", "-c", versions], 300)
+    logger.info("%s: flashinfer, torch, CUDA: %s", worker.name, (imported.stdout or imported.stderr).strip())
+    # The worker's own command and environment, on a port of its own, asked for flashinfer on the CPU.
+    command = [*worker.spec["command"], "--attention=flashinfer", "--device=cpu", "--port=8199"]
+    refused = run_in(worker, [*entrypoint, *command], 300)
+    reason = [
+        line for line in refused.stdout.splitlines() + refused.stderr.splitlines() if "cannot serve" in line
+    ]
+    logger.info(
+        "%s --attention=flashinfer --device=cpu: exit %d: %s", worker.name, refused.returncode, reason
+    )
+    failures = [] if imported.returncode == 0 else [f"flashinfer does not import: {imported.stderr[-400:]}"]
+    if refused.returncode != 2 or not reason:
+        failures.append(f"the self-check on the CPU did not refuse cleanly: exit {refused.returncode}")
+    return failures
+
+
 def check_drain(worker: Service) -> list[str]:
     status, took = stop(worker, duration_s(worker.spec.get("stop_grace_period"), 10.0))
     drained = "draining worker" in worker.log.read_text(errors="replace")
@@ -322,6 +350,7 @@ def main() -> int:
         key = keys_create(services, entrypoint)
         port = int(next(p["published"] for p in gateway.spec["ports"]))
         failures += check_sessions(port, key, model, reference)
+        failures += check_gpu_extra(worker, entrypoint)
         failures += check_drain(worker)
     finally:
         reference.kill()
