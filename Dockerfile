@@ -1,6 +1,7 @@
 # One image for both process kinds: `microturn worker ...` and `microturn gateway ...`.
 # CPU by default; for NVIDIA GPUs build with
 #   --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 --build-arg EXTRAS=gpu
+# Without Docker (no daemon, no registry): `make image` / `make image-gpu` (docs/deploy.md).
 FROM python:3.11-slim
 
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
