@@ -1,6 +1,7 @@
 # One image for both process kinds: `microturn worker ...` and `microturn gateway ...`.
 # CPU by default; for NVIDIA GPUs build with
 #   --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 --build-arg EXTRAS=gpu
+# Without Docker (no daemon, no registry): `make image` / `make image-gpu` (docs/deploy.md).
 FROM python:3.11-slim
 
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
@@ -28,5 +29,9 @@ ENV HF_HUB_OFFLINE=1
 RUN useradd --create-home microturn
 USER microturn
 EXPOSE 8000 8100
+# One probe for both process kinds: healthy when the gateway (8000) or the worker (8100) answers
+# /readyz on its default port. compose.yaml and deploy/k8s probe each service's own port instead.
+# The start period covers loading the weights.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 CMD ["python", "-c", "import urllib.request as u\nfor port in (8000, 8100):\n    try:\n        u.urlopen(f'http://127.0.0.1:{port}/readyz', timeout=2)\n        break\n    except OSError:\n        pass\nelse:\n    raise SystemExit(1)"]
 ENTRYPOINT ["microturn"]
 CMD ["--help"]

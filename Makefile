@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test lint typecheck pytest bench chromium node-deps clean
+.PHONY: install up test lint typecheck pytest bench chromium node-deps clean image image-gpu compose-smoke
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -47,6 +47,18 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(VENV)/bin/microturn bench --json bench-out/bench.json --plot bench-out/bench.png
+
+# The image from the Dockerfile as it is (Docker if a daemon answers, else Debian's buildah; root),
+# and the compose stack run from it and checked from the host (docs/deploy.md). Minutes and
+# gigabytes each: never part of `make test`.
+image:
+	scripts/image-build.sh
+
+image-gpu:
+	scripts/image-build.sh --gpu
+
+compose-smoke: $(STAMP)
+	scripts/compose-smoke.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache tests/node/node_modules
