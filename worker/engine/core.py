@@ -100,7 +100,7 @@ class EngineCore:
             window = opening_history(history, config, context_limit)
             if self._adopt(existing, config, window, accepted_seq, text_tail):
                 return
-            self._discard(existing)
+            self._remove(existing)
         if session_id in self.sessions:
             raise InvalidMessage(f"session {session_id} already exists")
         if len(self.sessions) >= self.config.max_sessions:
@@ -158,8 +158,7 @@ class EngineCore:
 
     def cancel(self, session_id: str, seq: int | None) -> None:
         session = self._get(session_id)
-        turns = ([session.active] if session.active else []) + list(session.pending)
-        for turn in turns:
+        for turn in session.turns:
             if seq is None or turn.seq == seq:
                 turn.cancelled = True
         active = session.active
@@ -169,15 +168,7 @@ class EngineCore:
 
     def close(self, session_id: str, reason: str) -> None:
         session = self._get(session_id)
-        del self.sessions[session_id]
-        self.running.pop(session_id, None)
-        self.waiting.pop(session_id, None)
-        for turn in ([session.active] if session.active else []) + list(session.pending):
-            turn.cancelled = True
-            self._resolve(session, turn, "cancelled")
-        session.active = None
-        session.pending.clear()
-        self.kv.release(session)
+        self._remove(session)
         logger.debug("session %s closed (%s)", session_id, reason)
         for listener in self.close_listeners:
             try:
@@ -311,38 +302,36 @@ class EngineCore:
         accepted_seq: int | None,
         text_tail: TextTail,
     ) -> bool:
-        turns = ([session.active] if session.active else []) + list(session.pending)
-        if not all(turn.background for turn in turns) or session.config != config:
+        if not all(turn.background for turn in session.turns) or session.config != config:
             return False
         if history[: len(session.tokens)] != session.tokens:
             return False
-        if turns:
-            # Still warming (a drain's deadline came first): keep the KV computed so far (the first
-            # `num_cached` tokens) and stop the warm-up; the next append prefills only the rest.
-            session.active = None
-            session.pending.clear()
-            self.running.pop(session.session_id, None)
-            self.waiting.pop(session.session_id, None)
-            for turn in turns:
-                self._resolve(session, turn, "cancelled")
+        # Still warming (a drain's deadline came first): keep the KV computed so far (the first
+        # `num_cached` tokens) and stop the warm-up; the next append prefills only the rest.
+        self._withdraw(session)
         session.tokens = list(history)
         session.accepted_seq = accepted_seq
         session.tail = text_tail
         session.last_activity = self.clock()
         return True
 
-    def _discard(self, session: Session) -> None:
-        """Drop a warm copy that cannot be adopted, quietly: it was never the live session, so no
-        close listener hears of it (they would end the live one)."""
+    def _remove(self, session: Session) -> None:
+        """The session leaves the engine: its turns end cancelled and its pages, in both tiers, are
+        free. `close` tells the listeners; a warm copy that cannot be adopted leaves quietly (it was
+        never the live session, and the listeners would end the live one)."""
         del self.sessions[session.session_id]
+        self._withdraw(session)
+        self.kv.release(session)
+
+    def _withdraw(self, session: Session) -> None:
+        """End every turn of the session (active and queued) as cancelled; its KV stays."""
         self.running.pop(session.session_id, None)
         self.waiting.pop(session.session_id, None)
-        for turn in ([session.active] if session.active else []) + list(session.pending):
+        for turn in session.turns:
             turn.cancelled = True
             self._resolve(session, turn, "cancelled")
         session.active = None
         session.pending.clear()
-        self.kv.release(session)
 
     def _fold(self, session: Session) -> tuple[list[Turn], Cut | None]:
         """The turns one append takes from the queue, and the cut before it (None: none).

@@ -63,6 +63,11 @@ class Session:
         return len(self.tokens) - self.num_cached
 
     @property
+    def turns(self) -> list[Turn]:
+        """The active turn (if any), then the pending ones, in seq order."""
+        return ([self.active] if self.active else []) + list(self.pending)
+
+    @property
     def is_busy(self) -> bool:
         return self.active is not None or bool(self.pending)
 
