@@ -197,10 +197,13 @@ class KVManager:
             session.pages, session.host_pages = [], host_pages
             logger.debug("parked the KV of idle session %s on the host (%d pages)", session.session_id, pages)
             return
-        self.release(session)
-        session.recompute = True
+        self._drop(session, "its next chunk recomputes it")
+
+    def _drop(self, session: Session, why: str) -> None:
+        """Pressure took an idle session's KV (device or host): counted, and recomputed when needed."""
+        self.forget(session)
         self.drops += 1
-        logger.info("dropped the KV of idle session %s; its next chunk recomputes it", session.session_id)
+        logger.info("dropped the KV of idle session %s: %s", session.session_id, why)
 
     def _host_room(self, pages: int, for_session: Session) -> bool:
         """Whether the host tier holds `pages` more, after dropping parked idle sessions older than
@@ -222,12 +225,7 @@ class KVManager:
         for session in older:
             if self.host.num_free >= pages:
                 break
-            self.release(session)
-            session.recompute = True
-            self.drops += 1
-            logger.info(
-                "dropped the parked KV of idle session %s to make room on the host", session.session_id
-            )
+            self._drop(session, "room on the host for a newer one")
         return True
 
     def _restore(self, session: Session) -> None:
