@@ -48,19 +48,17 @@ class Scheduler:
     def schedule(self, running: Iterable[Session]) -> ScheduledBatch | None:
         """`running`: sessions with an active turn, in activation order."""
         with_work = [s for s in running if s.uncached > 0]
-        background = [s for s in with_work if s.active is not None and s.active.background]
-        foreground = [s for s in with_work if s.active is None or not s.active.background]
+        background = sorted((s for s in with_work if _is_background(s)), key=lambda s: s.uncached)
+        foreground = [s for s in with_work if not _is_background(s)]
         decodes = [s for s in foreground if s.uncached == 1]
         appends = sorted((s for s in foreground if s.uncached > 1), key=lambda s: s.uncached)
         rows: list[ScheduledRow] = []
         budget = self.max_batch_tokens
         piece = self.max_append_piece if len(with_work) > 1 else budget
         background_budget = self.max_append_piece if foreground else budget
-        for session in decodes + appends + sorted(background, key=lambda s: s.uncached):
-            if budget == 0 or len(rows) == self.max_batch_rows:
-                break
-            is_background = session.active is not None and session.active.background
-            if is_background and background_budget == 0:
+        queue = [(s, False) for s in decodes + appends] + [(s, True) for s in background]
+        for session, is_background in queue:
+            if budget == 0 or len(rows) == self.max_batch_rows or (is_background and background_budget == 0):
                 break
             count = min(session.uncached, budget, piece, background_budget if is_background else budget)
             if is_background:
@@ -74,3 +72,7 @@ class Scheduler:
             )
             budget -= count
         return ScheduledBatch(tuple(rows)) if rows else None
+
+
+def _is_background(session: Session) -> bool:
+    return session.active is not None and session.active.background
