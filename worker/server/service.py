@@ -78,7 +78,7 @@ class WorkerService:
         self.draining = False
         # Sessions a drain is handing over: chunks that still arrive for them are not answered here.
         self.handing_over: set[str] = set()
-        # Sessions switching to a warm copy elsewhere (worker/server/handover.py): the chunks in
+        # Sessions switching to a warm copy elsewhere (worker/server/switchover.py): the chunks in
         # flight finish here, later ones wait in the gateway's tail for the new worker.
         self.switching: set[str] = set()
         # Copies of other workers' sessions, warmed here before their drain switches them over.
