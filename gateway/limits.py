@@ -158,28 +158,9 @@ class SessionLimits:
                 f"{len(chunks)} chunks at once can never fit the burst of {self.values.chunk_burst}"
             )
         cost = sum(max(c.cost, 1) for c in chunks)
-        asks = sum(1 for c in chunks if c.wants_output)
-        if self._in_flight and (
-            self._tokens + cost > self.values.max_queued_tokens
-            or (asks and self._outputs + asks > self.values.max_queued_outputs)
-        ):
-            retry = max(MIN_RETRY_AFTER_MS, math.ceil(self._turn_ms))
-            raise Backpressure(
-                f"{self._tokens} input tokens and {self._outputs} turns asking for output are still "
-                f"running (limits {self.values.max_queued_tokens} and {self.values.max_queued_outputs})",
-                retry_after_ms=retry,
-            )
-        wait = self._bucket.try_take(len(chunks))
-        if wait is not None:
-            raise RateLimited(
-                f"more than {self.values.max_chunks_per_s:g} chunks per second "
-                f"(burst {self.values.chunk_burst})",
-                retry_after_ms=wait,
-            )
+        self._check(cost, sum(1 for c in chunks if c.wants_output), len(chunks))
         for chunk in chunks:
-            self._in_flight[chunk.seq] = (max(chunk.cost, 1), chunk.wants_output)
-            self._tokens += max(chunk.cost, 1)
-            self._outputs += chunk.wants_output
+            self._charge(chunk.seq, max(chunk.cost, 1), chunk.wants_output)
             if ahead:
                 self._ahead.add(chunk.seq)
 
@@ -195,7 +176,37 @@ class SessionLimits:
             return
         if tokens is not None:
             check_chunk_tokens(tokens, self.values.max_chunk_tokens)
-        self.admit([ChunkCost(seq, tokens if tokens is not None else text_chars, wants_output)])
+        # The per-chunk path: the same rule as `admit`, without building a batch for one chunk.
+        cost = max(tokens if tokens is not None else text_chars, 1)
+        self._check(cost, int(wants_output), 1)
+        self._charge(seq, cost, wants_output)
+
+    def _check(self, cost: int, asks: int, count: int) -> None:
+        """Raise, having changed nothing, unless `count` chunks costing `cost` in all (`asks` of them
+        asking for output) fit the queue and the rate; on success their rate tokens are taken. Queue
+        first, so a refusal never costs a rate token."""
+        if self._in_flight and (
+            self._tokens + cost > self.values.max_queued_tokens
+            or (asks and self._outputs + asks > self.values.max_queued_outputs)
+        ):
+            retry = max(MIN_RETRY_AFTER_MS, math.ceil(self._turn_ms))
+            raise Backpressure(
+                f"{self._tokens} input tokens and {self._outputs} turns asking for output are still "
+                f"running (limits {self.values.max_queued_tokens} and {self.values.max_queued_outputs})",
+                retry_after_ms=retry,
+            )
+        wait = self._bucket.try_take(count)
+        if wait is not None:
+            raise RateLimited(
+                f"more than {self.values.max_chunks_per_s:g} chunks per second "
+                f"(burst {self.values.chunk_burst})",
+                retry_after_ms=wait,
+            )
+
+    def _charge(self, seq: int, cost: int, wants_output: bool) -> None:
+        self._in_flight[seq] = (cost, wants_output)
+        self._tokens += cost
+        self._outputs += wants_output
 
     def settle(self, seq: int) -> None:
         """The chunk `seq` was answered (done or error) or lost: its cost is no longer in flight."""
