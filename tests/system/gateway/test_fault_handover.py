@@ -41,9 +41,10 @@ VOCAB: Final = 256  # the tiny model's
 SWITCH_LINE = re.compile(
     r"drain: (\d+) session\(s\) switched .*?; (\d+) chunks answered here while they warmed\); (\d+) left"
 )
-# A background piece this small makes building a copy take many steps: the drain's deadline can
-# come first (a long session on a real model is the same, in seconds).
-SLOW_WARM = ["--max-append-piece-tokens", "16"]
+# A background piece of one token makes building a copy take thousands of steps (a long session on
+# a real model is the same, in seconds): the drain's deadline, or the kill, comes first on any
+# machine. (16 tokens was fast enough on an idle machine to warm every copy within the deadline.)
+SLOW_WARM = ["--max-append-piece-tokens", "1"]
 
 
 def chunks(session: int) -> list[list[int]]:
