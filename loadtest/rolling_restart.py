@@ -60,6 +60,11 @@ class Run:
     max_ms: float = 0.0
     drains_s: list[float] = field(default_factory=list)
     lost: int = 0
+    # (seconds since the load began, what happened): SIGTERMs, exits, workers ready again.
+    events: list[tuple[float, str]] = field(default_factory=list)
+    # (seconds since the load began that the chunk was sent, its wait in ms, its session), for
+    # `--timeline`.
+    waits: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 class _Stack:
@@ -135,6 +140,7 @@ class _Session:
     seq: int = 0
     sent_at: dict[int, float] = field(default_factory=dict)
     waits: list[float] = field(default_factory=list)
+    timeline: list[tuple[float, float]] = field(default_factory=list)  # (sent at, wait) of streamed chunks
     answered: asyncio.Event = field(default_factory=asyncio.Event)
     stop: bool = False
 
@@ -168,7 +174,10 @@ class _Session:
             msg = await self.client.recv(timeout=120)
             if isinstance(msg, OutputDone):
                 sent = self.sent_at.pop(msg.seq, None)
-                self.waits.append(0.0 if sent is None else time.monotonic() - sent)
+                wait = 0.0 if sent is None else time.monotonic() - sent
+                self.waits.append(wait)
+                if sent is not None:
+                    self.timeline.append((sent, wait))
                 self.answered.set()
 
 
@@ -181,14 +190,18 @@ async def _load(stack: _Stack, run: Run, period_s: float, phase_s: float) -> Non
         sessions.append(_Session(client, random.Random(i)))
     receivers = [asyncio.create_task(s.receive()) for s in sessions]
     await asyncio.gather(*(s.prompt(run.history_tokens) for s in sessions))
+    began = time.monotonic()
     streams = [asyncio.create_task(s.stream(period_s)) for s in sessions]
     await asyncio.sleep(phase_s)
     for worker_id in ("w0", "w1"):
         if run.mode == "steady":
             await asyncio.sleep(STEADY_RESTART_S)  # as long as a drain and a restart, under the same load
         else:
+            run.events.append((time.monotonic() - began, f"SIGTERM {worker_id}"))
             run.drains_s.append(await asyncio.to_thread(stack.drain, worker_id))
+            run.events.append((time.monotonic() - began, f"{worker_id} exited; starting it again"))
             await asyncio.to_thread(stack.start_worker, worker_id)
+            run.events.append((time.monotonic() - began, f"{worker_id} ready"))
         await asyncio.sleep(phase_s)
     for s in sessions:
         s.stop = True
@@ -202,6 +215,11 @@ async def _load(stack: _Stack, run: Run, period_s: float, phase_s: float) -> Non
     await asyncio.gather(*receivers, return_exceptions=True)
     for s in sessions:
         await s.client.close()
+    run.waits = sorted(
+        (round(sent - began, 4), round(1000 * wait, 2), i)
+        for i, s in enumerate(sessions)
+        for sent, wait in s.timeline
+    )
     waits = sorted(w for s in sessions for w in s.waits)
     run.chunks = len(waits)
     run.p50_ms = 1000 * waits[len(waits) // 2]
@@ -232,6 +250,11 @@ def measure(
     return run
 
 
+def _summary(fields: list[tuple[str, object]]) -> dict[str, object]:
+    """A run for `--json`: everything but the per-chunk timeline."""
+    return {name: value for name, value in fields if name != "waits"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.rolling_restart", description=__doc__.split("\n")[0]
@@ -245,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="keep each process's log under this folder")
+    parser.add_argument(
+        "--timeline", type=Path, help="write each streamed chunk's send time and wait, and the drains' events"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     runs = [
@@ -276,7 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     sys.stdout.write("\n".join(lines) + "\n")
     if args.json:
-        write_json({"runs": [asdict(r) for r in runs]}, args.json)
+        write_json({"runs": [asdict(r, dict_factory=_summary) for r in runs]}, args.json)
+    if args.timeline:
+        write_json({"runs": [asdict(r) for r in runs]}, args.timeline)
     return 0 if all(r.lost == 0 for r in runs) else 1
 
 

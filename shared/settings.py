@@ -107,8 +107,16 @@ class EngineSettings:
     max_append_piece_tokens: int = field(
         default=256,
         metadata={
-            "help": "while other sessions have work, an append feeds at most this many tokens a step, "
-            "so a long re-prefill (a window cut, a restore) does not stall their turns"
+            "help": "an append feeds at most this many tokens a step, so a long re-prefill (a window "
+            "cut, a restore, a warm copy) never makes a turn wait for more than one piece"
+        },
+    )
+    max_warm_piece_tokens: int = field(
+        default=64,
+        metadata={
+            "help": "the tokens a step gives the copies warmed for another worker's drain, all of "
+            "them together: small, so this worker's own turns barely feel them (raise it on a GPU, "
+            "where a step's cost hardly grows with its tokens)"
         },
     )
     max_sessions: int = 256

@@ -3,7 +3,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from shared.protocol.messages import OpenConfig
-from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler import MAX_DEFERRED_STEPS, Scheduler
 from worker.engine.session import Session
 from worker.engine.turn import Turn
 
@@ -45,11 +45,38 @@ def test_nothing_to_do() -> None:
     assert Scheduler(max_batch_tokens=10, max_batch_rows=2).schedule([session("done", 10, 10)]) is None
 
 
-def test_a_long_append_goes_in_pieces_while_others_have_work() -> None:
+def test_a_long_append_goes_in_pieces_with_or_without_others() -> None:
     long, decode = session("long", 900, 0), session("decode", 50, 49)
     scheduler = Scheduler(max_batch_tokens=2048, max_batch_rows=8, max_append_piece=256)
     batch = scheduler.schedule([long, decode])
     assert batch is not None
     assert [(r.session.session_id, r.count) for r in batch.rows] == [("decode", 1), ("long", 256)]
-    alone = scheduler.schedule([long])  # nobody waits on it: the whole budget
-    assert alone is not None and alone.rows[0].count == 900
+    # Alone too: a chunk that arrives while this step runs waits for one piece, not 900 tokens.
+    alone = scheduler.schedule([long])
+    assert alone is not None and [r.count for r in alone.rows] == [256]
+
+
+def test_on_a_cpu_a_long_append_waits_for_a_step_without_micro_turns() -> None:
+    long, decode = session("long", 900, 0), session("decode", 50, 49)
+    scheduler = Scheduler(max_batch_tokens=2048, max_batch_rows=8, max_append_piece=256, piggyback=False)
+    held = scheduler.schedule([long, decode])
+    assert held is not None and [(r.session.session_id, r.count) for r in held.rows] == [("decode", 1)]
+    alone = scheduler.schedule([long])  # between micro-turns: its piece
+    assert alone is not None and [(r.session.session_id, r.count) for r in alone.rows] == [("long", 256)]
+
+
+def test_on_a_cpu_a_held_append_rides_after_max_deferred_steps() -> None:
+    long, decode, chunk = session("long", 900, 0), session("decode", 50, 49), session("chunk", 40, 8)
+    scheduler = Scheduler(max_batch_tokens=2048, max_batch_rows=8, max_append_piece=256, piggyback=False)
+    for _ in range(MAX_DEFERRED_STEPS):
+        batch = scheduler.schedule([long, decode, chunk])  # a micro-turn's append is never held
+        assert batch is not None and [r.session.session_id for r in batch.rows] == ["decode", "chunk"]
+    forced = scheduler.schedule([long, decode, chunk])
+    assert forced is not None
+    assert [(r.session.session_id, r.count) for r in forced.rows] == [
+        ("decode", 1),
+        ("chunk", 32),
+        ("long", 256),
+    ]
+    again = scheduler.schedule([long, decode])  # the count starts over
+    assert again is not None and [r.session.session_id for r in again.rows] == ["decode"]

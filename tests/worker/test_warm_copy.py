@@ -68,13 +68,26 @@ def test_background_rows_come_after_client_rows_within_one_piece() -> None:
         assert warm.active is not None
         warm.active.background = True
     client, decode = session("client", 40, 8), session("decode", 50, 49)
-    scheduler = Scheduler(max_batch_tokens=2048, max_batch_rows=8, max_append_piece=256)
+    scheduler = Scheduler(
+        max_batch_tokens=2048, max_batch_rows=8, max_append_piece=256, max_background_piece=64
+    )
     batch = scheduler.schedule([warm_a, warm_b, client, decode])
     assert batch is not None
     assert [(r.session.session_id, r.count) for r in batch.rows] == [
         ("decode", 1),
         ("client", 32),
-        ("warm_b", 256),
+        ("warm_b", 64),  # the copies' share, smaller than a client's piece
     ]
-    alone = scheduler.schedule([warm_a])  # no client waits: the whole budget
-    assert alone is not None and [(r.session.session_id, r.count) for r in alone.rows] == [("warm_a", 900)]
+    # On a CPU the copies wait for a step with no client row (or MAX_DEFERRED_STEPS of them).
+    cpu = Scheduler(
+        max_batch_tokens=2048,
+        max_batch_rows=8,
+        max_append_piece=256,
+        max_background_piece=64,
+        piggyback=False,
+    )
+    held = cpu.schedule([warm_a, warm_b, client, decode])
+    assert held is not None and [r.session.session_id for r in held.rows] == ["decode", "client"]
+    # With no client row: still one piece, so a chunk that arrives waits for one piece only.
+    alone = scheduler.schedule([warm_a, warm_b])
+    assert alone is not None and [(r.session.session_id, r.count) for r in alone.rows] == [("warm_b", 64)]

@@ -43,7 +43,8 @@ class KVPool:
         )
         # zeros, not empty: every page is written now, so the pool is resident from the start and
         # the process's memory does not creep up as sessions first touch their pages.
-        self.buffer = torch.zeros((num_layers, 2, *per_layer), dtype=dtype, device=device)
+        self.buffer = torch.empty((num_layers, 2, *per_layer), dtype=dtype, device=device)
+        _zero(self.buffer)
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 0]
@@ -76,3 +77,18 @@ class KVPool:
     @property
     def num_bytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+
+def _zero(buffer: torch.Tensor) -> None:
+    """Zero the pool. On the CPU with one thread: a worker starting beside others (a rolling
+    restart on one host) would otherwise take every core for the memset (a GiB: ~0.2 s on two
+    cores) and stall their turns; one thread takes twice as long and leaves them the rest."""
+    if buffer.device.type != "cpu":
+        buffer.zero_()
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        buffer.zero_()
+    finally:
+        torch.set_num_threads(threads)

@@ -32,9 +32,11 @@ class EngineConfig(EngineSettings):
         return copy_fields(cls, settings, **engine_only)
 
     def __post_init__(self) -> None:
-        if min(self.page_size, self.max_batch_tokens, self.max_batch_rows, self.max_append_piece_tokens) < 1:
+        sizes = (self.page_size, self.max_batch_tokens, self.max_batch_rows)
+        if min(*sizes, self.max_append_piece_tokens, self.max_warm_piece_tokens) < 1:
             raise ValueError(
-                "page_size, max_batch_tokens, max_batch_rows and max_append_piece_tokens must be positive"
+                "page_size, max_batch_tokens, max_batch_rows, max_append_piece_tokens and "
+                "max_warm_piece_tokens must be positive"
             )
         if self.kv_tokens < 0 or 0 < self.kv_tokens < self.page_size:
             raise ValueError(f"kv_tokens {self.kv_tokens} is below one page of {self.page_size}")

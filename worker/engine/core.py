@@ -66,6 +66,8 @@ class EngineCore:
             max_batch_tokens=config.max_batch_tokens,
             max_batch_rows=config.max_batch_rows,
             max_append_piece=config.max_append_piece_tokens,
+            max_background_piece=config.max_warm_piece_tokens,
+            piggyback=runner.device.type != "cpu",
         )
         # The longest sequence a session may reach: the model's context, and never more than the pool.
         self.context_limit = min(

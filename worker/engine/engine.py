@@ -159,9 +159,10 @@ class Engine:
         text_tail: TextTail = EMPTY_TAIL,
     ) -> Future[TurnResult]:
         """Open a copy of a session and compute its history's KV in the background class of the
-        schedule (client turns first, then at most one append piece a step): the future resolves
-        when the copy is current up to `history`. A later `open_session_async(adopt=True)` with a
-        longer history takes it over and prefills only the rest (a make-before-break handover)."""
+        schedule (client turns first, then `max_warm_piece_tokens` a step; scheduler.py): the
+        future resolves when the copy is current up to `history`. A later
+        `open_session_async(adopt=True)` with a longer history takes it over and prefills only
+        the rest (a make-before-break handover)."""
         history_tokens = self._check_tokens(history)
         future: Future[TurnResult] = Future()
         future.set_running_or_notify_cancel()

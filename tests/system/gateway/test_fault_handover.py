@@ -44,7 +44,7 @@ SWITCH_LINE = re.compile(
 # A background piece of one token makes building a copy take thousands of steps (a long session on
 # a real model is the same, in seconds): the drain's deadline, or the kill, comes first on any
 # machine. (16 tokens was fast enough on an idle machine to warm every copy within the deadline.)
-SLOW_WARM = ["--max-append-piece-tokens", "1"]
+SLOW_WARM = ["--max-warm-piece-tokens", "1"]
 
 
 def chunks(session: int) -> list[list[int]]:
