@@ -33,6 +33,18 @@ def test_an_adopted_warm_copy_prefills_only_what_came_after(engine: Engine) -> N
     assert engine.run_turn(fresh, tokens=[7, 8], max_output_tokens=3, timeout=60).tokens == result.tokens
 
 
+def test_a_copy_catches_up_by_prefilling_only_the_new_turns(engine: Engine) -> None:
+    engine.warm_async("s", config=CONFIG, history=HISTORY[:200]).result(timeout=60)
+    before = engine.stats().tokens_forwarded
+    caught_up = engine.warm_async("s", config=CONFIG, history=HISTORY[:280], extend=True).result(timeout=60)
+    assert caught_up.finish == "length" and caught_up.length == 280
+    assert engine.stats().tokens_forwarded - before == 80  # only the turns logged since the first read
+    engine.open_session(session_id="s", config=CONFIG, history=HISTORY, adopt=True)
+    result = engine.run_turn("s", tokens=[7, 8], max_output_tokens=3, timeout=60)
+    fresh = engine.open_session(config=CONFIG, history=HISTORY)
+    assert engine.run_turn(fresh, tokens=[7, 8], max_output_tokens=3, timeout=60).tokens == result.tokens
+
+
 def test_a_copy_the_history_does_not_extend_is_replaced(engine: Engine) -> None:
     engine.warm_async("s", config=CONFIG, history=[9] * 50).result(timeout=60)
     engine.open_session(session_id="s", config=CONFIG, history=HISTORY, adopt=True)

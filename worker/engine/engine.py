@@ -157,18 +157,21 @@ class Engine:
         history: Sequence[int],
         accepted_seq: int | None = None,
         text_tail: TextTail = EMPTY_TAIL,
+        extend: bool = False,
     ) -> Future[TurnResult]:
         """Open a copy of a session and compute its history's KV in the background class of the
         schedule (client turns first, then `max_warm_piece_tokens` a step; scheduler.py): the
-        future resolves when the copy is current up to `history`. A later
-        `open_session_async(adopt=True)` with a longer history takes it over and prefills only
-        the rest (a make-before-break handover)."""
+        future resolves when the copy is current up to `history`. With `extend`, an idle copy
+        already here whose tokens begin `history` keeps its KV and only the rest is prefilled (a
+        copy catching up on the turns served since it was asked for; any other is replaced). A
+        later `open_session_async(adopt=True)` with a longer history takes it over the same way
+        and makes it the live session (a make-before-break handover)."""
         history_tokens = self._check_tokens(history)
         future: Future[TurnResult] = Future()
         future.set_running_or_notify_cancel()
 
         def warm_it() -> None:
-            self._core.open_session(session_id, config, history_tokens, accepted_seq, text_tail)
+            self._core.open_session(session_id, config, history_tokens, accepted_seq, text_tail, adopt=extend)
             turn = Turn(
                 seq=-1 if accepted_seq is None else accepted_seq,
                 input_tokens=[],

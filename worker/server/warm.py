@@ -3,11 +3,13 @@
 A draining worker that hands a session here first sends `warm(sid, config)` over a link it dials
 itself (worker/server/handover.py). This worker reads the session's token log, rebuilds its window
 exactly as a restore would (worker/server/restore.py, no tail yet), and opens a copy whose history
-is prefilled in the engine's background class (`Engine.warm_async`: after every client row, one
-append piece a step), so its own sessions do not wait for it. When the copy is current it answers
-`warmed`. The draining worker keeps serving the session meanwhile; when it switches, the gateway's
-`restore` lands here and takes the copy over (`Engine.open_session(adopt=True)`): only the turns
-answered since the copy was read are prefilled, then the chunks held in the gateway's tail run.
+is prefilled in the engine's background class (`Engine.warm_async`: after every client row, a
+small share a step), so its own sessions do not wait for it. The draining worker keeps serving the
+session meanwhile, so the copy then re-reads the log and catches up on the turns logged while it
+was built (`extend`; up to `CATCH_UP_ROUNDS`, until it is within `CATCH_UP_TOKENS`), and answers
+`warmed`. When the old worker switches, the gateway's `restore` lands here and takes the copy over
+(`Engine.open_session(adopt=True)`): only the turns answered since its last read are prefilled,
+then the chunks held in the gateway's tail run.
 
 A copy is not a live session: it is in no directory, answers no chunk, writes no log and deletes no
 key. It ends when it is adopted, when the engine discards it (a restore it does not match), or
@@ -25,13 +27,14 @@ import redis.asyncio as redis
 
 from shared.errors import InvalidMessage, MicroturnError, WorkerUnavailable
 from shared.protocol.link import LinkWarm, LinkWarmed, link_error_from
+from shared.protocol.messages import OpenConfig
 from shared.settings import WorkerSettings
 from shared.store.schema import KeySchema
-from worker.engine import Engine
+from worker.engine import Engine, TurnResult
 from worker.engine.memory.window import resolve_prefix, session_limit
 from worker.server.bindings import LinkPeer, SessionDirectory
 from worker.server.metrics import WorkerMetrics
-from worker.server.restore import plan_restore
+from worker.server.restore import RestorePlan, plan_restore
 from worker.server.session_log import read_log_bytes
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,10 @@ logger = logging.getLogger(__name__)
 # How long a copy waits for its restore once the draining worker's link closed: the gateway's
 # restore follows the old worker's `migrate` by a round trip to Redis and back.
 WARM_GRACE_S: Final = 10.0
+# A built copy re-reads the log and catches up while it is more than this many tokens behind (about
+# one warm piece: what the switch then prefills is one short step), at most this many rounds.
+CATCH_UP_TOKENS: Final = 64
+CATCH_UP_ROUNDS: Final = 3
 # The reason a discarded copy's engine session ends with: the service ignores it (no log, no keys).
 WARM_DISCARDED: Final = "warm_discarded"
 
@@ -97,22 +104,20 @@ class WarmCopies:
         self.copies.pop(sid, None)
 
     async def _warm(self, link: LinkPeer, frame: LinkWarm) -> None:
-        service, sid = self.service, frame.sid
+        sid = frame.sid
         try:
-            log = await read_log_bytes(service.redis, service.schema, sid)
-            text = service.engine.text
-            config, _prefix = resolve_prefix(frame.config, text)
-            limit = session_limit(config, service.engine.context_limit)
-            plan = plan_restore(sid, log, (), None, text=text, config=config, limit=limit)
-            idle = config.idle_timeout_s or service.settings.idle_timeout_s
-            future = service.engine.warm_async(
-                sid,
-                config=replace(config, idle_timeout_s=idle),
-                history=plan.history,
-                accepted_seq=plan.finished_seq,
-                text_tail=plan.text_tail,
-            )
-            result = await asyncio.wrap_future(future)
+            config, plan = await self._plan(frame)
+            result = await self._build(sid, config, plan, extend=False)
+            # The old worker streams the session on meanwhile: catch up on what it logged while
+            # this copy was built, so the switch itself prefills only the last round's turns.
+            for _ in range(CATCH_UP_ROUNDS):
+                if self.copies.get(sid) is not link or result.finish == "cancelled":
+                    return  # adopted or discarded while it warmed
+                config, latest = await self._plan(frame)
+                if len(latest.history) - result.length <= CATCH_UP_TOKENS:
+                    break
+                plan = latest
+                result = await self._build(sid, config, plan, extend=True)
         except (redis.RedisError, ValueError, MicroturnError) as exc:
             logger.warning("could not warm a copy of session %s: %s", sid, exc)
             if self.copies.get(sid) is link:
@@ -127,6 +132,28 @@ class WarmCopies:
             "warm copy of session %s ready: %d tokens, log to seq %s", sid, result.length, plan.durable_seq
         )
         link.send(LinkWarmed(sid, result.length, plan.durable_seq))
+
+    async def _plan(self, frame: LinkWarm) -> tuple[OpenConfig, RestorePlan]:
+        """The session's window as its log has it now, as a restore would rebuild it (no tail)."""
+        service = self.service
+        log = await read_log_bytes(service.redis, service.schema, frame.sid)
+        text = service.engine.text
+        config, _prefix = resolve_prefix(frame.config, text)
+        limit = session_limit(config, service.engine.context_limit)
+        plan = plan_restore(frame.sid, log, (), None, text=text, config=config, limit=limit)
+        idle = config.idle_timeout_s or service.settings.idle_timeout_s
+        return replace(config, idle_timeout_s=idle), plan
+
+    async def _build(self, sid: str, config: OpenConfig, plan: RestorePlan, *, extend: bool) -> TurnResult:
+        future = self.service.engine.warm_async(
+            sid,
+            config=config,
+            history=plan.history,
+            accepted_seq=plan.finished_seq,
+            text_tail=plan.text_tail,
+            extend=extend,
+        )
+        return await asyncio.wrap_future(future)
 
     def _discard(self, sid: str, link: LinkPeer) -> None:
         if self.copies.get(sid) is not link:
