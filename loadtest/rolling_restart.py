@@ -10,7 +10,10 @@ client would. Three runs, each on a fresh stack, the same load:
 - `warm`: each worker in turn gets SIGTERM (make-before-break drain: sessions are rebuilt on the
   other worker while they are served, then switched; `--drain-handover warm`) and starts again;
 - `log`: the same with `--drain-handover log` (break-before-make: the sessions move at once and
-  the next worker recomputes them from their logs before it answers).
+  the next worker recomputes them from their logs before it answers);
+- `one-worker` (not in the default set): no restart and one worker holding every session, as a
+  two-worker rolling restart leaves the survivor while the other is down: the waits a client
+  sees from the halved capacity alone, with no handover at all.
 A chunk's wait is from its send to its `output.done`. Reported per run: p50, p99, the longest, and
 each drain's duration; and whether the warm run's longest wait is within 1 s and within 2x the
 steady run's p99 (issue #27's target). docs/benchmarks.md has the figures and the command.
@@ -45,6 +48,7 @@ PROMPT_PIECE: Final = 256
 WINDOW: Final = 4
 READY_TIMEOUT_S: Final = 60.0
 MODES: Final = ("steady", "warm", "log")
+NO_RESTART: Final = ("steady", "one-worker")
 # What a drain plus a worker's restart take here, so the steady run streams as long as the others.
 STEADY_RESTART_S: Final = 4.0
 
@@ -82,12 +86,12 @@ class _Stack:
         self.children.append(child)
         return child
 
-    def start(self) -> None:
+    def start(self, workers: tuple[str, ...] = ("w0", "w1")) -> None:
         port = free_port()
         self._spawn("valkey", [str(valkey_binary()), "--port", str(port), "--save", "", "--appendonly", "no"])
         _wait(lambda: redis_answers("127.0.0.1", port), "valkey")
         self.redis_url = f"redis://127.0.0.1:{port}/0"
-        for worker_id in ("w0", "w1"):
+        for worker_id in workers:
             self.start_worker(worker_id)
         self.gateway_port = free_port()
         argv = [sys.executable, "-m", "microturn", "gateway", "--port", str(self.gateway_port)]
@@ -194,7 +198,7 @@ async def _load(stack: _Stack, run: Run, period_s: float, phase_s: float) -> Non
     streams = [asyncio.create_task(s.stream(period_s)) for s in sessions]
     await asyncio.sleep(phase_s)
     for worker_id in ("w0", "w1"):
-        if run.mode == "steady":
+        if run.mode in NO_RESTART:
             await asyncio.sleep(STEADY_RESTART_S)  # as long as a drain and a restart, under the same load
         else:
             run.events.append((time.monotonic() - began, f"SIGTERM {worker_id}"))
@@ -243,7 +247,7 @@ def measure(
         workdir.mkdir(parents=True, exist_ok=True)
         stack = _Stack(workdir, "log" if mode == "log" else "warm")
         try:
-            stack.start()
+            stack.start(("w0",) if mode == "one-worker" else ("w0", "w1"))
             asyncio.run(_load(stack, run, period_s, phase_s))
         finally:
             stack.stop()
@@ -265,13 +269,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--phase-s", type=float, default=3.0, help="load before, between and after the drains"
     )
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated; also: one-worker")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="keep each process's log under this folder")
     parser.add_argument(
         "--timeline", type=Path, help="write each streamed chunk's send time and wait, and the drains' events"
     )
     args = parser.parse_args(argv)
+    known = (*MODES, "one-worker")
+    unknown = set(args.modes.split(",")) - set(known)
+    if unknown:
+        parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}: choose from {', '.join(known)}")
     logging.basicConfig(level=logging.WARNING)
     runs = [
         measure(
