@@ -7,7 +7,8 @@ and the drain exits 0 within its deadline. And per scenario:
 - a plain drain is make-before-break: the draining worker answered chunks while its sessions'
   copies were being built elsewhere, and the new worker took those copies over;
 - a drain whose deadline comes before the copies are warm hands the rest over break-before-make;
-- a target worker killed while it builds copies: those sessions go break-before-make elsewhere.
+- a target worker killed while it builds copies: those sessions go break-before-make elsewhere;
+- a gateway restarted while its sessions move: its clients resume through it when it is back.
 Timings are printed (`pytest -s`), never asserted.
 """
 
@@ -27,6 +28,7 @@ from typing import Final
 import pytest
 
 from shared.client.clients import RealtimeClient
+from shared.client.core import ConnectionLost
 from shared.protocol.messages import Error, OutputDone, SessionClosed, SessionRestored
 from tests.conftest import Servers
 from tests.processes import http_get
@@ -75,6 +77,8 @@ class Stream:
     waits: list[float] = field(default_factory=list)
     sent_at: dict[int, float] = field(default_factory=dict)
     answered: asyncio.Event = field(default_factory=asyncio.Event)
+    # Its gateway is being stopped: the socket's end ends `receive`, and `resume` takes over.
+    moving: bool = False
 
     async def send_until(self, last: int) -> None:
         while self.sent < last:
@@ -86,9 +90,25 @@ class Stream:
             await self.client.send_chunk(self.sent, tokens=self.chunks[self.sent - 1], max_output_tokens=OUT)
             await asyncio.sleep(PERIOD_S)
 
+    async def resume(self, url: str) -> None:
+        """Resume through `url` (its gateway went away) and resend the chunks the session did not
+        finish: the protocol's `session.resumed.last_seq` says which."""
+        session_id, token = self.client.session_id, self.client.resume_token
+        assert session_id is not None and token is not None
+        self.client = await RealtimeClient.connect(url)
+        resumed = await self.client.resume(session_id, token, max(self.dones, default=None))
+        for seq in range((resumed.last_seq or 0) + 1, self.sent + 1):
+            await self.client.send_chunk(seq, tokens=self.chunks[seq - 1], max_output_tokens=OUT)
+        self.moving = False
+
     async def receive(self) -> None:
         while len(self.dones) < TURNS:
-            msg = await self.client.recv(timeout=60)
+            try:
+                msg = await self.client.recv(timeout=60)
+            except ConnectionLost:
+                if self.moving:
+                    return
+                raise
             if isinstance(msg, OutputDone):
                 if msg.seq not in self.dones:
                     self.waits.append(time.monotonic() - self.sent_at[msg.seq])
@@ -218,3 +238,51 @@ def test_a_target_killed_while_it_builds_copies_costs_no_turn(
         switched, _served, left = switch_report(log)
         print(f"[handover] target killed: {switched} switched, {left} handed over break-before-make")
         assert left >= 1
+
+
+def test_a_gateway_restarted_while_its_sessions_move_costs_no_turn(
+    servers: Servers, tmp_path: Path, expected: list[list[tuple[int, ...]]]
+) -> None:
+    with handover_stack(servers, tmp_path, workers=2, extra=[]) as stack:
+
+        async def body() -> tuple[int, str]:
+            streams = []
+            for session in range(SESSIONS):  # each gateway holds sessions on both workers
+                client = await RealtimeClient.connect(stack.realtime_url((session // 2) % 2))
+                await client.open(max_output_tokens=OUT, stop_token_ids=[])
+                streams.append(Stream(client, chunks(session)))
+            receivers = [asyncio.create_task(s.receive()) for s in streams]
+            await asyncio.gather(*(s.send_until(DRAIN_AT) for s in streams))
+            moving = [i for i in range(SESSIONS) if (i // 2) % 2 == 0]  # gateway 0's
+            staying = asyncio.gather(*(s.send_until(TURNS) for i, s in enumerate(streams) if i not in moving))
+            drained = stack.workers["w0"]
+            drained.popen.send_signal(signal.SIGTERM)
+            target_log = stack.workers["w1"].log_path
+            await asyncio.to_thread(
+                wait_until, lambda: "warming a copy" in target_log.read_text(errors="replace"), 30, "a copy"
+            )
+            for i in moving:
+                streams[i].moving = True
+            gateway = stack.gateways[0]
+            gateway.popen.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(gateway.popen.wait, 60)
+            await asyncio.wait_for(asyncio.gather(*(receivers[i] for i in moving)), 60)
+            await asyncio.to_thread(stack.start_gateway, 0)
+            for i in moving:
+                await streams[i].resume(stack.realtime_url(0))
+                receivers[i] = asyncio.create_task(streams[i].receive())
+            await asyncio.gather(staying, *(streams[i].send_until(TURNS) for i in moving))
+            code = await asyncio.to_thread(drained.popen.wait, 60)
+            await asyncio.wait_for(asyncio.gather(*receivers), 120)
+            for s in streams:
+                await s.client.close()
+            for session, s in enumerate(streams):
+                assert s.closed is None and not [e for e in s.errors if e.fatal], (session, s.errors)
+                assert all(len(s.dones.get(seq, [])) == 1 for seq in range(1, TURNS + 1)), session
+                assert [s.dones[seq][0].tokens for seq in range(1, TURNS + 1)] == expected[session], session
+            return code, drained.log_path.read_text(errors="replace")
+
+        code, log = asyncio.run(body())
+        assert code == 0, log[-3000:]
+        switched, served, left = switch_report(log)
+        print(f"[handover] gateway restarted mid-drain: {switched} switched, {served} served, {left} left")
