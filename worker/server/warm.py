@@ -104,20 +104,25 @@ class WarmCopies:
         self.copies.pop(sid, None)
 
     async def _warm(self, link: LinkPeer, frame: LinkWarm) -> None:
-        sid = frame.sid
+        service, sid = self.service, frame.sid
         try:
-            config, plan = await self._plan(frame)
-            result = await self._build(sid, config, plan, extend=False)
+            # Resolved once for every round: the config a restore plans with, and the copy's own.
+            config, _prefix = resolve_prefix(frame.config, service.engine.text)
+            limit = session_limit(config, service.engine.context_limit)
+            idle = config.idle_timeout_s or service.settings.idle_timeout_s
+            copy_config = replace(config, idle_timeout_s=idle)
+            plan = await self._plan(sid, config, limit)
+            result = await self._build(sid, copy_config, plan, extend=False)
             # The old worker streams the session on meanwhile: catch up on what it logged while
             # this copy was built, so the switch itself prefills only the last round's turns.
             for _ in range(CATCH_UP_ROUNDS):
                 if self.copies.get(sid) is not link or result.finish == "cancelled":
                     return  # adopted or discarded while it warmed
-                config, latest = await self._plan(frame)
+                latest = await self._plan(sid, config, limit)
                 if len(latest.history) - result.length <= CATCH_UP_TOKENS:
                     break
                 plan = latest
-                result = await self._build(sid, config, plan, extend=True)
+                result = await self._build(sid, copy_config, plan, extend=True)
         except (redis.RedisError, ValueError, MicroturnError) as exc:
             logger.warning("could not warm a copy of session %s: %s", sid, exc)
             if self.copies.get(sid) is link:
@@ -127,22 +132,17 @@ class WarmCopies:
             return
         if self.copies.get(sid) is not link or result.finish == "cancelled":
             return  # adopted or discarded while it warmed
-        self.service.metrics.warm_copies += 1
+        service.metrics.warm_copies += 1
         logger.info(
             "warm copy of session %s ready: %d tokens, log to seq %s", sid, result.length, plan.durable_seq
         )
         link.send(LinkWarmed(sid, result.length, plan.durable_seq))
 
-    async def _plan(self, frame: LinkWarm) -> tuple[OpenConfig, RestorePlan]:
+    async def _plan(self, sid: str, config: OpenConfig, limit: int) -> RestorePlan:
         """The session's window as its log has it now, as a restore would rebuild it (no tail)."""
         service = self.service
-        log = await read_log_bytes(service.redis, service.schema, frame.sid)
-        text = service.engine.text
-        config, _prefix = resolve_prefix(frame.config, text)
-        limit = session_limit(config, service.engine.context_limit)
-        plan = plan_restore(frame.sid, log, (), None, text=text, config=config, limit=limit)
-        idle = config.idle_timeout_s or service.settings.idle_timeout_s
-        return replace(config, idle_timeout_s=idle), plan
+        log = await read_log_bytes(service.redis, service.schema, sid)
+        return plan_restore(sid, log, (), None, text=service.engine.text, config=config, limit=limit)
 
     async def _build(self, sid: str, config: OpenConfig, plan: RestorePlan, *, extend: bool) -> TurnResult:
         future = self.service.engine.warm_async(
