@@ -48,7 +48,8 @@ PROMPT_PIECE: Final = 256
 WINDOW: Final = 4
 READY_TIMEOUT_S: Final = 60.0
 MODES: Final = ("steady", "warm", "log")
-NO_RESTART: Final = ("steady", "one-worker")
+ONE_WORKER: Final = "one-worker"  # a reference mode, not in the default set
+NO_RESTART: Final = ("steady", ONE_WORKER)
 # What a drain plus a worker's restart take here, so the steady run streams as long as the others.
 STEADY_RESTART_S: Final = 4.0
 
@@ -247,7 +248,7 @@ def measure(
         workdir.mkdir(parents=True, exist_ok=True)
         stack = _Stack(workdir, "log" if mode == "log" else "warm")
         try:
-            stack.start(("w0",) if mode == "one-worker" else ("w0", "w1"))
+            stack.start(("w0",) if mode == ONE_WORKER else ("w0", "w1"))
             asyncio.run(_load(stack, run, period_s, phase_s))
         finally:
             stack.stop()
@@ -269,14 +270,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--phase-s", type=float, default=3.0, help="load before, between and after the drains"
     )
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated; also: one-worker")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated; also: {ONE_WORKER}")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="keep each process's log under this folder")
     parser.add_argument(
         "--timeline", type=Path, help="write each streamed chunk's send time and wait, and the drains' events"
     )
     args = parser.parse_args(argv)
-    known = (*MODES, "one-worker")
+    known = (*MODES, ONE_WORKER)
     unknown = set(args.modes.split(",")) - set(known)
     if unknown:
         parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}: choose from {', '.join(known)}")
