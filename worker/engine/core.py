@@ -27,11 +27,10 @@ from worker.engine.config import EngineConfig
 from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager
 from worker.engine.memory.window import cut_before, opening_history, session_limit
 from worker.engine.model_runner import ForwardRow, ModelRunner
-from worker.engine.sampling import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
 from worker.engine.stats import EngineStats
-from worker.engine.turn import TokenDelta, Turn, TurnResult
+from worker.engine.turn import Turn
 from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail
 from worker.tokenizer.tokenizer import Tokenizer
 
@@ -112,17 +111,12 @@ class EngineCore:
             )
         context_limit = session_limit(config, self.context_limit)
         history = opening_history(history, config, context_limit)
-        seed = (
-            config.seed
-            if config.seed is not None
-            else int.from_bytes(session_id.encode()[:8].ljust(8, b"\0"), "little")
-        )
         self.sessions[session_id] = Session(
             session_id,
             config,
             history=history,
             now=self.clock(),
-            seed=seed,
+            seed=config.seed,
             context_limit=context_limit,
             accepted_seq=accepted_seq,
             tail=text_tail,
@@ -194,24 +188,16 @@ class EngineCore:
         return soonest
 
     def stats(self) -> EngineStats:
-        memory = self.kv.stats()
-        free = memory.device_pages_total - memory.device_pages_used
-        return EngineStats(
+        return EngineStats.of(
+            self.kv.stats(),
             sessions=len(self.sessions),
             active_sessions=len(self.running),
             queued_turns=sum(len(s.pending) for s in self.sessions.values()),
-            pages_total=memory.device_pages_total,
-            pages_used=memory.device_pages_used,
-            pages_free=free,
             page_size=self.page_size,
-            kv_tokens_total=memory.device_pages_total * self.page_size,
-            kv_tokens_free=free * self.page_size,
             steps=self.steps,
             turns_completed=self.turns_completed,
             tokens_forwarded=self.tokens_forwarded,
-            kv_evictions=memory.drops,
             attention_backend=self.runner.attention_name,
-            memory=memory,
         )
 
     # ---- the step -----------------------------------------------------------------------------
@@ -229,7 +215,7 @@ class EngineCore:
                 token_ids=row.session.tokens[row.start : row.start + row.count],
                 start=row.start,
                 pages=row.session.pages,
-                sampling=self._sampling(row.session) if row.sample else None,
+                sampling=row.session.sampling_params() if row.sample else None,
                 generator=row.session.generator if row.sample else None,
             )
             for row in batch.rows
@@ -252,7 +238,7 @@ class EngineCore:
                 turn.output_tokens.append(result.token)
                 if result.logprob is not None:
                     turn.output_logprobs.append(result.logprob)
-                self._notify_token(session, turn, result.token, result.logprob)
+                turn.notify(session.session_id, result.token, result.logprob)
                 if result.token in self._stop_ids(session):
                     self._finish(session, "stop")
                 elif len(turn.output_tokens) >= turn.max_output_tokens:
@@ -372,22 +358,10 @@ class EngineCore:
             self.waiting[session.session_id] = session
 
     def _resolve(self, session: Session, turn: Turn, reason: FinishReason) -> None:
-        now = self.clock()
-        started = turn.started_at if turn.started_at is not None else now
         self.turns_completed += 1
-        result = TurnResult(
-            session_id=session.session_id,
-            seq=turn.seq,
-            inputs=tuple(turn.input_tokens),
-            tokens=tuple(turn.output_tokens),
-            logprobs=tuple(turn.output_logprobs) if turn.logprobs else None,
-            text=self.tokenizer.decode(turn.output_tokens) if self.tokenizer is not None else None,
-            finish=reason,
-            queue_ms=(started - turn.submitted_at) * 1000.0,
-            compute_ms=(now - started) * 1000.0,
-            length=len(session.tokens),
-            tail=turn.tail_after,
-            cut=turn.cut,
+        text = self.tokenizer.decode(turn.output_tokens) if self.tokenizer is not None else None
+        result = turn.result(
+            session.session_id, reason, now=self.clock(), text=text, length=len(session.tokens)
         )
         if not turn.future.done():
             turn.future.set_result(result)
@@ -410,20 +384,6 @@ class EngineCore:
             self.running.pop(session.session_id, None)
             # The KV of this step's tokens may be half written: recompute the whole history next time.
             self.kv.forget(session)
-
-    def _notify_token(self, session: Session, turn: Turn, token: int, logprob: float | None) -> None:
-        if turn.on_token is None:
-            return
-        delta = TokenDelta(session.session_id, turn.seq, len(turn.output_tokens) - 1, token, logprob)
-        try:
-            turn.on_token(delta)
-        except Exception:
-            logger.exception("token listener failed for session %s", session.session_id)
-
-    def _sampling(self, session: Session) -> SamplingParams:
-        c = session.config
-        turn = session.active
-        return SamplingParams(c.temperature, c.top_k, c.top_p, logprobs=turn is not None and turn.logprobs)
 
     def _stop_ids(self, session: Session) -> tuple[int, ...]:
         configured = session.config.stop_token_ids

@@ -18,6 +18,7 @@ from collections import deque
 import torch
 
 from shared.protocol.messages import OpenConfig
+from worker.engine.sampling import SamplingParams
 from worker.engine.turn import Turn
 from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
 
@@ -30,7 +31,7 @@ class Session:
         *,
         history: list[int],
         now: float,
-        seed: int,
+        seed: int | None,
         context_limit: int,
         accepted_seq: int | None = None,
         tail: TextTail = EMPTY_TAIL,
@@ -55,8 +56,16 @@ class Session:
         # session starts from the text its old worker held back (worker/server/restore.py).
         self.tail: TextTail = tail
         self.last_activity = now
-        # Per-session sampling stream: a session samples the same whatever it is batched with.
+        # Per-session sampling stream: a session samples the same whatever it is batched with. With
+        # no seed it is the session id's: the same session samples the same on every worker.
+        if seed is None:
+            seed = int.from_bytes(session_id.encode()[:8].ljust(8, b"\0"), "little")
         self.generator = torch.Generator().manual_seed(seed)
+
+    def sampling_params(self) -> SamplingParams:
+        """How the active turn's next token is sampled."""
+        c, turn = self.config, self.active
+        return SamplingParams(c.temperature, c.top_k, c.top_p, logprobs=turn is not None and turn.logprobs)
 
     @property
     def uncached(self) -> int:

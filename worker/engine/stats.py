@@ -27,3 +27,37 @@ class EngineStats:
     attention_backend: str
     # Both KV tiers: pages, offloads and restores (count, bytes, seconds), recomputes.
     memory: MemoryStats
+
+    @classmethod
+    def of(
+        cls,
+        memory: MemoryStats,
+        *,
+        sessions: int,
+        active_sessions: int,
+        queued_turns: int,
+        page_size: int,
+        steps: int,
+        turns_completed: int,
+        tokens_forwarded: int,
+        attention_backend: str,
+    ) -> EngineStats:
+        """The engine's figures, with the device pool's derived from `memory`."""
+        free = memory.device_pages_total - memory.device_pages_used
+        return cls(
+            sessions=sessions,
+            active_sessions=active_sessions,
+            queued_turns=queued_turns,
+            pages_total=memory.device_pages_total,
+            pages_used=memory.device_pages_used,
+            pages_free=free,
+            page_size=page_size,
+            kv_tokens_total=memory.device_pages_total * page_size,
+            kv_tokens_free=free * page_size,
+            steps=steps,
+            turns_completed=turns_completed,
+            tokens_forwarded=tokens_forwarded,
+            kv_evictions=memory.drops,
+            attention_backend=attention_backend,
+            memory=memory,
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -9,6 +10,8 @@ from dataclasses import dataclass, field
 from shared.protocol.messages import FinishReason
 from shared.store.schema import Cut
 from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,3 +100,34 @@ class Turn:
     def outstanding_tokens(self) -> int:
         """Tokens this turn may still add to the sequence (its input is already counted once active)."""
         return 0 if self.cancelled else self.max_output_tokens - len(self.output_tokens)
+
+    def result(
+        self, session_id: str, reason: FinishReason, *, now: float, text: str | None, length: int
+    ) -> TurnResult:
+        """What the turn's future resolves with once it ended for `reason` (`length`: the session's)."""
+        started = self.started_at if self.started_at is not None else now
+        return TurnResult(
+            session_id=session_id,
+            seq=self.seq,
+            inputs=tuple(self.input_tokens),
+            tokens=tuple(self.output_tokens),
+            logprobs=tuple(self.output_logprobs) if self.logprobs else None,
+            text=text,
+            finish=reason,
+            queue_ms=(started - self.submitted_at) * 1000.0,
+            compute_ms=(now - started) * 1000.0,
+            length=length,
+            tail=self.tail_after,
+            cut=self.cut,
+        )
+
+    def notify(self, session_id: str, token: int, logprob: float | None) -> None:
+        """Hand the token just sampled (the last output) to the turn's listener, if it has one; a
+        failing listener is logged, never the engine's problem."""
+        if self.on_token is None:
+            return
+        delta = TokenDelta(session_id, self.seq, len(self.output_tokens) - 1, token, logprob)
+        try:
+            self.on_token(delta)
+        except Exception:
+            logger.exception("token listener failed for session %s", session_id)
