@@ -13,9 +13,7 @@ from typing import Protocol
 
 from shared.protocol.link import AuthLimits, LinkDone, ToGateway
 from shared.protocol.messages import InputChunk, OpenConfig
-from worker.server.restore import RestorePlan
-
-REPLAY_DONES = 32
+from worker.server.restore import REPLAY_DONES, RestorePlan
 
 
 class LinkPeer(Protocol):

@@ -12,8 +12,11 @@ new session starts from and what still has to run. docs/failover.md has the why;
 - Text is exact across the move: the log's last record carries the session's held-back text, the
   forced turns' inputs are committed from it exactly as the engine's admission did, and the new
   session opens with the tail that leaves (`text_tail`), so re-run text chunks continue from it.
-- A turn the log holds but whose `done` never reached the client (the worker died between its flush
-  and the frame leaving its socket) is answered from the log: `answers` rebuilds its `done`.
+- A turn the log holds but whose `done` never reached the client is answered from the log:
+  `answers` rebuilds its `done`. Either the worker died between its flush and the frame leaving its
+  socket (the tail has the chunk, with no output), or the client's gateway went away with the
+  `done` in it and the client resumed elsewhere with an empty tail: every logged turn after the
+  client's `seen_seq` is owed (the newest `REPLAY_DONES` of them, as an attach's replay buffer).
 - Once one tail chunk must be re-run, every later one is re-run too: outputs depend on everything
   before them. (The gateway drops a `done` for a seq it has already delivered.)
 - The window is the one the session had: the log's cuts are applied as it is read, and each forced
@@ -26,13 +29,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from shared.protocol.link import LinkDone, UndurableTurn
 from shared.protocol.messages import FinishReason, InputChunk, OpenConfig, OutputDone, Timing
-from shared.store.schema import Cut, decode_log
+from shared.store.schema import NO_SEQ, Cut, decode_log
 from worker.engine.admission import commit_chunk, flushes
 from worker.engine.memory.window import cut_before
 from worker.tokenizer.incremental import IncrementalTokenizer, TextTail
+
+# The most `done`s a session keeps for a client that comes back (an attach replays them from the
+# binding's buffer, a restore from the log): a bound on what a resume sends, never on a session.
+REPLAY_DONES: Final = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +93,9 @@ def plan_restore(
     client saw (`LinkRestore.seen_seq`): that turn finished, so the rebuilt session is at least there.
     """
     first = tail[0].chunk.seq if tail else None
-    state = decode_log(log, spans_after=None if first is None else first - 1)
+    # Spans from the first turn that may be owed a `done`: the client's last seen, or before the tail.
+    owed_after = [s for s in (seen_seq, None if first is None else first - 1) if s is not None]
+    state = decode_log(log, spans_after=min(owed_after, default=NO_SEQ))
     history = list(state.tokens)
     durable_seq = state.durable_seq
     text_tail = TextTail(state.tail_text, state.tail_context)
@@ -117,6 +127,13 @@ def plan_restore(
         tokens = inputs + list(turn.output)
         history.extend(tokens)
         forced.append(ForcedTurn(chunk.seq, tokens, len(inputs), text_tail, cut))
+    # Logged turns the tail does not hold, after the last one the client saw: a gateway that went
+    # away took their `done`s with it (the client resumed with an empty tail).
+    in_tail = {turn.chunk.seq for turn in tail}
+    unseen = sorted(s for s in state.spans if s not in in_tail and (seen_seq is None or s > seen_seq))
+    for seq in unseen[-REPLAY_DONES:]:
+        answers.append(_logged_answer(sid, seq, state.tokens, state.spans[seq], max_output_tokens))
+    answers.sort(key=lambda answer: answer.done.seq)
     seqs = [s for s in (seen_seq, durable_seq, *(f.seq for f in forced)) if s is not None]
     finished = max(seqs) if seqs else None
     if rerun and finished is not None:
@@ -127,12 +144,18 @@ def plan_restore(
 def _answer(
     sid: str, chunk: InputChunk, tokens: list[int], span: tuple[int, int, int], max_output_tokens: int
 ) -> LinkDone:
+    limit = max_output_tokens if chunk.max_output_tokens is None else chunk.max_output_tokens
+    return _logged_answer(sid, chunk.seq, tokens, span, limit)
+
+
+def _logged_answer(sid: str, seq: int, tokens: list[int], span: tuple[int, int, int], limit: int) -> LinkDone:
+    """Turn `seq`'s `done` rebuilt from its span of the logged tokens; `limit` its output limit
+    (the chunk's when the tail has it, else the session's default)."""
     start, inputs_end, end = span
     output = tuple(tokens[inputs_end:end])  # the record says where its committed input ends
-    limit = max_output_tokens if chunk.max_output_tokens is None else chunk.max_output_tokens
     # The log keeps tokens, not why a turn stopped: short of its limit means a stop token (a
     # cancelled turn that was answered from the log reads as `stop` too).
     finish: FinishReason = "length" if len(output) >= limit else "stop"
     committed = inputs_end - start
-    done = OutputDone(chunk.seq, output, None, finish, Timing(0.0, 0.0), committed_tokens=committed)
+    done = OutputDone(seq, output, None, finish, Timing(0.0, 0.0), committed_tokens=committed)
     return LinkDone(sid, done, end)

@@ -10,7 +10,7 @@ import pytest
 from shared.protocol.link import UndurableTurn
 from shared.protocol.messages import InputChunk, OpenConfig
 from shared.store.schema import encode_log_record
-from worker.server.restore import ForcedTurn, plan_restore
+from worker.server.restore import REPLAY_DONES, ForcedTurn, plan_restore
 from worker.tokenizer.incremental import EMPTY_TAIL
 
 
@@ -77,3 +77,31 @@ def test_a_restore_never_reopens_a_finished_turn_to_a_resent_chunk() -> None:
         "s", b"", [], None, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW
     )
     assert fresh.finished_seq is None  # one "none": no turn finished yet
+
+
+def test_a_client_that_resumes_elsewhere_gets_every_logged_done_it_missed() -> None:
+    """Its gateway went away with the `done`s of turns 2 and 3 in it: the client resumes through
+    another gateway (an empty tail) having seen 1, and the log answers 2 and 3, in seq order."""
+    log = LOG + encode_log_record(3, [5, 94], inputs=1)
+    plan = plan_restore("s", log, [], 1, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW)
+    assert [(a.done.seq, a.done.tokens, a.done.finish) for a in plan.answers] == [
+        (2, (92, 93), "length"),
+        (3, (94,), "stop"),
+    ]
+    assert (plan.finished_seq, plan.rerun) == (3, [])
+    saw_none = plan_restore(
+        "s", log, [], None, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW
+    )
+    assert [a.done.seq for a in saw_none.answers] == [1, 2, 3]
+    saw_all = plan_restore(
+        "s", log, [], 3, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW
+    )
+    assert saw_all.answers == []
+
+
+def test_the_dones_a_restore_replays_are_bounded() -> None:
+    log = b"".join(encode_log_record(seq, [seq, 900 + seq], inputs=1) for seq in range(1, 101))
+    plan = plan_restore(
+        "s", log, [], None, text=None, config=OpenConfig(max_output_tokens=1), limit=NO_WINDOW
+    )
+    assert [a.done.seq for a in plan.answers] == list(range(101 - REPLAY_DONES, 101))
