@@ -71,7 +71,8 @@ SERVED: Final[Mapping[Request, frozenset[Phase]]] = {
 
 
 class IllegalTransition(InternalError):
-    """A move the lifecycle table does not allow: a gateway bug, reported as `internal`."""
+    """A move the lifecycle table does not allow, or a flow's step its phase does not allow
+    (flows.py `STEPS`): a gateway bug, reported as `internal`."""
 
 
 class SessionEnded(Exception):

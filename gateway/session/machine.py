@@ -1,15 +1,15 @@
 """One client socket's session as a Sans-I/O state machine: events in, actions out.
 
 Why this shape (websockets' `Protocol` is the model): every decision about a session on this
-gateway is here, in one class, with no I/O, no clock and no event loop, so each event and the
-transition it causes can be read in one place and tested by playing events and reading actions
-(tests/gateway/test_session_machine.py). It is a function of its inputs: time comes in with the
-events (a client message's `received`, a worker frame's `arrived`: monotonic seconds), and what it
-counts goes out as `Count` actions; it reads no clock and moves no metric (tests/test_architecture.py
-checks both in the source of the machine's modules and of its credential, session_auth.py). The
-asyncio shell (client_session.py, beside it) only moves bytes: it decodes client frames, routes
-worker frames, reads the clocks, performs the effects, the timers and the counts (actions.py) and
-answers each effect with its result method.
+gateway is made here or in the flow this machine runs (flows.py), with no I/O, no clock and no
+event loop, so each event and the transition it causes can be read in one place and tested by
+playing events and reading actions (tests/gateway/test_session_machine.py). It is a function of its
+inputs: time comes in with the events (a client message's `received`, a worker frame's `arrived`:
+monotonic seconds), and what it counts goes out as `Count` actions; it reads no clock and moves no
+metric (tests/test_architecture.py checks both in the source of the machine's modules and of its
+credential, session_auth.py). The asyncio shell (client_session.py, beside it) only moves bytes:
+it decodes client frames, routes worker frames, reads the clocks, performs the effects, the timers
+and the counts (actions.py) and answers each effect with its result method.
 
 Events: a client message (`receive`), a frame the client sent that could not be decoded
 (`refuse`), a worker frame (`worker_frame`), the link lost or the session taken over, a send that
@@ -17,13 +17,14 @@ failed, an effect's result (`placed`, `looked_up`, `worker_found`, `deleted`, `a
 `effect_failed`), a timer, the socket gone (`socket_closed`). Each may queue actions; the caller
 drains them with `actions()`, in order.
 
-The flows (docs/design.md section 5): open = [admit] -> place -> `open` -> `opened`; resume = look up
--> [admit] -> find its worker -> `attach` -> `opened`, or a restore; restore = (pause) -> move ->
-`restore` with the undurable turns -> `opened`, up to `RESTORE_BACKOFF_S` attempts; close = `close`
--> `closed`, or, unconfirmed, delete. One effect at a time: a flow waits for its result.
+What is where: this class keeps the chunk path, the worker frames, the phase (lifecycle.py: the
+table of allowed moves), the request a worker answers with `opened`, the credential and the
+socket's end. Open, resume, restore and close are flows (flows.py), one at a time: an effect's
+result goes to the flow in progress, which decides its next step.
 
 Invariants:
-- The phase changes only through `self.life` (lifecycle.py: the table of allowed moves).
+- The phase changes only through `self.life` (lifecycle.py); a flow's step only through the flow,
+  checked against the phase (flows.py `STEPS`): no flow runs while the session is ACTIVE.
 - Every check that can refuse a chunk runs before it is forwarded: a refused chunk changes nothing.
 - A chunk forwarded (or held while the session moves) is in flight until its `done` or `error`,
   and in the undurable turns until its turn is durable (turns.py): a restore re-runs it, so every
@@ -41,25 +42,18 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from gateway.limits import LimitValues
 from gateway.session.actions import (
     Action,
-    AdmitOpen,
-    AdmitResume,
     ArmTimer,
     Bind,
     CancelTimer,
     CloseSocket,
     Count,
-    Delete,
     EndOnWorker,
-    FindWorker,
-    Lookup,
     Metric,
-    Move,
-    Place,
     ReleaseAuth,
     SendClient,
     SendWorker,
@@ -67,28 +61,22 @@ from gateway.session.actions import (
     Unbind,
     WorkerRef,
 )
-from gateway.session.flow import (
-    PLACEMENT_ATTEMPTS,
-    RESTORE_BACKOFF_S,
-    STORE_RETRY_MS,
-    Flow,
+from gateway.session.flows import (
+    AnyFlow,
+    CloseFlow,
+    CloseStep,
+    OpenFlow,
     Origin,
-    Reply,
+    RestoreFlow,
+    ResumeFlow,
     Step,
 )
 from gateway.session.guard import Expire, SessionGuard, Verdict
-from gateway.session.lifecycle import Phase, Request, SessionLifecycle
+from gateway.session.lifecycle import IllegalTransition, Phase, Request, SessionLifecycle
 from gateway.session.turns import Turns
-from shared.errors import (
-    CapacityExhausted,
-    MicroturnError,
-    SessionExpired,
-    SessionNotFound,
-    WorkerUnavailable,
-)
+from shared.errors import MicroturnError, SessionExpired, WorkerUnavailable
 from shared.protocol.close_codes import CLOSE_NORMAL, close_code_for, error_message_from
 from shared.protocol.link import (
-    LinkAttach,
     LinkCancel,
     LinkChunk,
     LinkClose,
@@ -98,9 +86,7 @@ from shared.protocol.link import (
     LinkDone,
     LinkError,
     LinkMigrate,
-    LinkOpen,
     LinkOpened,
-    LinkRestore,
     ToGateway,
     ToWorker,
 )
@@ -117,16 +103,16 @@ from shared.protocol.messages import (
     SessionClosed,
     SessionExpiring,
     SessionOpen,
-    SessionOpened,
-    SessionRestored,
     SessionResume,
-    SessionResumed,
 )
 
 if TYPE_CHECKING:
     from shared.store.registry import SessionRecord
 
 logger = logging.getLogger(__name__)
+
+# What a client is told to wait when the session store cannot be reached.
+STORE_RETRY_MS: Final = 1000
 
 _CHUNK_FORWARDED = Count(Metric.CHUNKS_FORWARDED)  # one per forwarded chunk: built once (hot path)
 
@@ -152,7 +138,7 @@ class SessionMachine:
         if guard is not None and 0 < guard.chunks_per_s < limits.max_chunks_per_s:
             limits = dataclasses.replace(limits, max_chunks_per_s=guard.chunks_per_s)  # the key's caps
         self._cfg = config
-        self._guard = guard
+        self.guard = guard
         self._new_sid, self._new_token = new_sid, new_token
         # The time of the event being handled (monotonic s): the only clock the rate limit reads.
         self._now = 0.0
@@ -161,15 +147,11 @@ class SessionMachine:
         self._out: list[Action] = []
         self.sid: str | None = None
         self.config = OpenConfig()
-        self._record: SessionRecord | None = None
-        self._token = ""  # a new session's resume token, until `session.opened` carries it
+        self.record: SessionRecord | None = None  # the session's record in Redis, once placed or looked up
         self.worker: WorkerRef | None = None  # the worker the session is bound to (or being placed on)
         self._bound = False
-        self._flow: Flow | None = None
+        self._flow: AnyFlow | None = None  # the one flow in progress (flows.py)
         self._close_deferred = False  # `session.close` while restoring: served once the restore ends
-        # The last seq the session finished, as this socket knows it (the worker's at `opened`, then
-        # each done): every done up to it has been queued for the client; a chunk at or below it can
-        # only be refused.
         self._warning: SessionExpiring | None = None  # the credential's deadline, once armed
         self._expiry: Expire | None = None
 
@@ -186,11 +168,12 @@ class SessionMachine:
         return (
             self.life.phase in (Phase.OPENING, Phase.CLOSING)
             or self._close_deferred
-            or self.flow is Step.DELETE_AFTER_CLOSE
+            or self.step is CloseStep.DELETE
         )
 
     @property
-    def flow(self) -> Step | None:
+    def step(self) -> Step | None:
+        """The step of the flow in progress."""
         return None if self._flow is None else self._flow.step
 
     # ---- client messages -------------------------------------------------------------------------
@@ -217,19 +200,19 @@ class SessionMachine:
             elif isinstance(msg, SessionClose):
                 self._close()
         except MicroturnError as exc:
-            self._error(exc, seq)
+            self.error(exc, seq)
 
     def refuse(self, exc: MicroturnError, *, fatal: bool | None = None) -> None:
         """A client frame that could not be decoded (or was too large), or could not be served."""
-        self._error(exc, fatal=fatal)
+        self.error(exc, fatal=fatal)
 
     def _chunk(self, msg: InputChunk, received: float) -> None:
         sid, worker, phase = self.sid, self.worker, self.life.phase
         self.life.check(Request.CHUNK)  # served while ACTIVE, and held while RESTORING
         assert sid is not None and worker is not None, "an active session has a worker"
         self.turns.check_seq(msg)
-        if self._guard is not None:
-            self._guard.check_chunk(received)
+        if self.guard is not None:
+            self.guard.check_chunk(received)
         limit = msg.max_output_tokens if msg.max_output_tokens is not None else self.config.max_output_tokens
         frame = LinkChunk(sid, msg)
         # Held while RESTORING: it goes to the new worker with the tail, or right after its restore.
@@ -243,256 +226,53 @@ class SessionMachine:
         assert self.sid is not None and self.worker is not None, "an active session has a worker"
         self._out.append(SendWorker(LinkCancel(self.sid, msg.seq), self.worker))
 
-    # ---- open --------------------------------------------------------------------------------------
-
     def _open(self, config: OpenConfig) -> None:
         self.life.check(Request.OPEN)
         self.life.move(Phase.OPENING)
-        self.sid, self.config, self._token = self._new_sid(), config, self._new_token()
-        if self._guard is not None:
-            self._flow = Flow(Step.ADMIT_OPEN)
-            self._out.append(AdmitOpen(self.sid))
-        else:
-            self._place_new(Flow(Step.PLACE))
-
-    def _place_new(self, flow: Flow) -> None:
-        assert self.sid is not None
-        flow.step, flow.attempt = Step.PLACE, flow.attempt + 1
-        self._flow = flow
-        grant = self._guard.grant() if self._guard is not None else None
-        self._out.append(Place(self.sid, self._token, self.config, grant))
-
-    def _opened_reply(self, model: str) -> Reply:
-        sid, token = self.sid, self._token
-        assert sid is not None
-        limits = self.turns.limits.values.as_map()
-        if self._guard is not None:
-            limits.update(self._guard.limits_map())
-        return lambda opened: [SessionOpened(sid, token, model, limits)]
-
-    # ---- resume ------------------------------------------------------------------------------------
+        self.sid, self.config = self._new_sid(), config
+        self.run(OpenFlow(self._new_token()))
 
     def _resume(self, msg: SessionResume) -> None:
         self.life.check(Request.OPEN)
         self.life.move(Phase.OPENING)
         self.sid = msg.session_id
-        self._flow = Flow(Step.LOOKUP, origin=Origin.RESUME, seen_seq=msg.last_seq)
-        self._out.append(Lookup(msg.session_id, msg.resume_token))
+        self.run(ResumeFlow(msg.resume_token, msg.last_seq))
 
-    def looked_up(self, record: SessionRecord, config: OpenConfig) -> None:
-        if not self._expects(Step.LOOKUP):
+    def _close(self) -> None:
+        """`session.close`: the worker ends the session and confirms; unconfirmed, it ends here."""
+        if self.life.phase is Phase.RESTORING:
+            self._close_deferred = True  # served once the restore ends, either way
             return
-        assert self.sid is not None
-        self._record, self.config = record, config
-        if self._guard is not None:
-            self._step(Step.ADMIT_RESUME, AdmitResume(self.sid, record.created_ms, record.auth))
-        else:
-            self._step(Step.FIND_WORKER, FindWorker(record.worker))
+        self.life.check(Request.CLOSE)
+        if self.life.phase is Phase.IDLE:  # nothing to close: say so politely and hang up
+            self.closed_here()
+            return
+        assert self.sid is not None and self.worker is not None, "an active session has a worker"
+        self.life.move(Phase.CLOSING)
+        self.run(CloseFlow(self._cfg.open_timeout_s))
+
+    # ---- effects' results: each goes to the flow in progress (ignored with none) ----------------------
 
     def admitted(self) -> None:
-        if self._expects(Step.ADMIT_OPEN):
-            self._place_new(Flow(Step.PLACE))
-        elif self._expects(Step.ADMIT_RESUME):
-            assert self._record is not None
-            self._step(Step.FIND_WORKER, FindWorker(self._record.worker))
+        if self._flow is not None:
+            self._flow.admitted(self)
+
+    def looked_up(self, record: SessionRecord, config: OpenConfig) -> None:
+        if self._flow is not None:
+            self._flow.looked_up(self, record, config)
 
     def worker_found(self, url: str | None) -> None:
-        if not self._expects(Step.FIND_WORKER):
-            return
-        assert self.sid is not None and self._record is not None and self._flow is not None
-        if url is None:  # its worker is gone: rebuild the session elsewhere
-            self._restore(Origin.RESUME)
-            return
-        sid = self.sid
-
-        def resumed(opened: LinkOpened) -> list[ServerMessage]:
-            return [SessionResumed(sid, opened.length, opened.finished_seq)]
-
-        self._request(
-            Step.ATTACH, WorkerRef(url, self._record.worker), LinkAttach(sid, self._flow.seen_seq), resumed
-        )
-
-    # ---- restore -----------------------------------------------------------------------------------
-
-    def _restore(self, origin: Origin, *, target: str | None = None) -> None:
-        """Place the session on a live worker and rebuild it there from its token log and tail;
-        first on `target` (the worker a draining one warmed a copy on), if it can take it."""
-        assert self.sid is not None
-        sid = self.sid
-        if origin is Origin.RESUME:
-            assert self._flow is not None
-            seen = self._flow.seen_seq
-
-            def reply(opened: LinkOpened) -> list[ServerMessage]:
-                return [
-                    SessionResumed(sid, opened.length, opened.finished_seq),
-                    SessionRestored(sid, opened.length),
-                ]
-
-        else:
-            # Every done up to the finished seq has been queued for the client: it is what it saw.
-            seen = self.turns.finished_seq
-
-            def reply(opened: LinkOpened) -> list[ServerMessage]:
-                return [SessionRestored(sid, opened.length)]
-
-        self._flow = Flow(Step.MOVE, origin=origin, seen_seq=seen, reply=reply, target=target)
-        self._move_attempt()
-
-    def _move_attempt(self) -> None:
-        flow = self._flow
-        assert flow is not None and self.sid is not None and self._record is not None
-        if flow.attempt >= len(RESTORE_BACKOFF_S):
-            self._restore_failed(flow.last or WorkerUnavailable("no worker could take the session"))
-            return
-        delay = RESTORE_BACKOFF_S[flow.attempt]
-        flow.attempt += 1
-        if delay:
-            flow.step = Step.BACKOFF
-            self._out.append(ArmTimer(Timer.BACKOFF, delay))
-        else:
-            flow.step = Step.MOVE
-            target = flow.target if flow.attempt == 1 else None  # a retry goes wherever placement says
-            self._out.append(Move(self.sid, self._record, self.config, target))
+        if self._flow is not None:
+            self._flow.worker_found(self, url)
 
     def placed(self, record: SessionRecord, url: str) -> None:
         """`Place` or `Move` wrote the record naming the worker at `url`: send it the request."""
-        flow = self._flow
-        if flow is None or flow.step not in (Step.PLACE, Step.MOVE) or self.sid is None:
-            return
-        sid, worker = self.sid, WorkerRef(url, record.worker)
-        self._record = record
-        if flow.step is Step.PLACE:
-            frame: ToWorker = LinkOpen(
-                sid, self.config, (), record.token_sha256, record.created_ms, record.auth
-            )
-            self._request(Step.OPEN, worker, frame, self._opened_reply(record.model))
-            return
-        tail = self.turns.undurable.snapshot()
-        flow.replayed = len(tail)
-        restore = LinkRestore(
-            sid, self.config, None, flow.seen_seq, record.token_sha256, record.created_ms, tail, record.auth
-        )
-        self._request(Step.RESTORE, worker, restore, flow.reply or (lambda opened: []))
-
-    def _restore_failed(self, exc: MicroturnError) -> None:
-        flow = self._flow
-        assert flow is not None
-        if flow.origin is Origin.RESUME:
-            self._fail_open(exc)
-            return
-        # Fatal for this socket, not for the session: its record and log stay, so a later
-        # session.resume (when a worker has room again) restores it.
-        logger.warning("could not restore session %s: %s", self.sid, exc)
-        self._flow = None
-        self._unbind()
-        self.life.end_session()
-        self._error(exc, fatal=True)
-        self._after_restore()
-
-    def _after_restore(self) -> None:
-        if self._close_deferred:
-            self._close_deferred = False
-            try:
-                self._close()
-            except MicroturnError as exc:
-                self._error(exc)
-
-    def _move(self, why: str, *, target: str | None = None) -> None:
-        """The session leaves its worker (lost or draining): restore it elsewhere with its tail."""
-        if self.life.phase is not Phase.ACTIVE or self.sid is None or self._record is None:
-            return
-        logger.warning(
-            "session %s leaves its worker (%s); restoring with %d undurable chunk(s)",
-            self.sid,
-            why,
-            len(self.turns.undurable),
-        )
-        self._unbind()  # the old worker's late frames are not ours any more
-        self.life.move(Phase.RESTORING)
-        self._restore(Origin.MOVE, target=target)
-
-    # ---- requests to a worker ------------------------------------------------------------------------
-
-    def _request(self, step: Step, worker: WorkerRef, frame: ToWorker, reply: Reply) -> None:
-        assert self.sid is not None and self._flow is not None
-        self._flow.step, self._flow.reply, self._flow.frame = step, reply, frame
-        self.worker = worker
-        self._bound = True
-        self._out += [
-            Bind(self.sid, worker),
-            SendWorker(frame, worker),
-            ArmTimer(Timer.REQUEST, self._cfg.open_timeout_s),
-        ]
-
-    def _opened(self, frame: LinkOpened) -> None:
-        flow = self._flow
-        if flow is None or flow.step not in (Step.OPEN, Step.ATTACH, Step.RESTORE) or flow.reply is None:
-            logger.warning("unexpected opened for session %s", frame.sid)
-            return
-        self._out.append(CancelTimer(Timer.REQUEST))
-        for message in flow.reply(frame):  # queued before any frame that follows `opened`
-            self._to_client(message)
-        self._flow = None
-        assert self.worker is not None and self._record is not None
-        self.turns.opened(frame)
-        if flow.step is Step.RESTORE:
-            self.turns.undurable.durable(frame.durable_seq)
-            for held in self.turns.undurable.take_unsent():  # before any chunk that arrives after this
-                self._out.append(SendWorker(held, self.worker))
-            self._out += (Count(Metric.SESSIONS_RESTORED), Count(Metric.CHUNKS_REPLAYED, flow.replayed))
-            logger.info(
-                "session %s restored on %s (length %d)", self.sid, self.worker.worker_id, frame.length
-            )
-        if flow.step is Step.OPEN:
-            self._out.append(Count(Metric.SESSIONS_OPENED))
-            logger.info("session %s opened on worker %s", self.sid, self.worker.worker_id)
-        elif flow.origin is Origin.RESUME:
-            self._out.append(Count(Metric.SESSIONS_RESUMED))
-        was = self.life.phase
-        self.life.move(Phase.ACTIVE)
-        if was is Phase.OPENING:
-            self._start_guard()
-        else:
-            self._after_restore()
-
-    def _request_failed(self, exc: MicroturnError) -> None:
-        """The pending open/attach/restore got no `opened`: unbind, then the flow's next step."""
-        flow = self._flow
-        assert flow is not None and self.sid is not None
-        self._out.append(CancelTimer(Timer.REQUEST))
-        self._unbind()
-        worker = self.worker.worker_id if self.worker is not None else "?"
-        recoverable = isinstance(exc, WorkerUnavailable | CapacityExhausted)
-        if flow.step is Step.OPEN:
-            logger.warning("open on worker %s failed (%s)", worker, exc)
-            flow.step, flow.last = Step.DELETE_AFTER_OPEN, exc
-            flow.fail_with = None if recoverable and flow.attempt < PLACEMENT_ATTEMPTS else exc
-            self._out.append(Delete(self.sid))
-        elif flow.step is Step.ATTACH:
-            if recoverable or isinstance(exc, SessionNotFound):
-                logger.warning("attach of %s on worker %s failed (%s); restoring", self.sid, worker, exc)
-                self._restore(Origin.RESUME)
-            else:
-                self._fail_open(exc)
-        elif flow.step is Step.RESTORE:
-            if recoverable:
-                logger.warning("restore of %s on %s failed (%s)", self.sid, worker, exc)
-                flow.last = exc
-                self._move_attempt()
-            else:
-                self._restore_failed(exc)
+        if self._flow is not None:
+            self._flow.placed(self, record, url)
 
     def deleted(self) -> None:
-        flow = self._flow
-        if flow is not None and flow.step is Step.DELETE_AFTER_OPEN:
-            if flow.fail_with is not None:
-                self._fail_open(flow.fail_with)
-            else:
-                self._place_new(flow)
-        elif flow is not None and flow.step is Step.DELETE_AFTER_CLOSE:
-            self._flow = None
-            self._closed_here()
+        if self._flow is not None:
+            self._flow.deleted(self)
 
     def store_failed(self) -> None:
         """The awaited effect could not reach the session store (Redis)."""
@@ -502,97 +282,113 @@ class SessionMachine:
 
     def effect_failed(self, exc: MicroturnError, *, store: bool = False) -> None:
         """The awaited effect failed with `exc`; `store`: it could not reach the session store."""
-        flow = self._flow
-        if flow is None:
-            return
-        if flow.step is Step.DELETE_AFTER_CLOSE:
-            self._flow = None
-            self._error(exc)  # the session stays GONE on this socket; its keys expire with their TTL
-            return
-        if flow.step is Step.PLACE and isinstance(exc, CapacityExhausted) and not store:
-            # The workers that had room could not be reached (now suspect): that is the truth.
-            self._fail_open(flow.last or exc)
-        elif flow.step is Step.MOVE and isinstance(exc, CapacityExhausted | WorkerUnavailable) and not store:
-            flow.last = exc
-            self._move_attempt()
-        elif flow.step is Step.MOVE:
-            self._restore_failed(exc)
-        else:  # the open's or resume's store and credential steps, and a failed open's delete
-            self._fail_open(exc)
+        if self._flow is not None:
+            self._flow.effect_failed(self, exc, store=store)
 
     def send_failed(self, frame: ToWorker, exc: MicroturnError) -> None:
         """A `SendWorker` could not be sent. A chunk is left to the restore the link loss starts (the
         new worker gets it with the tail); a request or a close fails; a cancel is refused."""
+        flow = self._flow
         if isinstance(frame, LinkCancel):
-            self._error(exc, frame.seq)
-        elif self._flow is not None and frame is self._flow.frame:
-            if self._flow.step in (Step.OPEN, Step.ATTACH, Step.RESTORE):
+            self.error(exc, frame.seq)
+        elif flow is not None and flow.awaits_opened:
+            if frame is flow.frame:
                 self._request_failed(exc)
-        elif isinstance(frame, LinkClose) and self.life.phase is Phase.CLOSING:
-            self._close_unconfirmed()
+        elif flow is not None:
+            flow.send_failed(self, frame)
 
-    def _fail_open(self, exc: MicroturnError) -> None:
-        """An open or resume failed recoverably: the socket is back to IDLE, the client is told."""
+    # ---- what the flows use (flows.py `Host`) -----------------------------------------------------------
+
+    def emit(self, *actions: Action) -> None:
+        self._out += actions
+
+    def run(self, flow: AnyFlow) -> None:
+        self._flow = flow
+        try:
+            flow.start(self)
+        except IllegalTransition:
+            self._flow = None  # refused at its first step: no flow half started
+            raise
+
+    def end_flow(self) -> None:
         self._flow = None
-        if self.life.phase is Phase.OPENING:
-            self._unbind()
-            self.life.move(Phase.IDLE)
-            self.sid, self._record, self.worker = None, None, None
-            if self._guard is not None:
-                self._out.append(ReleaseAuth())
-        self._error(exc)
 
-    # ---- close -------------------------------------------------------------------------------------
-
-    def _close(self) -> None:
-        """`session.close`: the worker ends the session and confirms; unconfirmed, it ends here."""
-        if self.life.phase is Phase.RESTORING:
-            self._close_deferred = True  # served once the restore ends, either way
-            return
-        self.life.check(Request.CLOSE)
-        if self.life.phase is Phase.IDLE:  # nothing to close: say so politely and hang up
-            self._to_client(SessionClosed("closed"))
-            self._end(CLOSE_NORMAL)
-            return
-        assert self.sid is not None and self.worker is not None, "an active session has a worker"
-        self.life.move(Phase.CLOSING)
-        self._flow = Flow(Step.CLOSE)
+    def request(self, worker: WorkerRef, frame: ToWorker) -> None:
+        assert self.sid is not None
+        self.worker = worker
+        self._bound = True
         self._out += [
-            SendWorker(LinkClose(self.sid), self.worker),
-            ArmTimer(Timer.CLOSE, self._cfg.open_timeout_s),
+            Bind(self.sid, worker),
+            SendWorker(frame, worker),
+            ArmTimer(Timer.REQUEST, self._cfg.open_timeout_s),
         ]
 
-    def _close_unconfirmed(self) -> None:
-        # The worker could not confirm: end the session here, so it cannot be resumed.
-        logger.warning("worker did not confirm close of %s; deleting its keys", self.sid)
-        assert self.sid is not None
-        self._out.append(CancelTimer(Timer.CLOSE))
-        self._unbind()
-        self.life.end_session()
-        self._flow = Flow(Step.DELETE_AFTER_CLOSE)
-        self._out.append(Delete(self.sid))
+    def fail_open(self, exc: MicroturnError) -> None:
+        self._flow = None
+        if self.life.phase is Phase.OPENING:
+            self.unbind()
+            self.life.move(Phase.IDLE)
+            self.sid, self.record, self.worker = None, None, None
+            if self.guard is not None:
+                self._out.append(ReleaseAuth())
+        self.error(exc)
 
-    def _closed_here(self) -> None:
+    def after_restore(self) -> None:
+        if self._close_deferred:
+            self._close_deferred = False
+            try:
+                self._close()
+            except MicroturnError as exc:
+                self.error(exc)
+
+    def closed_here(self) -> None:
         self._to_client(SessionClosed("closed"))
         self._end(CLOSE_NORMAL)
 
-    def _on_closed(self, reason: CloseReason) -> None:
-        """The worker ended the session (closed, idle) or another socket took it over."""
+    def unbind(self) -> None:
+        if self._bound and self.sid is not None:
+            self._out.append(Unbind(self.sid))
+        self._bound = False
+
+    def error(self, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None) -> None:
+        message = error_message_from(exc, seq, fatal=fatal)
+        self._to_client(message)
+        if message.fatal:
+            self._end(close_code_for(exc.code))
+
+    # ---- the request a worker answers with `opened` (open, attach, restore) ----------------------------
+
+    def _opened(self, frame: LinkOpened) -> None:
+        flow = self._flow
+        if flow is None or not flow.awaits_opened:
+            logger.warning("unexpected opened for session %s", frame.sid)
+            return
+        assert self.worker is not None and self.record is not None
+        self._out.append(CancelTimer(Timer.REQUEST))
         self._flow = None
-        self._close_deferred = False
-        self._out += [CancelTimer(Timer.CLOSE), CancelTimer(Timer.REQUEST), CancelTimer(Timer.BACKOFF)]
-        self.life.end_session()
-        self._unbind()
-        self._to_client(SessionClosed(reason))
-        self._end(CLOSE_NORMAL)
+        self.turns.opened(frame)
+        flow.opened(self, frame)  # the client's answer, queued before any frame that follows `opened`
+        was = self.life.phase
+        self.life.move(Phase.ACTIVE)
+        if was is Phase.OPENING:
+            self._start_guard()
+        else:
+            self.after_restore()
+
+    def _request_failed(self, exc: MicroturnError) -> None:
+        """The pending open/attach/restore got no `opened`: unbind, then the flow's next step."""
+        flow = self._flow
+        assert flow is not None and self.sid is not None
+        self._out.append(CancelTimer(Timer.REQUEST))
+        self.unbind()
+        flow.request_failed(self, exc)
 
     # ---- the worker's frames ---------------------------------------------------------------------------
 
     def worker_frame(self, frame: ToGateway, arrived: float) -> None:
         """A frame from the session's worker, `arrived` at that monotonic time."""
         self._now = arrived
-        flow = self.flow
-        pending = flow in (Step.OPEN, Step.ATTACH, Step.RESTORE)
+        pending = self._flow is not None and self._flow.awaits_opened
         if isinstance(frame, LinkOpened):
             self._opened(frame)
         elif isinstance(frame, LinkClosed):
@@ -620,7 +416,7 @@ class SessionMachine:
             self._to_client(error)
             if error.fatal:
                 self.life.end_session()
-                self._unbind()
+                self.unbind()
                 self._end(close_code_for(error.code))
 
     def _done(self, frame: LinkDone) -> None:
@@ -630,17 +426,43 @@ class SessionMachine:
             return
         started, grown = counted
         self._out.append(SendClient(frame.done, started))
-        if self._guard is not None:
-            self._judge(self._guard.on_done(grown))
+        if self.guard is not None:
+            self._judge(self.guard.on_done(grown))
+
+    def _move(self, why: str, *, target: str | None = None) -> None:
+        """The session leaves its worker (lost or draining): restore it elsewhere with its tail."""
+        if self.life.phase is not Phase.ACTIVE or self.sid is None or self.record is None:
+            return
+        logger.warning(
+            "session %s leaves its worker (%s); restoring with %d undurable chunk(s)",
+            self.sid,
+            why,
+            len(self.turns.undurable),
+        )
+        self.unbind()  # the old worker's late frames are not ours any more
+        self.life.move(Phase.RESTORING)
+        # Every done up to the finished seq has been queued for the client: it is what it saw.
+        self.run(RestoreFlow(Origin.MOVE, self.turns.finished_seq, target))
+
+    def _on_closed(self, reason: CloseReason) -> None:
+        """The worker ended the session (closed, idle) or another socket took it over."""
+        self._flow = None
+        self._close_deferred = False
+        self._out += [CancelTimer(Timer.CLOSE), CancelTimer(Timer.REQUEST), CancelTimer(Timer.BACKOFF)]
+        self.life.end_session()
+        self.unbind()
+        self._to_client(SessionClosed(reason))
+        self._end(CLOSE_NORMAL)
 
     def link_lost(self) -> None:
         """The link to the session's worker broke; the pool already dropped the binding."""
         self._bound = False
-        if self.flow in (Step.OPEN, Step.ATTACH, Step.RESTORE):
+        flow = self._flow
+        if flow is not None and flow.awaits_opened:
             url = self.worker.url if self.worker is not None else "?"
             self._request_failed(WorkerUnavailable(f"link to {url} broke"))
-        elif self.life.phase is Phase.CLOSING and self.flow is Step.CLOSE:
-            self._close_unconfirmed()
+        elif flow is not None:
+            flow.link_lost(self)
         else:
             self._move("the link to its worker broke")
 
@@ -653,25 +475,24 @@ class SessionMachine:
     # ---- timers and the credential ------------------------------------------------------------------------
 
     def timer_fired(self, timer: Timer) -> None:
-        flow = self.flow
-        if timer is Timer.REQUEST and flow in (Step.OPEN, Step.ATTACH, Step.RESTORE):
-            url = self.worker.url if self.worker is not None else "?"
-            self._request_failed(WorkerUnavailable(f"worker at {url} did not answer in time"))
-        elif timer is Timer.CLOSE and flow is Step.CLOSE:
-            self._close_unconfirmed()
-        elif timer is Timer.BACKOFF and flow is Step.BACKOFF:
-            assert self._flow is not None and self.sid is not None and self._record is not None
-            self._flow.step = Step.MOVE
-            self._out.append(Move(self.sid, self._record, self.config))
-        elif timer is Timer.AUTH_WARN and self._warning is not None:
-            self._judge(self._warning)
-        elif timer is Timer.AUTH_EXPIRE and self._expiry is not None:
-            self._judge(self._expiry)
+        flow = self._flow
+        if timer is Timer.REQUEST:
+            if flow is not None and flow.awaits_opened:
+                url = self.worker.url if self.worker is not None else "?"
+                self._request_failed(WorkerUnavailable(f"worker at {url} did not answer in time"))
+        elif timer is Timer.AUTH_WARN:
+            if self._warning is not None:
+                self._judge(self._warning)
+        elif timer is Timer.AUTH_EXPIRE:
+            if self._expiry is not None:
+                self._judge(self._expiry)
+        elif flow is not None:
+            flow.timer_fired(self, timer)  # a close's or a restore's own timer
 
     def _start_guard(self) -> None:
-        if self._guard is None:
+        if self.guard is None:
             return
-        verdict, deadline = self._guard.start(self._now)
+        verdict, deadline = self.guard.start(self._now)
         if deadline is not None:
             self._warning, self._expiry = deadline.warning, deadline.expiry
             self._out += [
@@ -696,11 +517,11 @@ class SessionMachine:
         self._flow = None
         self._close_deferred = False
         self._out += [CancelTimer(t) for t in (Timer.REQUEST, Timer.CLOSE, Timer.BACKOFF, Timer.AUTH_WARN)]
-        self._unbind()
+        self.unbind()
         if worker is not None:
             self._out.append(EndOnWorker(sid, worker))
         self.life.end_session()
-        self._error(SessionExpired(why), fatal=True)
+        self.error(SessionExpired(why), fatal=True)
 
     # ---- the socket's end ------------------------------------------------------------------------------
 
@@ -712,39 +533,18 @@ class SessionMachine:
         self._flow = None
         self._close_deferred = False
         self._out += [CancelTimer(t) for t in Timer]
-        if self._guard is not None:
+        if self.guard is not None:
             self._out.append(ReleaseAuth())
         sid, worker, bound = self.sid, self.worker, self._bound
         if sid is None:
             return
-        self._unbind()
+        self.unbind()
         if bound and worker is not None and not self.life.gone:
             frame: ToWorker = LinkClose(sid) if close_session else LinkDetach(sid)
             self._out.append(SendWorker(frame, worker))
 
-    # ---- helpers ------------------------------------------------------------------------------------------
-
-    def _step(self, step: Step, effect: Action) -> None:
-        assert self._flow is not None
-        self._flow.step = step
-        self._out.append(effect)
-
-    def _expects(self, step: Step) -> bool:
-        return self._flow is not None and self._flow.step is step
-
-    def _unbind(self) -> None:
-        if self._bound and self.sid is not None:
-            self._out.append(Unbind(self.sid))
-        self._bound = False
-
     def _to_client(self, message: ServerMessage) -> None:
         self._out.append(SendClient(message))
-
-    def _error(self, exc: MicroturnError, seq: int | None = None, *, fatal: bool | None = None) -> None:
-        message = error_message_from(exc, seq, fatal=fatal)
-        self._to_client(message)
-        if message.fatal:
-            self._end(close_code_for(exc.code))
 
     def _end(self, code: int) -> None:
         self.life.end_socket()

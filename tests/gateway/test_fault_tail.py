@@ -1,8 +1,9 @@
-"""The gateway's undurable tail (gateway/session/undurable.py), as a state machine: unit tests with no I/O."""
+"""The gateway's undurable tail (`UndurableTurns` in gateway/session/turns.py), as a state machine:
+unit tests with no I/O."""
 
 from __future__ import annotations
 
-from gateway.session.undurable import UndurableTurns
+from gateway.session.turns import UndurableTurns
 from shared.protocol.link import LinkChunk, LinkDelta, LinkDone
 from shared.protocol.messages import InputChunk, OutputDelta, OutputDone, Timing
 

@@ -35,9 +35,19 @@ from gateway.session.actions import (
     Unbind,
     WorkerRef,
 )
-from gateway.session.flow import PLACEMENT_ATTEMPTS, RESTORE_BACKOFF_S
+from gateway.session.flows import (
+    PLACEMENT_ATTEMPTS,
+    RESTORE_BACKOFF_S,
+    STEPS,
+    CloseStep,
+    OpenStep,
+    RestoreStep,
+    ResumeStep,
+    Step,
+    check_step,
+)
 from gateway.session.guard import Deadline, Expire, Verdict
-from gateway.session.lifecycle import SERVED, Phase, Request
+from gateway.session.lifecycle import SERVED, IllegalTransition, Phase, Request
 from gateway.session.machine import MachineConfig, SessionMachine
 from shared.errors import CapacityExhausted, ErrorCode, SessionNotFound, WorkerUnavailable
 from shared.protocol.close_codes import CLOSE_NORMAL
@@ -457,3 +467,83 @@ def test_time_comes_in_with_the_events() -> None:
     m.receive(chunk(2), 101.0)  # half a second later by the event's own time: a token is back
     assert of(m.actions(), SendWorker) == [SendWorker(LinkChunk(SID, chunk(2)), W1)]
     assert guard.chunks_at == [100.5, 100.5, 101.0]
+
+
+# ---- the second state axis: a flow's step, checked against the phase (flows.py `STEPS`) -----------
+
+
+def test_the_flows_reach_every_allowed_phase_step_pair_and_no_other() -> None:
+    """Every flow played through each of its steps (open with a retry, resume into a restore with a
+    backoff, a lost worker's restore, an unconfirmed close): the (phase, step) pairs they stand in
+    are exactly the table's, and none while ACTIVE, IDLE or ENDED."""
+    seen: set[tuple[Phase, Step]] = set()
+
+    def play(m: SessionMachine, *events: Callable[[], None]) -> None:
+        for event in events:
+            event()
+            m.actions()
+            if m.step is not None:
+                seen.add((m.life.phase, m.step))
+
+    o = machine(FakeGuard())
+    play(
+        o,
+        lambda: o.receive(SessionOpen(OpenConfig()), 0.0),  # open.admit
+        o.admitted,  # open.place
+        lambda: o.placed(record(W1), W1.url),  # open.open
+        lambda: o.timer_fired(Timer.REQUEST),  # open.delete, then place again
+        o.deleted,
+        lambda: o.placed(record(W1), W1.url),
+        lambda: o.worker_frame(LinkOpened(SID, 0), 0.0),
+        lambda: o.receive(SessionClose(), 0.0),  # close.close
+        lambda: o.timer_fired(Timer.CLOSE),  # unconfirmed: close.delete, once the session is gone
+        o.deleted,
+    )
+    assert o.life.phase is Phase.GONE and o.step is None
+    r = machine(FakeGuard())
+    play(
+        r,
+        lambda: r.receive(SessionResume(SID, "tok"), 0.0),  # resume.lookup
+        lambda: r.looked_up(record(W1), OpenConfig()),  # resume.admit
+        r.admitted,  # resume.find_worker
+        lambda: r.worker_found(W1.url),  # resume.attach
+        lambda: r.worker_frame(LinkError(SID, Error(ErrorCode.SESSION_NOT_FOUND, "gone", fatal=False)), 0.0),
+        lambda: r.effect_failed(CapacityExhausted("full")),  # the resume's restore: a backoff
+        lambda: r.timer_fired(Timer.BACKOFF),
+        lambda: r.placed(record(W2), W2.url),
+        lambda: r.worker_frame(LinkOpened(SID, 0), 0.0),
+        r.link_lost,  # a session that lost its worker: restored while RESTORING
+        lambda: r.effect_failed(CapacityExhausted("full")),
+        lambda: r.timer_fired(Timer.BACKOFF),
+        lambda: r.placed(record(W1), W1.url),
+        lambda: r.worker_frame(LinkOpened(SID, 0), 0.0),
+    )
+    assert r.life.phase is Phase.ACTIVE and r.step is None
+    allowed = {(phase, step) for phase, steps in STEPS.items() for step in steps}
+    assert seen == allowed
+    every_step = {*OpenStep, *ResumeStep, *RestoreStep, *CloseStep}
+    assert {step for _, step in allowed} == every_step and len(allowed) == 16
+
+
+def test_a_step_its_phase_does_not_allow_is_a_gateway_bug_answered_internal() -> None:
+    every_step: list[Step] = [*OpenStep, *ResumeStep, *RestoreStep, *CloseStep]
+    for phase in Phase:
+        for step in every_step:
+            if step in STEPS[phase]:
+                check_step(phase, step)
+                continue
+            with pytest.raises(IllegalTransition) as refused:
+                check_step(phase, step)
+            assert refused.value.code is ErrorCode.INTERNAL, (phase, step)
+    # In the machine: an open's placement answered while the phase is not OPENING (a bug elsewhere)
+    # enters no step and queues nothing; the shell answers the raised error as the effect's failure.
+    m = machine()
+    m.receive(SessionOpen(OpenConfig()), 0.0)
+    m.actions()
+    m.life.phase = Phase.RESTORING  # set directly: no event can do this
+    with pytest.raises(IllegalTransition) as refused:
+        m.placed(record(W1), W1.url)
+    assert m.actions() == [] and m.step is OpenStep.PLACE and m.worker is None
+    m.effect_failed(refused.value)
+    [error] = client(m)
+    assert isinstance(error, Error) and error.code is ErrorCode.INTERNAL and error.fatal
