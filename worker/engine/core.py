@@ -26,7 +26,7 @@ from worker.engine.admission import admit
 from worker.engine.config import EngineConfig
 from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager
 from worker.engine.memory.window import cut_before, opening_history, session_limit
-from worker.engine.model_runner import ForwardRow, ModelRunner
+from worker.engine.model_runner import ForwardRow, ModelRunner, SampledToken
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
 from worker.engine.stats import EngineStats
@@ -203,13 +203,28 @@ class EngineCore:
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Activate waiting turns, run one forward over every session with work; False if idle."""
+        """One step, as nano-vllm's `LLMEngine.step`: schedule -> run -> postprocess; False if idle."""
+        batch = self._schedule()
+        if batch is None:
+            return False
+        try:
+            sampled = self._run(batch)
+        except Exception:
+            logger.exception("forward step failed; failing the %d turns in it", len(batch.rows))
+            self._fail_batch(batch)
+            return True
+        self._postprocess(batch, sampled)
+        return True
+
+    def _schedule(self) -> ScheduledBatch | None:
+        """Activate the waiting turns, then pick what this step feeds (None: nothing to do)."""
         for session in list(self.waiting.values()):
             del self.waiting[session.session_id]
             self._activate(session)
-        batch = self.scheduler.schedule(self.running.values())
-        if batch is None:
-            return False
+        return self.scheduler.schedule(self.running.values())
+
+    def _run(self, batch: ScheduledBatch) -> list[SampledToken | None]:
+        """One ragged forward over the batch's rows; each row that samples gets its token."""
         rows = [
             ForwardRow(
                 token_ids=row.session.tokens[row.start : row.start + row.count],
@@ -220,14 +235,15 @@ class EngineCore:
             )
             for row in batch.rows
         ]
-        try:
-            sampled = self.runner.step(rows)
-        except Exception:
-            logger.exception("forward step failed; failing the %d turns in it", len(batch.rows))
-            self._fail_batch(batch)
-            return True
+        sampled = self.runner.step(rows)
         self.steps += 1
         self.tokens_forwarded += batch.num_tokens
+        return sampled
+
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[SampledToken | None]) -> None:
+        """The step's results into its turns: the fed tokens are cached, each sampled token is
+        appended and told to its listener, and a turn that stops, is long enough or was cancelled
+        finishes."""
         for row, result in zip(batch.rows, sampled, strict=True):
             session = row.session
             session.num_cached += row.count
@@ -247,7 +263,6 @@ class EngineCore:
                     self._finish(session, "cancelled")
             elif session.uncached == 0:
                 self._finish(session, "cancelled" if turn.cancelled else "length")
-        return True
 
     # ---- internals ----------------------------------------------------------------------------
 
