@@ -81,7 +81,7 @@ def test_every_turn_answers_as_its_window_sent_whole_across_several_cuts(smollm2
 
 @pytest.fixture
 def tiny() -> Iterator[Engine]:
-    with Engine.load("tiny", kv_tokens=4096, max_queued_tokens=4096, max_queued_outputs=16) as engine:
+    with Engine.load("tiny", kv_tokens=4096, max_pending_tokens=4096, max_pending_outputs=16) as engine:
         yield engine
 
 

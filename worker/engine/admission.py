@@ -82,12 +82,12 @@ def check_queue(session: Session, turn: Turn, tokens: int, config: EngineConfig)
     count of chunks: queued no-output chunks merge into one append. A chunk with nothing queued
     ahead of it is always admitted (its size has its own limit)."""
     queued_tokens, queued_outputs = session.queued_cost()
-    if (session.pending and queued_tokens + max(tokens, 1) > config.max_queued_tokens) or (
-        turn.max_output_tokens > 0 and queued_outputs >= config.max_queued_outputs
+    if (session.pending and queued_tokens + max(tokens, 1) > config.max_pending_tokens) or (
+        turn.max_output_tokens > 0 and queued_outputs >= config.max_pending_outputs
     ):
         raise Backpressure(
             f"{queued_tokens} tokens and {queued_outputs} turns asking for output already wait for "
-            f"this session (limits {config.max_queued_tokens} and {config.max_queued_outputs})",
+            f"this session (limits {config.max_pending_tokens} and {config.max_pending_outputs})",
             retry_after_ms=BACKPRESSURE_RETRY_MS,
         )
 

@@ -44,7 +44,7 @@ def chunks() -> list[InputChunk]:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    with Engine.load("tiny", kv_tokens=4096, max_queued_tokens=4096, max_queued_outputs=64) as e:
+    with Engine.load("tiny", kv_tokens=4096, max_pending_tokens=4096, max_pending_outputs=64) as e:
         yield e
 
 
