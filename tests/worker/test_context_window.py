@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from shared.protocol.messages import OpenConfig
-from shared.store.schema import Cut
+from shared.store.log_format import Cut
 from worker.engine import Engine
 from worker.engine.memory.window import cut_before, opening_history
 

@@ -22,7 +22,7 @@ from shared.errors import (
     SessionNotFound,
 )
 from shared.protocol.messages import FinishReason, OpenConfig
-from shared.store.schema import Cut
+from shared.store.log_format import Cut
 from worker.engine.admission import admit
 from worker.engine.config import EngineConfig
 from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager, MemoryStats

@@ -17,7 +17,7 @@ import pytest
 
 from shared.protocol.link import UndurableTurn
 from shared.protocol.messages import InputChunk, OpenConfig
-from shared.store.schema import DIRECTIVE_CUT, decode_log, encode_directive, encode_log_record
+from shared.store.log_format import DIRECTIVE_CUT, decode_log, encode_directive, encode_log_record
 from worker.engine import Engine, TurnResult
 from worker.engine.memory.window import session_limit
 from worker.server.restore import ForcedTurn, plan_restore
