@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
 from gateway.metric_families import Metric
-from shared.protocol.link import AuthLimits, ToWorker
+from shared.protocol.key_limits import AuthLimits
+from shared.protocol.link import ToWorker
 from shared.protocol.messages import OpenConfig, ServerMessage
 
 if TYPE_CHECKING:  # a value type only: the machine never reaches the store's I/O

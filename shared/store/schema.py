@@ -55,10 +55,10 @@ SESSION_TOKEN_SHA256: Final = "token_sha256"
 SESSION_MODEL: Final = "model"
 SESSION_CREATED_MS: Final = "created_ms"
 SESSION_CONFIG: Final = "config"
-# With auth on, the limits the session was opened under (`AuthLimits`).
+# With auth on, the limits the session was opened under (`AuthLimits`): its key's digest, and each
+# granted limit by its name after the prefix (`auth_max_session_s`, `auth_max_tokens`).
 SESSION_AUTH_KEY: Final = "auth_key"
-SESSION_AUTH_MAX_SESSION_S: Final = "auth_max_session_s"
-SESSION_AUTH_MAX_TOKENS: Final = "auth_max_tokens"
+SESSION_AUTH_LIMIT_PREFIX: Final = "auth_"
 # The tokens a budgeted session spent, settled every second by the gateways (`SessionUsage`).
 SESSION_AUTH_USED: Final = "auth_used"
 
