@@ -34,6 +34,7 @@ from gateway.auth.session_auth import UNAUTHORIZED_MESSAGE, Principal
 from gateway.dialect import Dialect, NativeDialect
 from gateway.handshake import negotiate
 from gateway.links import LinkPool
+from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
 from gateway.openai.client_secrets import client_secrets
 from gateway.openai.connect import openai_dialect, refusal_dialect
@@ -79,7 +80,7 @@ async def _authenticate(ws: WebSocket, services: GatewayServices, dialect: Diale
         await _refuse(ws, dialect, WorkerUnavailable("the key store is unavailable", retry_after_ms=1000))
         return None
     if principal is None:
-        services.metrics.error(ErrorCode.UNAUTHORIZED)
+        services.metrics.count(Metric.ERRORS, label=ErrorCode.UNAUTHORIZED)
         await _refuse(ws, dialect, Unauthorized(UNAUTHORIZED_MESSAGE))
     return principal
 
@@ -107,11 +108,11 @@ async def realtime(ws: WebSocket) -> None:
         if chosen is None:
             return
         dialect = chosen
-    services.metrics.sockets_open += 1
+    services.metrics.count(Metric.SOCKETS_OPEN)
     try:
         await ClientSession(ws, dialect, services, principal).run()  # its greeting first
     finally:
-        services.metrics.sockets_open -= 1
+        services.metrics.count(Metric.SOCKETS_OPEN, -1)
 
 
 async def client_tokens(request: Request) -> Response:
@@ -139,7 +140,7 @@ async def readyz(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     services = _services(request)
-    services.metrics.sessions_active = services.pool.sessions
+    services.metrics.set(Metric.SESSIONS_ACTIVE, services.pool.sessions)
     return PlainTextResponse(services.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.limits import SessionLimits, check_frame_size
+from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
 from shared.protocol.codec import Encoding, decode_client, encode_server
 from shared.protocol.messages import ClientMessage, OutputDone, ServerMessage, SessionOpened
@@ -109,7 +110,7 @@ class NativeDialect:
     def encode(self, message: ServerMessage) -> Sequence[Frame]:
         if self.metrics is not None:
             if isinstance(message, SessionOpened):
-                self.metrics.dialect_session(self.name)
+                self.metrics.count(Metric.DIALECT_SESSIONS, label=self.name)
             elif isinstance(message, OutputDone):
-                self.metrics.dialect_turn(self.name)
+                self.metrics.count(Metric.DIALECT_TURNS, label=self.name)
         return (encode_server(message, self.encoding),)

@@ -11,10 +11,8 @@ becomes) and either mutates nothing and raises, or charges the token bucket for 
 their costs as in flight and returns. It is the one admission rule of a session, whatever its
 dialect: the session machine builds it once (gateway/session/turns.py) and a dialect that admits
 whole events ahead of their chunks (gateway/openai/) uses that same object.
-The in-flight queue is bounded by what it costs (input
-tokens, text counted by characters since only the worker tokenizes, and chunks asking for output),
-not by a count of chunks: no-output pieces merge into one append on the worker, so a paste sent as
-twenty small pieces costs about what it would sent whole.
+The in-flight queue is bounded by the session's one queue rule (shared/backpressure.py, which the
+engine applies to its pending turns too), text counted by characters since only the worker tokenizes.
 No I/O and no global clock: the clock is a parameter so the tests drive time by hand.
 """
 
@@ -25,15 +23,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from shared.errors import Backpressure, ChunkTooLarge, RateLimited
+from shared.backpressure import DEFAULT_TURN_MS, MIN_RETRY_AFTER_MS, check_queue
+from shared.errors import ChunkTooLarge, RateLimited
 from shared.settings import GatewaySettings, copy_fields
 
 Clock = Callable[[], float]
-
-# A retry hint is a promise about the future: never advise less than this, or clients spin.
-MIN_RETRY_AFTER_MS = 10
-# Backpressure clears when a turn finishes; without a measured turn time, advise this much.
-DEFAULT_TURN_MS = 100.0
 
 
 def check_frame_size(size: int, max_frame_bytes: int) -> None:
@@ -185,16 +179,15 @@ class SessionLimits:
         """Raise, having changed nothing, unless `count` chunks costing `cost` in all (`asks` of them
         asking for output) fit the queue and the rate; on success their rate tokens are taken. Queue
         first, so a refusal never costs a rate token."""
-        if self._in_flight and (
-            self._tokens + cost > self.values.max_queued_tokens
-            or (asks and self._outputs + asks > self.values.max_queued_outputs)
-        ):
-            retry = max(MIN_RETRY_AFTER_MS, math.ceil(self._turn_ms))
-            raise Backpressure(
-                f"{self._tokens} input tokens and {self._outputs} turns asking for output are still "
-                f"running (limits {self.values.max_queued_tokens} and {self.values.max_queued_outputs})",
-                retry_after_ms=retry,
-            )
+        check_queue(
+            self._tokens,
+            self._outputs,
+            tokens=cost,
+            outputs=asks,
+            tokens_limit=self.values.max_queued_tokens,
+            outputs_limit=self.values.max_queued_outputs,
+            turn_ms=self._turn_ms,
+        )
         wait = self._bucket.try_take(count)
         if wait is not None:
             raise RateLimited(

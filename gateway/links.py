@@ -31,6 +31,7 @@ from typing import Final, Protocol
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
+from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
 from shared.errors import InvalidMessage, WorkerUnavailable
 from shared.protocol.link import LINK_PATH, LINK_SECRET_HEADER, LinkError, ToGateway, ToWorker
@@ -118,7 +119,7 @@ class Link:
                 self._failures += 1
                 delay = min(BACKOFF_BASE_S * 2 ** (self._failures - 1), BACKOFF_MAX_S)
                 self._retry_at = time.monotonic() + delay
-                metrics.link_failures += 1
+                metrics.count(Metric.LINK_FAILURES)
                 self._pool.suspect(self.worker_id)
                 logger.warning(
                     "link to %s failed (%s: %s); attempt %d, next in %.1f s",
@@ -134,9 +135,9 @@ class Link:
             self._failures = 0
             self._retry_at = 0.0
             self._pool.trust(self.worker_id)
-            metrics.link_connects += 1
+            metrics.count(Metric.LINK_CONNECTS)
             if self._ever_connected:
-                metrics.link_reconnects += 1
+                metrics.count(Metric.LINK_RECONNECTS)
             self._ever_connected = True
             self._ws = ws
             self._reader = asyncio.create_task(self._read(ws), name=f"link-reader {self.url}")
@@ -169,7 +170,7 @@ class Link:
                 self._ws = None
                 await ws.close()
                 if not self._pool.closing:
-                    self._pool.metrics.link_failures += 1
+                    self._pool.metrics.count(Metric.LINK_FAILURES)
                     self._pool.link_lost(self, suspect=not graceful)
 
     async def close(self) -> None:
@@ -212,7 +213,7 @@ class LinkPool:
         self._suspects[worker_id] = time.monotonic() + SUSPECT_TTL_S
         if fresh:
             logger.warning("worker %s is suspect: no placements on it for %.0f s", worker_id, SUSPECT_TTL_S)
-            self.metrics.workers_suspected += 1
+            self.metrics.count(Metric.WORKERS_SUSPECTED)
             if self.on_suspect is not None:
                 self.on_suspect(worker_id)
 

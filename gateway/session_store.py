@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from shared.errors import CapacityExhausted, InvalidMessage, SessionNotFound, Unauthorized
 from shared.protocol.codec import config_from_map, config_to_map
-from shared.protocol.link import AuthLimits
+from shared.protocol.key_limits import AuthLimits
 from shared.protocol.messages import OpenConfig
 from shared.store.placement import Placement, mark_suspect, place_session
 from shared.store.registry import (

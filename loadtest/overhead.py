@@ -33,12 +33,13 @@ import numpy as np
 import websockets
 from websockets.asyncio.client import ClientConnection
 
-from gateway.auth.api_keys import KeyLimits, KeyStore
+from gateway.auth.api_keys import KeyStore
 from loadtest.report_files import write_json
 from loadtest.stack_redis import add_redis_arguments
 from microturn.processes import StackError, free_port
 from microturn.stack import Stack, StackOptions
 from shared.client.clients import RealtimeClient
+from shared.protocol.key_limits import KeyLimits
 from shared.protocol.link import (
     LinkChunk,
     LinkDone,

@@ -121,11 +121,23 @@ class EngineSettings:
     )
     max_sessions: int = 256
     max_chunk_tokens: int = 512
-    # A session's queue (chunks behind its running turn) is bounded by what it costs, not by a
-    # count of chunks: queued no-output chunks merge into one append, so pieces are cheap.
-    max_queued_tokens: int = field(default=2048, metadata={"help": "input tokens queued per session"})
-    max_queued_outputs: int = field(
-        default=8, metadata={"help": "turns asking for output queued per session"}
+    # A session's pending turns (the chunks queued behind its running turn) are bounded by what they
+    # cost, not by a count of chunks: queued no-output chunks merge into one append, so pieces are
+    # cheap. Distinct from the gateway's `max_queued_*`, which bound a session's chunks in flight
+    # (the old flag names stay as aliases).
+    max_pending_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": "input tokens pending behind a session's running turn",
+            "aliases": ("--max-queued-tokens",),
+        },
+    )
+    max_pending_outputs: int = field(
+        default=8,
+        metadata={
+            "help": "turns asking for output pending behind a session's running turn",
+            "aliases": ("--max-queued-outputs",),
+        },
     )
     max_output_tokens: int = field(default=512, metadata={"help": "the most output tokens a chunk may ask"})
     no_session: bool = field(
@@ -186,6 +198,8 @@ class GatewaySettings(CommonSettings):
     max_chunk_tokens: int = EngineSettings.max_chunk_tokens
     max_chunks_per_s: float = field(default=20.0, metadata={"help": "per session, token-bucket rate"})
     chunk_burst: int = field(default=32, metadata={"help": "token-bucket burst per session"})
+    # A session's chunks in flight here (admitted, not answered yet), reported to its client under
+    # these names in `session.opened.limits`; the engine bounds its own queue with `max_pending_*`.
     max_queued_tokens: int = field(
         default=4096, metadata={"help": "input in flight per session: tokens, text counted by characters"}
     )

@@ -33,9 +33,8 @@ from tests.test_architecture import PACKAGES, REPO
 
 # The per-key limits and the records that carry them past the handshake (issue #37 merges them).
 LIMIT_CLASSES: Final = (
-    "gateway.auth.api_keys:KeyLimits",
-    "gateway.auth.client_tokens:TokenLimits",
-    "shared.protocol.link:AuthLimits",
+    "shared.protocol.key_limits:KeyLimits",
+    "shared.protocol.key_limits:AuthLimits",
 )
 # Every client event of the OpenAI dialect is a member of this union; `EVENT_BUILDER` builds a
 # server event (each one's shape is written once, in the function that calls it).

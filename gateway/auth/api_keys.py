@@ -15,22 +15,23 @@ Keys (all under the deployment's prefix, see shared/store/schema.py):
   `claim_client_token` binds it to the one session it may open (see gateway/auth/client_tokens.py).
 - `mt:keyusage:<digest>:<YYYYMMDD>` STRING: tokens spent per UTC day, grown by batched INCRBY.
 
-Limits use 0 for "no limit", so a record is a flat hash of numbers.
+Limits (`KeyLimits`, shared/protocol/key_limits.py) use 0 for "no limit", so a record is a flat hash
+of numbers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Final
 
 from redis.asyncio import Redis
 
+from shared.protocol.key_limits import KeyLimits
 from shared.store.schema import KeySchema
 from shared.store.values import now_ms, sha256_hex, text, text_map
 
@@ -49,7 +50,6 @@ __all__ = [
     "CLIENT_TOKEN_PREFIX",
     "ApiKey",
     "KeyExists",
-    "KeyLimits",
     "KeyStore",
     "ms_until_next_day",
     "new_secret",
@@ -85,33 +85,6 @@ def ms_until_next_day(now_s: float | None = None) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class KeyLimits:
-    """Per-key limits; 0 means no limit. Adding one is a field here (its `help` names it in
-    `microturn keys create` and `list`, and it is stored and read back by name) plus its enforcement
-    (gateway/auth/session_auth.py)."""
-
-    max_sessions: int = field(default=0, metadata={"help": "concurrent sessions"})
-    chunks_per_s: float = field(default=0.0, metadata={"help": "chunks per second per session"})
-    max_session_s: float = field(default=0.0, metadata={"help": "longest session in seconds"})
-    max_tokens_per_day: int = field(default=0, metadata={"help": "tokens in + out per UTC day"})
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 0:
-                raise ValueError(f"{f.name} must be >= 0 (0: no limit)")
-
-    def to_fields(self) -> dict[str, str]:
-        return {f.name: repr(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_fields(cls, raw: Mapping[str, str]) -> KeyLimits:
-        """Read back by name; a field the record lacks (written before it existed) is no limit."""
-        kinds = {f.name: float if f.type in (float, "float") else int for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {name: kind(raw[name]) for name, kind in kinds.items() if name in raw}
-        return cls(**values)
-
-
-@dataclass(frozen=True, slots=True)
 class ApiKey:
     name: str
     digest: str
@@ -135,7 +108,11 @@ class KeyStore:
         # The name is claimed first: a lost race leaves nothing behind, a won one is then filled in.
         if not await self.redis.hsetnx(self.schema.api_keys(), name, key.digest):
             raise KeyExists(f"a key named {name!r} already exists")
-        fields = {_NAME_FIELD: name, _CREATED_FIELD: str(key.created_ms), **limits.to_fields()}
+        fields = {
+            _NAME_FIELD: name,
+            _CREATED_FIELD: str(key.created_ms),
+            **limits.to_fields(KeyLimits.names(key=True)),
+        }
         await self.redis.hset(self.schema.api_key(key.digest), mapping=fields)  # type: ignore[arg-type]
         return secret, key
 

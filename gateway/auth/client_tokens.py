@@ -4,7 +4,8 @@ Why a token and not the key in the page: a browser can be read by its user, so i
 that can start one session within minutes and is worth nothing after. The token is stored like a
 key, as `mt:clienttoken:<sha256>` (a HASH with a TTL: the start window). Its life:
 
-1. minted: fields `key` (the API key's digest), `max_session_s`, `max_tokens`, `expires_at_ms`;
+1. minted: fields `key` (the API key's digest), its granted limits by name (`max_session_s`,
+   `max_tokens`: `KeyLimits`, 0 meaning "as much as the key allows"), `expires_at_ms`;
 2. claimed by the first `session.open` that presents it (`claim`, one Lua step: only one session can
    win, however many gateways race), which records the session id and stretches the TTL to cover
    that session, so the same token can *resume* its own session (a reconnecting page) but never
@@ -24,49 +25,23 @@ from typing import Final
 from redis.asyncio import Redis
 
 from gateway.auth.api_keys import CLIENT_TOKEN_PREFIX, ApiKey, new_secret
+from shared.protocol.key_limits import KeyLimits
 from shared.store.schema import KeySchema, lua_script
 from shared.store.values import now_ms, sha256_hex, text_map
 
-__all__ = ["ClientToken", "ClientTokenStore", "TokenLimits"]
+__all__ = ["ClientToken", "ClientTokenStore"]
 
 _KEY: Final = "key"
 _SID: Final = "sid"
-_MAX_SESSION_S: Final = "max_session_s"
-_MAX_TOKENS: Final = "max_tokens"
 _EXPIRES_AT_MS: Final = "expires_at_ms"
 _SESSION: Final = "session"
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLimits:
-    """What a token's session may use; 0 means "as much as the key allows"."""
-
-    max_session_s: float = 0.0
-    max_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_session_s < 0 or self.max_tokens < 0:
-            raise ValueError("token limits must be >= 0")
-
-    def capped_by(self, key: ApiKey) -> TokenLimits:
-        """These limits, never above the key's (a token cannot outlive what its key allows)."""
-        return TokenLimits(_min_limit(self.max_session_s, key.limits.max_session_s), self.max_tokens)
-
-
-def _min_limit(a: float, b: float) -> float:
-    """The tighter of two limits where 0 means none."""
-    if not a:
-        return b
-    if not b:
-        return a
-    return min(a, b)
 
 
 @dataclass(frozen=True, slots=True)
 class ClientToken:
     digest: str
     key_digest: str
-    limits: TokenLimits
+    limits: KeyLimits  # the granted ones (shared/protocol/key_limits.py), capped by the key's
     expires_at_ms: int
     # The session it opened; None until claimed.
     sid: str | None
@@ -82,7 +57,7 @@ class ClientTokenStore:
         self._unclaim = redis.register_script(lua_script("unclaim_token"))
 
     async def mint(
-        self, key: ApiKey, limits: TokenLimits, ttl_s: float, session: str | None = None
+        self, key: ApiKey, limits: KeyLimits, ttl_s: float, session: str | None = None
     ) -> tuple[str, ClientToken]:
         """A new token for `key` (its limits already capped); the secret is returned once."""
         secret = new_secret(CLIENT_TOKEN_PREFIX)
@@ -90,8 +65,7 @@ class ClientTokenStore:
         token = ClientToken(sha256_hex(secret), key.digest, limits, now_ms() + ttl_ms, None, session)
         fields = {
             _KEY: key.digest,
-            _MAX_SESSION_S: repr(limits.max_session_s),
-            _MAX_TOKENS: str(limits.max_tokens),
+            **limits.to_fields(KeyLimits.names(granted=True)),
             _EXPIRES_AT_MS: str(token.expires_at_ms),
         }
         if session is not None:
@@ -109,7 +83,7 @@ class ClientTokenStore:
         if not raw:
             return None
         try:
-            limits = TokenLimits(float(raw[_MAX_SESSION_S]), int(raw[_MAX_TOKENS]))
+            limits = KeyLimits.from_fields(raw)
             return ClientToken(
                 token_digest, raw[_KEY], limits, int(raw[_EXPIRES_AT_MS]), raw.get(_SID), raw.get(_SESSION)
             )

@@ -24,12 +24,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.auth.api_keys import API_KEY_PREFIX, CLIENT_TOKEN_PREFIX, KeyStore
-from gateway.auth.client_tokens import ClientTokenStore, TokenLimits
+from gateway.auth.client_tokens import ClientTokenStore
 from gateway.auth.session_auth import UNAUTHORIZED_MESSAGE, Principal
 from gateway.handshake import CREDENTIAL_PREFIXES
 from shared.errors import ErrorCode, InvalidMessage
 from shared.protocol.codec import parse_json
 from shared.protocol.fields import FieldReader
+from shared.protocol.key_limits import KeyLimits
 from shared.store.values import sha256_hex
 
 logger = logging.getLogger(__name__)
@@ -87,23 +88,23 @@ class Authenticator:
                 limits = await _token_limits(request)
             except InvalidMessage as exc:
                 return _error(400, ErrorCode.INVALID_MESSAGE, exc.message)
-            secret, token = await self.tokens.mint(key, limits.capped_by(key), self.client_token_ttl_s)
+            secret, token = await self.tokens.mint(key, limits.capped_by(key.limits), self.client_token_ttl_s)
         except (RedisError, OSError) as exc:
             logger.warning("client token store error: %r", exc)
             return _error(503, ErrorCode.WORKER_UNAVAILABLE, "the key store is unavailable")
         body: dict[str, object] = {"token": secret, "expires_at": token.expires_at_ms // 1000}
-        limits_map = {"max_session_s": token.limits.max_session_s, "max_tokens": token.limits.max_tokens}
-        body["limits"] = {name: value for name, value in limits_map.items() if value}
+        granted = {name: getattr(token.limits, name) for name in KeyLimits.names(granted=True)}
+        body["limits"] = {name: value for name, value in granted.items() if value}
         logger.info("browser token minted for key %s", key.name)
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
 
-async def _token_limits(request: Request) -> TokenLimits:
+async def _token_limits(request: Request) -> KeyLimits:
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise InvalidMessage(f"body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
     if not raw.strip():
-        return TokenLimits()
+        return KeyLimits()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -112,7 +113,7 @@ async def _token_limits(request: Request) -> TokenLimits:
     max_session_s = r.opt_number("max_session_s", 0.0, lo_open=True)
     max_tokens = r.opt_integer("max_tokens", 1)
     r.done()
-    return TokenLimits(max_session_s or 0.0, max_tokens or 0)
+    return KeyLimits(max_session_s=max_session_s or 0.0, max_tokens=max_tokens or 0)
 
 
 def _error(status: int, code: ErrorCode, message: str) -> Response:

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
-from gateway.auth.api_keys import KeyExists, KeyLimits, KeyStore
+from gateway.auth.api_keys import KeyExists, KeyStore
+from shared.protocol.key_limits import KeyLimits
 from shared.settings import RedisSettings, add_arguments, from_sources
 from shared.store.connection import resilient_redis
 from shared.store.schema import KeySchema
@@ -28,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
     create = sub.add_parser("create", parents=[common], help="create a key; prints it as the last line")
     create.add_argument("--name", required=True, help="a unique name (what list and revoke use)")
-    for limit in dataclasses.fields(KeyLimits):  # one flag per limit, from the limit itself
+    for limit in dataclasses.fields(KeyLimits):  # one flag per limit a key sets, from the limit itself
+        if limit.name not in KeyLimits.names(key=True):
+            continue
         kind = float if limit.type in (float, "float") else int
         flag = "--" + limit.name.replace("_", "-")
         create.add_argument(
@@ -50,7 +53,7 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         store = KeyStore(redis, KeySchema(settings.key_prefix))
         if args.action == "create":
-            limits = KeyLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(KeyLimits)})
+            limits = KeyLimits(**{name: getattr(args, name) for name in KeyLimits.names(key=True)})
             try:
                 secret, key = await store.create(args.name, limits)
             except KeyExists as exc:
@@ -61,7 +64,7 @@ async def _run(args: argparse.Namespace) -> int:
             return 0
         if args.action == "list":
             keys = await store.list()
-            names = [f.name for f in dataclasses.fields(KeyLimits)]
+            names = KeyLimits.names(key=True)
             header = ("name", *names, "used_today")
             rows = [header]
             for key in keys:

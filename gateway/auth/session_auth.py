@@ -40,7 +40,7 @@ from gateway.auth.client_tokens import ClientToken, ClientTokenStore
 from gateway.auth.key_ledger import REFRESH_S, KeyLedger
 from gateway.session.guard import Deadline, Expire, Instant, Verdict
 from shared.errors import RateLimited, SessionExpired, Unauthorized
-from shared.protocol.link import AuthLimits
+from shared.protocol.key_limits import AuthLimits, KeyLimits
 from shared.protocol.messages import SessionExpiring
 from shared.store.schema import KeySchema
 
@@ -68,14 +68,10 @@ class Principal:
     token: ClientToken | None = None
 
     @property
-    def max_session_s(self) -> float:
-        if self.token is not None and self.token.limits.max_session_s:
-            return self.token.limits.max_session_s  # already capped by the key's at mint
-        return self.key.limits.max_session_s
-
-    @property
-    def max_tokens(self) -> int:
-        return self.token.limits.max_tokens if self.token is not None else 0
+    def granted(self) -> KeyLimits:
+        """What a session it opens lives under: the token's granted limits (capped by the key's at
+        mint) where it sets them, else the key's."""
+        return self.key.limits.granted_under(self.token.limits if self.token is not None else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +107,10 @@ class SessionAuth:
 
     def limits_map(self) -> dict[str, int | float]:
         """What `session.opened` adds to its `limits` (only the limits that are set)."""
-        limits: dict[str, int | float] = {}
-        if self.principal.max_session_s:
-            limits["max_session_s"] = self.principal.max_session_s
-        if self.principal.max_tokens:
-            limits["max_tokens"] = self.principal.max_tokens
+        granted = self.principal.granted
+        limits: dict[str, int | float] = {
+            name: value for name in KeyLimits.names(granted=True) if (value := getattr(granted, name))
+        }
         if self.principal.key.limits.max_tokens_per_day:
             limits["max_tokens_per_day"] = self.principal.key.limits.max_tokens_per_day
         return limits
@@ -148,21 +143,18 @@ class SessionAuth:
             raise Unauthorized(UNAUTHORIZED_MESSAGE)
         await self._admit(sid, at)
         if token is not None:
-            hold_s = self._d.session_ttl_s + self.principal.max_session_s
+            hold_s = self._d.session_ttl_s + self.principal.granted.max_session_s
             if not await self._d.tokens.claim(token, sid, hold_s):
                 await self.release()
                 raise Unauthorized(UNAUTHORIZED_MESSAGE)
             self._claimed = sid
-        self._max_tokens, self._used, self._limit_s = (
-            self.principal.max_tokens,
-            0,
-            self.principal.max_session_s,
-        )
+        granted = self.principal.granted
+        self._max_tokens, self._used, self._limit_s = granted.max_tokens, 0, granted.max_session_s
         self._deadline = at.monotonic_s + self._limit_s if self._limit_s else None
 
     def grant(self) -> AuthLimits:
         """The limits this session is opened under, as its record keeps them."""
-        return AuthLimits(self.principal.key.digest, self.principal.max_session_s, self.principal.max_tokens)
+        return AuthLimits.grant(self.principal.key.digest, self.principal.granted)
 
     async def admit_resume(self, sid: str, created_ms: int, granted: AuthLimits | None, at: Instant) -> None:
         """The session must be this key's (and this token's); its limits carry over, clock included."""

@@ -23,7 +23,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.auth.api_keys import API_KEY_PREFIX
-from gateway.auth.client_tokens import TokenLimits
 from gateway.auth.credentials import MAX_BODY_BYTES, bearer_credential
 from gateway.auth.session_auth import UNAUTHORIZED_MESSAGE
 from gateway.openai.client_events import parse
@@ -32,6 +31,7 @@ from gateway.openai.ids import session_id
 from gateway.openai.server_events import SessionView
 from gateway.openai.session_config import SessionUpdate
 from gateway.services import GatewayServices
+from shared.protocol.key_limits import KeyLimits
 from shared.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,9 @@ async def client_secrets(request: Request) -> Response:
         except _BadBody as exc:
             return _error(400, INVALID_REQUEST, "invalid_value", exc.message, exc.param)
         session = None if update is None else json.dumps(_kept(update))
-        secret, token = await authenticator.tokens.mint(key, TokenLimits().capped_by(key), ttl_s, session)
+        secret, token = await authenticator.tokens.mint(
+            key, KeyLimits().capped_by(key.limits), ttl_s, session
+        )
     except (RedisError, OSError) as exc:
         logger.warning("client secret store error: %r", exc)
         return _error(503, SERVER_ERROR, "worker_unavailable", "the key store is unavailable")

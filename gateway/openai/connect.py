@@ -41,9 +41,10 @@ def _limits(services: GatewayServices, principal: Principal | None) -> DialectLi
         if principal.key.limits.max_tokens_per_day:
             budget = principal.key.limits.max_tokens_per_day
             rate_limits.append(ev.RateLimit("tokens", budget, budget, ms_until_next_day() / 1000))
-        if principal.max_tokens:
+        granted = principal.granted
+        if granted.max_tokens:
             rate_limits.append(
-                ev.RateLimit("tokens", principal.max_tokens, principal.max_tokens, principal.max_session_s)
+                ev.RateLimit("tokens", granted.max_tokens, granted.max_tokens, granted.max_session_s)
             )
     return DialectLimits(
         max_output_tokens=EngineSettings.max_output_tokens,

@@ -29,6 +29,7 @@ from typing import Any, Final
 
 from gateway.dialect import Decoded, Frame, frame_size
 from gateway.limits import LimitValues, SessionLimits
+from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
 from gateway.openai import server_events as ev
 from gateway.openai.admission import DialectLimits
@@ -316,7 +317,7 @@ class OpenAIDialect:
         if isinstance(message, SessionOpened):
             self._confirmed = True
             if self._metrics is not None:
-                self._metrics.dialect_session(DIALECT_NAME)
+                self._metrics.count(Metric.DIALECT_SESSIONS, label=DIALECT_NAME)
             logger.info("openai session %s is microturn session %s", self._session_id, message.session_id)
             return []
         if isinstance(message, OutputDelta):
@@ -372,7 +373,7 @@ class OpenAIDialect:
         usage = ev.Usage(self._context - len(done.tokens), self._cached, len(done.tokens))
         self._cached = self._context
         if self._metrics is not None:
-            self._metrics.dialect_turn(DIALECT_NAME)
+            self._metrics.count(Metric.DIALECT_TURNS, label=DIALECT_NAME)
         return (
             events + response.closing(self._conversation_id, outcome, usage, previous) + self._flight.join()
         )

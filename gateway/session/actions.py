@@ -16,7 +16,9 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
-from shared.protocol.link import AuthLimits, ToWorker
+from gateway.metric_families import Metric
+from shared.protocol.key_limits import AuthLimits
+from shared.protocol.link import ToWorker
 from shared.protocol.messages import OpenConfig, ServerMessage
 
 if TYPE_CHECKING:  # a value type only: the machine never reaches the store's I/O
@@ -93,20 +95,9 @@ class CancelTimer:
     timer: Timer
 
 
-class Metric(enum.Enum):
-    """A gateway counter the machine moves; the value names its attribute in gateway/metrics.py."""
-
-    SESSIONS_OPENED = "sessions_opened"
-    SESSIONS_RESUMED = "sessions_resumed"
-    SESSIONS_RESTORED = "sessions_restored"
-    SESSIONS_MIGRATED = "sessions_migrated"
-    CHUNKS_FORWARDED = "chunks_forwarded"
-    CHUNKS_REPLAYED = "chunks_replayed"
-
-
 @dataclass(frozen=True, slots=True)
 class Count:
-    """Add `by` to the gateway's `metric` counter."""
+    """Add `by` to the gateway's `metric` counter (a row of gateway/metric_families.py)."""
 
     metric: Metric
     by: int = 1

@@ -236,7 +236,7 @@ class ClientSession:
         elif isinstance(action, SendWorker):
             self._to_worker.append(action)
         elif isinstance(action, Count):
-            self._s.metrics.count(action.metric.value, action.by)
+            self._s.metrics.count(action.metric, action.by)
         elif isinstance(action, CloseSocket):
             self.outbox.close(action.code)
         elif isinstance(action, Bind):

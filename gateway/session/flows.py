@@ -40,6 +40,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeAlias, TypeVar
 
+from gateway.metric_families import Metric
 from gateway.session.actions import (
     Action,
     AdmitOpen,
@@ -50,7 +51,6 @@ from gateway.session.actions import (
     Delete,
     FindWorker,
     Lookup,
-    Metric,
     Move,
     Place,
     SendClient,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
-from shared.protocol.link import AuthLimits
+from shared.protocol.key_limits import AuthLimits
 from shared.protocol.messages import SessionExpiring
 
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from gateway.limits import LimitValues
+from gateway.metric_families import Metric
 from gateway.session.actions import (
     Action,
     ArmTimer,
@@ -53,7 +54,6 @@ from gateway.session.actions import (
     CloseSocket,
     Count,
     EndOnWorker,
-    Metric,
     ReleaseAuth,
     SendClient,
     SendWorker,

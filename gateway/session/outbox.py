@@ -23,6 +23,7 @@ from typing import Final
 from starlette.websockets import WebSocket
 
 from gateway.dialect import Dialect, Frame
+from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
 from shared.errors import ErrorCode
 from shared.protocol.close_codes import close_code_for
@@ -86,7 +87,7 @@ class Outbox:
             return
         if self._queue.qsize() >= MAX_PENDING:
             logger.warning("client stopped reading (%d messages pending); disconnecting it", MAX_PENDING)
-            self._metrics.error(ErrorCode.BACKPRESSURE)
+            self._metrics.count(Metric.ERRORS, label=ErrorCode.BACKPRESSURE)
             self.close(close_code_for(ErrorCode.BACKPRESSURE), "client is not reading")
             return
         self._queue.put_nowait(item)
@@ -126,14 +127,14 @@ class Outbox:
                 if not await self._send(frame):
                     return
             if isinstance(message, OutputDone):
-                self._metrics.outputs_delivered += 1
+                self._metrics.count(Metric.OUTPUTS_DELIVERED)
                 if item.started is not None:
                     elapsed = time.monotonic() - item.started
                     self._metrics.turn_latency.observe(elapsed)
                     if self._on_turn is not None:
                         self._on_turn(elapsed * 1000)
             elif isinstance(message, Error):
-                self._metrics.error(message.code)
+                self._metrics.count(Metric.ERRORS, label=message.code)
 
     async def _send(self, frame: Frame) -> bool:
         """Send one frame; False when the socket failed (the writer then stops)."""

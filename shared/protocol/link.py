@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Final, TypeAlias
 
 from shared.errors import MicroturnError
+from shared.protocol.key_limits import AuthLimits
 from shared.protocol.messages import (
     CloseReason,
     Error,
@@ -48,17 +49,6 @@ LINK_SECRET_HEADER: Final = "x-microturn-link-secret"
 
 
 @dataclass(frozen=True, slots=True)
-class AuthLimits:
-    """The limits a session was opened under with auth on: its API key (SHA-256 digest), its
-    maximum duration and its token budget (0: none). Part of the session record, so a resume through
-    any gateway applies the same ones; carried to the worker so it can re-write the record whole."""
-
-    key_sha256: str
-    max_session_s: float = 0.0
-    max_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class LinkOpen:
     op: ClassVar[str] = "open"
     sid: str
@@ -69,7 +59,8 @@ class LinkOpen:
     # the resume token's SHA-256 (never the token) and the creation time.
     token_sha256: str | None = None
     created_ms: int | None = None
-    # With auth on, the limits the session was opened under (the rest of its record).
+    # With auth on, the limits the session was opened under (the rest of its record; carried so the
+    # worker can re-write the record whole).
     auth: AuthLimits | None = None
 
 

@@ -61,7 +61,7 @@ async def find_damaged(redis: Redis, schema: KeySchema, log_lengths: Mapping[str
     """The sessions whose record is gone or whose log is shorter than the worker wrote it.
 
     A longer log is not damage: a flush retried after a partial failure appends a record twice, and
-    readers skip the repeat (shared/store/schema.py `decode_log`).
+    readers skip the repeat (shared/store/log_format.py `decode_log`).
     """
     sids = list(log_lengths)
     if not sids:

@@ -1,7 +1,7 @@
 """Compaction of a session's token log: what a restore needs, in bytes bounded by the window.
 
 A log grows by one record per turn for as long as the session lives, but a restore needs only
-(shared/store/schema.py `decode_log`): the history as it stands (cuts applied), the seq it ends at,
+(shared/store/log_format.py `decode_log`): the history as it stands (cuts applied), the seq it ends at,
 the text tail after it, and the records of the last few turns, whose spans answer a turn the
 gateway still holds undelivered (worker/server/restore.py). So a compacted log is
 
@@ -15,7 +15,7 @@ ran. The worker compacts its logs when it flushes them (worker/server/token_log.
 
 from __future__ import annotations
 
-from shared.store.schema import (
+from shared.store.log_format import (
     DIRECTIVE_SNAPSHOT,
     NO_SEQ,
     Cut,

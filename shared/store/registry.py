@@ -30,11 +30,10 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
-from shared.protocol.link import AuthLimits
+from shared.protocol.key_limits import AuthLimits, KeyLimits
 from shared.store.schema import (
     SESSION_AUTH_KEY,
-    SESSION_AUTH_MAX_SESSION_S,
-    SESSION_AUTH_MAX_TOKENS,
+    SESSION_AUTH_LIMIT_PREFIX,
     SESSION_AUTH_USED,
     SESSION_CONFIG,
     SESSION_CREATED_MS,
@@ -243,19 +242,15 @@ def session_mapping(record: SessionRecord) -> dict[FieldT, EncodableT]:
     }
     if record.auth is not None:
         mapping[SESSION_AUTH_KEY] = record.auth.key_sha256
-        mapping[SESSION_AUTH_MAX_SESSION_S] = repr(record.auth.max_session_s)
-        mapping[SESSION_AUTH_MAX_TOKENS] = record.auth.max_tokens
+        granted = KeyLimits.names(granted=True)
+        mapping.update(record.auth.to_fields(granted, prefix=SESSION_AUTH_LIMIT_PREFIX))
     return mapping
 
 
 def _auth_limits(raw: Mapping[str, str]) -> AuthLimits | None:
     if SESSION_AUTH_KEY not in raw:
         return None
-    return AuthLimits(
-        raw[SESSION_AUTH_KEY],
-        float(raw.get(SESSION_AUTH_MAX_SESSION_S, "0")),
-        int(raw.get(SESSION_AUTH_MAX_TOKENS, "0")),
-    )
+    return AuthLimits.from_record(raw[SESSION_AUTH_KEY], raw, SESSION_AUTH_LIMIT_PREFIX)
 
 
 async def write_session(

@@ -5,7 +5,6 @@ The Redis-backed parts (key store, slots, tokens) are exercised on a real server
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
@@ -14,18 +13,17 @@ from gateway.app import _warn_if_open
 from gateway.auth.api_keys import (
     API_KEY_PREFIX,
     ApiKey,
-    KeyLimits,
     ms_until_next_day,
     new_secret,
     usage_day,
 )
-from gateway.auth.client_tokens import TokenLimits
 from gateway.auth.credentials import bearer_credential
 from gateway.auth.keys import build_parser
 from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX, negotiate
 from microturn.stack import Stack, StackOptions
 from shared.client.core import handshake_headers
 from shared.protocol.codec import Encoding, decode_server, encode_server
+from shared.protocol.key_limits import KeyLimits
 from shared.protocol.messages import SessionExpiring
 from shared.settings import GatewaySettings, is_loopback_host, parse_settings
 from shared.store.values import sha256_hex
@@ -82,7 +80,7 @@ def test_limits_round_trip_and_refuse_negatives() -> None:
     with pytest.raises(ValueError):
         KeyLimits(max_sessions=-1)
     with pytest.raises(ValueError):
-        TokenLimits(max_tokens=-5)
+        KeyLimits(max_tokens=-5)
     # A record written before a limit existed reads back with that limit off; types come from the field.
     assert KeyLimits.from_fields({"max_sessions": "2", "chunks_per_s": "1.5"}) == KeyLimits(2, 1.5)
 
@@ -91,17 +89,18 @@ def test_the_keys_cli_has_a_flag_for_every_limit() -> None:
     parser = build_parser()
     args = parser.parse_args(["create", "--name", "k", "--max-sessions", "3", "--max-session-s", "9.5"])
     assert (args.max_sessions, args.max_session_s, args.max_tokens_per_day) == (3, 9.5, 0)
-    for limit in dataclasses.fields(KeyLimits):
-        assert hasattr(args, limit.name)
+    for name in KeyLimits.names(key=True):  # all but a browser token's own (`token_only`)
+        assert hasattr(args, name)
 
 
 def test_a_token_never_outlives_its_key() -> None:
-    key = ApiKey("k", "d" * 64, KeyLimits(max_session_s=30.0), 0)
-    assert TokenLimits(3600.0, 10).capped_by(key) == TokenLimits(30.0, 10)
-    assert TokenLimits(5.0).capped_by(key) == TokenLimits(5.0)
-    assert TokenLimits().capped_by(key) == TokenLimits(30.0)
-    unlimited = ApiKey("k", "d" * 64, KeyLimits(), 0)
-    assert TokenLimits(12.0).capped_by(unlimited) == TokenLimits(12.0)
+    key = ApiKey("k", "d" * 64, KeyLimits(max_session_s=30.0), 0).limits
+    asked = KeyLimits(max_session_s=3600.0, max_tokens=10)
+    assert asked.capped_by(key) == KeyLimits(max_session_s=30.0, max_tokens=10)
+    assert KeyLimits(max_session_s=5.0).capped_by(key) == KeyLimits(max_session_s=5.0)
+    assert KeyLimits().capped_by(key) == KeyLimits(max_session_s=30.0)
+    unlimited = ApiKey("k", "d" * 64, KeyLimits(), 0).limits
+    assert KeyLimits(max_session_s=12.0).capped_by(unlimited) == KeyLimits(max_session_s=12.0)
 
 
 def test_daily_budget_renews_at_utc_midnight() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from gateway.handshake import Negotiated, negotiate
 from gateway.links import link_endpoint
+from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
 from shared.metrics import Histogram
 from shared.protocol.codec import Encoding
@@ -32,10 +33,10 @@ def test_negotiate(offered: list[str], expected: Negotiated | None) -> None:
 
 def test_dialect_counters_render_with_their_label() -> None:
     metrics = GatewayMetrics()
-    metrics.dialect_session("openai")
-    metrics.dialect_turn("openai")
-    metrics.dialect_turn("openai")
-    metrics.dialect_turn("native")
+    metrics.count(Metric.DIALECT_SESSIONS, label="openai")
+    metrics.count(Metric.DIALECT_TURNS, label="openai")
+    metrics.count(Metric.DIALECT_TURNS, label="openai")
+    metrics.count(Metric.DIALECT_TURNS, label="native")
     text = metrics.render()
     assert 'microturn_gateway_dialect_sessions_total{dialect="openai"} 1' in text
     assert 'microturn_gateway_dialect_turns_total{dialect="openai"} 2' in text
@@ -66,10 +67,10 @@ def test_histogram_buckets_are_cumulative() -> None:
 
 def test_metrics_text_has_every_family_once() -> None:
     metrics = GatewayMetrics()
-    metrics.sockets_open = 3
-    metrics.chunks_forwarded = 7
-    metrics.error("rate_limited")
-    metrics.error("rate_limited")
+    metrics.set(Metric.SOCKETS_OPEN, 3)
+    metrics.count(Metric.CHUNKS_FORWARDED, 7)
+    metrics.count(Metric.ERRORS, label="rate_limited")
+    metrics.count(Metric.ERRORS, label="rate_limited")
     metrics.turn_latency.observe(0.02)
     text = metrics.render()
     assert "microturn_gateway_sockets_open 3\n" in text

@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 
 from gateway.limits import (
-    DEFAULT_TURN_MS,
-    MIN_RETRY_AFTER_MS,
     ChunkCost,
     LimitValues,
     SessionLimits,
@@ -14,6 +12,7 @@ from gateway.limits import (
     check_chunk_tokens,
     check_frame_size,
 )
+from shared.backpressure import DEFAULT_TURN_MS, MIN_RETRY_AFTER_MS
 from shared.errors import Backpressure, ChunkTooLarge, RateLimited
 from shared.settings import GatewaySettings
 

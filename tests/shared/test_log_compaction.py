@@ -15,7 +15,7 @@ import pytest
 
 from shared.protocol.messages import OpenConfig
 from shared.store.log_compaction import compact_log, records_since_snapshot
-from shared.store.schema import (
+from shared.store.log_format import (
     DIRECTIVE_BYTES,
     DIRECTIVE_CUT,
     NO_SEQ,

@@ -1,10 +1,10 @@
-"""The token log's record format (shared/store/schema.py): tokens, input count, text tail, directives."""
+"""The token log's record format (shared/store/log_format.py): tokens, input count, text tail, directives."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.store.schema import (
+from shared.store.log_format import (
     DIRECTIVE_CUT,
     DIRECTIVE_SNAPSHOT,
     NO_SEQ,

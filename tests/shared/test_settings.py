@@ -49,6 +49,17 @@ def test_the_engine_runs_with_the_worker_defaults() -> None:
     assert GatewaySettings().max_chunk_tokens == worker.max_chunk_tokens
 
 
+def test_the_engine_queue_and_the_gateway_queue_are_set_apart() -> None:
+    # One MT_ variable used to set both under `microturn up`: now each names its own role.
+    env = {"MT_MAX_QUEUED_TOKENS": "5", "MT_MAX_PENDING_TOKENS": "7"}
+    assert from_sources(GatewaySettings, None, env).max_queued_tokens == 5
+    assert from_sources(WorkerSettings, None, env).max_pending_tokens == 7
+    # The worker's old flag names keep working.
+    old_flags = ["--max-queued-tokens", "9", "--max-queued-outputs", "3"]
+    worker = parse_settings(WorkerSettings, old_flags, "microturn worker")
+    assert (worker.max_pending_tokens, worker.max_pending_outputs) == (9, 3)
+
+
 def test_up_flags_come_from_its_settings_with_the_same_precedence() -> None:
     import argparse
 

@@ -10,6 +10,11 @@ from worker.engine import Engine
 @pytest.fixture
 def tiny() -> Iterator[Engine]:
     with Engine.load(
-        "tiny", kv_tokens=4096, page_size=16, max_chunk_tokens=256, max_queued_tokens=64, max_queued_outputs=2
+        "tiny",
+        kv_tokens=4096,
+        page_size=16,
+        max_chunk_tokens=256,
+        max_pending_tokens=64,
+        max_pending_outputs=2,
     ) as engine:
         yield engine

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from shared.protocol.messages import OpenConfig
-from shared.store.schema import Cut
+from shared.store.log_format import Cut
 from worker.engine import Engine
 from worker.engine.memory.window import cut_before, opening_history
 
@@ -81,7 +81,7 @@ def test_every_turn_answers_as_its_window_sent_whole_across_several_cuts(smollm2
 
 @pytest.fixture
 def tiny() -> Iterator[Engine]:
-    with Engine.load("tiny", kv_tokens=4096, max_queued_tokens=4096, max_queued_outputs=16) as engine:
+    with Engine.load("tiny", kv_tokens=4096, max_pending_tokens=4096, max_pending_outputs=16) as engine:
         yield engine
 
 

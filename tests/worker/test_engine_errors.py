@@ -119,7 +119,7 @@ def test_backpressure(tiny: Engine) -> None:
     busy = tiny.submit(sid, tokens=[], max_output_tokens=40, on_token=lambda _delta: started.set())
     assert started.wait(30)
     # The queue is bounded by what it costs: queued input tokens, and turns asking for output.
-    piece = [7] * (tiny.config.max_queued_tokens // 4)
+    piece = [7] * (tiny.config.max_pending_tokens // 4)
     queued = [tiny.submit(sid, tokens=piece, max_output_tokens=0) for _ in range(4)]
     with pytest.raises(Backpressure) as refused:
         tiny.submit(sid, tokens=[9, 9], max_output_tokens=0).result(30)
@@ -139,7 +139,7 @@ def test_queue_bounds_turns_asking_for_output_not_chunks(tiny: Engine) -> None:
     assert started.wait(30)
     # Twenty small no-output pieces (a paste, a flushed buffer) all queue: together they cost little.
     pieces = [tiny.submit(sid, tokens=[3], max_output_tokens=0) for _ in range(20)]
-    bound = tiny.config.max_queued_outputs
+    bound = tiny.config.max_pending_outputs
     asking = [tiny.submit(sid, tokens=[4], max_output_tokens=1) for _ in range(bound)]
     with pytest.raises(Backpressure):
         tiny.submit(sid, tokens=[5], max_output_tokens=1).result(30)

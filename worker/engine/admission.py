@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.errors import Backpressure, BadSequence, ChunkTooLarge, ContextFull, InvalidMessage
+from shared.backpressure import check_queue
+from shared.errors import BadSequence, ChunkTooLarge, ContextFull, InvalidMessage
 from worker.engine.config import EngineConfig
 from worker.engine.session import Session
 from worker.engine.turn import Turn
 from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail
-
-# A session over its queue bound has a turn or more ahead of it: about one turn's time.
-BACKPRESSURE_RETRY_MS = 200
 
 
 def admit(
@@ -31,7 +29,7 @@ def admit(
     if session.accepted_seq is not None and turn.seq <= session.accepted_seq:
         raise BadSequence(f"seq {turn.seq} is not above the last accepted seq {session.accepted_seq}")
     tokens, tail = commit_input(session, turn, text, config.max_chunk_tokens)
-    check_queue(session, turn, len(tokens), config)
+    check_pending(session, turn, len(tokens), config)
     check_context(session, turn, len(tokens), session.context_limit)
     return tokens, tail
 
@@ -77,19 +75,18 @@ def commit_chunk(
     return committed + list(tokens), after
 
 
-def check_queue(session: Session, turn: Turn, tokens: int, config: EngineConfig) -> None:
-    """The queue is bounded by what it costs (queued tokens, turns asking for output), not by a
-    count of chunks: queued no-output chunks merge into one append. A chunk with nothing queued
-    ahead of it is always admitted (its size has its own limit)."""
-    queued_tokens, queued_outputs = session.queued_cost()
-    if (session.pending and queued_tokens + max(tokens, 1) > config.max_queued_tokens) or (
-        turn.max_output_tokens > 0 and queued_outputs >= config.max_queued_outputs
-    ):
-        raise Backpressure(
-            f"{queued_tokens} tokens and {queued_outputs} turns asking for output already wait for "
-            f"this session (limits {config.max_queued_tokens} and {config.max_queued_outputs})",
-            retry_after_ms=BACKPRESSURE_RETRY_MS,
-        )
+def check_pending(session: Session, turn: Turn, tokens: int, config: EngineConfig) -> None:
+    """The session's queue rule (shared/backpressure.py) over the turns pending behind its running
+    turn: queued no-output chunks merge into one append, so they are bounded by what they cost."""
+    pending_tokens, pending_outputs = session.queued_cost()
+    check_queue(
+        pending_tokens,
+        pending_outputs,
+        tokens=max(tokens, 1),
+        outputs=int(turn.max_output_tokens > 0),
+        tokens_limit=config.max_pending_tokens,
+        outputs_limit=config.max_pending_outputs,
+    )
 
 
 def check_context(session: Session, turn: Turn, tokens: int, limit: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from shared.errors import (
     CapacityExhausted,
@@ -21,15 +22,14 @@ from shared.errors import (
     SessionNotFound,
 )
 from shared.protocol.messages import FinishReason, OpenConfig
-from shared.store.schema import Cut
+from shared.store.log_format import Cut
 from worker.engine.admission import admit
 from worker.engine.config import EngineConfig
-from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager
+from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager, MemoryStats
 from worker.engine.memory.window import cut_before, opening_history, session_limit
-from worker.engine.model_runner import ForwardRow, ModelRunner
+from worker.engine.model_runner import ForwardRow, ModelRunner, SampledToken
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
-from worker.engine.stats import EngineStats
 from worker.engine.turn import Turn
 from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail
 from worker.tokenizer.tokenizer import Tokenizer
@@ -37,6 +37,30 @@ from worker.tokenizer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 CloseListener = Callable[[str, str], None]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine reports about itself (`Engine.stats()`, the worker's `/metrics` and `/v1/stats`)."""
+
+    sessions: int
+    active_sessions: int
+    queued_turns: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    page_size: int
+    kv_tokens_total: int
+    kv_tokens_free: int
+    steps: int
+    turns_completed: int
+    tokens_forwarded: int
+    # KV dropped under pressure (the host tier was full too, or off): `memory.drops`.
+    kv_evictions: int
+    # The attention backend the model runner chose at start (`torch` or `flashinfer`).
+    attention_backend: str
+    # Both KV tiers: pages, offloads and restores (count, bytes, seconds), recomputes.
+    memory: MemoryStats
 
 
 class EngineCore:
@@ -188,28 +212,51 @@ class EngineCore:
         return soonest
 
     def stats(self) -> EngineStats:
-        return EngineStats.of(
-            self.kv.stats(),
+        memory = self.kv.stats()
+        free = memory.device_pages_total - memory.device_pages_used
+        return EngineStats(
             sessions=len(self.sessions),
             active_sessions=len(self.running),
             queued_turns=sum(len(s.pending) for s in self.sessions.values()),
+            pages_total=memory.device_pages_total,
+            pages_used=memory.device_pages_used,
+            pages_free=free,
             page_size=self.page_size,
+            kv_tokens_total=memory.device_pages_total * self.page_size,
+            kv_tokens_free=free * self.page_size,
             steps=self.steps,
             turns_completed=self.turns_completed,
             tokens_forwarded=self.tokens_forwarded,
+            kv_evictions=memory.drops,
             attention_backend=self.runner.attention_name,
+            memory=memory,
         )
 
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Activate waiting turns, run one forward over every session with work; False if idle."""
+        """One step, as nano-vllm's `LLMEngine.step`: schedule -> run -> postprocess; False if idle."""
+        batch = self._schedule()
+        if batch is None:
+            return False
+        try:
+            sampled = self._run(batch)
+        except Exception:
+            logger.exception("forward step failed; failing the %d turns in it", len(batch.rows))
+            self._fail_batch(batch)
+            return True
+        self._postprocess(batch, sampled)
+        return True
+
+    def _schedule(self) -> ScheduledBatch | None:
+        """Activate the waiting turns, then pick what this step feeds (None: nothing to do)."""
         for session in list(self.waiting.values()):
             del self.waiting[session.session_id]
             self._activate(session)
-        batch = self.scheduler.schedule(self.running.values())
-        if batch is None:
-            return False
+        return self.scheduler.schedule(self.running.values())
+
+    def _run(self, batch: ScheduledBatch) -> list[SampledToken | None]:
+        """One ragged forward over the batch's rows; each row that samples gets its token."""
         rows = [
             ForwardRow(
                 token_ids=row.session.tokens[row.start : row.start + row.count],
@@ -220,14 +267,15 @@ class EngineCore:
             )
             for row in batch.rows
         ]
-        try:
-            sampled = self.runner.step(rows)
-        except Exception:
-            logger.exception("forward step failed; failing the %d turns in it", len(batch.rows))
-            self._fail_batch(batch)
-            return True
+        sampled = self.runner.step(rows)
         self.steps += 1
         self.tokens_forwarded += batch.num_tokens
+        return sampled
+
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[SampledToken | None]) -> None:
+        """The step's results into its turns: the fed tokens are cached, each sampled token is
+        appended and told to its listener, and a turn that stops, is long enough or was cancelled
+        finishes."""
         for row, result in zip(batch.rows, sampled, strict=True):
             session = row.session
             session.num_cached += row.count
@@ -247,7 +295,6 @@ class EngineCore:
                     self._finish(session, "cancelled")
             elif session.uncached == 0:
                 self._finish(session, "cancelled" if turn.cancelled else "length")
-        return True
 
     # ---- internals ----------------------------------------------------------------------------
 

@@ -26,10 +26,9 @@ from shared.protocol.fields import is_valid_text
 from shared.protocol.messages import OpenConfig
 from shared.settings import DTYPE_NAMES
 from worker.engine.config import EngineConfig
-from worker.engine.core import CloseListener, EngineCore
+from worker.engine.core import CloseListener, EngineCore, EngineStats
 from worker.engine.memory.sizing import device_pages, host_pages
 from worker.engine.model_runner import ModelRunner
-from worker.engine.stats import EngineStats
 from worker.engine.turn import TokenListener, Turn, TurnResult
 from worker.model.loader import LoadedModel, load_model
 from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from shared.protocol.messages import FinishReason
-from shared.store.schema import Cut
+from shared.store.log_format import Cut
 from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
 
 logger = logging.getLogger(__name__)

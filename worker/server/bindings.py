@@ -11,7 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.protocol.link import AuthLimits, LinkDone, ToGateway
+from shared.protocol.key_limits import AuthLimits
+from shared.protocol.link import LinkDone, ToGateway
 from shared.protocol.messages import InputChunk, OpenConfig
 from worker.server.restore import REPLAY_DONES, RestorePlan
 

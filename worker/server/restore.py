@@ -33,7 +33,7 @@ from typing import Final
 
 from shared.protocol.link import LinkDone, UndurableTurn
 from shared.protocol.messages import FinishReason, InputChunk, OpenConfig, OutputDone, Timing
-from shared.store.schema import NO_SEQ, Cut, decode_log
+from shared.store.log_format import NO_SEQ, Cut, decode_log
 from worker.engine.admission import commit_chunk, flushes
 from worker.engine.memory.window import cut_before
 from worker.tokenizer.incremental import IncrementalTokenizer, TextTail

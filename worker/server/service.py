@@ -34,7 +34,8 @@ from shared.protocol.link import (
 )
 from shared.protocol.messages import CloseReason, InputChunk, OutputDelta, OutputDone, Timing
 from shared.settings import WorkerSettings
-from shared.store.schema import NO_SEQ, KeySchema, encode_log_record
+from shared.store.log_format import NO_SEQ, encode_log_record
+from shared.store.schema import KeySchema
 from shared.store.values import now_ms
 from worker.engine import Engine, TokenDelta, TurnResult
 from worker.engine.memory.window import resolve_prefix, session_limit

@@ -1,6 +1,6 @@
 """The worker's side of a session's token log in Redis: the batched writer and the reads.
 
-The log (`mt:log:{<sid>}`, one record per turn: shared/store/schema.py) is what a session is rebuilt
+The log (`mt:log:{<sid>}`, one record per turn: shared/store/log_format.py) is what a session is rebuilt
 from on another worker. Its one writer is `TokenLogWriter`: it appends each finished turn, batched,
 off the reply path. The reads (`read_log_bytes` and the decoded views) are the one-off reads of a
 worker that restores a session or warms a copy of it; they see what the writer confirmed.
@@ -41,17 +41,16 @@ from redis.typing import EncodableT
 from shared.settings import WorkerSettings
 from shared.store.connection import OutageLog
 from shared.store.log_compaction import compact_log, records_since_snapshot
-from shared.store.schema import (
+from shared.store.log_format import (
     DIRECTIVE_CUT,
     NO_SEQ,
     Cut,
-    KeySchema,
     LogState,
     decode_log,
     encode_directive,
     encode_log_record,
-    lua_script,
 )
+from shared.store.schema import KeySchema, lua_script
 from worker.tokenizer.incremental import TextTail
 
 logger = logging.getLogger(__name__)
@@ -315,7 +314,7 @@ class TokenLogWriter:
 
 
 async def read_log_bytes(client: redis.Redis, schema: KeySchema, sid: str) -> bytes:
-    """The log's raw bytes (records, shared/store/schema.py); empty when absent or expired."""
+    """The log's raw bytes (records, shared/store/log_format.py); empty when absent or expired."""
     data = await client.get(schema.log(sid))
     if data is None:
         return b""

@@ -25,12 +25,13 @@ import pytest
 from redis.asyncio import Redis
 from websockets.asyncio.client import connect
 
-from gateway.auth.api_keys import KeyLimits, KeyStore
+from gateway.auth.api_keys import KeyStore
 from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX
 from shared.client.clients import ConnectionLost, RealtimeClient
 from shared.errors import ErrorCode, RateLimited, SessionNotFound, WorkerUnavailable
 from shared.protocol.close_codes import close_code_for
 from shared.protocol.codec import Encoding, decode_server, encode_client
+from shared.protocol.key_limits import KeyLimits
 from shared.protocol.messages import Error, InputChunk, SessionExpiring, SessionOpen, SessionResume
 from shared.store.schema import SESSION_CREATED_MS, KeySchema
 from tests.conftest import Servers
@@ -486,11 +487,11 @@ def test_a_browser_token_resumes_its_own_session_only(stack: Stack) -> None:
 
 def test_a_token_is_claimed_by_one_session_and_given_back_only_by_it(stack: Stack) -> None:
     async def body(keys: KeyStore) -> None:
-        from gateway.auth.client_tokens import ClientTokenStore, TokenLimits
+        from gateway.auth.client_tokens import ClientTokenStore
 
         _, key = await keys.create(new_name(), KeyLimits())
         tokens = ClientTokenStore(keys.redis, keys.schema)
-        secret, token = await tokens.mint(key, TokenLimits(), ttl_s=60)
+        secret, token = await tokens.mint(key, KeyLimits(), ttl_s=60)
         assert await tokens.claim(token, "s1", 120) and await tokens.claim(token, "s1", 120)
         assert not await tokens.claim(token, "s2", 120)
         await tokens.unclaim(token, "s2")  # not the claimant: no effect

@@ -16,6 +16,7 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.links import LinkPool
+from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
 from shared.errors import CapacityExhausted
 from shared.store.placement import mark_suspect, place_session
@@ -67,7 +68,7 @@ def test_a_broken_link_makes_its_worker_suspect_here_and_tells_the_others() -> N
         pool.link_lost(link)
         pool.link_lost(link)  # one notice per suspicion, not per lost link
         assert pool.suspects() == ["w9"] and told == ["w9"]
-        assert pool.metrics.workers_suspected == 1
+        assert pool.metrics.value(Metric.WORKERS_SUSPECTED) == 1
         pool.trust("w9")  # a link to it opened again
         assert pool.suspects() == []
         await pool.close()

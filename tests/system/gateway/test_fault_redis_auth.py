@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth.api_keys import KeyLimits, KeyStore
+from gateway.auth.api_keys import KeyStore
 from shared.client import RealtimeClient
 from shared.errors import ErrorCode
+from shared.protocol.key_limits import KeyLimits
 from shared.protocol.messages import Error, OutputDone, SessionExpiring
 from shared.store.connection import resilient_redis
 from shared.store.registry import read_session

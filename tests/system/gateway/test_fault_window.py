@@ -26,17 +26,17 @@ from redis.asyncio import Redis
 from shared.client.clients import ConnectionLost, RealtimeClient, SessionClosedError
 from shared.protocol.messages import Error, OpenConfig, OutputDone, SessionRestored
 from shared.store.log_compaction import records_since_snapshot
-from shared.store.registry import read_session
-from shared.store.schema import (
+from shared.store.log_format import (
     DIRECTIVE_BYTES,
     DIRECTIVE_CUT,
     RECORD_HEADER_BYTES,
     TOKEN_BYTES,
-    KeySchema,
     decode_log,
     encode_directive,
     encode_log_record,
 )
+from shared.store.registry import read_session
+from shared.store.schema import KeySchema
 from tests.conftest import Servers
 from tests.system.gateway.conftest import GATEWAY_FLAGS, LINK_SECRET
 from tests.system.gateway.stack import stop

@@ -21,7 +21,8 @@ import pytest
 from openai import AsyncOpenAI, AuthenticationError
 from redis.asyncio import Redis
 
-from gateway.auth.api_keys import KeyLimits, KeyStore
+from gateway.auth.api_keys import KeyStore
+from shared.protocol.key_limits import KeyLimits
 from shared.store.registry import read_session
 from shared.store.schema import KeySchema
 from tests.conftest import Servers

@@ -30,7 +30,8 @@ from agents.realtime import RealtimeAgent, RealtimeRunner
 from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
-from gateway.auth.api_keys import KeyLimits, KeyStore
+from gateway.auth.api_keys import KeyStore
+from shared.protocol.key_limits import KeyLimits
 from shared.store.schema import KeySchema
 from tests.conftest import Servers
 from tests.processes import REPO, Proc

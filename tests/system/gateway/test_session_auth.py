@@ -16,13 +16,13 @@ from collections.abc import Awaitable, Callable
 import pytest
 from redis.asyncio import Redis
 
-from gateway.auth.api_keys import ApiKey, KeyLimits, KeyStore
+from gateway.auth.api_keys import ApiKey, KeyStore
 from gateway.auth.client_tokens import ClientTokenStore
 from gateway.auth.key_ledger import KeyLedger
 from gateway.auth.session_auth import WARN_LEAD_FRACTION, AuthDeps, Principal, SessionAuth
 from gateway.session.guard import Expire, Instant
 from shared.errors import RateLimited, SessionExpired
-from shared.protocol.link import AuthLimits
+from shared.protocol.key_limits import AuthLimits, KeyLimits
 from shared.protocol.messages import SessionExpiring
 from shared.store.schema import KeySchema
 from tests.conftest import Servers
@@ -58,7 +58,7 @@ async def new_key(keys: KeyStore, limits: KeyLimits) -> ApiKey:
 def test_a_session_resumed_inside_its_warning_window_is_warned_at_once(redis_url: str) -> None:
     async def body(deps: AuthDeps, keys: KeyStore) -> None:
         key = await new_key(keys, KeyLimits(max_session_s=3.0))
-        granted = AuthLimits(key.digest, 3.0, 0)
+        granted = AuthLimits(key_sha256=key.digest, max_session_s=3.0)
         auth = SessionAuth(Principal(key), deps)
         # 2.6 s after its creation: inside the last 20 % of its 3 s.
         at = Instant(monotonic_s=500.0, wall_s=CREATED_MS / 1000 + 2.6)

@@ -19,6 +19,7 @@ import pytest
 from redis.asyncio import Redis
 
 from shared.errors import CapacityExhausted
+from shared.store.log_format import NO_SEQ, LogState, decode_tokens, encode_tokens
 from shared.store.models import ModelCard, read_model, served_models, write_model
 from shared.store.placement import place_script_source, place_session
 from shared.store.registry import (
@@ -38,7 +39,7 @@ from shared.store.registry import (
     verify_token,
     write_session,
 )
-from shared.store.schema import NO_SEQ, STATE_DRAINING, KeySchema, LogState, decode_tokens, encode_tokens
+from shared.store.schema import STATE_DRAINING, KeySchema
 from shared.store.values import sha256_hex
 from tests.conftest import open_servers
 from tests.shared.redis_servers import SERVER_KINDS

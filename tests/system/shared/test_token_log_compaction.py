@@ -15,8 +15,9 @@ from typing import TypeVar
 import pytest
 from redis.asyncio import Redis
 
+from shared.store.log_format import DIRECTIVE_CUT, Cut, decode_log, encode_directive, encode_log_record
 from shared.store.registry import SessionRecord, write_session
-from shared.store.schema import DIRECTIVE_CUT, Cut, KeySchema, decode_log, encode_directive, encode_log_record
+from shared.store.schema import KeySchema
 from tests.conftest import Servers
 from tests.shared.redis_servers import REDIS_SERVER
 from tests.system.gateway.faults import restartable_redis

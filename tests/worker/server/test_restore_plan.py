@@ -9,7 +9,7 @@ import pytest
 
 from shared.protocol.link import UndurableTurn
 from shared.protocol.messages import InputChunk, OpenConfig
-from shared.store.schema import encode_log_record
+from shared.store.log_format import encode_log_record
 from worker.server.restore import REPLAY_DONES, ForcedTurn, plan_restore
 from worker.tokenizer.incremental import EMPTY_TAIL
 

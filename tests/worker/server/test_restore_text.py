@@ -16,7 +16,7 @@ import pytest
 
 from shared.protocol.link import UndurableTurn
 from shared.protocol.messages import InputChunk, OpenConfig
-from shared.store.schema import encode_log_record
+from shared.store.log_format import encode_log_record
 from worker.engine import Engine, TurnResult
 from worker.server.restore import plan_restore
 from worker.tokenizer.incremental import EMPTY_TAIL
@@ -39,7 +39,7 @@ def chunks() -> list[InputChunk]:
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
     with Engine.load(
-        "tiny", kv_tokens=4096, page_size=16, max_queued_tokens=4096, max_queued_outputs=64
+        "tiny", kv_tokens=4096, page_size=16, max_pending_tokens=4096, max_pending_outputs=64
     ) as e:
         yield e
 

@@ -17,7 +17,7 @@ import pytest
 
 from shared.protocol.link import UndurableTurn
 from shared.protocol.messages import InputChunk, OpenConfig
-from shared.store.schema import DIRECTIVE_CUT, decode_log, encode_directive, encode_log_record
+from shared.store.log_format import DIRECTIVE_CUT, decode_log, encode_directive, encode_log_record
 from worker.engine import Engine, TurnResult
 from worker.engine.memory.window import session_limit
 from worker.server.restore import ForcedTurn, plan_restore
@@ -44,7 +44,7 @@ def chunks() -> list[InputChunk]:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    with Engine.load("tiny", kv_tokens=4096, max_queued_tokens=4096, max_queued_outputs=64) as e:
+    with Engine.load("tiny", kv_tokens=4096, max_pending_tokens=4096, max_pending_outputs=64) as e:
         yield e
 
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from shared.errors import CapacityExhausted
-from shared.store.schema import Cut
+from shared.store.log_format import Cut
 from worker.attention.kv_pool import KVPool
 from worker.engine.memory.page_allocator import PageAllocator
 from worker.engine.memory.page_copy import CopyCounter, HostKVPool, PageCopier

@@ -13,7 +13,7 @@ refuses the chunk instead, worker/engine/admission.py). Under `truncate` the rul
 
 The rule depends only on the history's length, the turn and the config, so the engine, a restoring
 worker replaying delivered turns (worker/server/restore.py) and a reader of the log
-(shared/store/schema.py records each cut as a `Cut`) all reach the same window. A ratio below 1
+(shared/store/log_format.py records each cut as a `Cut`) all reach the same window. A ratio below 1
 leaves room for many turns after each cut, so a session at its limit re-prefills its window rarely
 instead of on every turn. The prefix's KV is kept across a cut; only the recent tokens are
 re-prefilled (worker/engine/memory/manager.py).
@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from shared.errors import ContextFull, InvalidMessage
 from shared.protocol.messages import OpenConfig
-from shared.store.schema import Cut
+from shared.store.log_format import Cut
 from worker.engine.admission import commit_chunk
 from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer
 
