@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from gateway.handshake import Negotiated, negotiate
-from gateway.links import link_endpoint
 from gateway.metrics import GatewayMetrics
 from shared.metrics import Histogram
 from shared.protocol.codec import Encoding
+from shared.protocol.link_client import link_endpoint
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,9 @@ from shared.settings import DTYPE_NAMES
 from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore
 from worker.engine.memory.sizing import device_pages, host_pages
+from worker.engine.memory.window import resolve_prefix, session_limit
 from worker.engine.model_runner import ModelRunner
+from worker.engine.session_rules import SessionRules
 from worker.engine.stats import EngineStats
 from worker.engine.turn import TokenListener, Turn, TurnResult
 from worker.model.loader import LoadedModel, load_model
@@ -114,6 +116,13 @@ class Engine:
     @property
     def context_limit(self) -> int:
         return self._core.context_limit
+
+    def session_rules(self, config: OpenConfig) -> SessionRules:
+        """The rules this engine runs a session of `config` by (its system prompt resolved, its
+        window's limit, its tokenizer), for a worker that replays its turns (a restore, a copy).
+        Raises the typed error an open with `config` would."""
+        resolved, prefix = resolve_prefix(config, self.text)
+        return SessionRules(resolved, session_limit(resolved, self.context_limit), self.text, tuple(prefix))
 
     # ---- sessions -----------------------------------------------------------------------------
 

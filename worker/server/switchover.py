@@ -34,17 +34,13 @@ import websockets
 from redis.asyncio import Redis
 
 from shared.errors import CapacityExhausted, MicroturnError
-from shared.protocol.link import (
-    LINK_SECRET_HEADER,
-    LinkMigrate,
-    LinkWarm,
-    LinkWarmed,
-)
-from shared.protocol.link_codec import decode_link, encode_link
+from shared.protocol.link import LinkMigrate, LinkWarm, LinkWarmed
+from shared.protocol.link_client import LinkClient
 from shared.store.placement import place_session
 from shared.store.schema import KeySchema
-from worker.server.bindings import SessionBinding
+from worker.server.lifecycle import Phase
 from worker.server.service import WorkerService
+from worker.server.sessions import WorkerSession
 
 logger = logging.getLogger(__name__)
 
@@ -69,33 +65,13 @@ class SwitchReport:
     targets: dict[str, str] = field(default_factory=dict)
 
 
-class _TargetLink:
-    """This worker's link to one target worker, dialed as a gateway dials it."""
-
-    def __init__(self, worker_id: str, url: str) -> None:
-        self.worker_id = worker_id
-        self.url = url
-        self.connection: websockets.ClientConnection | None = None
-
-    async def connect(self, secret: str) -> None:
-        headers = {LINK_SECRET_HEADER: secret} if secret else {}
-        self.connection = await asyncio.wait_for(
-            websockets.connect(self.url + "/v1/link", additional_headers=headers, max_size=None),
-            CONNECT_TIMEOUT_S,
-        )
-
-    async def close(self) -> None:
-        if self.connection is not None:
-            await self.connection.close()
-
-
 async def switch_over(
     service: WorkerService, redis: Redis, schema: KeySchema, *, worker_id: str, model: str, budget_s: float
 ) -> SwitchReport:
     """Hand every attached session to a warm copy on another worker, within `budget_s`; the
     sessions still here afterwards are for the classic handover."""
     switcher = _Switcher(service, time.monotonic() + budget_s)
-    bindings = [b for b in service.directory.bindings.values() if b.ready and b.link is not None]
+    bindings = [b for b in service.sessions.live() if b.phase is Phase.READY and b.link is not None]
     for binding in bindings:
         try:
             placement = await place_session(redis, schema, exclude=(worker_id,), model=model or None)
@@ -122,29 +98,35 @@ class _Switcher:
         self.service = service
         self.deadline = deadline
         self.report = SwitchReport()
-        self.targets: dict[str, _TargetLink] = {}
-        # sid -> (its binding, its target, the chunks it had answered when its copy was asked for)
-        self.waiting: dict[str, tuple[SessionBinding, _TargetLink, int]] = {}
+        # worker id -> this worker's link to it (None: it could not be reached)
+        self.targets: dict[str, LinkClient | None] = {}
+        # sid -> (its session, its target, the chunks it had answered when its copy was asked for)
+        self.waiting: dict[str, tuple[WorkerSession, LinkClient, int]] = {}
         self.readers: list[asyncio.Task[None]] = []
         # Switches run as tasks of their own, never cancelled: one cut short would leave a session
         # neither here nor told to move.
         self.switches: list[asyncio.Task[None]] = []
 
-    async def warm(self, binding: SessionBinding, worker_id: str, url: str) -> None:
-        target = self.targets.get(worker_id)
-        if target is None:
-            target = self.targets[worker_id] = _TargetLink(worker_id, url)
+    async def warm(self, binding: WorkerSession, worker_id: str, url: str) -> None:
+        if worker_id not in self.targets:
+            self.targets[worker_id] = None
             try:
-                await target.connect(self.service.settings.link_secret)
+                secret, timeout = self.service.settings.link_secret, CONNECT_TIMEOUT_S
+                client = await LinkClient.open(worker_id, url, secret=secret, open_timeout_s=timeout)
             except (OSError, TimeoutError, websockets.WebSocketException) as exc:
                 logger.warning("drain: cannot reach worker %s to warm sessions on it: %s", worker_id, exc)
                 return
-            self.readers.append(asyncio.create_task(self._read(target)))
-        if target.connection is None:
+            self.targets[worker_id] = client
+            self.readers.append(asyncio.create_task(self._read(client)))
+        target = self.targets[worker_id]
+        if target is None:
             return
-        await target.connection.send(encode_link(LinkWarm(binding.sid, binding.config)))
+        self.service.sessions.start_moving(binding)
         self.waiting[binding.sid] = (binding, target, binding.turns_answered)
         self.report.placed += 1
+        # A send that fails: the reader sees the link end and gives these to the classic handover.
+        with contextlib.suppress(websockets.WebSocketException):
+            await target.send(LinkWarm(binding.sid, binding.config))
 
     async def wait(self) -> None:
         try:
@@ -158,15 +140,14 @@ class _Switcher:
             for sid, (_binding, target, _answered) in self.waiting.items():
                 self.report.targets[sid] = target.worker_id
             # The targets keep unadopted copies a grace period after this link closes (warm.py).
-            await asyncio.gather(*(t.close() for t in self.targets.values()), return_exceptions=True)
+            clients = [t for t in self.targets.values() if t is not None]
+            await asyncio.gather(*(t.close() for t in clients), return_exceptions=True)
 
-    async def _read(self, target: _TargetLink) -> None:
-        assert target.connection is not None
+    async def _read(self, target: LinkClient) -> None:
         try:
-            async for data in target.connection:
-                frame = decode_link(data) if isinstance(data, bytes) else None
-                entry = self.waiting.get(frame.sid) if frame is not None else None
-                if frame is None or entry is None or entry[1] is not target:
+            async for frame in target.frames():
+                entry = self.waiting.get(frame.sid)
+                if entry is None or entry[1] is not target:
                     continue
                 del self.waiting[frame.sid]
                 if isinstance(frame, LinkWarmed):
@@ -182,7 +163,7 @@ class _Switcher:
                 del self.waiting[sid]
                 self.report.fell_back.append(sid)
 
-    async def _switch(self, entry: tuple[SessionBinding, _TargetLink, int]) -> None:
+    async def _switch(self, entry: tuple[WorkerSession, LinkClient, int]) -> None:
         binding, target, answered_before = entry
         self.report.served_while_warming += binding.turns_answered - answered_before
         if await _switch(self.service, binding, target.worker_id, self.deadline):
@@ -192,23 +173,21 @@ class _Switcher:
             self.report.targets[binding.sid] = target.worker_id  # its copy there is warm
 
 
-async def _switch(service: WorkerService, binding: SessionBinding, target: str, deadline: float) -> bool:
+async def _switch(service: WorkerService, binding: WorkerSession, target: str, deadline: float) -> bool:
     """Finish the chunks in flight here, make the log durable, and send the gateway over; False
     when they did not finish by the deadline (the classic handover then cancels them: they re-run
     on the next worker, with the chunks held since the switch began)."""
     sid = binding.sid
-    service.switching.add(sid)
+    if service.sessions.get(sid) is not binding:
+        return False  # the client closed it (or it expired) meanwhile: nothing left to move
+    service.sessions.switch(binding)
     while binding.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(IN_FLIGHT_POLL_S)
-    if service.directory.get(sid) is not binding:
-        service.switching.discard(sid)
+    if service.sessions.get(sid) is not binding:
         return False  # the client closed it (or it expired) meanwhile: nothing left to move
     if binding.in_flight:
         return False
-    service.directory.remove(sid)
-    service.handing_over.add(sid)
-    service.switching.discard(sid)
-    link, binding.link = binding.link, None
+    link = service.sessions.hand_over(binding)
     with contextlib.suppress(MicroturnError):  # gone from the engine already: nothing to close
         await asyncio.wrap_future(service.engine.close_session_async(sid, "closed"))
     while not await service.token_log.flush():
