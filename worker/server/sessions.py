@@ -38,6 +38,7 @@ class WorkerSession:
     stream: bool = False
     idle_timeout_s: float = 0.0
     link: LinkPeer | None = None
+    # Its tokens (a COPY: those its KV covers).
     length: int = 0
     # The last seq the session finished here (None: none yet), as `opened` reports it.
     finished_seq: int | None = None

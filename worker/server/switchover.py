@@ -1,13 +1,16 @@
-"""Make-before-break drain: each session is rebuilt on its next worker while this one serves it.
+"""Make-before-break drain: each session's KV moves to its next worker while this one serves it.
 
 SIGTERM (docs/failover.md, "Drain"). The worker stops taking sessions, then for each session held
 with a gateway attached:
 
 1. *Place* it: placement (shared/store/placement.py, this worker excluded) picks and charges the
    least-loaded worker with room, so the sessions spread over every worker that has it.
-2. *Warm* it there: this worker dials that worker's link (as a gateway would, with the link secret)
-   and sends `warm(sid, config)`; the target rebuilds the session from its token log in its
-   background prefill class (worker/server/warm.py). This worker keeps serving every chunk.
+2. *Copy* it there: its KV pages go over the target's KV copy stream (kv_sender.py, one stream per
+   target, sessions in placement order), then this worker sends `warm(sid, config)` on the
+   target's link (dialed as a gateway dials it, with the link secret): the target catches the copy
+   up on the turns logged since its point (worker/server/warm.py), or, when the pages could not be
+   used (a format mismatch, a bad checksum, a broken stream, no room: counted by reason), rebuilds
+   it from the token log in its background prefill class. This worker keeps serving every chunk.
 3. *Switch* at a turn boundary once the target answers `warmed`: chunks that arrive from now on
    are left unanswered (the gateway holds them in the session's undurable tail); the ones in
    flight finish here and are logged; the log is flushed; then `migrate(sid, durable_seq,
@@ -17,8 +20,9 @@ with a gateway attached:
 Sessions whose copy is not ready by the deadline (a share of `--drain-timeout-s`), whose target
 refused, died or could not be reached, or for which no worker had room, are handed over by the
 classic break-before-make `migrate_all` (worker/server/handover.py) that the drain runs after this,
-so a drain never outlives its deadline. Why a rebuild from the log and not the KV pages sent worker
-to worker: docs/failover.md, with the figures.
+so a drain never outlives its deadline. Why the KV pages, with the rebuild as the fallback:
+docs/failover.md, with the figures. Each session's phase moves through its owner
+(worker/server/sessions.py): READY -> MOVING -> SWITCHING -> HANDED_OVER.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from shared.protocol.link import LinkMigrate, LinkWarm, LinkWarmed
 from shared.protocol.link_client import LinkClient
 from shared.store.placement import place_session
 from shared.store.schema import KeySchema
+from worker.server.kv_sender import KVSender
 from worker.server.lifecycle import Phase
 from worker.server.service import WorkerService
 from worker.server.sessions import WorkerSession
@@ -63,14 +68,38 @@ class SwitchReport:
     # Of those, the ones with a copy (warm or part-warm) on a target still up: the classic handover
     # names it, so the restore there keeps what the copy has.
     targets: dict[str, str] = field(default_factory=dict)
+    # Sessions whose KV pages went over (kv_sender.py): their bytes and seconds (export to stored).
+    copied: int = 0
+    copy_bytes: int = 0
+    copy_seconds: float = 0.0
+    # Sessions whose copy the target rebuilt from the log instead, by reason (kv_copy.py).
+    rebuilt: dict[str, int] = field(default_factory=dict)
+
+    def copy_figures(self) -> str:
+        """The copies' size and speed, for the drain's log line."""
+        if not self.copied:
+            return "0 KV copied"
+        mb = self.copy_bytes / 1e6
+        rate = mb / self.copy_seconds if self.copy_seconds else 0.0
+        per_session = self.copy_seconds * 1000 / self.copied
+        return f"{self.copied} KV copied, {mb:.1f} MB, {per_session:.1f} ms a session, {rate:.0f} MB/s"
 
 
 async def switch_over(
-    service: WorkerService, redis: Redis, schema: KeySchema, *, worker_id: str, model: str, budget_s: float
+    service: WorkerService,
+    redis: Redis,
+    schema: KeySchema,
+    *,
+    worker_id: str,
+    model: str,
+    budget_s: float,
+    copy_pages: bool = True,
 ) -> SwitchReport:
     """Hand every attached session to a warm copy on another worker, within `budget_s`; the
-    sessions still here afterwards are for the classic handover."""
-    switcher = _Switcher(service, time.monotonic() + budget_s)
+    sessions still here afterwards are for the classic handover. `copy_pages`: each session's KV
+    pages go to its target first (kv_sender.py); without, or when a copy falls back, the target
+    rebuilds the copy from the log."""
+    switcher = _Switcher(service, time.monotonic() + budget_s, copy_pages=copy_pages)
     bindings = [b for b in service.sessions.live() if b.phase is Phase.READY and b.link is not None]
     for binding in bindings:
         try:
@@ -80,12 +109,16 @@ async def switch_over(
         await switcher.warm(binding, placement.worker_id, placement.url)
     await switcher.wait()
     report = switcher.report
+    rebuilt = ", ".join(f"{reason}: {n}" for reason, n in sorted(report.rebuilt.items()))
     logger.info(
         "drain: %d session(s) switched to warm copies (%d placed; %d chunks answered here while they "
-        "warmed); %d left for the classic handover",
+        "warmed; %s; %d rebuilt from the log%s); %d left for the classic handover",
         report.switched,
         report.placed,
         report.served_while_warming,
+        report.copy_figures(),
+        sum(report.rebuilt.values()),
+        f" ({rebuilt})" if rebuilt else "",
         len(report.fell_back),
     )
     return report
@@ -94,9 +127,14 @@ async def switch_over(
 class _Switcher:
     """The copies asked for, and the switch of each once its copy is warm."""
 
-    def __init__(self, service: WorkerService, deadline: float) -> None:
+    def __init__(self, service: WorkerService, deadline: float, *, copy_pages: bool) -> None:
         self.service = service
         self.deadline = deadline
+        self.copy_pages = copy_pages
+        # worker id -> the KV copy stream to it and the sessions waiting for it, in placement order
+        self.copies: dict[str, asyncio.Queue[WorkerSession]] = {}
+        self.senders: list[KVSender] = []
+        self.copiers: list[asyncio.Task[None]] = []
         self.report = SwitchReport()
         # worker id -> this worker's link to it (None: it could not be reached)
         self.targets: dict[str, LinkClient | None] = {}
@@ -124,17 +162,63 @@ class _Switcher:
         self.service.sessions.start_moving(binding)
         self.waiting[binding.sid] = (binding, target, binding.turns_answered)
         self.report.placed += 1
+        if self.copy_pages:  # `warm` follows the copy (kv_sender.py), one session after the other
+            queue = self.copies.get(worker_id)
+            if queue is None:
+                queue = self.copies[worker_id] = asyncio.Queue()
+                sender = KVSender(
+                    self.service.engine,
+                    worker_id,
+                    url,
+                    secret=self.service.settings.link_secret,
+                    timeout_s=CONNECT_TIMEOUT_S,
+                )
+                self.senders.append(sender)
+                self.copiers.append(asyncio.create_task(self._copy(target, sender, queue)))
+            queue.put_nowait(binding)
+            return
         # A send that fails: the reader sees the link end and gives these to the classic handover.
         with contextlib.suppress(websockets.WebSocketException):
             await target.send(LinkWarm(binding.sid, binding.config))
+
+    async def _copy(self, target: LinkClient, sender: KVSender, queue: asyncio.Queue[WorkerSession]) -> None:
+        """Copy each session's KV to `target`, then ask for its warm copy (caught up from the log)."""
+        while True:
+            binding = await queue.get()
+            entry = self.waiting.get(binding.sid)
+            if entry is None or entry[1] is not target:
+                continue  # the link to the target broke meanwhile: the classic handover takes it
+            outcome = await sender.send(binding.sid, binding.config)
+            metrics = self.service.metrics
+            if outcome.fallback is None:
+                self.report.copied += 1
+                self.report.copy_bytes += outcome.bytes
+                self.report.copy_seconds += outcome.seconds
+                metrics.kv_copies_sent += 1
+                metrics.kv_copy_bytes_sent += outcome.bytes
+                metrics.kv_copy_seconds += outcome.seconds
+            else:
+                reason = outcome.fallback
+                self.report.rebuilt[reason] = self.report.rebuilt.get(reason, 0) + 1
+                metrics.kv_copy_fell_back(reason)
+                logger.warning(
+                    "drain: the KV of %s was not copied to %s (%s: %s): it rebuilds the copy from the log",
+                    binding.sid,
+                    target.worker_id,
+                    reason,
+                    outcome.detail,
+                )
+            with contextlib.suppress(websockets.WebSocketException):
+                await target.send(LinkWarm(binding.sid, binding.config))
 
     async def wait(self) -> None:
         try:
             while self.waiting and time.monotonic() < self.deadline:
                 await asyncio.sleep(0.01)
         finally:
-            for reader in self.readers:
-                reader.cancel()
+            for task in (*self.readers, *self.copiers):
+                task.cancel()
+            await asyncio.gather(*(s.close() for s in self.senders), return_exceptions=True)
             await asyncio.gather(*self.switches)
             self.report.fell_back += sorted(self.waiting)
             for sid, (_binding, target, _answered) in self.waiting.items():

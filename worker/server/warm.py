@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 from typing import Final, Protocol
 
@@ -101,7 +102,7 @@ class WarmCopies:
     def link_gone(self, link: LinkPeer) -> None:
         for copy in self.service.sessions.copies():
             if copy.asked_by is link:
-                self.service.loop.call_later(WARM_GRACE_S, self._discard, copy)
+                self.service.loop.call_later(WARM_GRACE_S, self.discard, copy)
 
     def forgotten(self, sid: str) -> None:
         """The engine ended the copy (its idle timeout, or a discard): nothing else to do."""
@@ -110,24 +111,34 @@ class WarmCopies:
     async def _warm(self, copy: WorkerSession, frame: LinkWarm) -> None:
         service, sid, link = self.service, frame.sid, copy.asked_by
         assert link is not None
+        started = time.monotonic()
         try:
             # Resolved once for every round: the rules a restore plans with, and the copy's config.
             rules = service.engine.session_rules(frame.config)
             idle = rules.config.idle_timeout_s or service.settings.idle_timeout_s
             copy_config = replace(rules.config, idle_timeout_s=idle)
             plan = await self._plan(sid, rules)
-            # A copy whose KV came over keeps it: only the turns logged after its point are prefilled.
-            result = await self._build(sid, copy_config, plan, extend=copy.kv_imported)
-            # The old worker streams the session on meanwhile: catch up on what it logged while
-            # this copy was built, so the switch itself prefills only the last round's turns.
-            for _ in range(CATCH_UP_ROUNDS):
-                if service.sessions.copy(sid) is not copy or result.finish == "cancelled":
+            # A copy whose KV came over (`length`: its tokens with KV) is behind by the turns
+            # logged during one transfer: within a piece, the switch's own prefill takes them.
+            length = copy.length
+            result: TurnResult | None = None
+            if not copy.kv_imported or len(plan.history) - length > CATCH_UP_TOKENS:
+                # Only the turns logged after the copy's point are prefilled (all of them for a
+                # copy rebuilt from nothing), in the background share.
+                result = await self._build(sid, copy_config, plan, extend=copy.kv_imported)
+                length = result.length
+            # A rebuilt copy took long: the old worker streamed the session on meanwhile. Catch up
+            # on what it logged while the copy was built, so the switch prefills only the last
+            # round's turns.
+            for _ in range(0 if copy.kv_imported else CATCH_UP_ROUNDS):
+                if result is None or service.sessions.copy(sid) is not copy or result.finish == "cancelled":
                     return  # adopted or discarded while it warmed
                 latest = await self._plan(sid, rules)
                 if len(latest.history) - result.length <= CATCH_UP_TOKENS:
                     break
                 plan = latest
                 result = await self._build(sid, copy_config, plan, extend=True)
+                length = result.length
         except (redis.RedisError, ValueError, MicroturnError) as exc:
             logger.warning("could not warm a copy of session %s: %s", sid, exc)
             if service.sessions.drop_copy(sid, copy):  # the engine's copy goes too, quietly
@@ -135,13 +146,22 @@ class WarmCopies:
             error = exc if isinstance(exc, MicroturnError) else WorkerUnavailable(f"no copy: {exc}")
             link.send(link_error_from(sid, error, fatal=True))
             return
-        if service.sessions.copy(sid) is not copy or result.finish == "cancelled":
+        if service.sessions.copy(sid) is not copy or (result is not None and result.finish == "cancelled"):
             return  # adopted or discarded while it warmed
         service.metrics.warm_copies += 1
+        if copy.kv_imported:
+            service.metrics.warm_from_pages += 1
+        else:
+            service.metrics.warm_rebuilds += 1
         logger.info(
-            "warm copy of session %s ready: %d tokens, log to seq %s", sid, result.length, plan.durable_seq
+            "warm copy of session %s ready: %d tokens, log to seq %s, %s, in %.0f ms",
+            sid,
+            length,
+            plan.durable_seq,
+            "its KV copied from its worker" if copy.kv_imported else "rebuilt from the log",
+            (time.monotonic() - started) * 1000,
         )
-        link.send(LinkWarmed(sid, result.length, plan.durable_seq))
+        link.send(LinkWarmed(sid, length, plan.durable_seq))
 
     async def _plan(self, sid: str, rules: SessionRules) -> RestorePlan:
         """The session's window as its log has it now, as a restore would rebuild it (no tail)."""
@@ -160,7 +180,8 @@ class WarmCopies:
         )
         return await asyncio.wrap_future(future)
 
-    def _discard(self, copy: WorkerSession) -> None:
+    def discard(self, copy: WorkerSession) -> None:
+        """End `copy` here (engine session included) unless a restore took it over meanwhile."""
         if not self.service.sessions.drop_copy(copy.sid, copy):
             return  # adopted meanwhile, or asked for again
         logger.info("discarding the warm copy of session %s: no restore took it over", copy.sid)
