@@ -1,12 +1,13 @@
 """The sending end of a drain's KV copy: a session's pages, to the worker taking it over.
 
-switchover.py places each session, then hands it to the `KVSender` of its target: one stream per
-target (`/v1/kv`, dialed with the link secret by the link's own client), its sessions one after
-the other. Per session the engine gathers the KV out of the tier that holds it (`Engine.export_kv`:
-on CUDA through pinned memory on the host tier's side stream, never blocking a step), the payload
-is checksummed off the event loop, and the stream carries header, pages and the target's answer
-(shared/protocol/kv_copy.py). The session is served here throughout: the copy is a snapshot at a
-turn boundary of the engine thread, and the target catches up on later turns from the log.
+switchover.py places each session, then hands it to a `KVSender` of its target: a few streams per
+target (`/v1/kv`, dialed with the link secret by the link's own client), each carrying its sessions
+one after the other. Per session the engine gathers the KV out of the tier that holds it
+(`Engine.export_kv`: on CUDA through pinned memory on the host tier's side stream, never blocking a
+step), the payload is checksummed off the event loop, and the stream carries header, pages and the
+target's answer (shared/protocol/kv_copy.py). The session is served here throughout: the copy is a
+snapshot at a turn boundary of the engine thread, and the target catches up on later turns from the
+log.
 
 The outcome is `stored` or the reason the target rebuilds the copy from the log instead (a format
 mismatch, a bad checksum, a broken stream, no room): the caller then asks for the copy with `warm`

@@ -5,12 +5,13 @@ with a gateway attached:
 
 1. *Place* it: placement (shared/store/placement.py, this worker excluded) picks and charges the
    least-loaded worker with room, so the sessions spread over every worker that has it.
-2. *Copy* it there: its KV pages go over the target's KV copy stream (kv_sender.py, one stream per
-   target, sessions in placement order), then this worker sends `warm(sid, config)` on the
-   target's link (dialed as a gateway dials it, with the link secret): the target catches the copy
-   up on the turns logged since its point (worker/server/warm.py), or, when the pages could not be
-   used (a format mismatch, a bad checksum, a broken stream, no room: counted by reason), rebuilds
-   it from the token log in its background prefill class. This worker keeps serving every chunk.
+2. *Copy* it there: its KV pages go over a KV copy stream to the target (kv_sender.py,
+   `COPY_STREAMS` streams per target, each taking the next session in placement order), then this
+   worker sends `warm(sid, config)` on the target's link (dialed as a gateway dials it, with the
+   link secret): the target catches the copy up on the turns logged since its point
+   (worker/server/warm.py), or, when the pages could not be used (a format mismatch, a bad checksum,
+   a broken stream, no room: counted by reason), rebuilds it from the token log in its background
+   prefill class. This worker keeps serving every chunk.
 3. *Switch* at a turn boundary once the target answers `warmed`: chunks that arrive from now on
    are left unanswered (the gateway holds them in the session's undurable tail); the ones in
    flight finish here and are logged; the log is flushed; then `migrate(sid, durable_seq,
@@ -53,6 +54,10 @@ logger = logging.getLogger(__name__)
 IN_FLIGHT_POLL_S: Final = 0.002
 FLUSH_RETRY_S: Final = 0.05
 CONNECT_TIMEOUT_S: Final = 2.0
+# KV copy streams to each target, each taking the next placed session: a copy mostly waits (for the
+# engine threads between steps, for the target's log read), so a few overlap those waits; each
+# holds one session's pages in memory at a time.
+COPY_STREAMS: Final = 4
 
 
 @dataclass
@@ -131,7 +136,7 @@ class _Switcher:
         self.service = service
         self.deadline = deadline
         self.copy_pages = copy_pages
-        # worker id -> the KV copy stream to it and the sessions waiting for it, in placement order
+        # worker id -> the sessions waiting for a KV copy stream to it, in placement order
         self.copies: dict[str, asyncio.Queue[WorkerSession]] = {}
         self.senders: list[KVSender] = []
         self.copiers: list[asyncio.Task[None]] = []
@@ -166,15 +171,16 @@ class _Switcher:
             queue = self.copies.get(worker_id)
             if queue is None:
                 queue = self.copies[worker_id] = asyncio.Queue()
-                sender = KVSender(
-                    self.service.engine,
-                    worker_id,
-                    url,
-                    secret=self.service.settings.link_secret,
-                    timeout_s=CONNECT_TIMEOUT_S,
-                )
-                self.senders.append(sender)
-                self.copiers.append(asyncio.create_task(self._copy(target, sender, queue)))
+                for _ in range(COPY_STREAMS):
+                    sender = KVSender(
+                        self.service.engine,
+                        worker_id,
+                        url,
+                        secret=self.service.settings.link_secret,
+                        timeout_s=CONNECT_TIMEOUT_S,
+                    )
+                    self.senders.append(sender)
+                    self.copiers.append(asyncio.create_task(self._copy(target, sender, queue)))
             queue.put_nowait(binding)
             return
         # A send that fails: the reader sees the link end and gives these to the classic handover.

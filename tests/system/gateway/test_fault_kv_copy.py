@@ -167,12 +167,10 @@ def test_a_target_killed_mid_copy_costs_no_turn(
         with drain_stack(servers, tmp_path) as stack:
             targets: list[tuple[str, list[str], KVProxy | None]] = [("w1", [], proxy), ("w2", [], None)]
             report = asyncio.run(drain_w0(stack, targets, expected, kill=("w1", proxy)))
-            # Placement alternates between the two: those placed on w1 went break-before-make.
+            # Placement alternates between the two: those placed on w1 went break-before-make (some
+            # of their pages may have arrived there before the kill), those on w2 moved as pages.
             assert report.left >= 1 and report.switched + report.left == SESSIONS
-            assert (
-                report.copied
-                == report.switched
-                == counter(stack, "w2", "microturn_worker_warm_from_pages_total")
-            )
+            from_pages = counter(stack, "w2", "microturn_worker_warm_from_pages_total")
+            assert report.switched == from_pages and report.copied >= report.switched
     finally:
         proxy.close()
