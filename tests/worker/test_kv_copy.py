@@ -130,3 +130,31 @@ def test_the_format_tells_other_weights_page_sizes_and_dtypes_apart(source: Engi
     )
     assert ours.mismatch(KVFormat(ours.model, ours.dtype, ours.page_size, "nhd", ours.page_bytes)) == "layout"
     assert ours.mismatch(ours) is None
+
+
+def test_a_session_parked_on_the_host_tier_is_exported_from_there(target: Engine) -> None:
+    with Engine.load("tiny", kv_tokens=384, host_kv_tokens=4096) as small:
+        small.open_session(session_id="parked", config=CONFIG)
+        history: list[int] = []
+        for seq, chunk in enumerate(TURNS[:5], 1):
+            history += [*chunk, *small.run_turn("parked", tokens=chunk, seq=seq, timeout=60).tokens]
+        small.open_session(session_id="other", config=CONFIG)
+        for seq, chunk in enumerate(TURNS[:5], 1):  # needs the pool: "parked" goes to the host tier
+            small.run_turn("other", tokens=chunk, seq=seq, timeout=60)
+        assert small.stats().memory.offloads.count >= 1
+        export = small.export_kv("parked").result(timeout=60)
+        sid = f"parked-{target.stats().memory.host_pages_total}"
+        kept = target.import_copy(
+            sid,
+            config=CONFIG,
+            history=history,
+            accepted_seq=5,
+            text_tail=EMPTY_TAIL,
+            kv_tokens=export.tokens,
+            kv=export.data,
+        ).result(timeout=60)
+        assert kept == len(export.tokens) >= len(history) - 1
+        target.open_session(session_id=sid, config=CONFIG, history=history, accepted_seq=5, adopt=True)
+        moved = target.run_turn(sid, tokens=TURNS[5], seq=6, timeout=60)
+        stayed = small.run_turn("parked", tokens=TURNS[5], seq=6, timeout=60)
+        assert moved.tokens == stayed.tokens

@@ -59,19 +59,27 @@ def page_shape(paged: torch.Tensor, axis: int) -> list[int]:
     return shape
 
 
+def staging(paged: torch.Tensor, axis: int, pages: int) -> torch.Tensor:
+    """A page-major CPU buffer for `pages` pages of the paged view `paged` (pinned on CUDA)."""
+    pin = paged.device.type == "cuda"
+    return torch.empty([pages, *page_shape(paged, axis)], dtype=paged.dtype, device="cpu", pin_memory=pin)
+
+
 def gather(
-    source: torch.Tensor, axis: int, pages: Sequence[int], *, stream: torch.cuda.Stream | None
-) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """The pages `pages` of the paged view `source`, page-major in a new CPU buffer (pinned on CUDA)."""
-    pin = source.device.type == "cuda"
-    out = torch.empty(
-        [len(pages), *page_shape(source, axis)], dtype=source.dtype, device="cpu", pin_memory=pin
-    )
+    source: torch.Tensor,
+    axis: int,
+    pages: Sequence[int],
+    out: torch.Tensor,
+    *,
+    stream: torch.cuda.Stream | None,
+) -> torch.cuda.Event | None:
+    """Copy the pages `pages` of the paged view `source` into page-major `out` (its first
+    `len(pages)` pages); on CUDA with a side stream, asynchronously: the event fires when done."""
     runs = page_runs(pages, range(len(pages)))
     if stream is None or source.device.type != "cuda":
         for start, at, length in runs:
             out.narrow(0, at, length).movedim(0, axis).copy_(source.narrow(axis, start, length))
-        return out, None
+        return None
     compute = torch.cuda.current_stream(stream.device)
     stream.wait_stream(compute)  # the pages' last writer comes first
     ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -82,7 +90,7 @@ def gather(
             )
         ready.record(stream)
     compute.wait_event(ready)  # a step that reuses these pages waits for the copy out
-    return out, ready
+    return ready
 
 
 def scatter(data: torch.Tensor, target: torch.Tensor, axis: int, pages: Sequence[int]) -> None:

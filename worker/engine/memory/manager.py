@@ -30,7 +30,7 @@ import torch
 from shared.errors import CapacityExhausted
 from shared.store.schema import Cut
 from worker.attention.kv_pool import KVPool
-from worker.engine.memory.kv_transfer import KVExport, gather, page_shape, scatter
+from worker.engine.memory.kv_transfer import KVExport, gather, page_shape, scatter, staging
 from worker.engine.memory.page_allocator import PageAllocator
 from worker.engine.memory.page_copy import CopyCounter, HostKVPool, PageCopier
 from worker.engine.session import Session
@@ -241,19 +241,25 @@ class KVManager:
 
     def export_kv(self, session: Session, device_pool: KVPool) -> KVExport:
         """A copy of `session`'s KV (its first `num_cached` tokens, whole pages) for another worker,
-        gathered from whichever tier holds it; the session keeps its pages and goes on."""
+        gathered from whichever tier holds each page (the device's first, then the host tier's:
+        a parked session may keep a leading run on the device); the session keeps its pages."""
         count = _pages(session.num_cached, self.page_size)
-        if session.host_pages:
+        on_device = session.pages[:count]
+        on_host = session.host_pages[: count - len(on_device)]
+        paged, axis = device_pool.paged(), device_pool.page_axis
+        data = staging(paged, axis, len(on_device) + len(on_host))
+        stream = self.copier.stream if self.copier is not None else None
+        ready = gather(paged, axis, on_device, data, stream=stream)
+        if on_host:
             assert self.copier is not None
-            if self.copier.stream is not None:  # an offload to these pages may still be running
-                self.copier.stream.synchronize()
-            data, ready = gather(
-                self.copier.host_paged, self.copier.axis, session.host_pages[:count], stream=None
-            )
-        else:
-            stream = self.copier.stream if self.copier is not None else None
-            data, ready = gather(
-                device_pool.paged(), device_pool.page_axis, session.pages[:count], stream=stream
+            if stream is not None:  # an offload to these pages may still be running
+                stream.synchronize()
+            gather(
+                self.copier.host_paged,
+                axis,
+                on_host,
+                data.narrow(0, len(on_device), len(on_host)),
+                stream=None,
             )
         return KVExport(session.tokens[: session.num_cached], data, ready)
 
