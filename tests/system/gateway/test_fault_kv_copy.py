@@ -26,8 +26,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from websockets.exceptions import InvalidStatus
 
 from shared.client.clients import RealtimeClient
+from shared.protocol.kv_copy import KV_COPY_PATH
+from shared.protocol.link_client import dial
 from tests.conftest import Servers
 from tests.processes import Proc, start
 from tests.system.gateway import test_fault_handover as handover
@@ -135,6 +138,9 @@ def test_a_corrupted_frame_costs_that_one_session_a_rebuild_and_nothing_else(
             assert counter(stack, "w1", "microturn_worker_kv_copies_refused_total", "checksum") == 1
             assert counter(stack, "w1", "microturn_worker_warm_rebuilds_total") == 1
             assert counter(stack, "w1", "microturn_worker_warm_from_pages_total") == SESSIONS - 1
+            # The stream is authenticated as the link is: no secret, no handshake.
+            with pytest.raises(InvalidStatus):
+                asyncio.run(dial(stack.workers["w1"].ws, secret="", open_timeout_s=5, path=KV_COPY_PATH))
     finally:
         proxy.close()
 
