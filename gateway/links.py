@@ -28,13 +28,14 @@ import time
 from collections.abc import Callable
 from typing import Final, Protocol
 
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
 from shared.errors import InvalidMessage, WorkerUnavailable
-from shared.protocol.link import LINK_PATH, LINK_SECRET_HEADER, LinkError, ToGateway, ToWorker
+from shared.protocol.link import LinkError, ToGateway, ToWorker
+from shared.protocol.link_client import dial, link_endpoint
 from shared.protocol.link_codec import decode_link, encode_link
 from shared.store.placement import SUSPECT_TTL_S
 
@@ -43,11 +44,6 @@ logger = logging.getLogger(__name__)
 # Delay before the next connect attempt after n consecutive failures: BASE * 2**(n-1), capped.
 BACKOFF_BASE_S: Final = 0.1
 BACKOFF_MAX_S: Final = 5.0
-# Link frames are small (a chunk, a turn's outputs); this only stops a broken peer from ballooning.
-LINK_MAX_FRAME_BYTES: Final = 16 * 2**20
-# Keepalive: a worker host that vanished without a FIN is noticed within interval + timeout.
-LINK_PING_INTERVAL_S: Final = 5.0
-LINK_PING_TIMEOUT_S: Final = 10.0
 
 
 class LinkListener(Protocol):
@@ -60,12 +56,6 @@ class LinkListener(Protocol):
 
     def on_taken_over(self) -> None:
         """Another socket on this gateway bound the same session; the binding is already gone."""
-
-
-def link_endpoint(url: str) -> str:
-    """The link URL for a worker's registry `url` (its ws:// base URL; a full link URL is kept)."""
-    base = url.rstrip("/")
-    return base if base.endswith(LINK_PATH) else base + LINK_PATH
 
 
 class Link:
@@ -105,15 +95,8 @@ class Link:
                     retry_after_ms=max(1, round(wait_s * 1000)),
                 )
             try:
-                ws = await connect(
-                    self.endpoint,
-                    additional_headers=self._pool.headers,
-                    open_timeout=self._pool.connect_timeout_s,
-                    compression=None,  # small msgpack frames: deflate would cost more than it saves
-                    max_size=LINK_MAX_FRAME_BYTES,
-                    ping_interval=LINK_PING_INTERVAL_S,
-                    ping_timeout=LINK_PING_TIMEOUT_S,
-                    proxy=None,
+                ws = await dial(
+                    self.url, secret=self._pool.link_secret, open_timeout_s=self._pool.connect_timeout_s
                 )
             except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
                 self._failures += 1
@@ -186,7 +169,7 @@ class LinkPool:
 
     def __init__(self, metrics: GatewayMetrics, *, link_secret: str = "", connect_timeout_s: float = 5.0):
         self.metrics = metrics
-        self.headers: dict[str, str] = {LINK_SECRET_HEADER: link_secret} if link_secret else {}
+        self.link_secret = link_secret
         self.connect_timeout_s = connect_timeout_s
         self.closing = False
         self._links: dict[str, Link] = {}

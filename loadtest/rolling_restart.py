@@ -2,21 +2,31 @@
 
     python -m loadtest.rolling_restart [--sessions 8] [--history-tokens 1000] [--json F]
 
-Starts an embedded Valkey, two `tiny` workers and one gateway (separate processes). Each session
-first gets a history of `--history-tokens` (prompt chunks, no output), then streams chunks of 4
-tokens asking for 1 output every `--period-s`, at most 4 unanswered, as an interaction model's
-client would. Three runs, each on a fresh stack, the same load:
-- `steady`: no restart, the reference for the waits a client sees anyway;
-- `warm`: each worker in turn gets SIGTERM (make-before-break drain: sessions are rebuilt on the
-  other worker while they are served, then switched; `--drain-handover warm`) and starts again;
+Starts an embedded Valkey, two `tiny` workers and `--gateways` gateways (separate processes; the
+sessions alternate between the gateways). Each session first gets a history of
+`--history-tokens` (prompt chunks, no output), then streams chunks of `--chunk-tokens` tokens
+asking for `--output-tokens` outputs every `--period-s`, at most 4 unanswered, as an interaction
+model's client would. One run per mode, each on a fresh stack, the same load:
+- `steady`: no restart, the reference for the waits a client sees anyway, and for the outputs;
+- `warm`: each worker in turn gets SIGTERM (make-before-break drain: each session's KV pages are
+  copied to the other worker while it is served there, the copy catches up from the log, then
+  the session is switched; `--drain-handover warm`) and starts again;
+- `rebuild`: the same with every copy rebuilt from the log instead (`--drain-handover rebuild`,
+  the fallback of a copy, and the drain before issue #34);
 - `log`: the same with `--drain-handover log` (break-before-make: the sessions move at once and
   the next worker recomputes them from their logs before it answers);
 - `one-worker` (not in the default set): no restart and one worker holding every session, as a
   two-worker rolling restart leaves the survivor while the other is down: the waits a client
   sees from the halved capacity alone, with no handover at all.
-A chunk's wait is from its send to its `output.done`. Reported per run: p50, p99, the longest, and
-each drain's duration; and whether the warm run's longest wait is within 1 s and within 2x the
-steady run's p99 (issue #27's target). docs/benchmarks.md has the figures and the command.
+A chunk's wait is from its send to its `output.done`. Reported per run: p50, p99, the longest,
+each drain's duration, chunks never answered (`lost`), sessions that ended (`ended`), and chunks
+whose output differs from the steady run's for the same session and seq (`differ`; the sessions'
+inputs are seeded, so the runs send the same chunks); for `warm` the KV copies' MB/s and ms a
+session (the drained workers' lines), for `warm` and `rebuild` the copies rebuilt from the log and
+their ms a session (the targets' lines); and whether the warm run's longest wait is within 1 s and
+within 2x the steady run's p99 (issues #27 and #34). The fault scenario of issue #34 (8 sessions,
+~10 chunks/s each, two gateways) is `--gateways 2 --chunk-tokens 48 --output-tokens 2 --modes
+steady,warm`. docs/benchmarks.md has the figures and the commands.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import argparse
 import asyncio
 import logging
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -37,7 +48,7 @@ from typing import Final
 from loadtest.report_files import write_json
 from microturn.processes import Child, free_port, http_ready, redis_answers, spawn, valkey_binary
 from shared.client.clients import RealtimeClient
-from shared.protocol.messages import OutputDone
+from shared.protocol.messages import Error, OutputDone, SessionClosed
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +58,11 @@ OUTPUT_TOKENS: Final = 1
 PROMPT_PIECE: Final = 256
 WINDOW: Final = 4
 READY_TIMEOUT_S: Final = 60.0
-MODES: Final = ("steady", "warm", "log")
+MODES: Final = ("steady", "warm", "rebuild", "log")
+# The drained worker's switch-over line (worker/server/switchover.py) and a target's line for a
+# copy rebuilt from the log (worker/server/warm.py).
+COPY_LINE: Final = re.compile(r"(\d+) KV copied, ([\d.]+) MB, ([\d.]+) ms a session")
+REBUILD_LINE: Final = re.compile(r"ready: (\d+) tokens, .*rebuilt from the log, in (\d+) ms")
 ONE_WORKER: Final = "one-worker"  # a reference mode, not in the default set
 NO_RESTART: Final = ("steady", ONE_WORKER)
 # What a drain plus a worker's restart take here, so the steady run streams as long as the others.
@@ -65,6 +80,19 @@ class Run:
     max_ms: float = 0.0
     drains_s: list[float] = field(default_factory=list)
     lost: int = 0
+    # Sessions that ended (closed, or a fatal error), and chunks whose output differs from the
+    # steady run's (filled in by `main`).
+    ended: int = 0
+    differ: int = 0
+    # KV copies (count, MB, seconds) and copies rebuilt from the log (count, tokens, seconds).
+    copies: int = 0
+    copy_mb: float = 0.0
+    copy_s: float = 0.0
+    rebuilds: int = 0
+    rebuilt_tokens: int = 0
+    rebuild_s: float = 0.0
+    # Each session's outputs by seq, for the comparison with the steady run (not in `--json`).
+    outputs: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
     # (seconds since the load began, what happened): SIGTERMs, exits, workers ready again.
     events: list[tuple[float, str]] = field(default_factory=list)
     # (seconds since the load began that the chunk was sent, its wait in ms, its session), for
@@ -73,13 +101,14 @@ class Run:
 
 
 class _Stack:
-    def __init__(self, workdir: Path, handover: str) -> None:
+    def __init__(self, workdir: Path, handover: str, gateways: int = 1) -> None:
         self.workdir = workdir
         self.handover = handover
+        self.gateways = gateways
         self.children: list[Child] = []
         self.workers: dict[str, tuple[Child, int]] = {}
         self.redis_url = ""
-        self.gateway_port = 0
+        self.gateway_ports: list[int] = []
 
     def _spawn(self, name: str, argv: list[str]) -> Child:
         log = (self.workdir / f"{name}.log").open("ab")
@@ -94,8 +123,13 @@ class _Stack:
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         for worker_id in workers:
             self.start_worker(worker_id)
-        self.gateway_port = free_port()
-        argv = [sys.executable, "-m", "microturn", "gateway", "--port", str(self.gateway_port)]
+        for index in range(self.gateways):
+            self.start_gateway(index)
+
+    def start_gateway(self, index: int) -> None:
+        port = free_port()
+        self.gateway_ports.append(port)
+        argv = [sys.executable, "-m", "microturn", "gateway", "--port", str(port)]
         argv += [
             "--redis-url",
             self.redis_url,
@@ -106,8 +140,8 @@ class _Stack:
             "--chunk-burst",
             "200",
         ]
-        self._spawn("gateway", argv)
-        _wait(lambda: http_ready(f"http://127.0.0.1:{self.gateway_port}/readyz"), "gateway")
+        self._spawn(f"gateway-{index}", argv)
+        _wait(lambda: http_ready(f"http://127.0.0.1:{port}/readyz"), f"gateway {index}")
 
     def start_worker(self, worker_id: str) -> None:
         port = free_port()
@@ -129,6 +163,19 @@ class _Stack:
         for child in reversed(self.children):
             child.stop()
 
+    def copy_figures(self, run: Run) -> None:
+        """The KV copies (drained workers' lines) and the copies rebuilt from the log (targets')."""
+        for worker_id in self.workers:
+            text = (self.workdir / f"worker-{worker_id}.log").read_text(errors="replace")
+            for count, mb, ms in COPY_LINE.findall(text):
+                run.copies += int(count)
+                run.copy_mb += float(mb)
+                run.copy_s += float(ms) * int(count) / 1000
+            for tokens, ms in REBUILD_LINE.findall(text):
+                run.rebuilds += 1
+                run.rebuilt_tokens += int(tokens)
+                run.rebuild_s += int(ms) / 1000
+
 
 def _wait(ready: object, what: str) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -148,6 +195,10 @@ class _Session:
     timeline: list[tuple[float, float]] = field(default_factory=list)  # (sent at, wait) of streamed chunks
     answered: asyncio.Event = field(default_factory=asyncio.Event)
     stop: bool = False
+    outputs: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    ended: bool = False
+    chunk_tokens: int = CHUNK_TOKENS
+    output_tokens: int = OUTPUT_TOKENS
 
     async def prompt(self, tokens: int) -> None:
         """The history, a piece at a time (a worker bounds what one session may queue)."""
@@ -170,14 +221,17 @@ class _Session:
                 await asyncio.wait_for(self.answered.wait(), 120)
             self.seq += 1
             self.sent_at[self.seq] = time.monotonic()
-            chunk = [self.rng.randrange(1, VOCAB) for _ in range(CHUNK_TOKENS)]
-            await self.client.send_chunk(self.seq, tokens=chunk, max_output_tokens=OUTPUT_TOKENS)
+            chunk = [self.rng.randrange(1, VOCAB) for _ in range(self.chunk_tokens)]
+            await self.client.send_chunk(self.seq, tokens=chunk, max_output_tokens=self.output_tokens)
             await asyncio.sleep(period_s)
 
     async def receive(self) -> None:
         while True:
             msg = await self.client.recv(timeout=120)
+            if isinstance(msg, SessionClosed) or (isinstance(msg, Error) and msg.fatal):
+                self.ended = True
             if isinstance(msg, OutputDone):
+                self.outputs.setdefault(msg.seq, msg.tokens)
                 sent = self.sent_at.pop(msg.seq, None)
                 wait = 0.0 if sent is None else time.monotonic() - sent
                 self.waits.append(wait)
@@ -186,13 +240,13 @@ class _Session:
                 self.answered.set()
 
 
-async def _load(stack: _Stack, run: Run, period_s: float, phase_s: float) -> None:
-    url = f"ws://127.0.0.1:{stack.gateway_port}/v1/realtime"
+async def _load(stack: _Stack, run: Run, period_s: float, phase_s: float, shape: tuple[int, int]) -> None:
     sessions = []
     for i in range(run.sessions):
-        client = await RealtimeClient.connect(url)
+        port = stack.gateway_ports[i % len(stack.gateway_ports)]
+        client = await RealtimeClient.connect(f"ws://127.0.0.1:{port}/v1/realtime")
         await client.open(stop_token_ids=[], max_output_tokens=0)
-        sessions.append(_Session(client, random.Random(i)))
+        sessions.append(_Session(client, random.Random(i), chunk_tokens=shape[0], output_tokens=shape[1]))
     receivers = [asyncio.create_task(s.receive()) for s in sessions]
     await asyncio.gather(*(s.prompt(run.history_tokens) for s in sessions))
     began = time.monotonic()
@@ -215,6 +269,8 @@ async def _load(stack: _Stack, run: Run, period_s: float, phase_s: float) -> Non
     while any(s.sent_at for s in sessions) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     run.lost = sum(len(s.sent_at) for s in sessions)
+    run.ended = sum(s.ended for s in sessions)
+    run.outputs = [s.outputs for s in sessions]
     for task in receivers:
         task.cancel()
     await asyncio.gather(*receivers, return_exceptions=True)
@@ -240,24 +296,37 @@ def measure(
     period_s: float,
     phase_s: float,
     logs: Path | None = None,
+    gateways: int = 1,
+    shape: tuple[int, int] = (CHUNK_TOKENS, OUTPUT_TOKENS),
 ) -> Run:
-    """One run on a fresh stack; its processes' logs go to `logs/<mode>/` (default: a temporary dir)."""
+    """One run on a fresh stack; its processes' logs go to `logs/<mode>/` (default: a temporary dir).
+    `shape`: each streamed chunk's tokens and the outputs it asks for."""
     run = Run(mode, sessions, history_tokens)
     with tempfile.TemporaryDirectory(prefix="rolling-restart-") as scratch:
         workdir = Path(scratch) if logs is None else logs / mode
         workdir.mkdir(parents=True, exist_ok=True)
-        stack = _Stack(workdir, "log" if mode == "log" else "warm")
+        stack = _Stack(workdir, mode if mode in ("log", "rebuild") else "warm", gateways)
         try:
             stack.start(("w0",) if mode == ONE_WORKER else ("w0", "w1"))
-            asyncio.run(_load(stack, run, period_s, phase_s))
+            asyncio.run(_load(stack, run, period_s, phase_s, shape))
         finally:
             stack.stop()
+        stack.copy_figures(run)
     return run
 
 
 def _summary(fields: list[tuple[str, object]]) -> dict[str, object]:
-    """A run for `--json`: everything but the per-chunk timeline."""
-    return {name: value for name, value in fields if name != "waits"}
+    """A run for `--json`: everything but the per-chunk timeline and the outputs."""
+    return {name: value for name, value in fields if name not in ("waits", "outputs")}
+
+
+def _differing(run: Run, reference: Run) -> int:
+    """Chunks of `run` whose output differs from `reference`'s for the same session and seq."""
+    return sum(
+        ours[seq] != theirs[seq]
+        for ours, theirs in zip(run.outputs, reference.outputs, strict=True)
+        for seq in ours.keys() & theirs.keys()
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -271,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--phase-s", type=float, default=3.0, help="load before, between and after the drains"
     )
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated; also: {ONE_WORKER}")
+    parser.add_argument("--gateways", type=int, default=1, help="the sessions alternate between them")
+    parser.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, help="tokens of a streamed chunk")
+    parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="outputs a chunk asks for")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="keep each process's log under this folder")
     parser.add_argument(
@@ -290,18 +362,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             period_s=args.period_s,
             phase_s=args.phase_s,
             logs=args.logs,
+            gateways=args.gateways,
+            shape=(args.chunk_tokens, args.output_tokens),
         )
         for mode in args.modes.split(",")
     ]
+    by_mode = {r.mode: r for r in runs}
+    if "steady" in by_mode:
+        for r in runs:
+            r.differ = _differing(r, by_mode["steady"])
     columns = ("mode", "sessions", "history", "chunks", "p50 ms", "p99 ms", "max ms")
-    lines = [f"{columns[0]:<7} " + " ".join(f"{c:>8}" for c in columns[1:]) + " lost drains s"]
+    header = f"{columns[0]:<7} " + " ".join(f"{c:>8}" for c in columns[1:])
+    lines = [header + " lost ended differ drains s"]
     for r in runs:
         drains = " ".join(f"{d:.2f}" for d in r.drains_s) or "-"
         lines.append(
-            f"{r.mode:<7} {r.sessions:>8} {r.history_tokens:>8} {r.chunks:>7} {r.p50_ms:>8.1f} "
-            f"{r.p99_ms:>8.1f} {r.max_ms:>8.1f} {r.lost:>4} {drains}"
+            f"{r.mode:<7} {r.sessions:>8} {r.history_tokens:>8} {r.chunks:>8} {r.p50_ms:>8.1f} "
+            f"{r.p99_ms:>8.1f} {r.max_ms:>8.1f} {r.lost:>4} {r.ended:>5} {r.differ:>6} {drains}"
         )
-    by_mode = {r.mode: r for r in runs}
+    for r in runs:
+        if r.copies:
+            lines.append(
+                f"{r.mode}: {r.copies} KV copies, {r.copy_mb / r.copies:.1f} MB and "
+                f"{1000 * r.copy_s / r.copies:.1f} ms a session ({r.copy_mb / max(r.copy_s, 1e-9):.0f} MB/s)"
+            )
+        if r.rebuilds:
+            lines.append(
+                f"{r.mode}: {r.rebuilds} copies rebuilt from the log, {r.rebuilt_tokens // r.rebuilds} "
+                f"tokens and {1000 * r.rebuild_s / r.rebuilds:.0f} ms a session "
+                f"({r.rebuilt_tokens / max(r.rebuild_s, 1e-9):.0f} tokens/s)"
+            )
     if "warm" in by_mode and "steady" in by_mode:
         warm, steady = by_mode["warm"], by_mode["steady"]
         met = warm.max_ms <= min(1000, 2 * steady.p99_ms)
@@ -314,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json({"runs": [asdict(r, dict_factory=_summary) for r in runs]}, args.json)
     if args.timeline:
         write_json({"runs": [asdict(r) for r in runs]}, args.timeline)
-    return 0 if all(r.lost == 0 for r in runs) else 1
+    return 0 if all(r.lost == 0 and r.ended == 0 and r.differ == 0 for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ AUTH_MODES = ("on", "off")
 REDIS_MODES = ("standalone", "cluster")
 UP_DEVICES = ("cpu", "cuda")
 # How a draining worker hands its sessions over (worker/server/switchover.py, docs/failover.md).
-DRAIN_HANDOVERS = ("warm", "log")
+DRAIN_HANDOVERS = ("warm", "rebuild", "log")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -158,8 +158,9 @@ class WorkerSettings(CommonSettings, EngineSettings):
     drain_handover: str = field(
         default="warm",
         metadata={
-            "help": "warm: rebuild each session on its next worker before switching it (make before "
-            "break); log: hand sessions over at once, the next worker rebuilding them from the log",
+            "help": "warm: copy each session's KV pages to its next worker, then switch it (make before "
+            "break; a copy that cannot be used is rebuilt from the log); rebuild: the same, every copy "
+            "rebuilt from the log; log: hand sessions over at once, the next worker rebuilding them",
             "choices": DRAIN_HANDOVERS,
         },
     )

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from gateway.handshake import Negotiated, negotiate
-from gateway.links import link_endpoint
 from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
 from shared.metrics import Histogram
 from shared.protocol.codec import Encoding
+from shared.protocol.link_client import link_endpoint
 
 
 @pytest.mark.parametrize(

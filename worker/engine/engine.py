@@ -23,12 +23,16 @@ import torch
 from shared.errors import ChunkTooLarge, InvalidMessage, MicroturnError, TokenOutOfRange
 from shared.protocol.codec import config_from_map
 from shared.protocol.fields import is_valid_text
+from shared.protocol.kv_copy import KVFormat
 from shared.protocol.messages import OpenConfig
 from shared.settings import DTYPE_NAMES
 from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore, EngineStats
+from worker.engine.memory.kv_transfer import KVExport, model_fingerprint
 from worker.engine.memory.sizing import device_pages, host_pages
+from worker.engine.memory.window import resolve_prefix, session_limit
 from worker.engine.model_runner import ModelRunner
+from worker.engine.session_rules import SessionRules
 from worker.engine.turn import TokenListener, Turn, TurnResult
 from worker.model.loader import LoadedModel, load_model
 from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail
@@ -75,6 +79,15 @@ class Engine:
             eos_token_ids=eos or loaded.config.eos_token_ids,
             host_pages=host_pages(config, loaded.config, dtype),
         )
+        pool = runner.kv_pool
+        # What this worker's KV pages mean: another worker takes them only when its own is equal.
+        self.kv_format = KVFormat(
+            model=model_fingerprint(loaded.config, loaded.weights),
+            dtype=config.dtype,
+            page_size=pool.page_size,
+            layout=pool.layout,
+            page_bytes=pool.page_bytes,
+        )
         self._inbox: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Event()
         self._stopping = False
@@ -113,6 +126,13 @@ class Engine:
     @property
     def context_limit(self) -> int:
         return self._core.context_limit
+
+    def session_rules(self, config: OpenConfig) -> SessionRules:
+        """The rules this engine runs a session of `config` by (its system prompt resolved, its
+        window's limit, its tokenizer), for a worker that replays its turns (a restore, a copy).
+        Raises the typed error an open with `config` would."""
+        resolved, prefix = resolve_prefix(config, self.text)
+        return SessionRules(resolved, session_limit(resolved, self.context_limit), self.text, tuple(prefix))
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -184,6 +204,50 @@ class Engine:
 
         self._enqueue(warm_it, future)
         return future
+
+    def export_kv(self, session_id: str) -> Future[KVExport]:
+        """A copy of the session's KV as whole pages (worker/engine/memory/kv_transfer.py), for the
+        worker a drain moves it to; the session is served on meanwhile."""
+
+        def export() -> KVExport:
+            return self._core.kv.export_kv(self._core._get(session_id), self._core.runner.kv_pool)
+
+        return self._call(export)
+
+    def import_copy(
+        self,
+        session_id: str,
+        *,
+        config: OpenConfig,
+        history: Sequence[int],
+        accepted_seq: int | None,
+        text_tail: TextTail,
+        kv_tokens: Sequence[int],
+        kv: torch.Tensor,
+    ) -> Future[int]:
+        """Open a copy of another worker's session (as `warm_async` does) holding the KV that came
+        from there: `kv` (page-major, `kv_format`'s pages) covers `kv_tokens`, of which the prefix
+        that `history` begins with is kept; the future gives its length. A later
+        `warm_async(extend=True)` prefills only the rest. `CapacityExhausted` when no tier has room."""
+        history_tokens = self._check_tokens(history)
+
+        def import_it() -> int:
+            core = self._core
+            core.open_session(session_id, config, history_tokens, accepted_seq, text_tail)
+            session = core.sessions[session_id]
+            kept = 0
+            for ours, theirs in zip(session.tokens, kv_tokens, strict=False):
+                if ours != theirs:
+                    break
+                kept += 1
+            try:
+                core.kv.import_kv(session, kv, kept, core.runner.kv_pool)
+            except (MicroturnError, ValueError):
+                del core.sessions[session_id]  # no page, no turn yet: nothing else to undo
+                raise
+            return kept
+
+        return self._call(import_it)
 
     def open_session(
         self,

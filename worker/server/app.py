@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
+from shared.protocol.kv_copy import KV_COPY_PATH
 from shared.protocol.link import LINK_PATH
 from shared.settings import WorkerSettings
 from shared.store.connection import resilient_redis
@@ -27,6 +28,7 @@ from shared.store.schema import KeySchema
 from worker.engine import Engine
 from worker.server.handover import migrate_all
 from worker.server.heartbeat import HEARTBEATS_PER_TTL, heartbeat_loop, model_card, worker_info
+from worker.server.kv_receiver import KVCopyAcceptor
 from worker.server.link import LinkAcceptor
 from worker.server.service import WorkerService
 from worker.server.switchover import SwitchReport, switch_over
@@ -72,7 +74,7 @@ class WorkerRuntime:
         # Make before break within most of the deadline; what is left goes break-before-make.
         timeout = self.settings.drain_timeout_s
         budget = timeout - min(CLASSIC_HANDOVER_RESERVE_S, timeout * CLASSIC_HANDOVER_SHARE)
-        if self.settings.drain_handover == "warm":
+        if self.settings.drain_handover != "log":
             self.last_switch = await switch_over(
                 self.service,
                 self.redis,
@@ -80,6 +82,7 @@ class WorkerRuntime:
                 worker_id=self.worker_id,
                 model=self.engine.model_config.name,
                 budget_s=budget,
+                copy_pages=self.settings.drain_handover == "warm",
             )
         await migrate_all(self.service, self.last_switch.targets if self.last_switch else None)
         await self.service.token_log.flush()
@@ -131,6 +134,11 @@ class WorkerRuntime:
     def link_secret(self) -> str:
         return self.settings.link_secret
 
+    @property
+    def copy_service(self) -> WorkerService | None:
+        """Where a draining worker's KV copies go (worker/server/kv_receiver.py)."""
+        return self.service
+
     async def healthz(self, _request: Request) -> Response:
         return PlainTextResponse("ok")
 
@@ -153,6 +161,7 @@ def create_worker_app(runtime: WorkerRuntime) -> Starlette:
     return Starlette(
         routes=[
             WebSocketRoute(LINK_PATH, LinkAcceptor(runtime).accept),
+            WebSocketRoute(KV_COPY_PATH, KVCopyAcceptor(runtime).accept),
             Route("/healthz", runtime.healthz),
             Route("/readyz", runtime.readyz),
             Route("/metrics", runtime.metrics),

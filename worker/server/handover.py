@@ -28,6 +28,7 @@ from shared.protocol.codec import config_to_map
 from shared.protocol.link import LinkMigrate, link_error_from
 from shared.store.held import HeldSession
 from shared.store.registry import SessionRecord
+from worker.server.lifecycle import Phase
 from worker.server.service import WorkerService
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ def held_sessions(service: WorkerService) -> list[HeldSession]:
     """The record and whole log of every session held here, as Redis should hold them."""
     logs = service.token_log.held_logs()
     held: list[HeldSession] = []
-    for sid, binding in service.directory.bindings.items():
+    for binding in service.sessions.live():
+        sid = binding.sid
         if binding.token_sha256 is None or sid not in logs:
             continue  # opened by a gateway that sent no record: nothing to re-write it from
         record = SessionRecord(
@@ -61,19 +63,17 @@ async def migrate_all(service: WorkerService, targets: Mapping[str, str] | None 
     `targets`: sessions with a copy already on another worker (worker/server/switchover.py), which
     `migrate` names so the gateway restores them there."""
     service.draining = True
-    bindings = list(service.directory.bindings.values())
-    for binding in bindings:
-        service.directory.remove(binding.sid)
-        service.handing_over.add(binding.sid)
+    bindings = service.sessions.live()
     links = {}
     for binding in bindings:
-        link, binding.link = binding.link, None
+        opening = binding.phase is Phase.OPENING
+        link = service.sessions.hand_over(binding)
         if link is None:
             continue
-        links[binding.sid] = link
-        if not binding.ready:  # still opening: the gateway places it again (or elsewhere)
+        if opening:  # still opening: the gateway places it again (or elsewhere)
             link.send(link_error_from(binding.sid, WorkerUnavailable("worker is draining"), fatal=True))
-            del links[binding.sid]
+            continue
+        links[binding.sid] = link
     await asyncio.gather(
         *(asyncio.wrap_future(service.engine.close_session_async(b.sid, "closed")) for b in bindings)
     )

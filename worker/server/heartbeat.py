@@ -91,7 +91,7 @@ class Beat:
                 self.base.worker_id,
                 count,
             )
-        touched = self.service.directory.take_touched()
+        touched = self.service.sessions.take_touched()
         # Sessions share a TTL per idle timeout: one batched refresh for each distinct timeout.
         by_timeout: dict[float, list[str]] = {}
         for sid, idle in touched.items():

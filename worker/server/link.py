@@ -1,5 +1,5 @@
 """The worker's end of the links: admits a gateway's link, reads its frames into the service and
-writes the service's frames back in order (which link each session answers to: bindings.py).
+writes the service's frames back in order (which link each session answers to: sessions.py).
 
 Sending never blocks the service: frames go through a bounded queue to a writer task. A gateway
 that stops reading until the queue is full is cut off (its sessions detach and stay resumable)
@@ -19,8 +19,8 @@ from shared.errors import InvalidMessage, MicroturnError
 from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION, CLOSE_TRY_AGAIN_LATER
 from shared.protocol.link import LINK_SECRET_HEADER, ToGateway, ToWorker, link_error_from
 from shared.protocol.link_codec import decode_link, encode_link
-from worker.server.bindings import LinkPeer
 from worker.server.metrics import WorkerMetrics
+from worker.server.sessions import LinkPeer
 
 logger = logging.getLogger(__name__)
 

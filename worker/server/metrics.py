@@ -17,11 +17,30 @@ class WorkerMetrics:
     # over (worker/server/warm.py): a make-before-break handover landed.
     warm_copies: int = 0
     warm_adopted: int = 0
+    # Of the warm copies, those whose KV came from the draining worker's pages (kv_receiver.py) and
+    # those rebuilt from the log from nothing (the fallback, or `--drain-handover rebuild`).
+    warm_from_pages: int = 0
+    warm_rebuilds: int = 0
+    # The KV copies this worker received and stored, and those it refused, by reason.
+    kv_copies_received: int = 0
+    kv_copies_refused: dict[str, int] = field(default_factory=dict)
+    # A draining worker's side (kv_sender.py): copies sent and stored by their target, their bytes
+    # and seconds (export to `kv_stored`), and the sessions that fell back to the rebuild, by reason.
+    kv_copies_sent: int = 0
+    kv_copy_bytes_sent: int = 0
+    kv_copy_seconds: float = 0.0
+    kv_copy_fallbacks: dict[str, int] = field(default_factory=dict)
     # Queue plus compute time of each turn, in seconds.
     turn_latency: Histogram = field(default_factory=Histogram)
 
     def error(self, code: str) -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
+
+    def kv_copy_refused(self, reason: str) -> None:
+        self.kv_copies_refused[reason] = self.kv_copies_refused.get(reason, 0) + 1
+
+    def kv_copy_fell_back(self, reason: str) -> None:
+        self.kv_copy_fallbacks[reason] = self.kv_copy_fallbacks.get(reason, 0) + 1
 
     def render(self, stats: EngineStats) -> str:
         gauges = {
@@ -47,6 +66,12 @@ class WorkerMetrics:
             "microturn_worker_kv_evictions_total": stats.kv_evictions,
             "microturn_worker_warm_copies_total": self.warm_copies,
             "microturn_worker_warm_adopted_total": self.warm_adopted,
+            "microturn_worker_warm_from_pages_total": self.warm_from_pages,
+            "microturn_worker_warm_rebuilds_total": self.warm_rebuilds,
+            "microturn_worker_kv_copies_received_total": self.kv_copies_received,
+            "microturn_worker_kv_copies_sent_total": self.kv_copies_sent,
+            "microturn_worker_kv_copy_bytes_sent_total": self.kv_copy_bytes_sent,
+            "microturn_worker_kv_copy_seconds_total": self.kv_copy_seconds,
             "microturn_worker_kv_offloads_total": memory.offloads.count,
             "microturn_worker_kv_offload_bytes_total": memory.offloads.bytes,
             "microturn_worker_kv_offload_seconds_total": memory.offloads.seconds,
@@ -73,5 +98,11 @@ class WorkerMetrics:
         lines += [
             f'microturn_worker_errors_total{{code="{code}"}} {n}' for code, n in sorted(self.errors.items())
         ]
+        for name, by_reason in (
+            ("microturn_worker_kv_copy_fallbacks_total", self.kv_copy_fallbacks),
+            ("microturn_worker_kv_copies_refused_total", self.kv_copies_refused),
+        ):
+            lines.append(f"# TYPE {name} counter")
+            lines += [f'{name}{{reason="{reason}"}} {n}' for reason, n in sorted(by_reason.items())]
         lines += self.turn_latency.render("microturn_worker_turn_latency_seconds")
         return "\n".join(lines) + "\n"

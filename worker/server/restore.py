@@ -20,7 +20,7 @@ new session starts from and what still has to run. docs/failover.md has the why;
 - Once one tail chunk must be re-run, every later one is re-run too: outputs depend on everything
   before them. (The gateway drops a `done` for a seq it has already delivered.)
 - The window is the one the session had: the log's cuts are applied as it is read, and each forced
-  turn is cut before by the same per-turn rule the engine applies (worker/engine/memory/window.py),
+  turn is cut before by the same per-turn rule the engine applies (`Engine.session_rules`),
   the cut kept with the turn so the new worker logs it. The engine folds queued no-output chunks
   into one append but never across a cut, so replaying the turns one by one reaches its window.
 """
@@ -32,11 +32,10 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from shared.protocol.link import LinkDone, UndurableTurn
-from shared.protocol.messages import FinishReason, InputChunk, OpenConfig, OutputDone, Timing
+from shared.protocol.messages import FinishReason, InputChunk, OutputDone, Timing
 from shared.store.log_format import NO_SEQ, Cut, decode_log
-from worker.engine.admission import commit_chunk, flushes
-from worker.engine.memory.window import cut_before
-from worker.tokenizer.incremental import IncrementalTokenizer, TextTail
+from worker.engine import SessionRules
+from worker.tokenizer.incremental import TextTail
 
 # The most `done`s a session keeps for a client that comes back (an attach replays them from the
 # binding's buffer, a restore from the log): a bound on what a resume sends, never on a session.
@@ -79,18 +78,16 @@ def plan_restore(
     tail: Sequence[UndurableTurn],
     seen_seq: int | None,
     *,
-    text: IncrementalTokenizer | None,
-    config: OpenConfig,
-    limit: int,
+    rules: SessionRules,
 ) -> RestorePlan:
     """Raises ValueError on a corrupt log (InvalidMessage: text on a model without a tokenizer).
 
-    `text` is the engine's incremental tokenizer: a forced turn's inputs are what the engine's
-    admission committed, so they are recomputed the same way, statefully in seq order from the
-    log's text tail (a re-encode of the chunk's text alone would give other tokens).
-    `config` is the session's (its default `max_output_tokens` per chunk, its window policy) and
-    `limit` its context limit (window.py `session_limit`). `seen_seq` is the last output seq the
-    client saw (`LinkRestore.seen_seq`): that turn finished, so the rebuilt session is at least there.
+    `rules` are the engine's for this session (`Engine.session_rules`): a forced turn's inputs are
+    what the engine's admission committed, so they are recomputed the same way, statefully in seq
+    order from the log's text tail (a re-encode of the chunk's text alone would give other tokens);
+    its config gives the default `max_output_tokens` per chunk and the window. `seen_seq` is the
+    last output seq the client saw (`LinkRestore.seen_seq`): that turn finished, so the rebuilt
+    session is at least there.
     """
     first = tail[0].chunk.seq if tail else None
     # Spans from the first turn that may be owed a `done`: the client's last seen, or before the tail.
@@ -99,7 +96,7 @@ def plan_restore(
     history = list(state.tokens)
     durable_seq = state.durable_seq
     text_tail = TextTail(state.tail_text, state.tail_context)
-    max_output_tokens = config.max_output_tokens
+    max_output_tokens = rules.config.max_output_tokens
     forced: list[ForcedTurn] = []
     rerun: list[InputChunk] = []
     answers: list[LinkDone] = []
@@ -113,15 +110,15 @@ def plan_restore(
             rerun.append(chunk)
             continue
         outputs = max_output_tokens if chunk.max_output_tokens is None else chunk.max_output_tokens
-        inputs, text_tail = commit_chunk(
-            text,
+        inputs, text_tail = rules.commit(
             text_tail,
             text=chunk.text,
             tokens=chunk.tokens or (),
-            flush=flushes(text=chunk.text, flush=bool(chunk.flush), max_output_tokens=outputs),
+            flush=bool(chunk.flush),
+            max_output_tokens=outputs,
         )
         # What the engine's turn would reserve (turn.py `grows_by`): its input and its outputs.
-        cut = cut_before(len(history), len(inputs) + max(outputs, 0), config, limit)
+        cut = rules.cut_before(len(history), len(inputs) + max(outputs, 0))
         if cut is not None:
             history = cut.apply(history)
         tokens = inputs + list(turn.output)

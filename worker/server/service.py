@@ -38,10 +38,10 @@ from shared.store.log_format import NO_SEQ, encode_log_record
 from shared.store.schema import KeySchema
 from shared.store.values import now_ms
 from worker.engine import Engine, TokenDelta, TurnResult
-from worker.engine.memory.window import resolve_prefix, session_limit
-from worker.server.bindings import LinkPeer, SessionBinding, SessionDirectory
+from worker.server.lifecycle import HELD_ELSEWHERE, Phase
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
+from worker.server.sessions import LinkPeer, WorkerSession, WorkerSessions
 from worker.server.token_log import TokenLogWriter, read_log_bytes
 from worker.server.warm import WARM_DISCARDED, WarmCopies
 from worker.tokenizer.detokenize import IncrementalDecoder
@@ -66,7 +66,8 @@ class WorkerService:
         self.redis = client
         self.schema = schema
         self.loop = loop
-        self.directory = SessionDirectory()
+        # The one owner of every session here: live ones, copies, those handed over (sessions.py).
+        self.sessions = WorkerSessions()
         self.token_log = TokenLogWriter(
             client,
             schema,
@@ -76,11 +77,6 @@ class WorkerService:
         )
         self.metrics = WorkerMetrics()
         self.draining = False
-        # Sessions a drain is handing over: chunks that still arrive for them are not answered here.
-        self.handing_over: set[str] = set()
-        # Sessions switching to a warm copy elsewhere (worker/server/switchover.py): the chunks in
-        # flight finish here, later ones wait in the gateway's tail for the new worker.
-        self.switching: set[str] = set()
         # Copies of other workers' sessions, warmed here before their drain switches them over.
         self.warm = WarmCopies(self)
         engine.add_close_listener(self._engine_closed_threadsafe)
@@ -99,9 +95,9 @@ class WorkerService:
         elif isinstance(frame, LinkCancel):
             self._guard(frame.sid, None, lambda: self.engine.cancel(frame.sid, frame.seq))
         elif isinstance(frame, LinkDetach):
-            binding = self.directory.get(frame.sid)
-            if binding is not None and binding.link is link:
-                binding.link = None
+            session = self.sessions.get(frame.sid)
+            if session is not None and session.link is link:
+                session.link = None
         elif isinstance(frame, LinkClose):
             self._close(link, frame.sid)
         elif isinstance(frame, LinkWarm):
@@ -111,7 +107,7 @@ class WorkerService:
 
     def link_gone(self, link: LinkPeer) -> None:
         self.warm.link_gone(link)
-        detached = self.directory.unbind_link(link)
+        detached = self.sessions.unbind_link(link)
         if detached:
             logger.info("a link closed; %d sessions wait detached for a resume", detached)
 
@@ -129,30 +125,36 @@ class WorkerService:
     ) -> None:
         sid, config = frame.sid, frame.config
         try:  # a system prompt given as text: its tokens open a fresh session (a restore logged them)
-            engine_config, prefix = resolve_prefix(config, self.engine.text)
+            rules = self.engine.session_rules(config)
         except MicroturnError as error:
             self._send_error(link, sid, error, fatal=True)
             return
-        fresh_prefix = prefix if plan is None and not history else []
+        fresh_prefix = list(rules.prefix) if plan is None and not history else []
         history = fresh_prefix or history
         if self.draining:
             self._send_error(link, sid, WorkerUnavailable("worker is draining"), fatal=True)
             return
-        if self.directory.get(sid) is not None:
+        if self.sessions.get(sid) is not None:
             self._send_error(link, sid, InvalidMessage(f"session {sid} is already open here"), fatal=True)
             return
+        # A restore takes over the copy warmed here for the old worker's drain (warm.py), if any.
+        adopted = self.sessions.adopt(sid) if plan is not None else None
+        if adopted is not None:
+            self.warm.adopted(sid)
+        session = adopted or WorkerSession(sid)
         idle = config.idle_timeout_s or self.settings.idle_timeout_s  # the worker's default applies
-        length = len(history)
-        binding = SessionBinding(sid, config.stream, idle, link, length=length, finished_seq=finished_seq)
-        binding.config = config
-        binding.token_sha256 = frame.token_sha256
-        binding.auth = frame.auth
-        binding.created_ms = frame.created_ms or now_ms()
-        binding.restore = plan
-        binding.prefix = fresh_prefix
+        session.stream, session.idle_timeout_s, session.link = config.stream, idle, link
+        session.length, session.finished_seq = len(history), finished_seq
+        session.config = config
+        session.token_sha256 = frame.token_sha256
+        session.auth = frame.auth
+        session.created_ms = frame.created_ms or now_ms()
+        session.restore = plan
+        session.prefix = fresh_prefix
         if plan is not None:
-            binding.waiting = list(plan.rerun)  # run first, in seq order, once the session is open
-        self.directory.add(binding)
+            session.waiting = list(plan.rerun)  # run first, in seq order, once the session is open
+        if adopted is None:
+            self.sessions.open(session)
         self.token_log.start(sid, log, None if plan is None else plan.durable_seq)
         try:
             _sid, future = self.engine.open_session_async(
@@ -160,20 +162,20 @@ class WorkerService:
                 history=history,
                 accepted_seq=finished_seq,
                 text_tail=EMPTY_TAIL if plan is None else plan.text_tail,
-                config=replace(engine_config, idle_timeout_s=idle),
-                adopt=plan is not None and self.warm.adopt(sid),
+                config=replace(rules.config, idle_timeout_s=idle),
+                adopt=adopted is not None,
             )
         except MicroturnError as error:
-            self.directory.remove(sid)
+            self.sessions.close(sid)
             self.token_log.drop(sid)
             self._send_error(link, sid, error, fatal=True)
             return
-        future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._opened, binding, f))
+        future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._opened, session, f))
 
-    def _opened(self, binding: SessionBinding, future: Future[str]) -> None:
+    def _opened(self, binding: WorkerSession, future: Future[str]) -> None:
         error = future.exception()
         if error is not None:
-            self.directory.remove(binding.sid)
+            self.sessions.close(binding.sid)
             self.token_log.drop(binding.sid)
             self._send_error(binding.link, binding.sid, error, fatal=True)
             for chunk in binding.waiting:
@@ -181,7 +183,9 @@ class WorkerService:
                     binding.link, binding.sid, SessionNotFound("the session failed to open"), seq=chunk.seq
                 )
             return
-        binding.ready = True
+        if self.sessions.get(binding.sid) is not binding or binding.phase is not Phase.OPENING:
+            return  # a drain handed it over (or it was closed) while it opened: told already
+        self.sessions.opened(binding)
         plan, binding.restore = binding.restore, None
         if binding.prefix:  # a fresh session's system prompt: logged as tokens of no turn
             prefix, binding.prefix = tuple(binding.prefix), []
@@ -205,28 +209,28 @@ class WorkerService:
             self._chunk(binding.sid, chunk, binding.link)
 
     def _attach(self, link: LinkPeer, frame: LinkAttach) -> None:
-        binding = self.directory.get(frame.sid)
+        binding = self.sessions.get(frame.sid)
         if binding is None:
             self._send_error(
                 link, frame.sid, SessionNotFound(f"no session {frame.sid} on this worker"), fatal=True
             )
             return
         self._bind(binding, link)
-        if binding.ready:
+        if binding.phase is not Phase.OPENING:  # else `opened` goes to this link once it is open
             durable = self.token_log.durable_seq(binding.sid)
             link.send(LinkOpened(binding.sid, binding.length, binding.finished_seq, durable))
             for done in binding.missed(frame.seen_seq):
                 link.send(done)
 
-    def _bind(self, binding: SessionBinding, link: LinkPeer) -> None:
+    def _bind(self, binding: WorkerSession, link: LinkPeer) -> None:
         previous = binding.link
         if previous is not None and previous is not link:
             previous.send(LinkClosed(binding.sid, "taken_over"))
         binding.link = link
-        self.directory.touched.add(binding.sid)
+        self.sessions.touched.add(binding.sid)
 
     def _restore(self, link: LinkPeer, frame: LinkRestore) -> None:
-        existing = self.directory.get(frame.sid)
+        existing = self.sessions.get(frame.sid)
         if existing is not None:  # the gateway thought this worker lost, but the session lives
             self._attach(link, LinkAttach(frame.sid, frame.seen_seq))
             return
@@ -249,12 +253,8 @@ class WorkerService:
     def _rebuild(self, link: LinkPeer, frame: LinkRestore, log: bytes) -> None:
         """Open the session from its log plus the gateway's undurable tail (worker/server/restore.py)."""
         try:
-            text = self.engine.text
-            config, _prefix = resolve_prefix(frame.config, text)  # the window's rule as the engine runs it
-            limit = session_limit(config, self.engine.context_limit)
-            plan = plan_restore(
-                frame.sid, log, frame.tail, frame.seen_seq, text=text, config=config, limit=limit
-            )
+            rules = self.engine.session_rules(frame.config)  # the window's rule as the engine runs it
+            plan = plan_restore(frame.sid, log, frame.tail, frame.seen_seq, rules=rules)
         except ValueError as exc:
             logger.error("session %s cannot be restored: %s", frame.sid, exc)
             corrupt = SessionNotFound("the session's token log is corrupt")
@@ -274,7 +274,7 @@ class WorkerService:
         self._open(link, frame, plan.history, finished_seq=plan.finished_seq, log=log, plan=plan)
 
     def _close(self, link: LinkPeer, sid: str) -> None:
-        binding = self.directory.remove(sid)
+        binding = self.sessions.close(sid)
         if binding is None:
             link.send(LinkClosed(sid, "closed"))
             return
@@ -295,24 +295,25 @@ class WorkerService:
             self.loop.call_soon_threadsafe(self._engine_closed, sid, reason)
 
     def _engine_closed(self, sid: str, reason: str) -> None:
-        if reason == WARM_DISCARDED or self.warm.owns(sid):
+        if reason == WARM_DISCARDED or self.sessions.copy(sid) is not None:
             self.warm.forgotten(sid)  # a copy, never a live session here: no log, no keys
             return
-        binding = self.directory.remove(sid)
+        binding = self.sessions.close(sid)
         wire_reason: CloseReason = "idle_timeout" if reason == "idle_timeout" else "evicted"
         self.loop.create_task(self._forget_then_tell(binding.link if binding else None, sid, wire_reason))
 
     # ---- the hot path -------------------------------------------------------------------------
 
     def _chunk(self, sid: str, chunk: InputChunk, link: LinkPeer | None) -> None:
-        binding = self.directory.get(sid)
-        if (binding is None and sid in self.handing_over) or sid in self.switching:
+        entry = self.sessions.entry(sid)
+        if entry is not None and entry.phase in HELD_ELSEWHERE:
             return  # the gateway has it in its tail: it runs on the session's next worker
+        binding = self.sessions.get(sid)
         if binding is None:
             missing = SessionNotFound(f"no session {sid} on this worker")
             self._send_error(link, sid, missing, seq=chunk.seq, fatal=True)
             return
-        if not binding.ready:
+        if binding.phase is Phase.OPENING:
             binding.waiting.append(chunk)
             return
         decoder = IncrementalDecoder(self.engine.tokenizer) if binding.stream else None
@@ -340,12 +341,12 @@ class WorkerService:
 
         self._guard(sid, chunk.seq, submit)
 
-    def _delta(self, binding: SessionBinding, decoder: IncrementalDecoder, delta: TokenDelta) -> None:
+    def _delta(self, binding: WorkerSession, decoder: IncrementalDecoder, delta: TokenDelta) -> None:
         text = decoder.feed(delta.token)
         delta_message = OutputDelta(delta.seq, delta.index, delta.token, text, delta.logprob)
         binding.send(LinkDelta(binding.sid, delta_message))
 
-    def _done(self, binding: SessionBinding, seq: int, future: Future[TurnResult]) -> None:
+    def _done(self, binding: WorkerSession, seq: int, future: Future[TurnResult]) -> None:
         binding.in_flight -= 1
         error = future.exception()
         if error is not None:
@@ -371,9 +372,9 @@ class WorkerService:
         binding.turns_answered += 1
         self.metrics.turns += 1
         self.metrics.turn_latency.observe((result.queue_ms + result.compute_ms) / 1000.0)
-        if self.directory.get(binding.sid) is not binding:
+        if self.sessions.get(binding.sid) is not binding:
             return  # a turn the session's end cancelled: the session and its log are gone
-        self.directory.touched.add(binding.sid)
+        self.sessions.touched.add(binding.sid)
         # Only once the reply is out: the log is for rebuilding, never on the client's critical path.
         self.token_log.append(
             binding.sid,
@@ -391,7 +392,7 @@ class WorkerService:
         try:
             action()
         except MicroturnError as error:
-            binding = self.directory.get(sid)
+            binding = self.sessions.get(sid)
             self._send_error(binding.link if binding else None, sid, error, seq=seq)
 
     def _send_error(

@@ -1,13 +1,17 @@
-"""Make-before-break drain: each session is rebuilt on its next worker while this one serves it.
+"""Make-before-break drain: each session's KV moves to its next worker while this one serves it.
 
 SIGTERM (docs/failover.md, "Drain"). The worker stops taking sessions, then for each session held
 with a gateway attached:
 
 1. *Place* it: placement (shared/store/placement.py, this worker excluded) picks and charges the
    least-loaded worker with room, so the sessions spread over every worker that has it.
-2. *Warm* it there: this worker dials that worker's link (as a gateway would, with the link secret)
-   and sends `warm(sid, config)`; the target rebuilds the session from its token log in its
-   background prefill class (worker/server/warm.py). This worker keeps serving every chunk.
+2. *Copy* it there: its KV pages go over a KV copy stream to the target (kv_sender.py,
+   `COPY_STREAMS` streams per target, each taking the next session in placement order), then this
+   worker sends `warm(sid, config)` on the target's link (dialed as a gateway dials it, with the
+   link secret): the target catches the copy up on the turns logged since its point
+   (worker/server/warm.py), or, when the pages could not be used (a format mismatch, a bad checksum,
+   a broken stream, no room: counted by reason), rebuilds it from the token log in its background
+   prefill class. This worker keeps serving every chunk.
 3. *Switch* at a turn boundary once the target answers `warmed`: chunks that arrive from now on
    are left unanswered (the gateway holds them in the session's undurable tail); the ones in
    flight finish here and are logged; the log is flushed; then `migrate(sid, durable_seq,
@@ -17,8 +21,9 @@ with a gateway attached:
 Sessions whose copy is not ready by the deadline (a share of `--drain-timeout-s`), whose target
 refused, died or could not be reached, or for which no worker had room, are handed over by the
 classic break-before-make `migrate_all` (worker/server/handover.py) that the drain runs after this,
-so a drain never outlives its deadline. Why a rebuild from the log and not the KV pages sent worker
-to worker: docs/failover.md, with the figures.
+so a drain never outlives its deadline. Why the KV pages, with the rebuild as the fallback:
+docs/failover.md, with the figures. Each session's phase moves through its owner
+(worker/server/sessions.py): READY -> MOVING -> SWITCHING -> HANDED_OVER.
 """
 
 from __future__ import annotations
@@ -34,17 +39,14 @@ import websockets
 from redis.asyncio import Redis
 
 from shared.errors import CapacityExhausted, MicroturnError
-from shared.protocol.link import (
-    LINK_SECRET_HEADER,
-    LinkMigrate,
-    LinkWarm,
-    LinkWarmed,
-)
-from shared.protocol.link_codec import decode_link, encode_link
+from shared.protocol.link import LinkMigrate, LinkWarm, LinkWarmed
+from shared.protocol.link_client import LinkClient
 from shared.store.placement import place_session
 from shared.store.schema import KeySchema
-from worker.server.bindings import SessionBinding
+from worker.server.kv_sender import KVSender
+from worker.server.lifecycle import Phase
 from worker.server.service import WorkerService
+from worker.server.sessions import WorkerSession
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,10 @@ logger = logging.getLogger(__name__)
 IN_FLIGHT_POLL_S: Final = 0.002
 FLUSH_RETRY_S: Final = 0.05
 CONNECT_TIMEOUT_S: Final = 2.0
+# KV copy streams to each target, each taking the next placed session: a copy mostly waits (for the
+# engine threads between steps, for the target's log read), so a few overlap those waits; each
+# holds one session's pages in memory at a time.
+COPY_STREAMS: Final = 4
 
 
 @dataclass
@@ -67,35 +73,39 @@ class SwitchReport:
     # Of those, the ones with a copy (warm or part-warm) on a target still up: the classic handover
     # names it, so the restore there keeps what the copy has.
     targets: dict[str, str] = field(default_factory=dict)
+    # Sessions whose KV pages went over (kv_sender.py): their bytes and seconds (export to stored).
+    copied: int = 0
+    copy_bytes: int = 0
+    copy_seconds: float = 0.0
+    # Sessions whose copy the target rebuilt from the log instead, by reason (kv_copy.py).
+    rebuilt: dict[str, int] = field(default_factory=dict)
 
-
-class _TargetLink:
-    """This worker's link to one target worker, dialed as a gateway dials it."""
-
-    def __init__(self, worker_id: str, url: str) -> None:
-        self.worker_id = worker_id
-        self.url = url
-        self.connection: websockets.ClientConnection | None = None
-
-    async def connect(self, secret: str) -> None:
-        headers = {LINK_SECRET_HEADER: secret} if secret else {}
-        self.connection = await asyncio.wait_for(
-            websockets.connect(self.url + "/v1/link", additional_headers=headers, max_size=None),
-            CONNECT_TIMEOUT_S,
-        )
-
-    async def close(self) -> None:
-        if self.connection is not None:
-            await self.connection.close()
+    def copy_figures(self) -> str:
+        """The copies' size and speed, for the drain's log line."""
+        if not self.copied:
+            return "0 KV copied"
+        mb = self.copy_bytes / 1e6
+        rate = mb / self.copy_seconds if self.copy_seconds else 0.0
+        per_session = self.copy_seconds * 1000 / self.copied
+        return f"{self.copied} KV copied, {mb:.1f} MB, {per_session:.1f} ms a session, {rate:.0f} MB/s"
 
 
 async def switch_over(
-    service: WorkerService, redis: Redis, schema: KeySchema, *, worker_id: str, model: str, budget_s: float
+    service: WorkerService,
+    redis: Redis,
+    schema: KeySchema,
+    *,
+    worker_id: str,
+    model: str,
+    budget_s: float,
+    copy_pages: bool = True,
 ) -> SwitchReport:
     """Hand every attached session to a warm copy on another worker, within `budget_s`; the
-    sessions still here afterwards are for the classic handover."""
-    switcher = _Switcher(service, time.monotonic() + budget_s)
-    bindings = [b for b in service.directory.bindings.values() if b.ready and b.link is not None]
+    sessions still here afterwards are for the classic handover. `copy_pages`: each session's KV
+    pages go to its target first (kv_sender.py); without, or when a copy falls back, the target
+    rebuilds the copy from the log."""
+    switcher = _Switcher(service, time.monotonic() + budget_s, copy_pages=copy_pages)
+    bindings = [b for b in service.sessions.live() if b.phase is Phase.READY and b.link is not None]
     for binding in bindings:
         try:
             placement = await place_session(redis, schema, exclude=(worker_id,), model=model or None)
@@ -104,12 +114,16 @@ async def switch_over(
         await switcher.warm(binding, placement.worker_id, placement.url)
     await switcher.wait()
     report = switcher.report
+    rebuilt = ", ".join(f"{reason}: {n}" for reason, n in sorted(report.rebuilt.items()))
     logger.info(
         "drain: %d session(s) switched to warm copies (%d placed; %d chunks answered here while they "
-        "warmed); %d left for the classic handover",
+        "warmed; %s; %d rebuilt from the log%s); %d left for the classic handover",
         report.switched,
         report.placed,
         report.served_while_warming,
+        report.copy_figures(),
+        sum(report.rebuilt.values()),
+        f" ({rebuilt})" if rebuilt else "",
         len(report.fell_back),
     )
     return report
@@ -118,55 +132,112 @@ async def switch_over(
 class _Switcher:
     """The copies asked for, and the switch of each once its copy is warm."""
 
-    def __init__(self, service: WorkerService, deadline: float) -> None:
+    def __init__(self, service: WorkerService, deadline: float, *, copy_pages: bool) -> None:
         self.service = service
         self.deadline = deadline
+        self.copy_pages = copy_pages
+        # worker id -> the sessions waiting for a KV copy stream to it, in placement order
+        self.copies: dict[str, asyncio.Queue[WorkerSession]] = {}
+        self.senders: list[KVSender] = []
+        self.copiers: list[asyncio.Task[None]] = []
         self.report = SwitchReport()
-        self.targets: dict[str, _TargetLink] = {}
-        # sid -> (its binding, its target, the chunks it had answered when its copy was asked for)
-        self.waiting: dict[str, tuple[SessionBinding, _TargetLink, int]] = {}
+        # worker id -> this worker's link to it (None: it could not be reached)
+        self.targets: dict[str, LinkClient | None] = {}
+        # sid -> (its session, its target, the chunks it had answered when its copy was asked for)
+        self.waiting: dict[str, tuple[WorkerSession, LinkClient, int]] = {}
         self.readers: list[asyncio.Task[None]] = []
         # Switches run as tasks of their own, never cancelled: one cut short would leave a session
         # neither here nor told to move.
         self.switches: list[asyncio.Task[None]] = []
 
-    async def warm(self, binding: SessionBinding, worker_id: str, url: str) -> None:
-        target = self.targets.get(worker_id)
-        if target is None:
-            target = self.targets[worker_id] = _TargetLink(worker_id, url)
+    async def warm(self, binding: WorkerSession, worker_id: str, url: str) -> None:
+        if worker_id not in self.targets:
+            self.targets[worker_id] = None
             try:
-                await target.connect(self.service.settings.link_secret)
+                secret, timeout = self.service.settings.link_secret, CONNECT_TIMEOUT_S
+                client = await LinkClient.open(worker_id, url, secret=secret, open_timeout_s=timeout)
             except (OSError, TimeoutError, websockets.WebSocketException) as exc:
                 logger.warning("drain: cannot reach worker %s to warm sessions on it: %s", worker_id, exc)
                 return
-            self.readers.append(asyncio.create_task(self._read(target)))
-        if target.connection is None:
+            self.targets[worker_id] = client
+            self.readers.append(asyncio.create_task(self._read(client)))
+        target = self.targets[worker_id]
+        if target is None:
             return
-        await target.connection.send(encode_link(LinkWarm(binding.sid, binding.config)))
+        self.service.sessions.start_moving(binding)
         self.waiting[binding.sid] = (binding, target, binding.turns_answered)
         self.report.placed += 1
+        if self.copy_pages:  # `warm` follows the copy (kv_sender.py), one session after the other
+            queue = self.copies.get(worker_id)
+            if queue is None:
+                queue = self.copies[worker_id] = asyncio.Queue()
+                for _ in range(COPY_STREAMS):
+                    sender = KVSender(
+                        self.service.engine,
+                        worker_id,
+                        url,
+                        secret=self.service.settings.link_secret,
+                        timeout_s=CONNECT_TIMEOUT_S,
+                    )
+                    self.senders.append(sender)
+                    self.copiers.append(asyncio.create_task(self._copy(target, sender, queue)))
+            queue.put_nowait(binding)
+            return
+        # A send that fails: the reader sees the link end and gives these to the classic handover.
+        with contextlib.suppress(websockets.WebSocketException):
+            await target.send(LinkWarm(binding.sid, binding.config))
+
+    async def _copy(self, target: LinkClient, sender: KVSender, queue: asyncio.Queue[WorkerSession]) -> None:
+        """Copy each session's KV to `target`, then ask for its warm copy (caught up from the log)."""
+        while True:
+            binding = await queue.get()
+            entry = self.waiting.get(binding.sid)
+            if entry is None or entry[1] is not target:
+                continue  # the link to the target broke meanwhile: the classic handover takes it
+            outcome = await sender.send(binding.sid, binding.config)
+            metrics = self.service.metrics
+            if outcome.fallback is None:
+                self.report.copied += 1
+                self.report.copy_bytes += outcome.bytes
+                self.report.copy_seconds += outcome.seconds
+                metrics.kv_copies_sent += 1
+                metrics.kv_copy_bytes_sent += outcome.bytes
+                metrics.kv_copy_seconds += outcome.seconds
+            else:
+                reason = outcome.fallback
+                self.report.rebuilt[reason] = self.report.rebuilt.get(reason, 0) + 1
+                metrics.kv_copy_fell_back(reason)
+                logger.warning(
+                    "drain: the KV of %s was not copied to %s (%s: %s): it rebuilds the copy from the log",
+                    binding.sid,
+                    target.worker_id,
+                    reason,
+                    outcome.detail,
+                )
+            with contextlib.suppress(websockets.WebSocketException):
+                await target.send(LinkWarm(binding.sid, binding.config))
 
     async def wait(self) -> None:
         try:
             while self.waiting and time.monotonic() < self.deadline:
                 await asyncio.sleep(0.01)
         finally:
-            for reader in self.readers:
-                reader.cancel()
+            for task in (*self.readers, *self.copiers):
+                task.cancel()
+            await asyncio.gather(*(s.close() for s in self.senders), return_exceptions=True)
             await asyncio.gather(*self.switches)
             self.report.fell_back += sorted(self.waiting)
             for sid, (_binding, target, _answered) in self.waiting.items():
                 self.report.targets[sid] = target.worker_id
             # The targets keep unadopted copies a grace period after this link closes (warm.py).
-            await asyncio.gather(*(t.close() for t in self.targets.values()), return_exceptions=True)
+            clients = [t for t in self.targets.values() if t is not None]
+            await asyncio.gather(*(t.close() for t in clients), return_exceptions=True)
 
-    async def _read(self, target: _TargetLink) -> None:
-        assert target.connection is not None
+    async def _read(self, target: LinkClient) -> None:
         try:
-            async for data in target.connection:
-                frame = decode_link(data) if isinstance(data, bytes) else None
-                entry = self.waiting.get(frame.sid) if frame is not None else None
-                if frame is None or entry is None or entry[1] is not target:
+            async for frame in target.frames():
+                entry = self.waiting.get(frame.sid)
+                if entry is None or entry[1] is not target:
                     continue
                 del self.waiting[frame.sid]
                 if isinstance(frame, LinkWarmed):
@@ -182,7 +253,7 @@ class _Switcher:
                 del self.waiting[sid]
                 self.report.fell_back.append(sid)
 
-    async def _switch(self, entry: tuple[SessionBinding, _TargetLink, int]) -> None:
+    async def _switch(self, entry: tuple[WorkerSession, LinkClient, int]) -> None:
         binding, target, answered_before = entry
         self.report.served_while_warming += binding.turns_answered - answered_before
         if await _switch(self.service, binding, target.worker_id, self.deadline):
@@ -192,23 +263,21 @@ class _Switcher:
             self.report.targets[binding.sid] = target.worker_id  # its copy there is warm
 
 
-async def _switch(service: WorkerService, binding: SessionBinding, target: str, deadline: float) -> bool:
+async def _switch(service: WorkerService, binding: WorkerSession, target: str, deadline: float) -> bool:
     """Finish the chunks in flight here, make the log durable, and send the gateway over; False
     when they did not finish by the deadline (the classic handover then cancels them: they re-run
     on the next worker, with the chunks held since the switch began)."""
     sid = binding.sid
-    service.switching.add(sid)
+    if service.sessions.get(sid) is not binding:
+        return False  # the client closed it (or it expired) meanwhile: nothing left to move
+    service.sessions.switch(binding)
     while binding.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(IN_FLIGHT_POLL_S)
-    if service.directory.get(sid) is not binding:
-        service.switching.discard(sid)
+    if service.sessions.get(sid) is not binding:
         return False  # the client closed it (or it expired) meanwhile: nothing left to move
     if binding.in_flight:
         return False
-    service.directory.remove(sid)
-    service.handing_over.add(sid)
-    service.switching.discard(sid)
-    link, binding.link = binding.link, None
+    link = service.sessions.hand_over(binding)
     with contextlib.suppress(MicroturnError):  # gone from the engine already: nothing to close
         await asyncio.wrap_future(service.engine.close_session_async(sid, "closed"))
     while not await service.token_log.flush():

@@ -11,15 +11,19 @@ was built (`extend`; up to `CATCH_UP_ROUNDS`, until it is within `CATCH_UP_TOKEN
 (`Engine.open_session(adopt=True)`): only the turns answered since its last read are prefilled,
 then the chunks held in the gateway's tail run.
 
-A copy is not a live session: it is in no directory, answers no chunk, writes no log and deletes no
-key. It ends when it is adopted, when the engine discards it (a restore it does not match), or
-`WARM_GRACE_S` after the link that asked for it closed without a restore taking it over.
+A copy is a session in the COPY phase (worker/server/lifecycle.py): it answers no chunk, writes no
+log and deletes no key. When the draining worker sent its KV pages first (worker/server/kv_receiver.py)
+the copy already holds the KV up to the copy's point, and the first build only prefills the turns
+logged after it; otherwise (a fallback, counted by the draining worker) the first build is the
+whole rebuild from the log. It ends when it is adopted, when the engine discards it (a restore it
+does not match), or `WARM_GRACE_S` after the link that asked for it closed without a restore taking it over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 from typing import Final, Protocol
 
@@ -30,11 +34,10 @@ from shared.protocol.link import LinkWarm, LinkWarmed, link_error_from
 from shared.protocol.messages import OpenConfig
 from shared.settings import WorkerSettings
 from shared.store.schema import KeySchema
-from worker.engine import Engine, TurnResult
-from worker.engine.memory.window import resolve_prefix, session_limit
-from worker.server.bindings import LinkPeer, SessionDirectory
+from worker.engine import Engine, SessionRules, TurnResult
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
+from worker.server.sessions import LinkPeer, WorkerSession, WorkerSessions
 from worker.server.token_log import read_log_bytes
 
 logger = logging.getLogger(__name__)
@@ -58,7 +61,7 @@ class WarmHost(Protocol):
     schema: KeySchema
     settings: WorkerSettings
     loop: asyncio.AbstractEventLoop
-    directory: SessionDirectory
+    sessions: WorkerSessions
     metrics: WorkerMetrics
     draining: bool
 
@@ -66,83 +69,105 @@ class WarmHost(Protocol):
 class WarmCopies:
     def __init__(self, service: WarmHost) -> None:
         self.service = service
-        self.copies: dict[str, LinkPeer] = {}  # sid -> the link of the worker that asked for it
 
     def request(self, link: LinkPeer, frame: LinkWarm) -> None:
-        service = self.service
-        if service.draining or service.directory.get(frame.sid) is not None or frame.sid in self.copies:
+        service, sid = self.service, frame.sid
+        # A copy whose KV came over already (kv_receiver.py) waits for this request; any other
+        # session or copy of that id here is a refusal.
+        imported = service.sessions.copy(sid)
+        if imported is not None and (not imported.kv_imported or imported.asked_by is not None):
+            imported = None
+        if service.draining or (imported is None and service.sessions.entry(sid) is not None):
             refusal: MicroturnError = (
                 WorkerUnavailable("worker is draining")
                 if service.draining
-                else InvalidMessage(f"session {frame.sid} is already here")
+                else InvalidMessage(f"session {sid} is already here")
             )
-            link.send(link_error_from(frame.sid, refusal, fatal=True))
+            link.send(link_error_from(sid, refusal, fatal=True))
             return
-        self.copies[frame.sid] = link
-        logger.info("warming a copy of session %s for its worker's drain", frame.sid)
-        service.loop.create_task(self._warm(link, frame))
+        if imported is not None:
+            imported.asked_by = link
+            copy = imported
+            logger.info("warming the copy of session %s its worker sent: catching up from the log", sid)
+        else:
+            copy = service.sessions.add_copy(sid, link)
+            logger.info("warming a copy of session %s for its worker's drain", sid)
+        service.loop.create_task(self._warm(copy, frame))
 
-    def adopt(self, sid: str) -> bool:
-        """A restore of `sid` arrived: True when a copy is here for it to take over."""
-        if self.copies.pop(sid, None) is None:
-            return False
+    def adopted(self, sid: str) -> None:
+        """A restore of `sid` took over the copy here (sessions.py `adopt`)."""
         self.service.metrics.warm_adopted += 1
         logger.info("session %s: the restore takes over its warm copy", sid)
-        return True
-
-    def owns(self, sid: str) -> bool:
-        """Whether the engine session `sid` is a copy (not a live session of this worker)."""
-        return sid in self.copies and self.service.directory.get(sid) is None
 
     def link_gone(self, link: LinkPeer) -> None:
-        for sid, asked in list(self.copies.items()):
-            if asked is link:
-                self.service.loop.call_later(WARM_GRACE_S, self._discard, sid, link)
+        for copy in self.service.sessions.copies():
+            if copy.asked_by is link:
+                self.service.loop.call_later(WARM_GRACE_S, self.discard, copy)
 
     def forgotten(self, sid: str) -> None:
-        """The engine ended the copy (its idle timeout): nothing else to do."""
-        self.copies.pop(sid, None)
+        """The engine ended the copy (its idle timeout, or a discard): nothing else to do."""
+        self.service.sessions.drop_copy(sid)
 
-    async def _warm(self, link: LinkPeer, frame: LinkWarm) -> None:
-        service, sid = self.service, frame.sid
+    async def _warm(self, copy: WorkerSession, frame: LinkWarm) -> None:
+        service, sid, link = self.service, frame.sid, copy.asked_by
+        assert link is not None
+        started = time.monotonic()
         try:
-            # Resolved once for every round: the config a restore plans with, and the copy's own.
-            config, _prefix = resolve_prefix(frame.config, service.engine.text)
-            limit = session_limit(config, service.engine.context_limit)
-            idle = config.idle_timeout_s or service.settings.idle_timeout_s
-            copy_config = replace(config, idle_timeout_s=idle)
-            plan = await self._plan(sid, config, limit)
-            result = await self._build(sid, copy_config, plan, extend=False)
-            # The old worker streams the session on meanwhile: catch up on what it logged while
-            # this copy was built, so the switch itself prefills only the last round's turns.
-            for _ in range(CATCH_UP_ROUNDS):
-                if self.copies.get(sid) is not link or result.finish == "cancelled":
+            # Resolved once for every round: the rules a restore plans with, and the copy's config.
+            rules = service.engine.session_rules(frame.config)
+            idle = rules.config.idle_timeout_s or service.settings.idle_timeout_s
+            copy_config = replace(rules.config, idle_timeout_s=idle)
+            plan = await self._plan(sid, rules)
+            # A copy whose KV came over (`length`: its tokens with KV) is behind by the turns
+            # logged during one transfer: within a piece, the switch's own prefill takes them.
+            length = copy.length
+            result: TurnResult | None = None
+            if not copy.kv_imported or len(plan.history) - length > CATCH_UP_TOKENS:
+                # Only the turns logged after the copy's point are prefilled (all of them for a
+                # copy rebuilt from nothing), in the background share.
+                result = await self._build(sid, copy_config, plan, extend=copy.kv_imported)
+                length = result.length
+            # A rebuilt copy took long: the old worker streamed the session on meanwhile. Catch up
+            # on what it logged while the copy was built, so the switch prefills only the last
+            # round's turns.
+            for _ in range(0 if copy.kv_imported else CATCH_UP_ROUNDS):
+                if result is None or service.sessions.copy(sid) is not copy or result.finish == "cancelled":
                     return  # adopted or discarded while it warmed
-                latest = await self._plan(sid, config, limit)
+                latest = await self._plan(sid, rules)
                 if len(latest.history) - result.length <= CATCH_UP_TOKENS:
                     break
                 plan = latest
                 result = await self._build(sid, copy_config, plan, extend=True)
+                length = result.length
         except (redis.RedisError, ValueError, MicroturnError) as exc:
             logger.warning("could not warm a copy of session %s: %s", sid, exc)
-            if self.copies.get(sid) is link:
-                del self.copies[sid]
+            if service.sessions.drop_copy(sid, copy):  # the engine's copy goes too, quietly
+                service.engine.close_session_async(sid, WARM_DISCARDED)
             error = exc if isinstance(exc, MicroturnError) else WorkerUnavailable(f"no copy: {exc}")
             link.send(link_error_from(sid, error, fatal=True))
             return
-        if self.copies.get(sid) is not link or result.finish == "cancelled":
+        if service.sessions.copy(sid) is not copy or (result is not None and result.finish == "cancelled"):
             return  # adopted or discarded while it warmed
         service.metrics.warm_copies += 1
+        if copy.kv_imported:
+            service.metrics.warm_from_pages += 1
+        else:
+            service.metrics.warm_rebuilds += 1
         logger.info(
-            "warm copy of session %s ready: %d tokens, log to seq %s", sid, result.length, plan.durable_seq
+            "warm copy of session %s ready: %d tokens, log to seq %s, %s, in %.0f ms",
+            sid,
+            length,
+            plan.durable_seq,
+            "its KV copied from its worker" if copy.kv_imported else "rebuilt from the log",
+            (time.monotonic() - started) * 1000,
         )
-        link.send(LinkWarmed(sid, result.length, plan.durable_seq))
+        link.send(LinkWarmed(sid, length, plan.durable_seq))
 
-    async def _plan(self, sid: str, config: OpenConfig, limit: int) -> RestorePlan:
+    async def _plan(self, sid: str, rules: SessionRules) -> RestorePlan:
         """The session's window as its log has it now, as a restore would rebuild it (no tail)."""
         service = self.service
         log = await read_log_bytes(service.redis, service.schema, sid)
-        return plan_restore(sid, log, (), None, text=service.engine.text, config=config, limit=limit)
+        return plan_restore(sid, log, (), None, rules=rules)
 
     async def _build(self, sid: str, config: OpenConfig, plan: RestorePlan, *, extend: bool) -> TurnResult:
         future = self.service.engine.warm_async(
@@ -155,9 +180,9 @@ class WarmCopies:
         )
         return await asyncio.wrap_future(future)
 
-    def _discard(self, sid: str, link: LinkPeer) -> None:
-        if self.copies.get(sid) is not link:
+    def discard(self, copy: WorkerSession) -> None:
+        """End `copy` here (engine session included) unless a restore took it over meanwhile."""
+        if not self.service.sessions.drop_copy(copy.sid, copy):
             return  # adopted meanwhile, or asked for again
-        del self.copies[sid]
-        logger.info("discarding the warm copy of session %s: no restore took it over", sid)
-        self.service.engine.close_session_async(sid, WARM_DISCARDED)
+        logger.info("discarding the warm copy of session %s: no restore took it over", copy.sid)
+        self.service.engine.close_session_async(copy.sid, WARM_DISCARDED)

@@ -184,7 +184,7 @@ def test_close_ends_the_session_and_deletes_its_keys(engine: Engine, redis_url: 
         assert await service.redis.exists(service.schema.log("s4")) == 1
         service.dispatch(link, LinkClose("s4"))
         assert await link.next(LinkClosed) == LinkClosed("s4", "closed")
-        assert service.directory.get("s4") is None
+        assert service.sessions.get("s4") is None
 
         async def deleted() -> bool:
             return not await service.redis.exists(service.schema.log("s4"))

@@ -10,6 +10,7 @@ import pytest
 from shared.protocol.link import UndurableTurn
 from shared.protocol.messages import InputChunk, OpenConfig
 from shared.store.log_format import encode_log_record
+from worker.engine import SessionRules
 from worker.server.restore import REPLAY_DONES, ForcedTurn, plan_restore
 from worker.tokenizer.incremental import EMPTY_TAIL
 
@@ -22,6 +23,10 @@ NO_WINDOW = 1024  # a context limit these sessions never reach
 LOG = encode_log_record(1, [1, 2, 90, 91], inputs=2) + encode_log_record(2, [3, 4, 92, 93], inputs=2)
 
 
+def rules(max_output_tokens: int) -> SessionRules:
+    return SessionRules(OpenConfig(max_output_tokens=max_output_tokens), NO_WINDOW)
+
+
 def test_delivered_turns_past_the_log_are_forced_and_the_rest_re_run() -> None:
     tail = [
         UndurableTurn(chunk(2, [3, 4]), (92, 93)),  # the log already has it: skipped
@@ -29,7 +34,7 @@ def test_delivered_turns_past_the_log_are_forced_and_the_rest_re_run() -> None:
         UndurableTurn(chunk(4, [7, 8]), None),  # in flight: re-run
         UndurableTurn(chunk(5, [9, 10]), None),  # queued: re-run
     ]
-    plan = plan_restore("s", LOG, tail, 3, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW)
+    plan = plan_restore("s", LOG, tail, 3, rules=rules(2))
     assert plan.history == [1, 2, 90, 91, 3, 4, 92, 93, 5, 6, 94, 95]
     assert plan.forced == [ForcedTurn(3, [5, 6, 94, 95], 2, EMPTY_TAIL)]
     assert [c.seq for c in plan.rerun] == [4, 5]
@@ -38,7 +43,7 @@ def test_delivered_turns_past_the_log_are_forced_and_the_rest_re_run() -> None:
 
 def test_a_logged_turn_whose_answer_was_lost_is_answered_from_the_log() -> None:
     tail = [UndurableTurn(chunk(2, [3, 4]), None), UndurableTurn(chunk(3, [5, 6], 4), None)]
-    plan = plan_restore("s", LOG, tail, 1, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW)
+    plan = plan_restore("s", LOG, tail, 1, rules=rules(2))
     [answer] = plan.answers
     done = answer.done
     assert (done.seq, done.tokens, done.finish, answer.length) == (2, (92, 93), "length", 8)
@@ -48,16 +53,14 @@ def test_a_logged_turn_whose_answer_was_lost_is_answered_from_the_log() -> None:
 
 def test_after_one_re_run_every_later_chunk_re_runs() -> None:
     tail = [UndurableTurn(chunk(3, [5]), None), UndurableTurn(chunk(4, [6]), (7,))]
-    plan = plan_restore("s", LOG, tail, 4, text=None, config=OpenConfig(max_output_tokens=1), limit=NO_WINDOW)
+    plan = plan_restore("s", LOG, tail, 4, rules=rules(1))
     assert [c.seq for c in plan.rerun] == [3, 4] and plan.forced == []
     assert plan.finished_seq == 2  # seq ordering resumes right before the first re-run
 
 
 def test_a_corrupt_log_is_refused() -> None:
     with pytest.raises(ValueError):
-        plan_restore(
-            "s", LOG[:-3], [], None, text=None, config=OpenConfig(max_output_tokens=1), limit=NO_WINDOW
-        )
+        plan_restore("s", LOG[:-3], [], None, rules=rules(1))
 
 
 def test_a_restore_never_reopens_a_finished_turn_to_a_resent_chunk() -> None:
@@ -65,17 +68,11 @@ def test_a_restore_never_reopens_a_finished_turn_to_a_resent_chunk() -> None:
     socket) or lead it (the turn was not durable yet); either way the rebuilt session's seq ordering
     is past every turn it holds or the client saw, so a resent chunk for one is refused by the
     engine's admission, never run and logged a second time."""
-    lagging = plan_restore(
-        "s", LOG, [], 1, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW
-    )
+    lagging = plan_restore("s", LOG, [], 1, rules=rules(2))
     assert (lagging.finished_seq, lagging.durable_seq, lagging.rerun) == (2, 2, [])
-    leading = plan_restore(
-        "s", LOG, [], 3, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW
-    )
+    leading = plan_restore("s", LOG, [], 3, rules=rules(2))
     assert (leading.finished_seq, leading.history) == (3, [1, 2, 90, 91, 3, 4, 92, 93])
-    fresh = plan_restore(
-        "s", b"", [], None, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW
-    )
+    fresh = plan_restore("s", b"", [], None, rules=rules(2))
     assert fresh.finished_seq is None  # one "none": no turn finished yet
 
 
@@ -83,25 +80,19 @@ def test_a_client_that_resumes_elsewhere_gets_every_logged_done_it_missed() -> N
     """Its gateway went away with the `done`s of turns 2 and 3 in it: the client resumes through
     another gateway (an empty tail) having seen 1, and the log answers 2 and 3, in seq order."""
     log = LOG + encode_log_record(3, [5, 94], inputs=1)
-    plan = plan_restore("s", log, [], 1, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW)
+    plan = plan_restore("s", log, [], 1, rules=rules(2))
     assert [(a.done.seq, a.done.tokens, a.done.finish) for a in plan.answers] == [
         (2, (92, 93), "length"),
         (3, (94,), "stop"),
     ]
     assert (plan.finished_seq, plan.rerun) == (3, [])
-    saw_none = plan_restore(
-        "s", log, [], None, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW
-    )
+    saw_none = plan_restore("s", log, [], None, rules=rules(2))
     assert [a.done.seq for a in saw_none.answers] == [1, 2, 3]
-    saw_all = plan_restore(
-        "s", log, [], 3, text=None, config=OpenConfig(max_output_tokens=2), limit=NO_WINDOW
-    )
+    saw_all = plan_restore("s", log, [], 3, rules=rules(2))
     assert saw_all.answers == []
 
 
 def test_the_dones_a_restore_replays_are_bounded() -> None:
     log = b"".join(encode_log_record(seq, [seq, 900 + seq], inputs=1) for seq in range(1, 101))
-    plan = plan_restore(
-        "s", log, [], None, text=None, config=OpenConfig(max_output_tokens=1), limit=NO_WINDOW
-    )
+    plan = plan_restore("s", log, [], None, rules=rules(1))
     assert [a.done.seq for a in plan.answers] == list(range(101 - REPLAY_DONES, 101))

@@ -17,7 +17,7 @@ import pytest
 from shared.protocol.link import UndurableTurn
 from shared.protocol.messages import InputChunk, OpenConfig
 from shared.store.log_format import encode_log_record
-from worker.engine import Engine, TurnResult
+from worker.engine import Engine, SessionRules, TurnResult
 from worker.server.restore import plan_restore
 from worker.tokenizer.incremental import EMPTY_TAIL
 
@@ -101,9 +101,7 @@ def test_a_restored_text_session_equals_the_uninterrupted_one(
             log,
             tail,
             delivered,
-            text=engine.text,
-            config=OpenConfig(max_output_tokens=OUT),
-            limit=NO_WINDOW,
+            rules=SessionRules(OpenConfig(max_output_tokens=OUT), NO_WINDOW, engine.text),
         )
         for forced in plan.forced:
             expected = reference[forced.seq]
@@ -137,7 +135,7 @@ def test_the_log_answers_a_text_turn_with_its_committed_input_count(reference: l
     log = b"".join(record(r) for r in reference[: asked.seq + 1])
     lost = [UndurableTurn(c, None) for c in chunks()[asked.seq : asked.seq + 1]]
     plan = plan_restore(
-        "s", log, lost, asked.seq - 1, text=None, config=OpenConfig(max_output_tokens=OUT), limit=NO_WINDOW
+        "s", log, lost, asked.seq - 1, rules=SessionRules(OpenConfig(max_output_tokens=OUT), NO_WINDOW, None)
     )
     [answer] = plan.answers
     assert (answer.done.tokens, answer.done.committed_tokens, answer.length) == (

@@ -18,7 +18,7 @@ import pytest
 from shared.protocol.link import UndurableTurn
 from shared.protocol.messages import InputChunk, OpenConfig
 from shared.store.log_format import DIRECTIVE_CUT, decode_log, encode_directive, encode_log_record
-from worker.engine import Engine, TurnResult
+from worker.engine import Engine, SessionRules, TurnResult
 from worker.engine.memory.window import session_limit
 from worker.server.restore import ForcedTurn, plan_restore
 
@@ -95,7 +95,7 @@ def test_a_restored_truncate_session_keeps_the_window_and_continues_exactly(
             UndurableTurn(c, reference[c.seq].tokens if c.seq <= delivered else None)
             for c in all_chunks[durable + 1 :]
         ]
-        plan = plan_restore("s", log, tail, delivered, text=None, config=CONFIG, limit=limit)
+        plan = plan_restore("s", log, tail, delivered, rules=SessionRules(CONFIG, limit, None))
         # Forced turns are cut where the session cut them, and their records (with the cut) make
         # the log the new worker holds read as the uninterrupted session's.
         assert [f.cut for f in plan.forced] == [reference[f.seq].cut for f in plan.forced]

@@ -25,9 +25,12 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+import torch
+
 from shared.errors import CapacityExhausted
 from shared.store.log_format import Cut
 from worker.attention.kv_pool import KVPool
+from worker.engine.memory.kv_transfer import KVExport, gather, page_shape, scatter, staging
 from worker.engine.memory.page_allocator import PageAllocator
 from worker.engine.memory.page_copy import CopyCounter, HostKVPool, PageCopier
 from worker.engine.session import Session
@@ -233,3 +236,54 @@ class KVManager:
         self.copier.to_device(session.host_pages, pages)
         self.host.free(session.host_pages)
         session.pages, session.host_pages = pages, []
+
+    # ---- a drain's copy: KV that leaves for another worker, or arrives from one -----------------
+
+    def export_kv(self, session: Session, device_pool: KVPool) -> KVExport:
+        """A copy of `session`'s KV (its first `num_cached` tokens, whole pages) for another worker,
+        gathered from whichever tier holds each page (the device's first, then the host tier's:
+        a parked session may keep a leading run on the device); the session keeps its pages."""
+        count = _pages(session.num_cached, self.page_size)
+        on_device = session.pages[:count]
+        on_host = session.host_pages[: count - len(on_device)]
+        paged, axis = device_pool.paged(), device_pool.page_axis
+        data = staging(paged, axis, len(on_device) + len(on_host))
+        stream = self.copier.stream if self.copier is not None else None
+        ready = gather(paged, axis, on_device, data, stream=stream)
+        if on_host:
+            assert self.copier is not None
+            if stream is not None:  # an offload to these pages may still be running
+                stream.synchronize()
+            gather(
+                self.copier.host_paged,
+                axis,
+                on_host,
+                data.narrow(0, len(on_device), len(on_host)),
+                stream=None,
+            )
+        return KVExport(session.tokens[: session.num_cached], data, ready)
+
+    def import_kv(self, session: Session, data: torch.Tensor, tokens: int, device_pool: KVPool) -> None:
+        """Give a session just opened (no pages yet) the KV of its first `tokens` tokens from
+        page-major `data` (another worker's pages, any shape of the same elements): into the host
+        tier when it has room (where an idle session waits; its first turn brings it to the
+        device), else into free device pages.
+        Raises `CapacityExhausted` having changed nothing when neither has room (evicting sessions
+        here for a copy that can be rebuilt instead is not worth it)."""
+        assert not session.pages and not session.host_pages
+        data = data.view(-1, *page_shape(device_pool.paged(), device_pool.page_axis))
+        count = _pages(tokens, self.page_size)
+        if count > data.shape[0]:
+            raise ValueError(f"{tokens} tokens need {count} pages, the copy has {data.shape[0]}")
+        if self.host is not None and self.copier is not None and self.host.num_free >= count:
+            session.host_pages = self.host.allocate(count)
+            scatter(data, self.copier.host_paged, self.copier.axis, session.host_pages)
+        elif self.device.num_free >= count:
+            session.pages = self.device.allocate(count)
+            scatter(data, device_pool.paged(), device_pool.page_axis, session.pages)
+        else:
+            raise CapacityExhausted(
+                f"no room for a copy of {count} KV pages", retry_after_ms=CAPACITY_RETRY_MS
+            )
+        session.num_cached = tokens
+        session.recompute = False  # what is not in the copy is computed for the first time here
