@@ -21,9 +21,11 @@ from typing import Any, TypeVar
 import torch
 
 from shared.errors import ChunkTooLarge, InvalidMessage, MicroturnError, TokenOutOfRange
-from shared.protocol.codec import config_from_map
+from shared.protocol.codec import config_from_map, response_format_from_map
 from shared.protocol.fields import is_valid_text
+from shared.protocol.link_codec import to_wire
 from shared.protocol.messages import OpenConfig
+from shared.protocol.response_format import ResponseFormat
 from shared.settings import DTYPE_NAMES
 from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore, EngineStats
@@ -141,12 +143,31 @@ class Engine:
             config = replace(config, stop_token_ids=tuple(self._check_tokens(config.stop_token_ids)))
         history_tokens = self._check_tokens(history)
         sid = session_id or uuid.uuid4().hex
+        grammar = self._grammar(config.response_format)
 
         def open_it() -> str:
-            self._core.open_session(sid, config, history_tokens, accepted_seq, text_tail, adopt=adopt)
+            self._core.open_session(
+                sid, config, history_tokens, accepted_seq, text_tail, adopt=adopt, grammar=grammar
+            )
             return sid
 
-        return sid, self._call(open_it)
+        if grammar is None:
+            return sid, self._call(open_it)
+        # The session's default grammar is compiled before it opens, so a rejected one refuses
+        # the open (nothing was made) and no turn of the session waits for it.
+        opened: Future[str] = Future()
+        opened.set_running_or_notify_cancel()
+
+        def compiled(done: Future[Any]) -> None:
+            error = done.exception()
+            if error is not None:
+                opened.set_exception(error)
+                return
+            inner = self._call(open_it)
+            inner.add_done_callback(lambda f: _chain(f, opened))
+
+        grammar.add_done_callback(compiled)
+        return sid, opened
 
     def warm_async(
         self,
@@ -169,8 +190,12 @@ class Engine:
         future: Future[TurnResult] = Future()
         future.set_running_or_notify_cancel()
 
+        grammar = self._grammar(config.response_format)
+
         def warm_it() -> None:
-            self._core.open_session(session_id, config, history_tokens, accepted_seq, text_tail, adopt=extend)
+            self._core.open_session(
+                session_id, config, history_tokens, accepted_seq, text_tail, adopt=extend, grammar=grammar
+            )
             turn = Turn(
                 seq=-1 if accepted_seq is None else accepted_seq,
                 input_tokens=[],
@@ -212,6 +237,7 @@ class Engine:
         logprobs: bool | None = None,
         flush: bool = False,
         on_token: TokenListener | None = None,
+        response_format: ResponseFormat | dict[str, object] | None = None,
     ) -> Future[TurnResult]:
         """Queue one chunk; never blocks. Typed errors come back through the future.
 
@@ -220,6 +246,8 @@ class Engine:
         Text is tokenized there too, against the session's held-back text tail: a text chunk
         commits only the tokens no later text can change, unless it asks for output or `flush`es
         (see worker/tokenizer/incremental.py); `TurnResult.inputs` says what it committed.
+        `response_format` constrains the turn's output (worker/engine/grammar.py; None: the
+        session's default); its grammar compiles off this thread and the turn waits for it.
         """
         chunk = self._chunk_tokens(tokens, text)
         if not isinstance(flush, bool):
@@ -228,6 +256,7 @@ class Engine:
             raise InvalidMessage(f"max_output_tokens must be within 0..{self.config.max_output_tokens}")
         if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool)):
             raise InvalidMessage("seq must be an integer")
+        grammar = self._grammar(response_format)
         future: Future[TurnResult] = Future()
         future.set_running_or_notify_cancel()  # a turn in flight cannot be withdrawn; use cancel()
 
@@ -246,6 +275,7 @@ class Engine:
                 submitted_at=time.monotonic(),
                 text=text,
                 flush=flush,
+                grammar=grammar,
             )
             self._core.submit(session_id, turn)
 
@@ -278,6 +308,7 @@ class Engine:
         self._wakeup.set()
         self._thread.join()
         self._core.runner.close()
+        self._core.grammars.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -286,6 +317,17 @@ class Engine:
         self.shutdown()
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _grammar(self, fmt: ResponseFormat | dict[str, object] | None) -> Future[Any] | None:
+        """The grammar of a format (checked again by the codec's rules: one given by hand enters
+        here), compiling or compiled; its end wakes the engine thread, where a turn waits for it."""
+        if fmt is None:
+            return None
+        checked = response_format_from_map(to_wire(fmt) if isinstance(fmt, ResponseFormat) else fmt)
+        grammar = self._core.grammars.request(checked)
+        if not grammar.done():
+            grammar.add_done_callback(lambda _done: self._wakeup.set())
+        return grammar
 
     def _chunk_tokens(self, tokens: Sequence[int] | None, text: str | None) -> list[int]:
         """A token chunk's checked tokens; [] for text, which the engine thread tokenizes."""
@@ -369,3 +411,12 @@ class Engine:
         for session_id in list(core.sessions):
             core.close(session_id, "closed")
         logger.info("engine thread stopped")
+
+
+def _chain(source: Future[T], target: Future[T]) -> None:
+    """Resolve `target` as `source` resolved."""
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())
