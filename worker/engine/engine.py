@@ -29,6 +29,7 @@ from shared.protocol.response_format import ResponseFormat
 from shared.settings import DTYPE_NAMES
 from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore, EngineStats
+from worker.engine.grammar import Grammars
 from worker.engine.memory.sizing import device_pages, host_pages
 from worker.engine.model_runner import ModelRunner
 from worker.engine.turn import TokenListener, Turn, TurnResult
@@ -115,6 +116,18 @@ class Engine:
     @property
     def context_limit(self) -> int:
         return self._core.context_limit
+
+    @property
+    def grammars(self) -> Grammars:
+        """The worker's compiled structured-output grammars (worker/engine/grammar.py)."""
+        return self._core.grammars
+
+    def compile_format(self, response_format: ResponseFormat | dict[str, object]) -> Future[Any]:
+        """Compile a `response_format` ahead of its first turn (checked as a client's is); the
+        future resolves to its grammar, or to `InvalidMessage` when the library rejects it."""
+        grammar = self._grammar(response_format)
+        assert grammar is not None
+        return grammar
 
     # ---- sessions -----------------------------------------------------------------------------
 
