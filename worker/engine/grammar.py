@@ -105,6 +105,15 @@ class Grammars:
         self.last_compile_ms = 0.0
         self.compiles = 0
 
+    def prepare(self) -> None:
+        """Build the compiler now, on the grammar thread (a worker calls it at start): xgrammar's
+        tokenizer info holds the GIL while it is built (~0.15 s for SmolLM2's 49 152 tokens), which
+        would otherwise stall the asyncio loop and the engine thread at the first constrained chunk."""
+        if self._tokenizer is None:
+            return
+        with self._lock:
+            self._pool_started().submit(self._ensure_compiler)
+
     def request(self, fmt: ResponseFormat) -> Future[xgr.CompiledGrammar]:
         """The grammar of `fmt`: a done future when cached, else one that resolves once compiled
         (to `InvalidMessage` when the library rejects it; a rejected format is not kept)."""
@@ -116,9 +125,7 @@ class Grammars:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="microturn-grammar")
-            future = self._pool.submit(self._compile, fmt)
+            future = self._pool_started().submit(self._compile, fmt)
             self._cache[key] = future
             while len(self._cache) > self._capacity:
                 self._cache.popitem(last=False)
@@ -138,13 +145,24 @@ class Grammars:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, fmt: ResponseFormat) -> xgr.CompiledGrammar:
-        if self._compiler is None:  # built on first use: a worker that never constrains pays nothing
+    def _pool_started(self) -> ThreadPoolExecutor:
+        """The one grammar thread (call under the lock)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="microturn-grammar")
+        return self._pool
+
+    def _ensure_compiler(self) -> xgr.GrammarCompiler:
+        """The compiler (grammar thread only): built by `prepare`, or by the first compile."""
+        if self._compiler is None:
             assert self._tokenizer is not None
             info = tokenizer_info(self._tokenizer, self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def _compile(self, fmt: ResponseFormat) -> xgr.CompiledGrammar:
+        compiler = self._ensure_compiler()
         started = time.perf_counter()
-        compiled = compile_format(self._compiler, fmt)
+        compiled = compile_format(compiler, fmt)
         self.last_compile_ms = (time.perf_counter() - started) * 1000.0
         self.compiles += 1
         logger.info("compiled a %s response_format in %.1f ms", fmt.type, self.last_compile_ms)
