@@ -49,6 +49,7 @@ from shared.protocol.messages import (
     SessionOpened,
     SessionResumed,
 )
+from shared.protocol.response_format import ResponseFormat
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -206,9 +207,20 @@ class RealtimeClient(_ClientShell[AsyncConnection]):
         logprobs: bool | None = None,
         *,
         flush: bool | None = None,
+        response_format: ResponseFormat | None = None,
     ) -> None:
         await self.send(
-            self._core.chunk(chunk_message(seq, tokens, text, max_output_tokens, logprobs, flush=flush))
+            self._core.chunk(
+                chunk_message(
+                    seq,
+                    tokens,
+                    text,
+                    max_output_tokens,
+                    logprobs,
+                    flush=flush,
+                    response_format=response_format,
+                )
+            )
         )
 
     async def cancel(self, seq: int) -> None:
@@ -226,10 +238,13 @@ class RealtimeClient(_ClientShell[AsyncConnection]):
         logprobs: bool | None = None,
         *,
         flush: bool | None = None,
+        response_format: ResponseFormat | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> OutputDone:
         """Send one chunk and wait for its `output.done` (its deltas end up in `last_deltas`)."""
-        await self.send_chunk(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
+        await self.send_chunk(
+            seq, tokens, text, max_output_tokens, logprobs, flush=flush, response_format=response_format
+        )
         return await self.wait_done(seq, timeout=timeout)
 
     async def wait_done(self, seq: int, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> OutputDone:
@@ -326,9 +341,20 @@ class SyncRealtimeClient(_ClientShell[SyncConnection]):
         logprobs: bool | None = None,
         *,
         flush: bool | None = None,
+        response_format: ResponseFormat | None = None,
     ) -> None:
         self.send(
-            self._core.chunk(chunk_message(seq, tokens, text, max_output_tokens, logprobs, flush=flush))
+            self._core.chunk(
+                chunk_message(
+                    seq,
+                    tokens,
+                    text,
+                    max_output_tokens,
+                    logprobs,
+                    flush=flush,
+                    response_format=response_format,
+                )
+            )
         )
 
     def cancel(self, seq: int) -> None:
@@ -346,9 +372,12 @@ class SyncRealtimeClient(_ClientShell[SyncConnection]):
         logprobs: bool | None = None,
         *,
         flush: bool | None = None,
+        response_format: ResponseFormat | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> OutputDone:
-        self.send_chunk(seq, tokens, text, max_output_tokens, logprobs, flush=flush)
+        self.send_chunk(
+            seq, tokens, text, max_output_tokens, logprobs, flush=flush, response_format=response_format
+        )
         return self.wait_done(seq, timeout=timeout)
 
     def wait_done(self, seq: int, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> OutputDone:

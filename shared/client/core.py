@@ -36,6 +36,7 @@ from shared.protocol.messages import (
     SessionResume,
     SessionResumed,
 )
+from shared.protocol.response_format import ResponseFormat
 
 EncodingName = Literal["json", "msgpack"]
 R = TypeVar("R")
@@ -274,9 +275,10 @@ def chunk_message(
     logprobs: bool | None,
     *,
     flush: bool | None = None,
+    response_format: ResponseFormat | None = None,
 ) -> InputChunk:
     tokens = None if tokens is None else tuple(tokens)
-    return InputChunk(seq, tokens, text, max_output_tokens, logprobs, flush)
+    return InputChunk(seq, tokens, text, max_output_tokens, logprobs, flush, response_format)
 
 
 def handshake_headers(headers: Mapping[str, str] | None, api_key: str | None) -> dict[str, str] | None:

@@ -61,6 +61,16 @@ from shared.protocol.messages import (
     SessionResumed,
     Timing,
 )
+from shared.protocol.response_format import (
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
+    MAX_PATTERN_CHARS,
+    MAX_SCHEMA_BYTES,
+    RESPONSE_FORMAT_TYPES,
+    ResponseFormat,
+    ResponseFormatType,
+    schema_bytes,
+)
 
 MAX_SEED = 2**64 - 1
 _T = TypeVar("_T")
@@ -118,11 +128,59 @@ def _config_from_reader(r: FieldReader) -> OpenConfig:
         stream=_or(r.opt_boolean("stream"), default.stream),
         model=r.opt_string("model"),
         keep_prefix_text=r.opt_string("keep_prefix_text"),
+        response_format=_response_format(r.submap("response_format", required=False)),
     )
     r.done()
     if config.keep_prefix_text is not None and config.keep_prefix_tokens:
         raise InvalidMessage("give keep_prefix_text or keep_prefix_tokens, not both")
     return config
+
+
+def _response_format(r: FieldReader | None) -> ResponseFormat | None:
+    """Read a `response_format` map (None: absent) and finish `r`; the bounds are in
+    shared/protocol/response_format.py. Exactly the field of its `type` may be given."""
+    if r is None:
+        return None
+    kind = cast(ResponseFormatType, r.choice("type", RESPONSE_FORMAT_TYPES))
+    fmt: ResponseFormat
+    if kind == "json_schema":
+        schema = r.value("schema")
+        if type(schema) is not dict:
+            raise InvalidMessage(f"response_format: field 'schema' must be a map, got {show(schema)}")
+        size = schema_bytes(schema)
+        if size > MAX_SCHEMA_BYTES:
+            raise InvalidMessage(f"response_format: schema of {size} bytes exceeds {MAX_SCHEMA_BYTES}")
+        fmt = ResponseFormat(kind, schema=schema)
+    elif kind == "regex":
+        pattern = r.string("pattern", nonempty=True)
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise InvalidMessage(f"response_format: pattern exceeds {MAX_PATTERN_CHARS} characters")
+        fmt = ResponseFormat(kind, pattern=pattern)
+    else:
+        choices = r.raw("choices")
+        if not isinstance(choices, list | tuple) or not 0 < len(choices) <= MAX_CHOICES:
+            raise InvalidMessage(
+                f"response_format: field 'choices' must be a list of 1 to {MAX_CHOICES} strings, "
+                f"got {show(choices)}"
+            )
+        for item in choices:
+            if type(item) is not str or not 0 < len(item) <= MAX_CHOICE_CHARS:
+                raise InvalidMessage(
+                    f"response_format: each choice must be a string of 1 to {MAX_CHOICE_CHARS} "
+                    f"characters, got {show(item)}"
+                )
+        r.value("choices")  # valid Unicode
+        fmt = ResponseFormat(kind, choices=tuple(choices))
+    r.done()
+    return fmt
+
+
+def response_format_from_map(obj: object, where: str = "response_format") -> ResponseFormat:
+    """Validate a `response_format` map by the client protocol's rules (one given by hand to the
+    engine enters here too)."""
+    fmt = _response_format(FieldReader(obj, where))
+    assert fmt is not None
+    return fmt
 
 
 def config_from_map(obj: object, where: str = "config") -> OpenConfig:
@@ -216,6 +274,7 @@ def _input_chunk(r: FieldReader) -> InputChunk:
         r.opt_integer("max_output_tokens"),
         r.opt_boolean("logprobs"),
         r.opt_boolean("flush"),
+        _response_format(r.submap("response_format", required=False)),
     )
 
 

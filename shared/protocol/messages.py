@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal, TypeAlias, get_args
 
 from shared.errors import ErrorCode, MicroturnError, error_from_code
+from shared.protocol.response_format import ResponseFormat
 
 ContextPolicy = Literal["error", "truncate"]
 FinishReason = Literal["length", "stop", "cancelled"]
@@ -57,6 +58,8 @@ class OpenConfig:
     stream: bool = False
     # Only workers serving this model (their registered name) may hold the session; None: any.
     model: str | None = None
+    # The default shape of every turn's output (a turn's own `response_format` replaces it).
+    response_format: ResponseFormat | None = None
 
 
 # ---- client -> server -------------------------------------------------------------------------
@@ -90,6 +93,8 @@ class InputChunk:
     # Commit the session's held-back text now (as asking for output or a token chunk does), so the
     # next text starts a new segment; see "Text input is exact" in docs/protocol.md.
     flush: bool | None = None
+    # Constrain this turn's output (shared/protocol/response_format.py); None: the session's default.
+    response_format: ResponseFormat | None = None
 
 
 @dataclass(frozen=True, slots=True)

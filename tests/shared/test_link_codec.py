@@ -83,6 +83,10 @@ def test_the_registry_names_each_class_by_its_op() -> None:
     assert len(set(FRAME_CLASSES.values())) == len(FRAME_CLASSES)
 
 
+# Fields whose value is a free-form JSON map (a response_format's schema): its inside is anyone's.
+_FREE_FORM = frozenset({"schema"})
+
+
 def _paths(wire: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     """Every key path in a wire map, nested maps (and the first map of a list) included."""
     out = []
@@ -90,7 +94,7 @@ def _paths(wire: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str
         if key == "op":
             continue
         out.append((*prefix, key))
-        if isinstance(value, dict):
+        if isinstance(value, dict) and key not in _FREE_FORM:
             out.extend(_paths(value, (*prefix, key)))
         elif isinstance(value, list) and value and isinstance(value[0], dict):
             out.extend(_paths(value[0], (*prefix, key, "0")))

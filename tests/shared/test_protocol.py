@@ -51,6 +51,7 @@ from shared.protocol.messages import (
     SessionResumed,
     Timing,
 )
+from shared.protocol.response_format import ResponseFormat
 
 FULL_CONFIG = OpenConfig(
     max_output_tokens=8,
@@ -78,6 +79,12 @@ CLIENT_MESSAGES: list[ClientMessage] = [
     InputChunk(2**53 - 1, tokens=(2**32 - 1,), max_output_tokens=16, logprobs=True),
     InputChunk(3, text="héllo, 世界 \n"),
     InputChunk(4, text=""),
+    InputChunk(
+        5, text="a", response_format=ResponseFormat("json_schema", schema={"type": "object", "x": [1.5]})
+    ),
+    InputChunk(6, tokens=(1,), response_format=ResponseFormat("regex", pattern="[0-9]+")),
+    InputChunk(7, tokens=(1,), response_format=ResponseFormat("choice", choices=("yes", "no"))),
+    SessionOpen(OpenConfig(response_format=ResponseFormat("choice", choices=("a",)))),
     OutputCancel(9),
     SessionClose(),
     Ping(),
@@ -165,7 +172,25 @@ def test_missing_or_null_config_fields_take_defaults() -> None:
 
 # ---- validation: JSON ---------------------------------------------------------------------------
 
+_CHUNK = '{"type": "input.chunk", "seq": 1, "tokens": [1], "response_format": '
 JSON_FAILURES: list[tuple[str, type[MicroturnError], str]] = [
+    (_CHUNK + '{"type": "grammar"}}', InvalidMessage, "field 'type' must be one of json_schema"),
+    (_CHUNK + '{"type": "json_schema"}}', InvalidMessage, "field 'schema' must be a map"),
+    (_CHUNK + '{"type": "json_schema", "schema": [1]}}', InvalidMessage, "field 'schema' must be a map"),
+    (_CHUNK + '{"type": "regex", "pattern": ""}}', InvalidMessage, "non-empty string"),
+    (_CHUNK + '{"type": "regex", "pattern": "a", "choices": ["a"]}}', InvalidMessage, "unknown field"),
+    (_CHUNK + '{"type": "regex", "pattern": "%s"}}' % ("a" * 1025), InvalidMessage, "exceeds 1024"),
+    (_CHUNK + '{"type": "choice", "choices": []}}', InvalidMessage, "list of 1 to 256"),
+    (_CHUNK + '{"type": "choice", "choices": ["a", 1]}}', InvalidMessage, "each choice"),
+    (_CHUNK + '{"type": "choice", "choices": [""]}}', InvalidMessage, "each choice"),
+    (_CHUNK + '{"type": "choice", "choices": ["\\ud800"]}}', InvalidMessage, "Unicode"),
+    (_CHUNK + '"json"}', InvalidMessage, "must be a map"),
+    (
+        '{"type": "session.open", "config": {"response_format": '
+        '{"type": "json_schema", "schema": {"d": "%s"}}}}' % ("x" * 16384),
+        InvalidMessage,
+        "exceeds 16384",
+    ),
     ("{", InvalidMessage, "malformed JSON"),
     ("", InvalidMessage, "malformed JSON"),
     ('{"type": "ping"} x', InvalidMessage, "malformed JSON"),

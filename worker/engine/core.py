@@ -12,7 +12,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+
+from xgrammar import CompiledGrammar
 
 from shared.errors import (
     CapacityExhausted,
@@ -25,6 +28,7 @@ from shared.protocol.messages import FinishReason, OpenConfig
 from shared.store.log_format import Cut
 from worker.engine.admission import admit
 from worker.engine.config import EngineConfig
+from worker.engine.grammar import Grammars
 from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager, MemoryStats
 from worker.engine.memory.window import cut_before, opening_history, session_limit
 from worker.engine.model_runner import ForwardRow, ModelRunner, SampledToken
@@ -85,6 +89,8 @@ class EngineCore:
         self.sessions: dict[str, Session] = {}
         # The one owner of KV memory: both tiers, windows, eviction (worker/engine/memory/).
         self.kv = KVManager(runner.kv_pool, host_pages, self.sessions)
+        # Structured output: compiled grammars, shared by every session (worker/engine/grammar.py).
+        self.grammars = Grammars(tokenizer, runner.config.vocab_size)
         self.scheduler = Scheduler(
             max_batch_tokens=config.max_batch_tokens,
             max_batch_rows=config.max_batch_rows,
@@ -114,6 +120,7 @@ class EngineCore:
         text_tail: TextTail = EMPTY_TAIL,
         *,
         adopt: bool = False,
+        grammar: Future[CompiledGrammar] | None = None,
     ) -> None:
         """Open a session with `history`. With `adopt`, a session of that id already here (a copy
         warmed before a handover, `warm`) is taken over when its tokens begin `history` and its
@@ -144,6 +151,7 @@ class EngineCore:
             context_limit=context_limit,
             accepted_seq=accepted_seq,
             tail=text_tail,
+            grammar=grammar,
         )
 
     def warm(self, session_id: str, turn: Turn) -> None:
@@ -160,6 +168,14 @@ class EngineCore:
     def submit(self, session_id: str, turn: Turn) -> None:
         """Validate, tokenize and queue `turn`; raises having changed nothing, or accepts it whole."""
         session = self._get(session_id)
+        if turn.grammar is None:
+            turn.grammar = session.grammar
+        # A grammar already known bad refuses the chunk now; one still compiling is checked at
+        # activation (`_activate`). Inline, not `Turn.grammar_error`: the chunk's path stays short.
+        grammar = turn.grammar
+        failed = grammar.exception() if grammar is not None and grammar.done() else None
+        if failed is not None:
+            raise failed if isinstance(failed, MicroturnError) else InternalError("grammar compile failed")
         tokens, tail = admit(session, turn, self.text, self.config)
         turn.before = (session.accepted_seq, session.tail)
         turn.input_tokens = tokens
@@ -251,6 +267,8 @@ class EngineCore:
     def _schedule(self) -> ScheduledBatch | None:
         """Activate the waiting turns, then pick what this step feeds (None: nothing to do)."""
         for session in list(self.waiting.values()):
+            if any(turn.grammar_pending for turn in session.pending):
+                continue  # its grammar is compiling; the compile's end wakes the engine
             del self.waiting[session.session_id]
             self._activate(session)
         return self.scheduler.schedule(self.running.values())
@@ -264,6 +282,7 @@ class EngineCore:
                 pages=row.session.pages,
                 sampling=row.session.sampling_params() if row.sample else None,
                 generator=row.session.generator if row.sample else None,
+                grammar=row.session.active.matcher if row.sample and row.session.active else None,
             )
             for row in batch.rows
         ]
@@ -287,8 +306,13 @@ class EngineCore:
                 if result.logprob is not None:
                     turn.output_logprobs.append(result.logprob)
                 turn.notify(session.session_id, result.token, result.logprob)
+                if turn.matcher is not None and not turn.matcher.accept_token(result.token):
+                    # Never expected: the token was sampled under this matcher's own mask.
+                    logger.error("session %s: token %d outside its grammar", session.session_id, result.token)
                 if result.token in self._stop_ids(session):
                     self._finish(session, "stop")
+                elif turn.matcher is not None and turn.matcher.is_terminated():
+                    self._finish(session, "stop")  # the grammar is complete
                 elif len(turn.output_tokens) >= turn.max_output_tokens:
                     self._finish(session, "length")
                 elif turn.cancelled:
@@ -304,17 +328,18 @@ class EngineCore:
         owner.absorbed = turns[:-1]
         inputs = [t for turn in turns for t in turn.input_tokens]
         outputs = owner.max_output_tokens if owner.wants_output else 0
+        failed = next((turn.grammar_error for turn in turns if turn.grammar_error is not None), None)
+        if failed is not None:
+            reason = failed if isinstance(failed, MicroturnError) else InternalError("grammar compile failed")
+            self._refuse(session, turns, reason)
+            return
         try:
             self.kv.prepare(session, cut, len(inputs) + outputs)
         except CapacityExhausted as error:
-            # Later chunks were sent assuming this one lands: refuse them too rather than reorder input,
-            # and forget all of them (seq and text included), so each may be sent again as it was.
-            assert turns[0].before is not None
-            session.accepted_seq, session.tail = turns[0].before
-            for turn in [*turns, *session.pending]:
-                self._reject(turn, error)
-            session.pending.clear()
+            self._refuse(session, turns, error)
             return
+        if owner.wants_output and owner.grammar is not None:
+            owner.matcher = self.grammars.matcher(owner.grammar, self._stop_ids(session))
         turns[0].cut = cut
         now = self.clock()
         for turn in turns:
@@ -328,6 +353,16 @@ class EngineCore:
             self._finish(session, "cancelled" if owner.cancelled else "length")
         else:
             self.running[session.session_id] = session
+
+    def _refuse(self, session: Session, turns: list[Turn], error: MicroturnError) -> None:
+        """Refuse `turns` (taken from the queue for one append) after they were accepted: later
+        chunks were sent assuming these land, so refuse them too rather than reorder input, and
+        forget all of them (seq and text included), so each may be sent again as it was."""
+        assert turns[0].before is not None
+        session.accepted_seq, session.tail = turns[0].before
+        for turn in [*turns, *session.pending]:
+            self._reject(turn, error)
+        session.pending.clear()
 
     def _adopt(
         self,

@@ -21,13 +21,16 @@ from typing import Any, TypeVar
 import torch
 
 from shared.errors import ChunkTooLarge, InvalidMessage, MicroturnError, TokenOutOfRange
-from shared.protocol.codec import config_from_map
+from shared.protocol.codec import config_from_map, response_format_from_map
 from shared.protocol.fields import is_valid_text
 from shared.protocol.kv_copy import KVFormat
+from shared.protocol.link_codec import to_wire
 from shared.protocol.messages import OpenConfig
+from shared.protocol.response_format import ResponseFormat
 from shared.settings import DTYPE_NAMES
 from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore, EngineStats
+from worker.engine.grammar import Grammars
 from worker.engine.memory.kv_transfer import KVExport, model_fingerprint
 from worker.engine.memory.sizing import device_pages, host_pages
 from worker.engine.memory.window import resolve_prefix, session_limit
@@ -134,6 +137,18 @@ class Engine:
         resolved, prefix = resolve_prefix(config, self.text)
         return SessionRules(resolved, session_limit(resolved, self.context_limit), self.text, tuple(prefix))
 
+    @property
+    def grammars(self) -> Grammars:
+        """The worker's compiled structured-output grammars (worker/engine/grammar.py)."""
+        return self._core.grammars
+
+    def compile_format(self, response_format: ResponseFormat | dict[str, object]) -> Future[Any]:
+        """Compile a `response_format` ahead of its first turn (checked as a client's is); the
+        future resolves to its grammar, or to `InvalidMessage` when the library rejects it."""
+        grammar = self._grammar(response_format)
+        assert grammar is not None
+        return grammar
+
     # ---- sessions -----------------------------------------------------------------------------
 
     def open_session_async(
@@ -161,12 +176,31 @@ class Engine:
             config = replace(config, stop_token_ids=tuple(self._check_tokens(config.stop_token_ids)))
         history_tokens = self._check_tokens(history)
         sid = session_id or uuid.uuid4().hex
+        grammar = self._grammar(config.response_format)
 
         def open_it() -> str:
-            self._core.open_session(sid, config, history_tokens, accepted_seq, text_tail, adopt=adopt)
+            self._core.open_session(
+                sid, config, history_tokens, accepted_seq, text_tail, adopt=adopt, grammar=grammar
+            )
             return sid
 
-        return sid, self._call(open_it)
+        if grammar is None:
+            return sid, self._call(open_it)
+        # The session's default grammar is compiled before it opens, so a rejected one refuses
+        # the open (nothing was made) and no turn of the session waits for it.
+        opened: Future[str] = Future()
+        opened.set_running_or_notify_cancel()
+
+        def compiled(done: Future[Any]) -> None:
+            error = done.exception()
+            if error is not None:
+                opened.set_exception(error)
+                return
+            inner = self._call(open_it)
+            inner.add_done_callback(lambda f: _chain(f, opened))
+
+        grammar.add_done_callback(compiled)
+        return sid, opened
 
     def warm_async(
         self,
@@ -189,8 +223,12 @@ class Engine:
         future: Future[TurnResult] = Future()
         future.set_running_or_notify_cancel()
 
+        grammar = self._grammar(config.response_format)
+
         def warm_it() -> None:
-            self._core.open_session(session_id, config, history_tokens, accepted_seq, text_tail, adopt=extend)
+            self._core.open_session(
+                session_id, config, history_tokens, accepted_seq, text_tail, adopt=extend, grammar=grammar
+            )
             turn = Turn(
                 seq=-1 if accepted_seq is None else accepted_seq,
                 input_tokens=[],
@@ -276,6 +314,7 @@ class Engine:
         logprobs: bool | None = None,
         flush: bool = False,
         on_token: TokenListener | None = None,
+        response_format: ResponseFormat | dict[str, object] | None = None,
     ) -> Future[TurnResult]:
         """Queue one chunk; never blocks. Typed errors come back through the future.
 
@@ -284,6 +323,8 @@ class Engine:
         Text is tokenized there too, against the session's held-back text tail: a text chunk
         commits only the tokens no later text can change, unless it asks for output or `flush`es
         (see worker/tokenizer/incremental.py); `TurnResult.inputs` says what it committed.
+        `response_format` constrains the turn's output (worker/engine/grammar.py; None: the
+        session's default); its grammar compiles off this thread and the turn waits for it.
         """
         chunk = self._chunk_tokens(tokens, text)
         if not isinstance(flush, bool):
@@ -292,6 +333,7 @@ class Engine:
             raise InvalidMessage(f"max_output_tokens must be within 0..{self.config.max_output_tokens}")
         if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool)):
             raise InvalidMessage("seq must be an integer")
+        grammar = self._grammar(response_format)
         future: Future[TurnResult] = Future()
         future.set_running_or_notify_cancel()  # a turn in flight cannot be withdrawn; use cancel()
 
@@ -310,6 +352,7 @@ class Engine:
                 submitted_at=time.monotonic(),
                 text=text,
                 flush=flush,
+                grammar=grammar,
             )
             self._core.submit(session_id, turn)
 
@@ -342,6 +385,7 @@ class Engine:
         self._wakeup.set()
         self._thread.join()
         self._core.runner.close()
+        self._core.grammars.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -350,6 +394,17 @@ class Engine:
         self.shutdown()
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _grammar(self, fmt: ResponseFormat | dict[str, object] | None) -> Future[Any] | None:
+        """The grammar of a format (checked again by the codec's rules: one given by hand enters
+        here), compiling or compiled; its end wakes the engine thread, where a turn waits for it."""
+        if fmt is None:
+            return None
+        checked = response_format_from_map(to_wire(fmt) if isinstance(fmt, ResponseFormat) else fmt)
+        grammar = self._core.grammars.request(checked)
+        if not grammar.done():
+            grammar.add_done_callback(lambda _done: self._wakeup.set())
+        return grammar
 
     def _chunk_tokens(self, tokens: Sequence[int] | None, text: str | None) -> list[int]:
         """A token chunk's checked tokens; [] for text, which the engine thread tokenizes."""
@@ -433,3 +488,12 @@ class Engine:
         for session_id in list(core.sessions):
             core.close(session_id, "closed")
         logger.info("engine thread stopped")
+
+
+def _chain(source: Future[T], target: Future[T]) -> None:
+    """Resolve `target` as `source` resolved."""
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())

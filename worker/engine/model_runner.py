@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
 
 from worker.attention import AttentionShape, choose_backend
 from worker.attention.base import AttentionMetadata, paged_metadata
@@ -35,6 +36,8 @@ class ForwardRow:
     pages: Sequence[int]  # the session's page table, covering start + len(token_ids)
     sampling: SamplingParams | None  # None: no token is sampled after this row
     generator: torch.Generator | None
+    # The active turn's grammar when its output is constrained (worker/engine/grammar.py).
+    grammar: xgr.GrammarMatcher | None = None
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,10 @@ class ModelRunner:
         logits = self.model.logits(hidden[on_device[2 * num_tokens :]])
         params = [p for p in (rows[i].sampling for i in sampled_rows) if p is not None]
         generators = [g for g in (rows[i].generator for i in sampled_rows) if g is not None]
-        tokens, logprobs = sample(logits, params, generators)
+        matchers = [rows[i].grammar for i in sampled_rows]
+        tokens, logprobs = sample(
+            logits, params, generators, matchers if any(m is not None for m in matchers) else ()
+        )
         for i, token, logprob in zip(sampled_rows, tokens, logprobs, strict=True):
             results[i] = SampledToken(token, logprob)
         return results

@@ -1,4 +1,9 @@
-"""Next-token choice: greedy, or temperature with top-k / top-p, from each session's own generator."""
+"""Next-token choice: greedy, or temperature with top-k / top-p, from each session's own generator.
+
+A constrained row (structured output, worker/engine/grammar.py) has its logits masked to the
+tokens its grammar allows before anything else, so greedy, top-k/top-p and logprobs all see the
+constrained distribution; an unconstrained row's logits are never touched.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
+
+from worker.engine.grammar import apply_masks
 
 
 @dataclass(frozen=True)
@@ -24,8 +32,12 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
+    matchers: Sequence[xgr.GrammarMatcher | None] = (),
 ) -> tuple[list[int], list[float | None]]:
-    """One token per row of fp32 `logits` [rows, vocab]; logprobs are of the unscaled distribution."""
+    """One token per row of fp32 `logits` [rows, vocab]; logprobs are of the unscaled distribution
+    (masked first for the rows with a grammar `matchers[row]`; an empty `matchers`: none has one)."""
+    if matchers:
+        apply_masks(logits, matchers)
     chosen = logits.argmax(dim=-1)
     for row, p in enumerate(params):
         if not p.greedy:

@@ -14,8 +14,10 @@ Invariants (the engine thread is the only writer; the pages are worker/engine/me
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
 
 import torch
+import xgrammar as xgr
 
 from shared.protocol.messages import OpenConfig
 from worker.engine.sampling import SamplingParams
@@ -35,9 +37,12 @@ class Session:
         context_limit: int,
         accepted_seq: int | None = None,
         tail: TextTail = EMPTY_TAIL,
+        grammar: Future[xgr.CompiledGrammar] | None = None,
     ) -> None:
         self.session_id = session_id
         self.config = config
+        # The grammar of the config's `response_format`: every turn's unless it brings its own.
+        self.grammar = grammar
         # The longest this session's sequence may grow (worker/engine/memory/window.py), fixed at open.
         self.context_limit = context_limit
         self.tokens: list[int] = history

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import xgrammar as xgr
+
 from shared.protocol.messages import FinishReason
 from shared.store.log_format import Cut
 from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
@@ -85,6 +87,20 @@ class Turn:
     cut: Cut | None = None
     # A warm-up (`EngineCore.warm`): scheduled after every client turn, within a small budget.
     background: bool = False
+    # Structured output (worker/engine/grammar.py): the turn's grammar, compiling or compiled (its
+    # own `response_format`, else the session's); the turn is not activated before it is done.
+    grammar: Future[xgr.CompiledGrammar] | None = None
+    # Made from `grammar` at activation when the turn asks for output; accepts each sampled token.
+    matcher: xgr.GrammarMatcher | None = None
+
+    @property
+    def grammar_pending(self) -> bool:
+        return self.grammar is not None and not self.grammar.done()
+
+    @property
+    def grammar_error(self) -> BaseException | None:
+        """Why the turn's grammar failed to compile (an `InvalidMessage`), or None."""
+        return None if self.grammar is None or not self.grammar.done() else self.grammar.exception()
 
     @property
     def wants_output(self) -> bool:

@@ -76,6 +76,7 @@ def main(argv: list[str]) -> int:
     except BackendRefused as refused:  # `--attention flashinfer` failed its start-up check
         logger.error("the worker does not start: %s", refused)
         return EXIT_REFUSED
+    engine.grammars.prepare()  # structured output's tokenizer info, built before any chunk needs it
     runtime = WorkerRuntime(settings, engine)
     config = uvicorn.Config(
         create_worker_app(runtime),

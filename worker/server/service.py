@@ -333,6 +333,7 @@ class WorkerService:
                 logprobs=chunk.logprobs,
                 flush=bool(chunk.flush),
                 on_token=on_token,
+                response_format=chunk.response_format,
             )
             binding.in_flight += 1
             future.add_done_callback(

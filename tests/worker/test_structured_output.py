@@ -1,0 +1,169 @@
+"""Structured output with real weights (SmolLM2-135M from the GGUF): `response_format` through the
+engine, its output parsed, the same tokens as transformers under xgrammar's own logits processor,
+unconstrained rows batched with it unchanged, and bad formats refused having changed nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from shared.errors import InvalidMessage
+from shared.protocol.response_format import MAX_SCHEMA_BYTES
+from worker.engine import Engine
+from worker.engine.turn import TurnResult
+from worker.model.presets import smollm2_gguf_path
+
+pytestmark = pytest.mark.slow
+
+# Bounded everywhere (lengths, an integer range, no extra keys), so a greedy turn completes it.
+CITY_SCHEMA: dict[str, object] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "country": {"type": "string", "maxLength": 16},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["city", "country", "population_millions"],
+    "additionalProperties": False,
+}
+CITY_FORMAT: dict[str, object] = {"type": "json_schema", "schema": CITY_SCHEMA}
+QUESTION = "Describe the capital of France as JSON."
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    with Engine.load("smollm2-135m", kv_tokens=8192) as engine:
+        yield engine
+
+
+def prompt(engine: Engine, question: str = QUESTION) -> list[int]:
+    assert engine.tokenizer is not None
+    return engine.tokenizer.encode(engine.tokenizer.chat_prompt(question))
+
+
+def body_text(engine: Engine, result: TurnResult) -> str:
+    """The turn's text without its final stop token (the EOS the grammar ends with)."""
+    assert engine.tokenizer is not None and result.finish == "stop"
+    assert result.tokens[-1] in engine.tokenizer.eos_token_ids
+    return engine.tokenizer.decode(result.tokens[:-1])
+
+
+def test_a_json_schema_turn_parses_and_matches_the_schema(engine: Engine) -> None:
+    sid = engine.open_session()
+    result = engine.run_turn(
+        sid, tokens=prompt(engine), max_output_tokens=80, response_format=CITY_FORMAT, timeout=300
+    )
+    value = json.loads(body_text(engine, result))
+    assert set(value) == {"city", "country", "population_millions"}
+    assert isinstance(value["city"], str) and len(value["city"]) <= 16
+    assert isinstance(value["population_millions"], int) and 0 <= value["population_millions"] <= 99
+
+
+def test_choice_and_regex_turns_and_a_session_default_compiled_once(engine: Engine) -> None:
+    choices = ["Paris", "Lyon", "Marseille"]
+    sid = engine.open_session()
+    picked = engine.run_turn(
+        sid,
+        tokens=prompt(engine, "Which city is the capital of France?"),
+        max_output_tokens=10,
+        response_format={"type": "choice", "choices": choices},
+        timeout=300,
+    )
+    assert body_text(engine, picked) in choices
+    sid = engine.open_session()
+    year = engine.run_turn(
+        sid,
+        tokens=prompt(engine, "In which year did the French Revolution begin?"),
+        max_output_tokens=10,
+        response_format={"type": "regex", "pattern": "1[0-9]{3}"},
+        timeout=300,
+    )
+    assert len(body_text(engine, year)) == 4 and body_text(engine, year).isdigit()
+
+    grammars = engine._core.grammars
+    default = {"type": "choice", "choices": ["yes", "no"]}
+    sid = engine.open_session(response_format=default)
+    compiles = grammars.compiles
+    for question in ("Is Paris in France?", "Is Paris in Spain?"):
+        text = "<|im_start|>user\n" + question + "<|im_end|>\n<|im_start|>assistant\n"
+        answer = engine.run_turn(sid, text=text, max_output_tokens=5, timeout=300)
+        assert body_text(engine, answer) in ("yes", "no")
+    # A turn of its own format replaces the default for that turn only.
+    own = engine.run_turn(
+        sid,
+        text="<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n",
+        max_output_tokens=5,
+        response_format={"type": "choice", "choices": ["red", "blue"]},
+        timeout=300,
+    )
+    assert body_text(engine, own) in ("red", "blue")
+    assert grammars.compiles == compiles + 1  # the default was compiled before the open; `own` once
+
+
+def test_bad_formats_are_refused_and_the_seq_is_not_consumed(engine: Engine) -> None:
+    sid = engine.open_session()
+    assert engine.run_turn(sid, tokens=[1, 2], seq=0, timeout=60).seq == 0
+    huge = {"type": "object", "description": "x" * MAX_SCHEMA_BYTES}
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"type": "json_schema", "schema": {"type": "nonsense"}}, "grammar library: Unsupported type"),
+        ({"type": "regex", "pattern": "[a-"}, "grammar library: Regex parsing error"),
+        ({"type": "json_schema", "schema": huge}, "exceeds"),
+        ({"type": "choice", "choices": []}, "choices"),
+        ({"type": "grammar", "pattern": "x"}, "type"),
+        ({"type": "regex", "pattern": "a", "schema": {}}, "unknown field"),
+    ]
+    for fmt, message in bad:
+        with pytest.raises(InvalidMessage, match=message):
+            engine.submit(sid, tokens=[3], seq=1, max_output_tokens=4, response_format=fmt).result(60)
+    with pytest.raises(InvalidMessage, match="grammar library"):
+        engine.open_session(response_format={"type": "regex", "pattern": "(("})
+    # Nothing changed: seq 1 is still free and the session's sequence is as it was.
+    after = engine.run_turn(sid, tokens=[3], seq=1, timeout=60)
+    assert after.seq == 1 and after.length == 3
+
+
+def test_the_same_tokens_as_transformers_under_xgrammar_and_unconstrained_rows_unchanged(
+    engine: Engine,
+) -> None:
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokens = prompt(engine)
+    other = prompt(engine, "What is the capital of Germany?")
+    alone_sid = engine.open_session()
+    alone = engine.run_turn(alone_sid, tokens=other, max_output_tokens=30, timeout=300)
+
+    # The constrained turn and the unconstrained one in the same steps.
+    constrained_sid, free_sid = engine.open_session(), engine.open_session()
+    engine.run_turn(constrained_sid, tokens=tokens[:-1], timeout=300)
+    engine.run_turn(free_sid, tokens=other[:-1], timeout=300)
+    steps = engine.stats().steps
+    pending: list[Future[TurnResult]] = [
+        engine.submit(constrained_sid, tokens=tokens[-1:], max_output_tokens=80, response_format=CITY_FORMAT),
+        engine.submit(free_sid, tokens=other[-1:], max_output_tokens=30),
+    ]
+    constrained, free = (future.result(300) for future in pending)
+    assert engine.stats().steps - steps < len(constrained.tokens) + len(free.tokens)  # they shared steps
+    assert free.tokens == alone.tokens
+    assert constrained.finish == "stop"
+
+    path = smollm2_gguf_path()
+    hf_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    info = xgr.TokenizerInfo.from_huggingface(
+        hf_tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[hf_tokenizer.eos_token_id]
+    )
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(CITY_SCHEMA), any_whitespace=False)
+    with torch.no_grad():
+        generated = model.generate(
+            torch.tensor([tokens]),
+            max_new_tokens=80,
+            do_sample=False,
+            eos_token_id=hf_tokenizer.eos_token_id,
+            logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled)],
+        )
+    assert list(constrained.tokens) == generated[0, len(tokens) :].tolist()
