@@ -121,6 +121,11 @@ class TokenLogWriter:
         # append already on its way (which would re-create a closed session's log), and a rewrite
         # never interleaves with an append.
         self._redis_turn = asyncio.Lock()
+        # Held for a whole flush, from taking the queued turns to confirming them: a flush that
+        # finds nothing queued because another one took the turns waits for that one to confirm
+        # them, so `flush() is True` always means every turn queued before the call is durable (a
+        # switch reads `durable_seq` right after it). Never taken under `_redis_turn`.
+        self._flushing = asyncio.Lock()
         # sid -> its turns not yet flushed. Kept as turns, not bytes: encoding a record is the flush
         # task's work, so the reply path only appends to a list.
         self._pending: dict[str, _Queued] = {}
@@ -206,7 +211,13 @@ class TokenLogWriter:
         self._durable.pop(sid, None)
 
     async def flush(self) -> bool:
-        """Write every queued append; False when Redis refused (they stay queued, in order)."""
+        """Write every queued append; False when Redis refused (they stay queued, in order).
+        True means every append queued before the call is durable, even one that a concurrent
+        flush had taken: flushes run one at a time."""
+        async with self._flushing:
+            return await self._flush_queued()
+
+    async def _flush_queued(self) -> bool:
         if not self._pending:
             return True
         batch, self._pending = self._pending, {}

@@ -160,3 +160,25 @@ def test_a_compaction_redis_refused_stays_queued_and_a_lost_record_is_found(tmp_
             assert writer.durable_seq("s") == 2 * KEEP_RECORDS + 1
 
         run(server.url, body)
+
+
+def test_a_flush_that_finds_its_turns_taken_by_another_returns_once_they_are_durable(
+    servers: Servers,
+) -> None:
+    """Two flushes at once (the writer's own task and a switch making the log durable): the one
+    that finds nothing queued, because the other took the turns, still answers only once they are
+    confirmed, so the `durable_seq` a switch reads right after it names them (it read None before)."""
+
+    async def body(r: Redis, schema: KeySchema) -> None:
+        writer = TokenLogWriter(r, schema, grace_s=0.0, worker_id="w")
+        await own(r, schema, "s", "w")
+        writer.start("s", b"", None)
+        inputs, outputs, tail, cut = turn(1)
+        writer.append("s", 1, inputs, outputs, TTL_S, tail=tail, cut=cut)
+        background = asyncio.create_task(writer.flush())
+        await asyncio.sleep(0)  # the background flush has taken the turn and awaits Redis
+        assert await writer.flush()
+        assert writer.durable_seq("s") == 1
+        assert await background
+
+    run(servers.redis(), body)
