@@ -6,10 +6,13 @@
   float matrices (Q8_0, F16, a safetensors checkpoint's) as int8; any other stored type is refused,
   since no kernel here takes it and requantising it to 4 bits would lose what the file kept.
 - `int8`: every matrix requantised to int8 per row (linear_int8.py).
-- `auto`: on the CPU, a checkpoint stored quantised (a GGUF file whose matrices are not float) is
-  served `int4` when every 4-bit matrix is Q4_0/Q4_1 and `int8` otherwise; a float checkpoint stays
-  `float`, since quantising it would trade exactness the file has for speed nobody asked for. On
-  CUDA `auto` is `float` (no weight-only kernel there yet); `int8`/`int4` there are refused.
+- `auto`: the fastest form that keeps the engine's promises on this device. Today that is `float`
+  everywhere: a quantised form must (1) give a session streamed in micro-turns the same tokens as
+  its history sent whole, and (2) agree with the float path's greedy tokens at least as often as
+  llama.cpp does. On this project's CPU `int4` is 1.5-2x faster per decode step but fails both
+  (docs/benchmarks.md, "Weight forms"): its bfloat16 activations turn the attention's float noise
+  between a chunked and a whole prefill into a different rounding, and greedy agreement with the
+  float path was 164/240 tokens. `_auto` is where a form that passes is switched on.
 
 The embedding lookup stays exact in every form (embedding.py); a tied output projection gets the
 form's matrix like any other.
@@ -112,8 +115,6 @@ def resolve_weight_form(
 
 
 def _auto(device: torch.device, stored_types: frozenset[StoredType]) -> str:
-    quantised = stored_types - _FLOAT_TYPES
-    if device.type != "cpu" or not quantised:
-        return FLOAT_FORM_NAME
-    four_bit = quantised - _WIDE_TYPES
-    return "int4" if four_bit and four_bit <= INT4_STORED_TYPES else "int8"
+    """`float` until a quantised form passes both gates of the module doc on `device`."""
+    del device, stored_types  # what a passing form will be chosen by
+    return FLOAT_FORM_NAME
