@@ -58,7 +58,7 @@ class _LlamaCpp:
         self.llm.eval(list(tokens))
         produced: list[int] = []
         for _ in range(outputs):
-            token = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+            token = int(self.llm.sample(top_k=1, temp=0.0, repeat_penalty=1.0))  # greedy
             produced.append(token)
             if len(produced) < outputs:
                 self.llm.eval([token])

@@ -9,10 +9,11 @@
 - `auto`: the fastest form that keeps the engine's promises on this device. Today that is `float`
   everywhere: a quantised form must (1) give a session streamed in micro-turns the same tokens as
   its history sent whole, and (2) agree with the float path's greedy tokens at least as often as
-  llama.cpp does. On this project's CPU `int4` is 1.5-2x faster per decode step but fails both
+  llama.cpp does. On this project's CPU `int4` is ~2x faster per micro-turn but fails the first
   (docs/benchmarks.md, "Weight forms"): its bfloat16 activations turn the attention's float noise
-  between a chunked and a whole prefill into a different rounding, and greedy agreement with the
-  float path was 164/240 tokens. `_auto` is where a form that passes is switched on.
+  between a chunked and a whole prefill into a different rounding (1 turn in 10 differed on a
+  probe; `int8`, whose activations are quantised per row, 4 in 10). `_auto` is where a form that
+  passes is switched on.
 
 The embedding lookup stays exact in every form (embedding.py); a tied output projection gets the
 form's matrix like any other.
