@@ -97,8 +97,9 @@ class EngineSettings:
     weights: str = field(
         default="auto",
         metadata={
-            "help": "how weights are held: auto (a quantised checkpoint served quantised on the CPU, "
-            "else float), float (dequantised, exact), int8, int4 (GGUF Q4_0/Q4_1 as stored)",
+            "help": "how weights are held: auto (the fastest form that keeps the engine's promises: "
+            "float today), float (dequantised, exact), int8 (per-row int8), int4 (GGUF Q4_0/Q4_1 "
+            "as stored, CPU)",
             "choices": WEIGHT_FORMS,
         },
     )
