@@ -38,6 +38,10 @@ def _bench(argv: list[str]) -> int:
         from loadtest.overhead import main as overhead_main
 
         return overhead_main([arg for arg in argv if arg != "--gateway-overhead"])
+    if "--peer" in argv:
+        from loadtest.peer import main as peer_main
+
+        return peer_main(argv)
     if "--long-session" in argv:
         from loadtest.long_session.runner import main as long_session_main
 

@@ -25,6 +25,9 @@ REDIS_MODES = ("standalone", "cluster")
 UP_DEVICES = ("cpu", "cuda")
 # How a draining worker hands its sessions over (worker/server/switchover.py, docs/failover.md).
 DRAIN_HANDOVERS = ("warm", "rebuild", "log")
+# How the model's matrices are held and multiplied (worker/model/weight_form.py): auto picks per
+# device and checkpoint; float is the dequantised path the exactness tests run.
+WEIGHT_FORMS = ("auto", "float", "int8", "int4")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -91,6 +94,15 @@ class EngineSettings:
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     dtype: str = field(default="float32", metadata={"help": " or ".join(DTYPE_NAMES)})
     attention: str = field(default="auto", metadata={"help": "auto, torch or flashinfer"})
+    weights: str = field(
+        default="auto",
+        metadata={
+            "help": "how weights are held: auto (the fastest form that keeps the engine's promises: "
+            "float today), float (dequantised, exact), int8 (per-row int8), int4 (GGUF Q4_0/Q4_1 "
+            "as stored, CPU)",
+            "choices": WEIGHT_FORMS,
+        },
+    )
     kv_tokens: int = field(default=0, metadata={"help": "KV capacity in tokens; 0 sizes it automatically"})
     host_kv_tokens: int = field(
         default=-1,

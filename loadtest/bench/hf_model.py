@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worker.model.config import ModelConfig
+from worker.model.embedding import FloatEmbedding
+from worker.model.linear import FloatLinear, Linear
 from worker.model.loader import LoadedModel
 
 if TYPE_CHECKING:
@@ -62,32 +64,41 @@ def _rows(fused: torch.Tensor, *sizes: int) -> list[torch.Tensor]:
     return [fused[start : start + size] for start, size in zip(starts, sizes, strict=True)]
 
 
+def _dense(linear: Linear) -> FloatLinear:
+    if not isinstance(linear, FloatLinear):
+        raise ValueError("a transformers copy needs the float weight form (load with weights='float')")
+    return linear
+
+
 def hf_state_dict(loaded: LoadedModel) -> dict[str, torch.Tensor]:
     """The weights in Hugging Face Llama naming (the inverse of `ModelWeights.from_hf_state`)."""
     c, w = loaded.config, loaded.weights
+    if not isinstance(w.embed, FloatEmbedding):
+        raise ValueError("a transformers copy needs the float weight form (load with weights='float')")
     q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     state = {
-        "model.embed_tokens.weight": w.embed,
+        "model.embed_tokens.weight": w.embed.table,
         "model.norm.weight": w.final_norm,
-        "lm_head.weight": w.lm_head,
+        "lm_head.weight": _dense(w.lm_head).weight,
     }
     for i, layer in enumerate(w.layers):
         p = f"model.layers.{i}."
-        q, k, v = _rows(layer.qkv, q_rows, kv_rows, kv_rows)
-        gate, up = _rows(layer.gate_up, c.intermediate_size, c.intermediate_size)
+        qkv = _dense(layer.qkv)
+        q, k, v = _rows(qkv.weight, q_rows, kv_rows, kv_rows)
+        gate, up = _rows(_dense(layer.gate_up).weight, c.intermediate_size, c.intermediate_size)
         state |= {
             p + "input_layernorm.weight": layer.input_norm,
             p + "post_attention_layernorm.weight": layer.post_attention_norm,
             p + "self_attn.q_proj.weight": q,
             p + "self_attn.k_proj.weight": k,
             p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": layer.o_proj,
+            p + "self_attn.o_proj.weight": _dense(layer.o_proj).weight,
             p + "mlp.gate_proj.weight": gate,
             p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": layer.down,
+            p + "mlp.down_proj.weight": _dense(layer.down).weight,
         }
-        if layer.qkv_bias is not None:
-            q_bias, k_bias, v_bias = _rows(layer.qkv_bias, q_rows, kv_rows, kv_rows)
+        if qkv.bias is not None:
+            q_bias, k_bias, v_bias = _rows(qkv.bias, q_rows, kv_rows, kv_rows)
             state |= {
                 p + "self_attn.q_proj.bias": q_bias,
                 p + "self_attn.k_proj.bias": k_bias,
@@ -101,7 +112,7 @@ def to_hf_llama(loaded: LoadedModel) -> LlamaForCausalLM:
     """A `LlamaForCausalLM` in eval mode on the weights' device and dtype, holding copies of them."""
     from transformers import LlamaForCausalLM
 
-    reference = loaded.weights.embed
+    reference = loaded.weights.final_norm
     model = LlamaForCausalLM(hf_config(loaded.config))
     # strict: a name the converter forgot (or one transformers renamed) fails here, not as noise. With
     # tied embeddings lm_head and embed are one parameter and both names carry the same tensor.

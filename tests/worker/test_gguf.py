@@ -21,6 +21,8 @@ import torch
 
 from worker.attention import AttentionMetadata, TorchAttention
 from worker.attention.kv_pool import KVPool
+from worker.model.embedding import FloatEmbedding
+from worker.model.linear import FloatLinear
 from worker.model.llama import LlamaModel
 from worker.model.loader import LoadedModel, load_model
 from worker.model.loader_gguf import config_from_gguf, llama3_scaling_from_divisors, load_gguf, unpermute_qk
@@ -134,8 +136,10 @@ def test_smollm2_config(reader: gguf.GGUFReader) -> None:
 @pytest.mark.slow
 def test_load_model_smollm2(reader: gguf.GGUFReader, loaded: LoadedModel) -> None:
     assert loaded.config == config_from_gguf(reader, {t.name: t for t in reader.tensors}, name="smollm2-135m")
-    assert loaded.weights.lm_head is loaded.weights.embed
-    assert loaded.weights.embed.shape == (49152, 576) and loaded.weights.embed.dtype == torch.float32
+    embed, lm_head = loaded.weights.embed, loaded.weights.lm_head
+    assert isinstance(embed, FloatEmbedding) and isinstance(lm_head, FloatLinear)
+    assert lm_head.weight is embed.table  # tied: one table
+    assert embed.shape == (49152, 576) and embed.table.dtype == torch.float32
     assert loaded.tokenizer is not None and loaded.tokenizer.vocab_size == 49152
 
 
@@ -342,12 +346,18 @@ def test_tiny_gguf_round_trip(tmp_path: Path, arch: str) -> None:
     expected = ModelWeights.from_hf_state(
         config, {k: torch.from_numpy(v) for k, v in state.items()}, dtype=torch.float32, device=CPU
     )
-    assert torch.equal(weights.embed, expected.embed) and torch.equal(weights.final_norm, expected.final_norm)
+    assert isinstance(weights.embed, FloatEmbedding) and isinstance(expected.embed, FloatEmbedding)
+    assert torch.equal(weights.embed.table, expected.embed.table)
+    assert torch.equal(weights.final_norm, expected.final_norm)
     for got, want in zip(weights.layers, expected.layers, strict=True):
-        for field in ("input_norm", "qkv", "o_proj", "post_attention_norm", "gate_up", "down"):
+        for field in ("input_norm", "post_attention_norm"):
             assert torch.equal(getattr(got, field), getattr(want, field)), field
-        assert (got.qkv_bias is None) == (want.qkv_bias is None)
-        assert got.qkv_bias is None or want.qkv_bias is None or torch.equal(got.qkv_bias, want.qkv_bias)
+        for field in ("qkv", "o_proj", "gate_up", "down"):
+            got_linear, want_linear = getattr(got, field), getattr(want, field)
+            assert isinstance(got_linear, FloatLinear) and isinstance(want_linear, FloatLinear)
+            assert torch.equal(got_linear.weight, want_linear.weight), field
+            assert (got_linear.bias is None) == (want_linear.bias is None)
+            assert got_linear.bias is None or torch.equal(got_linear.bias, want_linear.bias)
 
     ids = tokenizer.encode(" t<think>x<|im_start|>")
     assert ids == [256, 258, tokenizer.token_id("x"), 257]

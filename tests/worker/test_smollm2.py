@@ -18,7 +18,8 @@ SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    with Engine.load("smollm2-135m", kv_tokens=4096) as engine:
+    # float: the dequantised weights, which transformers runs too (the quantised forms: test_weight_forms.py)
+    with Engine.load("smollm2-135m", kv_tokens=4096, weights="float") as engine:
         yield engine
 
 

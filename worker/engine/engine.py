@@ -109,6 +109,7 @@ class Engine:
             device=torch.device(config.device),
             dtype=torch_dtype(config.dtype),
             seed=config.seed,
+            weights=config.weights,
         )
         return cls(config, loaded)
 

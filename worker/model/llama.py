@@ -1,6 +1,7 @@
 """The Llama-family decoder forward (Llama, Qwen2 with q/k/v bias, SmolLM2) over a ragged token batch.
 
-No nn.Module: the weights are plain tensors and a step is one straight pass, so the per-layer
+No nn.Module: the weights are plain tensors and `Linear`s (worker/model/linear.py, in the form
+chosen at load) and a step is one straight pass, so the per-layer
 Python overhead stays small. Attention (and the KV writes) go through the backend given to
 `forward`; logits are computed only for the rows that are sampled.
 """
@@ -37,20 +38,20 @@ class LlamaModel:
         eps = c.rms_norm_eps
         tokens = input_ids.shape[0]
         cos, sin = self.rope.tables(positions)
-        x = F.embedding(input_ids, self.weights.embed)
+        x = self.weights.embed(input_ids)
         for index, layer in enumerate(self.weights.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, eps)
-            q, k, v = torch.split(F.linear(h, layer.qkv, layer.qkv_bias), self._qkv_split, dim=-1)
+            q, k, v = torch.split(layer.qkv(h), self._qkv_split, dim=-1)
             q = apply_rotary(q.view(tokens, c.num_heads, c.head_dim), cos, sin)
             k = apply_rotary(k.view(tokens, c.num_kv_heads, c.head_dim), cos, sin)
             attended = attention.forward(index, q, k, v.view(tokens, c.num_kv_heads, c.head_dim))
-            x = x + F.linear(attended.view(tokens, -1), layer.o_proj)
+            x = x + layer.o_proj(attended.view(tokens, -1))
             h = F.rms_norm(x, (c.hidden_size,), layer.post_attention_norm, eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         return F.rms_norm(x, (c.hidden_size,), self.weights.final_norm, eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [rows, vocab] for the hidden states of the sampled positions only."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        return self.weights.lm_head(hidden).float()

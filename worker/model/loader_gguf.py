@@ -1,10 +1,12 @@
 """Load a llama.cpp GGUF file (Llama or Qwen2 architecture) into the engine's weights and tokenizer.
 
-The engine computes in one float dtype, so every tensor is dequantised once at load (whatever
-`gguf.quants` can decode: F32/F16/BF16/Q8_0/Q4_x/K-quants...). The tensors are renamed to Hugging
-Face's Llama names and handed to `ModelWeights.from_hf_state`, the single assembly path shared with
-the safetensors loader. llama.cpp's converter stores Llama's q/k rows permuted for its interleaved
-RoPE; our forward uses HF's rotate-half RoPE, so that permutation is undone here.
+Quantised matrices are handed over in their stored blocks (`StoredTensor`), float ones as tensors;
+the weight form (`--weights`, worker/model/weight_form.py) then decides per matrix whether it is
+dequantised (`float`: whatever `gguf.quants` can decode) or served quantised. The tensors are
+renamed to Hugging Face's Llama names and handed to `ModelWeights.from_hf_state`, the single
+assembly path shared with the safetensors loader. llama.cpp's converter stores Llama's q/k rows
+permuted for its interleaved RoPE; our forward uses HF's rotate-half RoPE, so that permutation is
+undone here, on the stored rows.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import gguf
 import numpy as np
@@ -23,6 +25,8 @@ import torch
 
 from worker.model.config import Llama3RopeScaling, ModelConfig
 from worker.model.rope import inverse_frequencies
+from worker.model.stored import StoredTensor
+from worker.model.weight_form import Source, resolve_weight_form
 from worker.model.weights import ModelWeights
 from worker.tokenizer.gguf import field_value, special_token_ids, tokenizer_from_gguf
 from worker.tokenizer.tokenizer import Tokenizer
@@ -55,10 +59,17 @@ _ROPE_FREQS = "rope_freqs.weight"
 _DEFAULT_ORIGINAL_CONTEXT = 8192
 
 FloatArray = npt.NDArray[np.float32]
+_Item = TypeVar("_Item", bound=np.generic)
+
+
+# Types handed over as dense tensors: nothing to gain from keeping their bytes.
+_DENSE_TYPES = frozenset(
+    {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+)
 
 
 def load_gguf(
-    path: Path, *, device: torch.device, dtype: torch.dtype, name: str
+    path: Path, *, device: torch.device, dtype: torch.dtype, name: str, weights: str = "float"
 ) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
     started = time.perf_counter()
     reader = gguf.GGUFReader(path)
@@ -71,7 +82,9 @@ def load_gguf(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}"
         )
     state = _hf_state(config, tensors, permuted_qk=arch in _PERMUTED_QK_ARCHS, dtype=dtype)
-    weights = ModelWeights.from_hf_state(config, state, dtype=dtype, device=device)
+    stored_types = frozenset(t.kind for t in state.values() if isinstance(t, StoredTensor))
+    form = resolve_weight_form(weights, device=device, dtype=dtype, stored_types=stored_types)
+    model_weights = ModelWeights.from_hf_state(config, state, dtype=dtype, device=device, form=form)
     logger.info(
         "loaded %s from %s: %d tensors in %.2f s",
         config.name,
@@ -79,7 +92,7 @@ def load_gguf(
         len(tensors),
         time.perf_counter() - started,
     )
-    return config, weights, tokenizer
+    return config, model_weights, tokenizer
 
 
 def _architecture(reader: gguf.GGUFReader) -> str:
@@ -210,7 +223,7 @@ def _dequantize(tensor: gguf.ReaderTensor) -> FloatArray:
     return np.require(values, dtype=np.float32, requirements=["C", "W"]).reshape(shape)
 
 
-def unpermute_qk(w: FloatArray, n_head: int) -> FloatArray:
+def unpermute_qk(w: npt.NDArray[_Item], n_head: int) -> npt.NDArray[_Item]:
     """Inverse of llama.cpp's `permute`: per head, rows interleaved (re0, im0, re1, ...) back to halves."""
     rest = w.shape[1:]
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
@@ -228,17 +241,27 @@ def _hf_name(gguf_name: str) -> str:
 
 def _hf_state(
     config: ModelConfig, tensors: dict[str, gguf.ReaderTensor], *, permuted_qk: bool, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
+) -> dict[str, Source]:
+    """Dense tensors for float types (cast to `dtype`), stored blocks for the quantised matrices."""
+    state: dict[str, Source] = {}
     for gguf_name, tensor in tensors.items():
         if gguf_name == _ROPE_FREQS:
             continue  # folded into config.rope_scaling
         name = _hf_name(gguf_name)
-        values = _dequantize(tensor)
+        heads = None
         if permuted_qk and ".q_proj." in name:
-            values = unpermute_qk(values, config.num_heads)
+            heads = config.num_heads
         elif permuted_qk and ".k_proj." in name:
-            values = unpermute_qk(values, config.num_kv_heads)
-        # Cast per tensor so a large model never holds all of its weights in float32 at once.
-        state[name] = torch.from_numpy(values).to(dtype)
+            heads = config.num_kv_heads
+        if tensor.tensor_type in _DENSE_TYPES or len(tensor.shape) != 2:
+            values = _dequantize(tensor)
+            if heads is not None:
+                values = unpermute_qk(values, heads)
+            # Cast per tensor so a large model never holds all of its weights in float32 at once.
+            state[name] = torch.from_numpy(values).to(dtype)
+            continue
+        stored = StoredTensor(tensor.tensor_type, tensor.data, int(tensor.shape[0]))
+        if heads is not None:  # the same row permutation, on the stored rows
+            stored = stored.permute_rows(unpermute_qk(np.arange(stored.shape[0]), heads))
+        state[name] = stored
     return state

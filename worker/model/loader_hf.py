@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from shared.chat_template import ChatTemplate
 from worker.model.config import ModelConfig
+from worker.model.weight_form import resolve_weight_form
 from worker.model.weights import ModelWeights
 from worker.tokenizer.tokenizer import Tokenizer
 
@@ -39,7 +40,7 @@ def hf_chat_template(path: Path) -> ChatTemplate | None:
 
 
 def load_hf_directory(
-    path: Path, *, device: torch.device, dtype: torch.dtype
+    path: Path, *, device: torch.device, dtype: torch.dtype, weights: str = "float"
 ) -> tuple[ModelConfig, ModelWeights, Tokenizer | None]:
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -52,7 +53,8 @@ def load_hf_directory(
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
-    weights = ModelWeights.from_hf_state(config, state, dtype=dtype, device=device)
+    form = resolve_weight_form(weights, device=device, dtype=dtype, stored_types=frozenset())
+    model_weights = ModelWeights.from_hf_state(config, state, dtype=dtype, device=device, form=form)
     tokenizer = None
     if (path / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(
@@ -60,4 +62,4 @@ def load_hf_directory(
         )
         tokenizer.chat_template = hf_chat_template(path)
     logger.info("loaded %s from %s (%d files)", config.name, path, len(files))
-    return config, weights, tokenizer
+    return config, model_weights, tokenizer

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from worker.model.config import ModelConfig
+from worker.model.weight_form import WeightForm
 from worker.model.weights import ModelWeights
 from worker.tokenizer.tokenizer import Tokenizer
 
@@ -83,7 +84,12 @@ def smollm2_gguf_path() -> Path:
 
 
 def random_weights(
-    config: ModelConfig, *, seed: int, device: torch.device, dtype: torch.dtype
+    config: ModelConfig,
+    *,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    form: WeightForm | None = None,
 ) -> ModelWeights:
     """Deterministic random weights in HF naming, scaled so activations stay O(1) through the layers.
 
@@ -116,7 +122,7 @@ def random_weights(
             p + "mlp.up_proj.weight": normal(c.intermediate_size, h, std=h**-0.5),
             p + "mlp.down_proj.weight": normal(h, c.intermediate_size, std=c.intermediate_size**-0.5),
         }
-    return ModelWeights.from_hf_state(config, state, dtype=dtype, device=device)
+    return ModelWeights.from_hf_state(config, state, dtype=dtype, device=device, form=form)
 
 
 def tiny_tokenizer(config: ModelConfig) -> Tokenizer:

@@ -17,9 +17,10 @@ no host tier (no side stream) the gather is a synchronous copy. On the CPU it is
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields, is_dataclass
 
+import numpy as np
 import torch
 
 from worker.engine.memory.page_copy import page_runs
@@ -101,21 +102,35 @@ def scatter(data: torch.Tensor, target: torch.Tensor, axis: int, pages: Sequence
 
 def model_fingerprint(config: ModelConfig, weights: ModelWeights) -> str:
     """A fingerprint of the model's config and weights: equal on two workers that load the same
-    model the same way, so their KV pages mean the same."""
+    model the same way (the same weight form included: int4 and float give different KV), so
+    their KV pages mean the same."""
     digest = hashlib.sha256(repr(config).encode())
-    tensors: list[tuple[str, torch.Tensor | None]] = [
+    parts: list[tuple[str, object]] = [
         ("embed", weights.embed),
         ("final_norm", weights.final_norm),
         ("lm_head", weights.lm_head),
     ]
     for i, layer in enumerate(weights.layers):
-        tensors += [(f"{i}.{f.name}", getattr(layer, f.name)) for f in fields(layer)]
-    for name, tensor in tensors:
-        if tensor is None:
-            continue
+        parts += [(f"{i}.{f.name}", getattr(layer, f.name)) for f in fields(layer)]
+    for name, tensor in (t for part in parts for t in _tensors(*part)):
         flat = tensor.detach().reshape(-1)
         step = max(flat.numel() // FINGERPRINT_SAMPLE, 1)
         sample = flat[::step][:FINGERPRINT_SAMPLE].to("cpu", torch.float32).contiguous()
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
         digest.update(sample.numpy().tobytes())
     return digest.hexdigest()[:32]
+
+
+def _tensors(name: str, value: object) -> Iterator[tuple[str, torch.Tensor]]:
+    """The arrays a weight holds, named by their path: a tensor itself, or those of a weight form
+    (worker/model/linear.py, embedding.py: dataclasses of tensors or stored GGUF blocks), its
+    class named in the path so two forms of one matrix never match."""
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, np.ndarray):
+        yield name, torch.from_numpy(value)
+    elif is_dataclass(value):
+        for f in fields(value):
+            yield from _tensors(f"{name}.{type(value).__name__}.{f.name}", getattr(value, f.name))

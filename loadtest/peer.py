@@ -1,0 +1,177 @@
+"""`microturn bench --peer llamacpp`: microturn's engine against llama.cpp on its own ground (#32).
+
+    microturn bench --peer llamacpp [--weights auto] [--turns 30] [--threads 2]
+
+Same GGUF, same token ids, same threads, greedy: a 512-token prompt, then micro-turns of 32 tokens
+in and 8 out. llama.cpp (through llama-cpp-python, the optional `peer` extra) keeps its state
+between turns, so like a microturn session it evaluates only the new tokens. The two engines
+take turns in one process, turn by turn, so machine load falls on both alike; it prints each
+engine's median prompt and micro-turn, their ratios, and how many greedy tokens agreed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.settings import WEIGHT_FORMS
+
+logger = logging.getLogger(__name__)
+
+PEERS = ("llamacpp",)
+INSTALL_HINT = "pip install 'microturn[peer]' (or: pip install llama-cpp-python; it builds llama.cpp)"
+_VOCAB_SPAN = 5000  # token ids drawn from [100, 5100): ordinary tokens of SmolLM2's vocabulary
+
+
+def _ids(count: int, salt: int) -> list[int]:
+    """Deterministic token ids, the same for both engines."""
+    return [(97 * (i + salt) * (salt + 1) + 13 * i) % _VOCAB_SPAN + 100 for i in range(count)]
+
+
+class _LlamaCpp:
+    """llama.cpp with kept state: each call evaluates only the tokens it is given."""
+
+    def __init__(self, path: str, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=path,
+            n_ctx=4096,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=512,
+            verbose=False,
+        )
+        # The last sampled token gets its KV at the start of the next turn, as in a microturn session.
+        self._pending: list[int] = []
+
+    def turn(self, tokens: Sequence[int], outputs: int) -> list[int]:
+        self.llm.eval(list(tokens))
+        produced: list[int] = []
+        for _ in range(outputs):
+            token = int(self.llm.sample(top_k=1, temp=0.0, repeat_penalty=1.0))  # greedy
+            produced.append(token)
+            if len(produced) < outputs:
+                self.llm.eval([token])
+        self._pending = produced[-1:]
+        return produced
+
+    def feed(self, tokens: Sequence[int], outputs: int) -> list[int]:
+        return self.turn([*self._pending, *tokens], outputs)
+
+
+@dataclass(frozen=True)
+class PeerWorkload:
+    model: str = "smollm2-135m"
+    weights: str = "auto"
+    turns: int = 30
+    prompt_tokens: int = 512
+    chunk: int = 32
+    outputs: int = 8
+    threads: int = 2
+
+
+def run(workload: PeerWorkload) -> dict[str, Any]:
+    from worker.engine import Engine
+    from worker.model.loader import SMOLLM2_PRESET
+    from worker.model.presets import smollm2_gguf_path
+
+    w = workload
+    model, weights, turns, chunk, outputs, threads = (
+        w.model,
+        w.weights,
+        w.turns,
+        w.chunk,
+        w.outputs,
+        w.threads,
+    )
+    prompt_tokens = w.prompt_tokens
+    path = str(smollm2_gguf_path()) if model == SMOLLM2_PRESET else model
+    torch.set_num_threads(threads)
+    peer = _LlamaCpp(path, threads)
+    prompt = _ids(prompt_tokens, 0)
+    chunks = [_ids(chunk, turn + 1) for turn in range(turns)]
+    times: dict[str, list[float]] = {"microturn": [], "llamacpp": []}
+    prompt_ms: dict[str, float] = {}
+    agree = total = 0
+    kv_tokens = prompt_tokens + turns * (chunk + outputs) + 64
+    with Engine.load(model, weights=weights, kv_tokens=kv_tokens) as engine:
+        sid = engine.open_session(stop_token_ids=())
+        started = time.perf_counter()
+        engine.run_turn(sid, tokens=prompt, max_output_tokens=0, timeout=600)
+        prompt_ms["microturn"] = (time.perf_counter() - started) * 1e3
+        started = time.perf_counter()
+        peer.feed(prompt, 0)
+        prompt_ms["llamacpp"] = (time.perf_counter() - started) * 1e3
+        for turn, tokens in enumerate(chunks):
+            order = ("microturn", "llamacpp") if turn % 2 == 0 else ("llamacpp", "microturn")
+            replies: dict[str, list[int]] = {}
+            for name in order:
+                started = time.perf_counter()
+                if name == "microturn":
+                    reply = engine.run_turn(sid, tokens=tokens, max_output_tokens=outputs, timeout=600)
+                    replies[name] = list(reply.tokens)
+                else:
+                    replies[name] = peer.feed(tokens, outputs)
+                times[name].append((time.perf_counter() - started) * 1e3)
+            agree += sum(a == b for a, b in zip(replies["microturn"], replies["llamacpp"], strict=False))
+            total += outputs
+        weight_form = engine._core.runner.model.weights.form
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "model": model,
+        "weights": weight_form,
+        "threads": threads,
+        "prompt_tokens": prompt_tokens,
+        "turns": turns,
+        "turn_in_out": [chunk, outputs],
+        "prompt_ms": {k: round(v, 1) for k, v in prompt_ms.items()},
+        "turn_median_ms": {k: round(v, 1) for k, v in medians.items()},
+        "prompt_ratio": round(prompt_ms["microturn"] / prompt_ms["llamacpp"], 2),
+        "turn_ratio": round(medians["microturn"] / medians["llamacpp"], 2),
+        "greedy_agreement": f"{agree}/{total}",
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="microturn bench --peer", description=__doc__.split("\n")[0])
+    parser.add_argument("--peer", choices=PEERS, default="llamacpp")
+    parser.add_argument("--model", default="smollm2-135m", help="a preset or .gguf file both engines load")
+    parser.add_argument("--weights", choices=WEIGHT_FORMS, default="auto")
+    parser.add_argument("--turns", type=int, default=30)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--chunk-tokens", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print(f"skipped: the llama.cpp peer needs llama-cpp-python: {INSTALL_HINT}", file=sys.stderr)
+        return 0
+    workload = PeerWorkload(
+        args.model,
+        args.weights,
+        args.turns,
+        args.prompt_tokens,
+        args.chunk_tokens,
+        args.output_tokens,
+        args.threads,
+    )
+    result = run(workload)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""8-bit weights (one scale per output row), activations quantised per row each step, integer product.
+
+Each input row is quantised on its own (symmetric, scale = max |x| / 127) and multiplied by
+`torch._int_mm` into int32, then scaled back to float. The integer sums are exact, and every scale
+is per row, so a row's result does not depend on the rows beside it: a session's tokens are the
+same alone or batched, and streamed in micro-turns or sent whole (the engine's promise). fbgemm's
+dynamic linear (`quantized::linear_dynamic`) is faster at one row but quantises the activations
+over the whole batch, which breaks that promise (docs/benchmarks.md, "Weight forms").
+
+Not exact against the float path: both operands are quantised; its greedy agreement with the
+float path is measured instead (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.model.linear import Linear
+
+_LEVELS = 127.0
+# Below this an activation row is all zeros for int8 purposes; the guard only avoids 0/0.
+_TINY = 1e-30
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Linear(Linear):
+    weight_t: torch.Tensor  # [in, out] int8: the layout `_int_mm` reads
+    scale: torch.Tensor  # [out] float32, w = weight_t.T * scale[:, None]
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.float()
+        x_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=_TINY) / _LEVELS
+        quantised = torch.round(rows / x_scale).to(torch.int8)
+        y = (torch._int_mm(quantised, self.weight_t) * (x_scale * self.scale)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def num_bytes(self) -> int:
+        extra = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.weight_t.numel() + self.scale.numel() * 4 + extra
+
+    @property
+    def out_features(self) -> int:
+        return int(self.scale.shape[0])
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+        """Symmetric int8 per output row: scale = max |w| / 127 (an all-zero row keeps scale 1)."""
+        w = weight.float()
+        scale = w.abs().amax(dim=1) / _LEVELS
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(w / scale[:, None]).to(torch.int8)
+        return cls(q.t().contiguous(), scale, bias)

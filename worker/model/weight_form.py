@@ -1,0 +1,121 @@
+"""How the model's matrices are held and multiplied: the `--weights` setting, resolved once at load.
+
+- `float`: every matrix dequantised to the model's dtype and multiplied by `F.linear` (the path
+  the exactness tests against transformers run).
+- `int4`: GGUF Q4_0/Q4_1 matrices served from their stored nibbles (linear_int4.py); 8-bit and
+  float matrices (Q8_0, F16, a safetensors checkpoint's) as int8; any other stored type is refused,
+  since no kernel here takes it and requantising it to 4 bits would lose what the file kept.
+- `int8`: every matrix requantised to int8 per row (linear_int8.py).
+- `auto`: the fastest form that keeps the engine's promises on this device. Today that is `float`
+  everywhere: a quantised form must (1) give a session streamed in micro-turns the same tokens as
+  its history sent whole, and (2) agree with the float path's greedy tokens at least as often as
+  llama.cpp does. On this project's CPU `int4` is ~2x faster per micro-turn but fails the first
+  (docs/benchmarks.md, "Weight forms"): its bfloat16 activations turn the attention's float noise
+  between a chunked and a whole prefill into a different rounding (1 turn in 10 differed on a
+  probe; `int8`, whose activations are quantised per row, 4 in 10). `_auto` is where a form that
+  passes is switched on.
+
+The embedding lookup stays exact in every form (embedding.py); a tied output projection gets the
+form's matrix like any other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import gguf
+import torch
+
+from shared.settings import WEIGHT_FORMS
+from worker.model.embedding import Embedding, FloatEmbedding, StoredEmbedding
+from worker.model.linear import FloatLinear, Linear
+from worker.model.linear_int4 import INT4_STORED_TYPES, Int4Linear
+from worker.model.linear_int8 import Int8Linear
+from worker.model.stored import StoredTensor
+
+logger = logging.getLogger(__name__)
+
+# A tensor as a loader hands it over: a dense float tensor, or a GGUF matrix in its stored blocks.
+Source = torch.Tensor | StoredTensor
+StoredType = gguf.GGMLQuantizationType
+
+_FLOAT_TYPES = frozenset(
+    {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+)
+# Stored types at 8 bits or more: served int8 under `int4`, which would otherwise lose precision.
+_WIDE_TYPES = _FLOAT_TYPES | {gguf.GGMLQuantizationType.Q8_0}
+
+
+def as_float(source: Source) -> torch.Tensor:
+    return source.dequantize() if isinstance(source, StoredTensor) else source
+
+
+@dataclass(frozen=True)
+class WeightForm:
+    """A resolved form (`float`, `int8` or `int4`) and where it builds its matrices."""
+
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+
+    def linear(self, parts: Sequence[Source], bias: torch.Tensor | None, *, what: str) -> Linear:
+        """One matrix from `parts` stacked along their rows (fused projections), in this form."""
+        if bias is not None:
+            bias = bias.to(device=self.device, dtype=self.dtype).contiguous()
+        if self.name == "float":
+            weight = torch.cat([as_float(p).to(device=self.device, dtype=self.dtype) for p in parts])
+            return FloatLinear(weight.contiguous(), bias)
+        stored = [p for p in parts if isinstance(p, StoredTensor)]
+        if self.name == "int4":
+            kinds = {p.kind for p in stored}
+            if stored and len(stored) == len(parts) and kinds <= INT4_STORED_TYPES and len(kinds) == 1:
+                return Int4Linear.from_stored(StoredTensor.cat(stored), bias)
+            refused = sorted(k.name for k in kinds - INT4_STORED_TYPES - _WIDE_TYPES)
+            if refused:
+                raise ValueError(
+                    f"--weights int4: {what} is stored as {', '.join(refused)}, which no int4 kernel "
+                    "here takes; use --weights int8 or float"
+                )
+            if not stored:  # a float checkpoint: quantised at load into Q4_1-like groups
+                return Int4Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
+        return Int8Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
+
+    def embedding(self, source: Source) -> Embedding:
+        if isinstance(source, StoredTensor) and self.name != "float":
+            return StoredEmbedding(source, self.dtype)
+        return FloatEmbedding(as_float(source).to(device=self.device, dtype=self.dtype).contiguous())
+
+
+FLOAT_FORM_NAME = "float"
+
+
+def resolve_weight_form(
+    requested: str, *, device: torch.device, dtype: torch.dtype, stored_types: frozenset[StoredType]
+) -> WeightForm:
+    """The form `requested` means for this device and checkpoint; a clear start-up error if none.
+
+    `stored_types` are the checkpoint's matrix types as stored (empty for a float checkpoint).
+    """
+    if requested not in WEIGHT_FORMS:
+        raise ValueError(f"--weights {requested!r}: expected one of {', '.join(WEIGHT_FORMS)}")
+    name = _auto(device, stored_types) if requested == "auto" else requested
+    if name != FLOAT_FORM_NAME and device.type != "cpu":
+        raise ValueError(f"--weights {name}: no {device.type} kernel yet; use --weights float or auto")
+    if name != FLOAT_FORM_NAME and dtype != torch.float32:
+        raise ValueError(f"--weights {name} computes around float32 activations; use --dtype float32")
+    if name == "int4":
+        refused = sorted(k.name for k in stored_types - INT4_STORED_TYPES - _WIDE_TYPES)
+        if refused:
+            raise ValueError(
+                f"--weights int4: the checkpoint stores matrices as {', '.join(refused)}, which no int4 "
+                "kernel here takes; use --weights int8 or float"
+            )
+    return WeightForm(name, dtype, device)
+
+
+def _auto(device: torch.device, stored_types: frozenset[StoredType]) -> str:
+    """`float` until a quantised form passes both gates of the module doc on `device`."""
+    del device, stored_types  # what a passing form will be chosen by
+    return FLOAT_FORM_NAME
