@@ -10,8 +10,10 @@ import pytest
 
 from shared.protocol.messages import OpenConfig
 from shared.store.log_format import Cut
+from tests.worker.smollm2 import engine_on
 from worker.engine import Engine
 from worker.engine.memory.window import cut_before, opening_history
+from worker.model.loader import LoadedModel
 
 LIMIT, KEEP, RATIO = 160, 8, 0.6
 
@@ -39,8 +41,8 @@ def test_the_rule_cuts_below_the_limit_and_keeps_the_prefix() -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Iterator[Engine]:
-    with Engine.load("smollm2-135m", kv_tokens=4096, host_kv_tokens=0) as engine:
+def smollm2(smollm2_model: LoadedModel) -> Iterator[Engine]:
+    with engine_on(smollm2_model, kv_tokens=4096, host_kv_tokens=0) as engine:
         yield engine
 
 
@@ -56,7 +58,7 @@ def test_every_turn_answers_as_its_window_sent_whole_across_several_cuts(smollm2
     sid = smollm2.open_session(**options)
     history: list[int] = []
     cuts = 0
-    for turn in range(26):
+    for turn in range(21):  # the window is cut before turns 10, 15 and 20
         chunk = [(97 * turn + 13 * j) % 5000 + 100 for j in range(12)]
         window = _rule(history, len(chunk) + 4)
         before = smollm2.stats().tokens_forwarded

@@ -9,7 +9,6 @@ Those strings are checked against llama.cpp's own split regexes instead.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,8 @@ from worker.attention.kv_pool import KVPool
 from worker.model.embedding import FloatEmbedding
 from worker.model.linear import FloatLinear
 from worker.model.llama import LlamaModel
-from worker.model.loader import LoadedModel, load_model
+from worker.model.loader import LoadedModel
 from worker.model.loader_gguf import config_from_gguf, llama3_scaling_from_divisors, load_gguf, unpermute_qk
-from worker.model.presets import smollm2_gguf_path
 from worker.model.rope import inverse_frequencies
 from worker.model.weights import ModelWeights
 from worker.tokenizer.gguf import field_value, tokenizer_from_gguf
@@ -51,17 +49,15 @@ PLAIN_TEXTS = [
 DIGIT_TEXTS = ["x   1", "   12", "a  2b", "price:   42 dollars", "x\n 1", "year 2024", " 7"]
 
 
+# The shared loads of tests/worker/conftest.py, under this module's names.
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    try:
-        return smollm2_gguf_path()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
+def gguf_path(smollm2_path: Path) -> Path:
+    return smollm2_path
 
 
 @pytest.fixture(scope="module")
-def reader(gguf_path: Path) -> gguf.GGUFReader:
-    return gguf.GGUFReader(gguf_path)
+def reader(smollm2_reader: gguf.GGUFReader) -> gguf.GGUFReader:
+    return smollm2_reader
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +73,8 @@ def hf_tokenizer(gguf_path: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def loaded(gguf_path: Path) -> LoadedModel:
-    return load_model("smollm2-135m", device=CPU, dtype=torch.float32)
+def loaded(gguf_path: Path, smollm2_model: LoadedModel) -> LoadedModel:
+    return smollm2_model
 
 
 def _llama_cpp_pieces(text: str) -> list[str]:
@@ -144,13 +140,8 @@ def test_load_model_smollm2(reader: gguf.GGUFReader, loaded: LoadedModel) -> Non
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path: Path) -> Iterator[Any]:
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    yield model.eval()
+def hf_model(gguf_path: Path, hf_smollm2: Any) -> Any:
+    return hf_smollm2
 
 
 def _our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:

@@ -9,16 +9,16 @@ combining marks and special tokens, cut at random places; some cuts are flush po
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from worker.tokenizer.gguf import _LLAMA3_SPLIT, _QWEN2_SPLIT, _split_pre
+from worker.tokenizer.gguf import _LLAMA3_SPLIT, _QWEN2_SPLIT, _split_pre, tokenizer_from_gguf
 from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail
 from worker.tokenizer.tokenizer import Tokenizer
 
@@ -185,17 +185,9 @@ def test_metaspace_prefix_only_at_the_start(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Iterator[Tokenizer]:
-    import gguf
-
-    from worker.model.presets import smollm2_gguf_path
-    from worker.tokenizer.gguf import tokenizer_from_gguf
-
-    try:
-        path = smollm2_gguf_path()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    yield tokenizer_from_gguf(gguf.GGUFReader(path))
+def smollm2(smollm2_reader: gguf.GGUFReader) -> Tokenizer:
+    """Built from the GGUF's reader (shared by the worker tests: tests/worker/conftest.py)."""
+    return tokenizer_from_gguf(smollm2_reader)
 
 
 @pytest.mark.slow

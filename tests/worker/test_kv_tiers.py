@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from shared.errors import CapacityExhausted
+from tests.worker.smollm2 import engine_on
 from worker.attention.kv_pool import KVPool
 from worker.engine import Engine, TurnResult
 from worker.engine.memory.page_copy import HostKVPool, PageCopier, page_runs
+from worker.model.loader import LoadedModel
 
 PAGE = 16
 
@@ -127,10 +129,10 @@ def test_page_runs_join_consecutive_pages_on_both_sides() -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2_engines() -> Iterator[tuple[Engine, Engine]]:
+def smollm2_engines(smollm2_model: LoadedModel) -> Iterator[tuple[Engine, Engine]]:
     with (
-        Engine.load("smollm2-135m", kv_tokens=12 * PAGE, page_size=PAGE, host_kv_tokens=64 * PAGE) as pressed,
-        Engine.load("smollm2-135m", kv_tokens=64 * PAGE, page_size=PAGE, host_kv_tokens=0) as roomy,
+        engine_on(smollm2_model, kv_tokens=12 * PAGE, page_size=PAGE, host_kv_tokens=64 * PAGE) as pressed,
+        engine_on(smollm2_model, kv_tokens=64 * PAGE, page_size=PAGE, host_kv_tokens=0) as roomy,
     ):
         yield pressed, roomy
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
+from tests.worker.smollm2 import engine_on
 from worker.engine import Engine
-from worker.model.presets import smollm2_gguf_path
+from worker.model.loader import LoadedModel
 
 pytestmark = pytest.mark.slow
 
@@ -17,13 +19,15 @@ SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
+def engine(smollm2_model: LoadedModel) -> Iterator[Engine]:
     # float: the dequantised weights, which transformers runs too (the quantised forms: test_weight_forms.py)
-    with Engine.load("smollm2-135m", kv_tokens=4096, weights="float") as engine:
+    with engine_on(smollm2_model, kv_tokens=4096) as engine:
         yield engine
 
 
-def test_capital_of_france_streamed_in_4_token_chunks_matches_transformers(engine: Engine) -> None:
+def test_capital_of_france_streamed_in_4_token_chunks_matches_transformers(
+    engine: Engine, hf_smollm2: Any
+) -> None:
     tokenizer = engine.tokenizer
     assert tokenizer is not None
     prompt = tokenizer.encode(tokenizer.chat_prompt(QUESTION, system=SYSTEM))
@@ -35,14 +39,8 @@ def test_capital_of_france_streamed_in_4_token_chunks_matches_transformers(engin
     assert reply.finish == "stop"
     assert "Paris" in (reply.text or "")
 
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
     with torch.no_grad():
-        generated = reference.generate(
+        generated = hf_smollm2.generate(
             torch.tensor([prompt]),
             max_new_tokens=40,
             do_sample=False,

@@ -16,12 +16,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.system.e2e.up import Up, running_up
+from tests.system.e2e.up import Up
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
-
-pytestmark = pytest.mark.slow
 
 CHROMIUM = "/usr/bin/chromium"
 # From the machine notes: no sandbox (root in a container), no GPU, no background traffic.
@@ -39,18 +37,22 @@ REPLY_TIMEOUT_MS = 180_000
 TYPE_DELAY_MS = 45  # per key: typing takes a few seconds, so several micro-turns go out while typing
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    with running_up(tmp_path_factory.mktemp("browser-stack")) as up:
-        yield up
+# Marks, not skips in a fixture: a skip mark acts before any fixture is set up, so without Chromium
+# no stack is started just to be thrown away.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not os.access(CHROMIUM, os.X_OK), reason=f"{CHROMIUM} is missing: apt-get install -y chromium"
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("playwright") is None,
+        reason="the playwright package is missing: pip install playwright (no browser download needed)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium")
-    if importlib.util.find_spec("playwright") is None:
-        pytest.skip("the playwright package is missing: pip install playwright (no browser download needed)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -76,7 +78,8 @@ def ask(page: Page, text: str, turn: int) -> tuple[str, str]:
     return reply.locator(".text").inner_text(), reply.locator(".meta").inner_text()
 
 
-def test_chat_in_the_browser(stack: Up, browser: Browser, tmp_path: Path) -> None:
+def test_chat_in_the_browser(smollm2_up: Up, browser: Browser, tmp_path: Path) -> None:
+    stack = smollm2_up
     page = browser.new_page(viewport={"width": 1100, "height": 820})
     problems: list[str] = []
     requests: list[str] = []

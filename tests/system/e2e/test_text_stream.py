@@ -9,12 +9,10 @@ tokens, so the greedy replies are identical.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from shared.client.clients import SyncRealtimeClient
-from tests.system.e2e.up import running_up
+from tests.system.e2e.up import Up
 
 pytestmark = pytest.mark.slow
 
@@ -26,23 +24,23 @@ PROMPT = (
 REPLY_TOKENS = 24
 
 
-def test_chatml_in_nine_character_pieces_gets_the_whole_questions_reply(tmp_path: Path) -> None:
-    with running_up(tmp_path) as up:
-        with SyncRealtimeClient.connect(up.ws, "msgpack") as client:
-            client.open(max_output_tokens=0)
-            whole = client.turn(1, text=PROMPT, max_output_tokens=REPLY_TOKENS)
-            client.close()
-        pieces = [PROMPT[i : i + 9] for i in range(0, len(PROMPT), 9)]
-        with SyncRealtimeClient.connect(up.ws, "msgpack") as client:
-            client.open(max_output_tokens=0)
-            committed = 0
-            for seq, piece in enumerate(pieces[:-1], start=1):
-                done = client.turn(seq, text=piece)
-                assert done.tokens == () and done.committed_tokens is not None
-                committed += done.committed_tokens
-            reply = client.turn(len(pieces), text=pieces[-1], max_output_tokens=REPLY_TOKENS)
-            assert reply.committed_tokens is not None
-            client.close()
-        assert committed + reply.committed_tokens == whole.committed_tokens
-        assert reply.tokens == whole.tokens and reply.text == whole.text
-        assert "Paris" in (reply.text or ""), reply.text
+def test_chatml_in_nine_character_pieces_gets_the_whole_questions_reply(smollm2_up: Up) -> None:
+    up = smollm2_up
+    with SyncRealtimeClient.connect(up.ws, "msgpack") as client:
+        client.open(max_output_tokens=0)
+        whole = client.turn(1, text=PROMPT, max_output_tokens=REPLY_TOKENS)
+        client.close()
+    pieces = [PROMPT[i : i + 9] for i in range(0, len(PROMPT), 9)]
+    with SyncRealtimeClient.connect(up.ws, "msgpack") as client:
+        client.open(max_output_tokens=0)
+        committed = 0
+        for seq, piece in enumerate(pieces[:-1], start=1):
+            done = client.turn(seq, text=piece)
+            assert done.tokens == () and done.committed_tokens is not None
+            committed += done.committed_tokens
+        reply = client.turn(len(pieces), text=pieces[-1], max_output_tokens=REPLY_TOKENS)
+        assert reply.committed_tokens is not None
+        client.close()
+    assert committed + reply.committed_tokens == whole.committed_tokens
+    assert reply.tokens == whole.tokens and reply.text == whole.text
+    assert "Paris" in (reply.text or ""), reply.text

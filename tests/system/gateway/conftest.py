@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import open_servers
 from tests.shared.redis_servers import SERVER_KINDS
-from tests.system.gateway import reference
+from tests.system.gateway import openai_reference, reference
 from tests.system.gateway.stack import Stack
 
 # Streams 0..LOAD_SESSIONS-1 run LOAD_TURNS turns (the concurrency test); the others fewer.
@@ -47,6 +47,37 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[reference.P
         yield pending
     finally:
         pending.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_references() -> Iterator[openai_reference.PendingReferences]:
+    """Every OpenAI-dialect conversation's reference, on one SmolLM2 load for the run
+    (openai_reference.py); started by the first module that wants one, while its stack boots."""
+    pending = openai_reference.PendingReferences(openai_reference.PLANS)
+    try:
+        yield pending
+    finally:
+        pending.stop()
+
+
+# The OpenAI dialect's stack: SmolLM2 workers and a gateway with auth on.
+OPENAI_WORKER_FLAGS = ["--model", "smollm2-135m", "--max-sessions", "8", "--kv-tokens", "8192"]
+OPENAI_WORKER_FLAGS += ["--heartbeat-s", "0.5"]
+OPENAI_GATEWAY_FLAGS = ["--auth", "on", "--open-timeout-s", "60"]
+
+
+@pytest.fixture(scope="package")
+def openai_stack(
+    tmp_path_factory: pytest.TempPathFactory,
+    openai_references: openai_reference.PendingReferences,  # started first: it computes while they boot
+) -> Iterator[Stack]:
+    """Two SmolLM2 workers and an auth-on gateway, shared by the OpenAI-dialect modules (each test
+    opens its own sessions with its own key; a test that kills or drains a worker leaves at least
+    one, and starts a replacement when a later test needs two)."""
+    with open_servers(tmp_path_factory) as servers:
+        yield servers.stack(
+            workers=2, gateways=1, worker_flags=OPENAI_WORKER_FLAGS, gateway_flags=OPENAI_GATEWAY_FLAGS
+        )
 
 
 @pytest.fixture(scope="module", params=SERVER_KINDS)

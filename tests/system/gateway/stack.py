@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,9 +49,12 @@ class Stack:
         self.workers[worker_id] = proc
         return proc
 
+    def launch_gateway(self, name: str) -> Proc:
+        """A gateway of the stack's, ready; the caller keeps it in `gateways`."""
+        return start(name, "gateway", [*self.common(), *AUTH_OFF, *self.gateway_flags], self.log_dir)
+
     def start_gateway(self, index: int | None = None) -> Proc:
-        name = f"gateway-{len(self.gateways) if index is None else index}"
-        proc = start(name, "gateway", [*self.common(), *AUTH_OFF, *self.gateway_flags], self.log_dir)
+        proc = self.launch_gateway(f"gateway-{len(self.gateways) if index is None else index}")
         if index is None:
             self.gateways.append(proc)
         else:
@@ -95,10 +99,17 @@ def running_stack(
 ) -> Iterator[Stack]:
     stack = Stack(redis_url, prefix, log_dir, worker_flags or [], gateway_flags or [])
     try:
-        for i in range(workers):
-            stack.start_worker(f"w{i}")
-        for _ in range(gateways):
-            stack.start_gateway()
+        # Every process boots at once, each waited for on its own /readyz: a boot is mostly one
+        # core's worth of imports (and a model's load), so the stack is up in about the time of its
+        # slowest process, not the sum of all of them.
+        with ThreadPoolExecutor(max_workers=max(workers + gateways, 1)) as pool:
+            booting = [pool.submit(stack.start_worker, f"w{i}") for i in range(workers)]
+            gateway_boots = [pool.submit(stack.launch_gateway, f"gateway-{i}") for i in range(gateways)]
+            failures = [exc for boot in [*booting, *gateway_boots] if (exc := boot.exception()) is not None]
+        # In index order; those that came up are kept even when another failed, so `close` stops them.
+        stack.gateways += [boot.result() for boot in gateway_boots if boot.exception() is None]
+        if failures:
+            raise failures[0]
         yield stack
     finally:
         stack.close()

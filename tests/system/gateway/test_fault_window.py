@@ -1,7 +1,7 @@
 """A `truncate` session killed mid-stream keeps its window on its next worker (issue #24, point 5).
 
 Real processes on loopback: redis-server, two SmolLM2-135M workers and a gateway. One session with a
-small context (192 tokens, 8 kept as its prefix, retention 0.8) streams chunks through the gateway,
+small context (128 tokens, 8 kept as its prefix, retention 0.8) streams chunks through the gateway,
 up to 4 unanswered, so its window is cut every few turns and its log is compacted (a snapshot plus
 the last records) before its worker is SIGKILLed mid-stream. What must hold: the session carries on
 on the other worker with every chunk answered exactly once, every output equal to the same chunks
@@ -45,7 +45,7 @@ from worker.engine import Engine, TurnResult
 from worker.server.token_log import read_log_bytes, read_log_state
 
 MODEL: Final = "smollm2-135m"
-LIMIT, PREFIX, OUT, CHUNK = 192, 8, 4, 12
+LIMIT, PREFIX, OUT, CHUNK = 128, 8, 4, 12
 CONFIG: Final[dict[str, Any]] = {
     "max_output_tokens": OUT,
     "stop_token_ids": [],
@@ -54,10 +54,13 @@ CONFIG: Final[dict[str, Any]] = {
     "keep_prefix_tokens": PREFIX,
     "retention_ratio": 0.8,
 }
-# A compaction keeps 8 records (the worker's default is 64): a short run compacts several times.
-KEEP_RECORDS = 8
-TURNS = 64
-PAUSE_AT = 32  # the log has been compacted by then
+# A compaction keeps 4 records (the worker's default is 64): a short run compacts several times.
+# The run is as short as its checks allow (each turn is a SmolLM2 forward, on the workers and in the
+# reference): 4 cuts by PAUSE_AT (turns 11, 13, 16, 19), 6 after it, and enough turns that the whole
+# log is more than twice the compacted bound.
+KEEP_RECORDS = 4
+TURNS = 36
+PAUSE_AT = 20  # the log has been compacted by then
 WINDOW = 4
 ENGINE_OPTIONS: Final[dict[str, Any]] = {"kv_tokens": 1024, "host_kv_tokens": 0}
 WORKER_FLAGS = [*LINK_SECRET, "--model", MODEL, "--kv-tokens", "1024", "--host-kv-tokens", "0"]

@@ -1,5 +1,6 @@
 """The OpenAI Realtime dialect through the official `openai` SDK, unchanged, against a real stack
-(issue #18): redis-server, two SmolLM2-135M workers and a gateway with auth on, as processes.
+(issue #18): redis-server, two SmolLM2-135M workers and a gateway with auth on, as processes
+(conftest's `openai_stack`, shared with test_openai_sdks.py).
 
 What must hold: a two-turn conversation equals, token for token, the engine alone fed the whole
 conversation rendered by the model's chat template (tests/system/gateway/openai_reference.py);
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -25,42 +25,21 @@ from gateway.auth.api_keys import KeyStore
 from shared.protocol.key_limits import KeyLimits
 from shared.store.registry import read_session
 from shared.store.schema import KeySchema
-from tests.conftest import Servers
 from tests.processes import http_get
-from tests.system.gateway import openai_reference
+from tests.system.gateway.openai_reference import INSTRUCTIONS, PLANS, STORY, TURNS, PendingReferences
 from tests.system.gateway.stack import Stack, stop
 from tests.wait import await_until
 
 T = TypeVar("T")
 MODEL = "smollm2-135m"
 TEST_TIMEOUT_S = 300.0
-WORKER_FLAGS = ["--model", MODEL, "--max-sessions", "8", "--kv-tokens", "8192", "--heartbeat-s", "0.5"]
-GATEWAY_FLAGS = ["--auth", "on", "--open-timeout-s", "60"]
-INSTRUCTIONS = "You are a helpful assistant. Answer briefly."
-TURNS = ["What is the capital of France?", "And of Italy?"]
-STORY = "Write a long story about a dragon who learns to bake bread."
-MAX_TOKENS = 24
-STORY_TOKENS = 48
-
-
-def reference(plan: dict[str, Any]) -> subprocess.Popen[str]:
-    return openai_reference.start(plan)
-
-
-result = openai_reference.result
+MAX_TOKENS = PLANS["turns"]["max_output_tokens"]
+STORY_TOKENS = PLANS["story"]["max_output_tokens"]
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[str, subprocess.Popen[str]]:
-    return {
-        "turns": reference({"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": MAX_TOKENS}),
-        "story": reference({"instructions": None, "turns": [STORY], "max_output_tokens": STORY_TOKENS}),
-    }
-
-
-@pytest.fixture(scope="module")
-def stack(servers: Servers, references: dict[str, subprocess.Popen[str]]) -> Stack:
-    return servers.stack(workers=2, gateways=1, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS)
+def stack(openai_stack: Stack) -> Stack:
+    return openai_stack
 
 
 def run(stack: Stack, body: Callable[[KeyStore, Redis], Coroutine[Any, Any, T]]) -> T:
@@ -127,7 +106,7 @@ async def respond(conn: Any, max_output_tokens: int) -> tuple[str, Any, list[Any
 
 
 def test_two_turns_through_the_sdk_equal_the_engine_fed_the_whole_conversation(
-    stack: Stack, references: dict[str, subprocess.Popen[str]]
+    stack: Stack, openai_references: PendingReferences
 ) -> None:
     async def body(keys: KeyStore, redis: Redis) -> None:
         client = AsyncOpenAI(base_url=base_url(stack), api_key=await new_key(keys))
@@ -146,7 +125,7 @@ def test_two_turns_through_the_sdk_equal_the_engine_fed_the_whole_conversation(
                 reply, done, _ = await respond(conn, MAX_TOKENS)
                 texts.append(reply)
                 usages.append(done.response.usage)
-        want = result(references["turns"])
+        want = openai_references.result("turns")
         print(f"[openai] replies {texts!r}; usage {[(u.input_tokens, u.output_tokens) for u in usages]}")
         assert texts == want["texts"]
         assert [u.output_tokens for u in usages] == [len(r) for r in want["replies"]]
@@ -240,7 +219,7 @@ def test_a_client_secret_starts_one_session_with_its_settings(stack: Stack) -> N
 
 
 def test_a_worker_killed_mid_response_is_invisible_but_for_latency(
-    stack: Stack, references: dict[str, subprocess.Popen[str]]
+    stack: Stack, openai_references: PendingReferences
 ) -> None:
     async def body(keys: KeyStore, redis: Redis) -> None:
         client = AsyncOpenAI(base_url=base_url(stack), api_key=await new_key(keys))
@@ -252,20 +231,22 @@ def test_a_worker_killed_mid_response_is_invisible_but_for_latency(
             await until(conn, "response.output_text.delta", seen)
             victim = await newest_session_worker(redis, KeySchema(stack.prefix))
             stack.workers[victim].popen.send_signal(signal.SIGKILL)
+            # The module's next test wants two workers: a replacement boots while the reply ends.
+            replacement = asyncio.create_task(asyncio.to_thread(stack.start_worker, "w-replacement"))
             done = await until(conn, "response.done", seen)
+            await replacement
         assert [e.type for e in seen if e.type == "error"] == []
         text = next(e.text for e in seen if e.type == "response.output_text.done")
         assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == text
-        want = result(references["story"])
+        want = openai_references.result("story")
         assert text == want["texts"][0] and done.response.usage.output_tokens == len(want["replies"][0])
 
     run(stack, body)
     assert metric(stack, "microturn_gateway_sessions_restored_total") >= 1  # it did move
-    stack.start_worker("w-replacement")  # the module's other tests may still want two
 
 
 def test_a_drained_worker_moves_the_conversation_which_stays_exact(
-    stack: Stack, references: dict[str, subprocess.Popen[str]]
+    stack: Stack, openai_references: PendingReferences
 ) -> None:
     async def body(keys: KeyStore, redis: Redis) -> list[str]:
         client = AsyncOpenAI(base_url=base_url(stack), api_key=await new_key(keys))
@@ -283,8 +264,8 @@ def test_a_drained_worker_moves_the_conversation_which_stays_exact(
         return texts
 
     texts = run(stack, body)
-    stack.start_worker("w-after-drain")
-    assert texts == result(references["turns"])["texts"]
+    # No worker takes the drained one's place: the module's later tests need one worker, not two.
+    assert texts == openai_references.result("turns")["texts"]
     assert metric(stack, "microturn_gateway_sessions_migrated_total") >= 1  # it did move
 
 

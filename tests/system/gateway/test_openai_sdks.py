@@ -1,5 +1,6 @@
 """OpenAI's own client stacks, unchanged, against a real stack with auth on (issue #25): redis-server,
-a SmolLM2-135M worker, a gateway, and a second gateway serving TLS with a self-signed certificate.
+SmolLM2-135M workers and a gateway (conftest's `openai_stack`, shared with test_openai.py), and a
+second gateway serving TLS with a self-signed certificate.
 
 What must hold, each conversation exact against the engine fed the whole conversation rendered by
 the model's chat template (openai_reference.py), with no `error` event:
@@ -33,36 +34,26 @@ from redis.asyncio import Redis
 from gateway.auth.api_keys import KeyStore
 from shared.protocol.key_limits import KeyLimits
 from shared.store.schema import KeySchema
-from tests.conftest import Servers
 from tests.processes import REPO, Proc
 from tests.shared.tls import Certificate, self_signed
-from tests.system.gateway import openai_reference
+from tests.system.gateway.conftest import OPENAI_GATEWAY_FLAGS
+from tests.system.gateway.openai_reference import INSTRUCTIONS, PLANS, TURNS, PendingReferences
 from tests.system.gateway.stack import Stack
 
 T = TypeVar("T")
 MODEL = "smollm2-135m"
 TEST_TIMEOUT_S = 240.0
-WORKER_FLAGS = ["--model", MODEL, "--max-sessions", "8", "--kv-tokens", "8192", "--heartbeat-s", "0.5"]
-GATEWAY_FLAGS = ["--auth", "on", "--open-timeout-s", "60"]
-INSTRUCTIONS = "You are a helpful assistant. Answer briefly."
-TURNS = ["What is the capital of France?", "And of Italy?"]
-MAX_TOKENS = 12
+MAX_TOKENS = PLANS["sdk_turns"]["max_output_tokens"]
 NODE_DIR = REPO / "tests" / "node"
 
 
 @pytest.fixture(scope="module")
-def want() -> subprocess.Popen[str]:
-    plan = {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": MAX_TOKENS}
-    return openai_reference.start(plan)
+def stack(openai_stack: Stack) -> Stack:
+    return openai_stack
 
 
-@pytest.fixture(scope="module")
-def stack(servers: Servers, want: subprocess.Popen[str]) -> Stack:
-    return servers.stack(workers=1, gateways=1, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS)
-
-
-def expected(want: subprocess.Popen[str]) -> list[str]:
-    texts: list[str] = openai_reference.result(want)["texts"]
+def expected(openai_references: PendingReferences) -> list[str]:
+    texts: list[str] = openai_references.result("sdk_turns")["texts"]
     return texts
 
 
@@ -112,7 +103,7 @@ def run_node(script: str, plan: dict[str, Any], env: dict[str, str] | None = Non
 
 
 def test_the_python_agents_sdk_holds_the_conversation_exactly_with_no_error(
-    stack: Stack, want: subprocess.Popen[str]
+    stack: Stack, openai_references: PendingReferences
 ) -> None:
     async def body(api_key: str) -> tuple[list[str], list[Any], list[str], Any]:
         agent = RealtimeAgent(name="Assistant", instructions=INSTRUCTIONS)
@@ -152,11 +143,11 @@ def test_the_python_agents_sdk_holds_the_conversation_exactly_with_no_error(
     assert audio_error is not None and audio_error["code"] == "audio_unsupported", raw
     assert len(errors) == 1, errors  # the audio's, surfaced to the application: none before it
     assert raw.count("session.updated") >= 1 and raw.count("error") == 1, raw
-    assert texts == expected(want)
+    assert texts == expected(openai_references)
 
 
 def test_the_javascript_agents_sdk_holds_the_conversation_exactly_with_no_error(
-    stack: Stack, want: subprocess.Popen[str]
+    stack: Stack, openai_references: PendingReferences
 ) -> None:
     node_or_skip()
 
@@ -175,7 +166,7 @@ def test_the_javascript_agents_sdk_holds_the_conversation_exactly_with_no_error(
     print(f"[agents-js] replies {out['texts']!r}")
     assert out["errors"] == [], out["errors"]
     assert "session.updated" in out["types"] and "error" not in out["types"]
-    assert out["texts"] == expected(want)
+    assert out["texts"] == expected(openai_references)
 
 
 @pytest.fixture(scope="module")
@@ -183,12 +174,12 @@ def tls_gateway(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> tuple
     cert = self_signed(tmp_path_factory.mktemp("tls"))
     if cert is None:
         pytest.skip("openssl is not installed: no certificate for the TLS gateway")
-    flags = [*GATEWAY_FLAGS, "--tls-cert-file", str(cert.cert), "--tls-key-file", str(cert.key)]
+    flags = [*OPENAI_GATEWAY_FLAGS, "--tls-cert-file", str(cert.cert), "--tls-key-file", str(cert.key)]
     return stack.start_extra_gateway("gateway-tls", flags, tls=True), cert
 
 
 def test_the_node_sdk_holds_the_conversation_over_wss_with_a_self_signed_certificate(
-    stack: Stack, tls_gateway: tuple[Proc, Certificate], want: subprocess.Popen[str]
+    stack: Stack, tls_gateway: tuple[Proc, Certificate], openai_references: PendingReferences
 ) -> None:
     node_or_skip()
     gateway, cert = tls_gateway
@@ -209,7 +200,7 @@ def test_the_node_sdk_holds_the_conversation_over_wss_with_a_self_signed_certifi
     out = run(stack, body)
     print(f"[openai-node wss] replies {out['texts']!r}")
     assert out["errors"] == [] and "error" not in out["types"]
-    assert out["texts"] == expected(want)
+    assert out["texts"] == expected(openai_references)
 
 
 def user(text: str) -> dict[str, Any]:
@@ -217,7 +208,7 @@ def user(text: str) -> dict[str, Any]:
 
 
 def test_an_item_sent_while_a_response_streams_joins_after_it_and_is_answered_exactly(
-    stack: Stack, want: subprocess.Popen[str]
+    stack: Stack, openai_references: PendingReferences
 ) -> None:
     async def body(api_key: str) -> tuple[list[str], list[Any]]:
         client = AsyncOpenAI(base_url=f"{stack.gateways[0].http}/v1", api_key=api_key)
@@ -259,4 +250,4 @@ def test_an_item_sent_while_a_response_streams_joins_after_it_and_is_answered_ex
     assert late.item.content[0].text == TURNS[1] and late_index > first_done
     first_reply = next(e for e in seen if e.type == "response.done").response.output[0].id
     assert late.previous_item_id == first_reply
-    assert texts == expected(want)
+    assert texts == expected(openai_references)
