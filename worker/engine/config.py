@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.settings import EngineSettings, copy_fields
+from shared.settings import ON_OFF, EngineSettings, copy_fields
 from worker.model.presets import TINY_SEED
 
 
@@ -47,5 +47,7 @@ class EngineConfig(EngineSettings):
                 f"host_kv_tokens {self.host_kv_tokens}: 0 (off), -1 (sized from host memory) or one page "
                 f"of {self.page_size} tokens at least"
             )
+        if self.prefix_cache not in ON_OFF:
+            raise ValueError(f"prefix_cache: {self.prefix_cache!r} is not one of {', '.join(ON_OFF)}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError("kv_memory_fraction must be in (0, 1]")

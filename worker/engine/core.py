@@ -25,6 +25,7 @@ from shared.store.schema import Cut
 from worker.engine.admission import admit
 from worker.engine.config import EngineConfig
 from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager
+from worker.engine.memory.prefix_cache import prefix_cache
 from worker.engine.memory.window import cut_before, opening_history, session_limit
 from worker.engine.model_runner import ForwardRow, ModelRunner
 from worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -59,8 +60,8 @@ class EngineCore:
         self.vocab_size = runner.config.vocab_size
         self.page_size = runner.page_size
         self.sessions: dict[str, Session] = {}
-        # The one owner of KV memory: both tiers, windows, eviction (worker/engine/memory/).
-        self.kv = KVManager(runner.kv_pool, host_pages, self.sessions)
+        # The one owner of KV memory: both tiers, windows, eviction, the prefix cache (worker/engine/memory/).
+        self.kv = KVManager(runner.kv_pool, host_pages, self.sessions, prefix_cache(config, self.page_size))
         self.scheduler = Scheduler(
             max_batch_tokens=config.max_batch_tokens,
             max_batch_rows=config.max_batch_rows,
@@ -258,7 +259,7 @@ class EngineCore:
         inputs = [t for turn in turns for t in turn.input_tokens]
         outputs = owner.max_output_tokens if owner.wants_output else 0
         try:
-            self.kv.prepare(session, cut, len(inputs) + outputs)
+            self.kv.prepare(session, cut, inputs, outputs)
         except CapacityExhausted as error:
             # Later chunks were sent assuming this one lands: refuse them too rather than reorder input,
             # and forget all of them (seq and text included), so each may be sent again as it was.
