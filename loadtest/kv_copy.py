@@ -20,8 +20,7 @@ import torch
 
 from worker.attention.kv_pool import KVPool
 from worker.engine.engine import torch_dtype
-from worker.engine.memory.host_pool import HostKVPool
-from worker.engine.memory.page_copy import CopyCounter, PageCopier
+from worker.engine.memory.page_copy import CopyCounter, HostKVPool, PageCopier
 
 
 def measure(device: torch.device, dtype: torch.dtype, pages: int, repeats: int) -> dict[str, float]:

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.attention import AttentionShape, TorchAttention, choose_backend
+from worker.attention import (
+    AUTO,
+    BACKENDS,
+    REFERENCE,
+    AttentionBackend,
+    AttentionShape,
+    TorchAttention,
+    choose_backend,
+)
 from worker.engine import Engine
 from worker.server.main import EXIT_REFUSED
 from worker.server.metrics import WorkerMetrics
@@ -54,3 +62,13 @@ def test_a_worker_asked_for_flashinfer_it_cannot_use_refuses_to_start_and_says_w
     assert done.returncode == EXIT_REFUSED, done.stderr[-2000:]
     assert "the worker does not start: --attention flashinfer cannot serve here" in done.stderr
     assert "not installed" in done.stderr
+
+
+def test_each_registered_backend_loads_the_class_of_its_name() -> None:
+    # An entry names its class as a string (so choosing another backend imports nothing of it):
+    # a renamed class or module, or an entry whose name is not its class's, fails here.
+    assert BACKENDS[REFERENCE].load() is TorchAttention and AUTO not in BACKENDS
+    for name, entry in BACKENDS.items():
+        backend = entry.load()
+        assert issubclass(backend, AttentionBackend) and backend.name == name == entry.name
+        assert (entry.package is None) == (entry.install == ""), f"{name}: a package comes with how to get it"

@@ -14,8 +14,7 @@ import torch
 from shared.errors import CapacityExhausted
 from worker.attention.kv_pool import KVPool
 from worker.engine import Engine, TurnResult
-from worker.engine.memory.host_pool import HostKVPool
-from worker.engine.memory.page_copy import PageCopier, page_runs
+from worker.engine.memory.page_copy import HostKVPool, PageCopier, page_runs
 
 PAGE = 16
 

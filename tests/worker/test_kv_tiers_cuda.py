@@ -8,8 +8,7 @@ import torch
 
 from worker.attention.kv_pool import KVPool
 from worker.engine import Engine
-from worker.engine.memory.host_pool import HostKVPool
-from worker.engine.memory.page_copy import PageCopier
+from worker.engine.memory.page_copy import HostKVPool, PageCopier
 
 pytestmark = [
     pytest.mark.cuda,

@@ -1,29 +1,44 @@
-"""Attention backends behind one interface, and the choice among them at start.
+"""Attention backends behind one interface: their registry, and the choice among them at start.
 
-flashinfer is imported only when it is asked for (`--attention flashinfer`) or when `auto` runs on
-CUDA with the package installed; on the CPU `auto` is the torch backend and never imports it.
-A flashinfer backend is used only after it agreed with the torch reference on a check batch
-(self_check.py): under `auto` a failed check logs a warning and serves with torch, under
-`flashinfer` the worker refuses to start and says why.
+A backend is a file in this package implementing `AttentionBackend` (base.py) and one line in
+`BACKENDS` below (as mini-sglang registers its attention backends). An entry names where its class
+lives, not the class, so a backend's module is imported only when it is chosen; the package it
+needs is looked up without importing it (`import flashinfer` has broken on CPU-only torch), so on
+the CPU `auto` never imports flashinfer.
+
+The choice (`choose_backend`):
+- `torch` is the reference (`REFERENCE`): it serves as it is, and every other backend is held
+  against it.
+- Another backend by name serves only after it agreed with the torch reference on a check batch
+  (self_check.py); a missing package or a failed check refuses it: the worker does not start and
+  says why.
+- `auto` takes the first entry, in the table's order, that accelerates the device (`auto_on`) and
+  whose package is installed, and checks it the same way; a failed check logs a warning and serves
+  with the torch reference, and no such entry (the CPU, or CUDA without the `gpu` extra) is torch.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Final
 
 from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
-from worker.attention.flashinfer_backend import FlashInferAttention
 from worker.attention.self_check import compare_with_torch
 from worker.attention.torch_backend import TorchAttention
 
 __all__ = [
+    "AUTO",
+    "BACKENDS",
     "BACKEND_NAMES",
+    "REFERENCE",
     "AttentionBackend",
     "AttentionMetadata",
     "AttentionShape",
+    "Backend",
     "BackendRefused",
     "TorchAttention",
     "choose_backend",
@@ -32,34 +47,85 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES: Final = ("auto", "torch", "flashinfer")
-
 
 class BackendRefused(ValueError):
     """The asked-for backend cannot serve here; the message says why (the worker exits with it)."""
 
 
-def flashinfer_available() -> bool:
-    # find_spec does not import the package: importing flashinfer on a CPU-only torch has broken before.
-    return "flashinfer" in sys.modules or importlib.util.find_spec("flashinfer") is not None
+@dataclass(frozen=True)
+class Backend:
+    """One registered attention backend, described without importing it."""
+
+    name: str  # `--attention <name>`; equal to its class's `name` (a test holds them together)
+    target: str  # "module:Class", imported only when the backend is chosen
+    package: str | None = None  # a package it needs beyond torch, looked up without importing it
+    install: str = ""  # how to get `package`, said when a worker asked for the backend lacks it
+    auto_on: tuple[str, ...] = ()  # the device types on which `auto` prefers it to the reference
+
+    def installed(self) -> bool:
+        # find_spec does not import the package: importing flashinfer on a CPU-only torch has broken before.
+        package = self.package
+        return package is None or package in sys.modules or importlib.util.find_spec(package) is not None
+
+    def load(self) -> type[AttentionBackend]:
+        module, _, attribute = self.target.partition(":")
+        backend: type[AttentionBackend] = getattr(importlib.import_module(module), attribute)
+        return backend
 
 
-def decide(name: str, problem: str | None) -> type[AttentionBackend]:
-    """flashinfer if its check passed (`problem` is None); else torch under `auto`, a refusal otherwise."""
+# Every backend a worker can serve with; `auto` prefers them in this order. Add a backend here.
+BACKENDS: Final = {
+    backend.name: backend
+    for backend in (
+        Backend("torch", "worker.attention.torch_backend:TorchAttention"),
+        Backend(
+            "flashinfer",
+            "worker.attention.flashinfer_backend:FlashInferAttention",
+            package="flashinfer",
+            install="the `gpu` extra: pip install 'microturn[gpu]'",
+            auto_on=("cuda",),
+        ),
+    )
+}
+AUTO: Final = "auto"
+# The backend every other one is checked against (self_check.py) and `auto` falls back to.
+REFERENCE: Final = TorchAttention.name
+BACKEND_NAMES: Final = (AUTO, *BACKENDS)
+
+
+def _refused(asked: str, problem: str) -> BackendRefused:
+    return BackendRefused(f"--attention {asked} cannot serve here: {problem}")
+
+
+def decide(asked: str, candidate: type[AttentionBackend], problem: str | None) -> type[AttentionBackend]:
+    """`candidate` if its check passed (`problem` is None); else torch under `auto`, a refusal otherwise."""
     if problem is None:
-        return FlashInferAttention
-    if name == "auto":
-        logger.warning("flashinfer failed its start-up check, serving with the torch backend: %s", problem)
+        return candidate
+    if asked == AUTO:
+        logger.warning(
+            "%s failed its start-up check, serving with the %s backend: %s",
+            candidate.name,
+            REFERENCE,
+            problem,
+        )
         return TorchAttention
-    raise BackendRefused(f"--attention flashinfer cannot serve here: {problem}")
+    raise _refused(asked, problem)
 
 
 def choose_backend(name: str, shape: AttentionShape) -> type[AttentionBackend]:
     """The backend a model runner uses for `--attention name` with this model and pool."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
-    if name == "torch" or (name == "auto" and (shape.device.type != "cuda" or not flashinfer_available())):
-        return TorchAttention
-    if not flashinfer_available():
-        return decide(name, "flashinfer is not installed (the `gpu` extra: pip install 'microturn[gpu]')")
-    return decide(name, compare_with_torch(FlashInferAttention, shape))
+    if name == AUTO:
+        preferred = [b for b in BACKENDS.values() if shape.device.type in b.auto_on and b.installed()]
+        if not preferred:
+            return TorchAttention
+        entry = preferred[0]
+    else:
+        entry = BACKENDS[name]
+        if entry.name == REFERENCE:
+            return TorchAttention
+        if not entry.installed():
+            raise _refused(name, f"{entry.package} is not installed ({entry.install})")
+    candidate = entry.load()
+    return decide(name, candidate, compare_with_torch(candidate, shape))

@@ -41,8 +41,7 @@ from worker.engine.memory.window import resolve_prefix, session_limit
 from worker.server.bindings import LinkPeer, SessionBinding, SessionDirectory
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
-from worker.server.session_log import read_log_bytes
-from worker.server.token_log import TokenLogWriter
+from worker.server.token_log import TokenLogWriter, read_log_bytes
 from worker.server.warm import WARM_DISCARDED, WarmCopies
 from worker.tokenizer.detokenize import IncrementalDecoder
 from worker.tokenizer.incremental import EMPTY_TAIL

@@ -1,7 +1,11 @@
-"""Appends each finished turn to the session's log in Redis, batched, off the reply path.
+"""The worker's side of a session's token log in Redis: the batched writer and the reads.
 
 The log (`mt:log:{<sid>}`, one record per turn: shared/store/schema.py) is what a session is rebuilt
-from on another worker. Appends are queued when a `done` has gone out and flushed together every
+from on another worker. Its one writer is `TokenLogWriter`: it appends each finished turn, batched,
+off the reply path. The reads (`read_log_bytes` and the decoded views) are the one-off reads of a
+worker that restores a session or warms a copy of it; they see what the writer confirmed.
+
+Appends are queued when a `done` has gone out and flushed together every
 few milliseconds in one pipeline, so a chunk's round trip never waits on Redis. Order per session
 is the order of `append`.
 
@@ -42,6 +46,8 @@ from shared.store.schema import (
     NO_SEQ,
     Cut,
     KeySchema,
+    LogState,
+    decode_log,
     encode_directive,
     encode_log_record,
     lua_script,
@@ -306,3 +312,23 @@ class TokenLogWriter:
             self._wakeup.set()  # retry what is queued even if no new turn comes
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
+
+
+async def read_log_bytes(client: redis.Redis, schema: KeySchema, sid: str) -> bytes:
+    """The log's raw bytes (records, shared/store/schema.py); empty when absent or expired."""
+    data = await client.get(schema.log(sid))
+    if data is None:
+        return b""
+    if isinstance(data, str):
+        raise TypeError("the token log is binary: use a Redis client with decode_responses=False")
+    return bytes(data)
+
+
+async def read_log_state(client: redis.Redis, schema: KeySchema, sid: str) -> LogState:
+    """The session's whole token history and the seq of the last turn the log holds."""
+    return decode_log(await read_log_bytes(client, schema, sid))
+
+
+async def read_log(client: redis.Redis, schema: KeySchema, sid: str) -> list[int]:
+    """The session's whole token history; empty when nothing was logged or the log expired."""
+    return (await read_log_state(client, schema, sid)).tokens

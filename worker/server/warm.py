@@ -35,7 +35,7 @@ from worker.engine.memory.window import resolve_prefix, session_limit
 from worker.server.bindings import LinkPeer, SessionDirectory
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
-from worker.server.session_log import read_log_bytes
+from worker.server.token_log import read_log_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from tests.system.gateway.faults import Streamer, tally
 from tests.system.gateway.reference import SESSION_CONFIG, PendingReferences, stream
 from tests.system.gateway.test_fault_redis import full_sequence
 from tests.wait import await_until
-from worker.server.session_log import read_log
+from worker.server.token_log import read_log
 
 SEEDS = tuple(range(24, 32))
 TURNS = 50

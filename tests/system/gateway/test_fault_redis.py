@@ -21,7 +21,7 @@ from shared.store.schema import KeySchema
 from tests.system.gateway.faults import Streamer, fault_stack, tally
 from tests.system.gateway.reference import SESSION_CONFIG, PendingReferences, stream
 from tests.wait import await_until
-from worker.server.session_log import read_log
+from worker.server.token_log import read_log
 
 SEEDS = (20, 21, 22, 23)
 TURNS = 50

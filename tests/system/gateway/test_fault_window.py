@@ -42,7 +42,7 @@ from tests.system.gateway.conftest import GATEWAY_FLAGS, LINK_SECRET
 from tests.system.gateway.stack import stop
 from tests.wait import await_until
 from worker.engine import Engine, TurnResult
-from worker.server.session_log import read_log_bytes, read_log_state
+from worker.server.token_log import read_log_bytes, read_log_state
 
 MODEL: Final = "smollm2-135m"
 LIMIT, PREFIX, OUT, CHUNK = 192, 8, 4, 12

@@ -33,7 +33,7 @@ from tests.system.gateway.conftest import LINK_SECRET, LOAD_SESSIONS, LOAD_TURNS
 from tests.system.gateway.reference import OUTPUT_TOKENS, SESSION_CONFIG, PendingReferences, stream
 from tests.system.gateway.stack import Stack, http_get, stop
 from tests.wait import await_until
-from worker.server.session_log import read_log_state
+from worker.server.token_log import read_log_state
 
 T = TypeVar("T")
 TEST_TIMEOUT_S = 120.0

@@ -43,8 +43,7 @@ from shared.store.values import sha256_hex
 from tests.conftest import open_servers
 from tests.shared.redis_servers import SERVER_KINDS
 from tests.wait import await_until
-from worker.server.session_log import read_log, read_log_state
-from worker.server.token_log import TokenLogWriter
+from worker.server.token_log import TokenLogWriter, read_log, read_log_state
 from worker.tokenizer.incremental import EMPTY_TAIL
 
 T = TypeVar("T")

@@ -36,7 +36,7 @@ from tests.wait import await_until
 from worker.engine import Engine
 from worker.server.handover import migrate_all
 from worker.server.service import WorkerService
-from worker.server.session_log import read_log
+from worker.server.token_log import read_log
 
 CONFIG = OpenConfig(max_output_tokens=2, stop_token_ids=())
 

@@ -39,7 +39,7 @@ from tests.conftest import Servers
 from tests.processes import Proc, microturn, worker_args
 from tests.wait import await_until
 from worker.engine import Engine
-from worker.server.session_log import read_log, read_log_state
+from worker.server.token_log import read_log, read_log_state
 
 CONFIG = OpenConfig(stop_token_ids=(), stream=True, logprobs=True)
 SCHEMA = KeySchema("mt")

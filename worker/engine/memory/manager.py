@@ -42,9 +42,8 @@ from dataclasses import dataclass, replace
 from shared.errors import CapacityExhausted
 from shared.store.schema import Cut
 from worker.attention.kv_pool import KVPool
-from worker.engine.memory.host_pool import HostKVPool
 from worker.engine.memory.page_allocator import PageAllocator
-from worker.engine.memory.page_copy import CopyCounter, PageCopier
+from worker.engine.memory.page_copy import CopyCounter, HostKVPool, PageCopier
 from worker.engine.memory.prefix_cache import PrefixCache, PrefixStats
 from worker.engine.session import Session
 

@@ -1,4 +1,13 @@
-"""Copies whole KV pages between the device pool and the host tier.
+"""The host KV tier: its memory (whole pages in the device pool's layout) and the page copies.
+
+The host tier's memory and the copies in and out of it are one concept: the memory is laid out for
+the copies, and nothing else reads or writes it.
+
+A host page holds exactly what a device page holds (every layer's keys and values for `page_size`
+positions), laid out as the device pool's `paged()` view with its own page count, so a run of
+consecutive pages copies as one strided block per layer instead of token by token. On CUDA the
+memory is pinned, so copies run asynchronously on a side stream; on the CPU it is plain memory,
+taken lazily: pages the tier never uses are never resident.
 
 Pages are copied in runs: where consecutive device pages map to consecutive host pages (the page
 allocator keeps a session's pages contiguous when it can), a run is one `narrow` per side, a
@@ -23,7 +32,26 @@ from dataclasses import dataclass
 import torch
 
 from worker.attention.kv_pool import KVPool
-from worker.engine.memory.host_pool import HostKVPool
+
+
+class HostKVPool:
+    """The host tier's pages, shaped as the device pool's `paged()` view with `num_pages` pages."""
+
+    def __init__(self, device_pool: KVPool, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError("a host tier needs at least one page (0 turns the tier off)")
+        self.num_pages = num_pages
+        self.page_axis = device_pool.page_axis
+        self.page_bytes = device_pool.page_bytes
+        shape = list(device_pool.paged().shape)
+        shape[self.page_axis] = num_pages
+        pin = device_pool.device.type == "cuda"
+        # empty, not zeros: unlike the device pool, the host tier is read only where it was written.
+        self.paged = torch.empty(shape, dtype=device_pool.buffer.dtype, device="cpu", pin_memory=pin)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
 
 
 @dataclass
