@@ -9,7 +9,9 @@ slows both sides alike (the ratios are the figures; docs/benchmarks.md "Prefix c
 - `pages` (pages.py): the device pages 64 sessions with 256-token tails hold, and how many such
   sessions a fixed pool keeps open without parking or dropping anything;
 - `hot_path` (hot_path.py): the micro-turn median of sessions sharing a prefix against the same
-  sessions with the cache off (the per-chunk path pays nothing for the sharing).
+  sessions with the cache off (the per-chunk path pays nothing for the sharing);
+- `placement` (placement.py): two workers, two applications' sessions in random order: the cache
+  hit rate with and without placement preferring a worker that holds the session's prefix.
 
 runner.py parses the flags, runs the chosen scenarios and prints and writes the figures.
 """

@@ -1,7 +1,9 @@
 """Runs the chosen prefix-cache scenarios, prints their figures as a table and writes them as JSON.
 
-python -m loadtest.prefix [--model tiny|smollm2-135m] [--scenarios first_turn,pages,hot_path]
+python -m loadtest.prefix [--model tiny|smollm2-135m] [--scenarios first_turn,pages,hot_path,placement]
                           [--prefixes 1024,2048] [--json F]
+
+`placement` always runs the `tiny` model (a stack of processes; its figure is a hit rate, not a time).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from loadtest.long_session.runner import machine, table
 from loadtest.prefix.first_turn import FirstTurnConfig, run_first_turn
 from loadtest.prefix.hot_path import HotPathConfig, run_hot_path
 from loadtest.prefix.pages import PagesConfig, run_pages
+from loadtest.prefix.placement import PlacementConfig, run_placement
 from loadtest.report_files import write_json
 
 logger = logging.getLogger(__name__)
 
-SCENARIOS = ("first_turn", "pages", "hot_path")
+SCENARIOS = ("first_turn", "pages", "hot_path", "placement")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class PrefixBenchConfig:
     first_turn: FirstTurnConfig = field(default_factory=FirstTurnConfig)
     pages: PagesConfig = field(default_factory=PagesConfig)
     hot_path: HotPathConfig = field(default_factory=HotPathConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 def run(config: PrefixBenchConfig, json_path: Path | None = None) -> dict[str, Any]:
@@ -42,6 +46,7 @@ def run(config: PrefixBenchConfig, json_path: Path | None = None) -> dict[str, A
         "first_turn": lambda: run_first_turn(config.model, config.first_turn),
         "pages": lambda: run_pages(config.model, config.pages),
         "hot_path": lambda: run_hot_path(config.model, config.hot_path),
+        "placement": lambda: run_placement(config.placement),
     }
     report: dict[str, Any] = {"model": config.model, "machine": machine(), "scenarios": {}}
     for name in config.scenarios:
@@ -80,6 +85,7 @@ def parse(argv: Sequence[str] | None) -> tuple[PrefixBenchConfig, Path | None]:
     parser.add_argument("--pool-sessions", type=int, default=PagesConfig.pool_sessions)
     parser.add_argument("--hot-sessions", type=int, default=HotPathConfig.sessions)
     parser.add_argument("--rounds", type=int, default=HotPathConfig.rounds)
+    parser.add_argument("--placement-sessions", type=int, default=PlacementConfig.sessions)
     args = parser.parse_args(argv)
     scenarios = tuple(name for name in args.scenarios.split(",") if name)
     unknown = set(scenarios) - set(SCENARIOS)
@@ -99,6 +105,7 @@ def parse(argv: Sequence[str] | None) -> tuple[PrefixBenchConfig, Path | None]:
             most_sessions=args.sessions,
         ),
         hot_path=HotPathConfig(args.prefixes, args.hot_sessions, args.rounds, shape),
+        placement=PlacementConfig(sessions=args.placement_sessions),
     )
     return config, args.json
 

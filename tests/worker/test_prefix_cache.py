@@ -138,6 +138,19 @@ def test_a_parked_session_copies_only_its_own_pages_while_others_hold_the_shared
         assert engine.stats().pages_used == 0 and engine.stats().memory.host_pages_used == 0
 
 
+def test_a_named_prefix_is_held_while_its_pages_are_cached() -> None:
+    with Engine.load("tiny", kv_tokens=16 * PAGE, page_size=PAGE, host_kv_tokens=0) as engine:
+        engine.name_prefix("app-a", PREFIX).result(timeout=10)
+        assert _prefix(engine).held_prefixes == ()  # named, not computed yet
+        sid = engine.open_session(stop_token_ids=())
+        engine.run_turn(sid, tokens=PREFIX + _tail(0), max_output_tokens=1, timeout=60)
+        engine.close_session(sid)
+        assert _prefix(engine).held_prefixes == ("app-a",)  # cached, though nobody holds it
+        crowd = engine.open_session(stop_token_ids=())
+        engine.run_turn(crowd, tokens=_tail(1, 240), max_output_tokens=1, timeout=60)
+        assert _prefix(engine).held_prefixes == ()  # evicted for the crowd
+
+
 def test_off_shares_nothing() -> None:
     with Engine.load(
         "tiny", kv_tokens=64 * PAGE, page_size=PAGE, host_kv_tokens=0, prefix_cache="off"

@@ -34,6 +34,7 @@ from shared.protocol.link import (
 )
 from shared.protocol.messages import CloseReason, InputChunk, OutputDelta, OutputDone, Timing
 from shared.settings import WorkerSettings
+from shared.store.prefix_label import prefix_label
 from shared.store.schema import NO_SEQ, KeySchema, encode_log_record
 from shared.store.values import now_ms
 from worker.engine import Engine, TokenDelta, TurnResult
@@ -167,6 +168,9 @@ class WorkerService:
             self.token_log.drop(sid)
             self._send_error(link, sid, error, fatal=True)
             return
+        if config.keep_prefix_text is not None and prefix:
+            # Placement prefers a worker that names this prefix while its pages are cached here.
+            self.engine.name_prefix(prefix_label(config.keep_prefix_text), prefix)
         future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._opened, binding, f))
 
     def _opened(self, binding: SessionBinding, future: Future[str]) -> None:

@@ -181,6 +181,11 @@ class KVManager:
         self.release(session)
         session.recompute = True
 
+    def name_prefix(self, name: str, tokens: Sequence[int]) -> None:
+        """Sessions open with the prefix `name`, of these tokens (published to placement while cached)."""
+        if self.prefix is not None:
+            self.prefix.name(name, tokens)
+
     def stats(self) -> MemoryStats:
         if self.copier is not None:
             self.copier.settle()

@@ -24,9 +24,12 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from shared.store.prefix_label import MAX_PUBLISHED_PREFIXES
 from worker.engine.config import EngineConfig
 
 _KEY_BYTES = 16
+# Named prefixes remembered (whether or not their pages are still cached); a few times what is published.
+MAX_NAMED_PREFIXES = 4 * MAX_PUBLISHED_PREFIXES
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class PrefixStats:
     misses: int
     # Tokens whose KV came from the cache instead of a forward pass.
     tokens_reused: int
+    # The names of the named prefixes whose every full page is cached, most recently named first
+    # (what the worker publishes to placement: shared/store/prefix_label.py).
+    held_prefixes: tuple[str, ...] = ()
 
 
 def prefix_cache(config: EngineConfig, page_size: int) -> PrefixCache | None:
@@ -71,6 +77,9 @@ class PrefixCache:
         self.hits = 0
         self.misses = 0
         self.tokens_reused = 0
+        # Named prefixes (a session's open named its prefix's text): name -> the key of its last
+        # full page, most recently named last; bounded.
+        self._names: OrderedDict[str, bytes] = OrderedDict()
 
     def chain(self, tokens: Sequence[int], pages: int) -> list[bytes]:
         """The keys of the first `pages` full pages of `tokens`."""
@@ -149,6 +158,27 @@ class PrefixCache:
             evicted.append(page)
         return evicted
 
+    def name(self, name: str, tokens: Sequence[int]) -> None:
+        """A session opened with the prefix `name` whose tokens are `tokens` (its full pages are
+        the ones that may be cached: a named prefix is held while its last full page is)."""
+        pages = len(tokens) // self.page_size
+        if not pages:
+            return
+        self._names[name] = self.chain(tokens, pages)[-1]
+        self._names.move_to_end(name)
+        while len(self._names) > MAX_NAMED_PREFIXES:
+            self._names.popitem(last=False)
+
+    def held_names(self, most: int) -> tuple[str, ...]:
+        """Up to `most` named prefixes whose pages are cached, most recently named first."""
+        held: list[str] = []
+        for name, key in reversed(self._names.items()):
+            if len(held) == most:
+                break
+            if key in self._page_of:
+                held.append(name)
+        return tuple(held)
+
     def stats(self) -> PrefixStats:
         shared = [refs for refs in self._refs.values() if refs >= 2]
         return PrefixStats(
@@ -158,4 +188,5 @@ class PrefixCache:
             hits=self.hits,
             misses=self.misses,
             tokens_reused=self.tokens_reused,
+            held_prefixes=self.held_names(MAX_PUBLISHED_PREFIXES),
         )
