@@ -33,7 +33,7 @@ class PlacementConfig:
     sessions: int = 24
     instructions: int = 1024
     own: int = 32
-    pause_s: float = 2 * HEARTBEAT_S
+    pause_s: float = 3 * HEARTBEAT_S
     seed: int = 33
 
 
