@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from shared.errors import CapacityExhausted
+from shared.protocol.messages import OpenConfig
 from worker.engine import Engine, TurnResult
 from worker.engine.memory.prefix_cache import PrefixStats
 
@@ -149,6 +150,25 @@ def test_a_named_prefix_is_held_while_its_pages_are_cached() -> None:
         crowd = engine.open_session(stop_token_ids=())
         engine.run_turn(crowd, tokens=_tail(1, 240), max_output_tokens=1, timeout=60)
         assert _prefix(engine).held_prefixes == ()  # evicted for the crowd
+
+
+def test_a_warm_copy_and_a_restored_history_map_the_prefix_and_feed_only_the_rest() -> None:
+    with Engine.load("tiny", kv_tokens=64 * PAGE, page_size=PAGE, host_kv_tokens=0) as engine:
+        first = engine.open_session(stop_token_ids=(), logprobs=True)
+        engine.run_turn(first, tokens=PREFIX + _tail(0), max_output_tokens=1, timeout=60)
+        # A warm copy (a drain's handover) of a session whose history begins with the prefix.
+        before = engine.stats().tokens_forwarded
+        copy = engine.warm_async("copy", config=OpenConfig(stop_token_ids=()), history=PREFIX + _tail(1))
+        copy.result(timeout=60)
+        assert engine.stats().tokens_forwarded - before == 100 + 8 - 96
+        # A session restored from its log (opened with its history): its next append maps it too.
+        restored = engine.open_session(history=PREFIX + _tail(2), stop_token_ids=())
+        before = engine.stats().tokens_forwarded
+        engine.run_turn(restored, tokens=[7, 8], max_output_tokens=1, timeout=60)
+        assert engine.stats().tokens_forwarded - before == 100 + 8 + 2 - 96
+        stats = _prefix(engine)
+        assert (stats.hits, stats.misses, stats.tokens_reused) == (2, 1, 2 * 96)
+        assert engine.stats().memory.recomputed_tokens == 2 * (100 + 8 - 96)  # both: what was not mapped
 
 
 def test_off_shares_nothing() -> None:
