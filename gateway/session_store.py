@@ -23,6 +23,7 @@ from shared.protocol.codec import config_from_map, config_to_map
 from shared.protocol.key_limits import AuthLimits
 from shared.protocol.messages import OpenConfig
 from shared.store.placement import Placement, mark_suspect, place_session
+from shared.store.prefix_label import prefix_label
 from shared.store.registry import (
     SessionRecord,
     delete_session,
@@ -76,18 +77,20 @@ class SessionStore:
         idle = self.default_idle_timeout_s if config.idle_timeout_s is None else config.idle_timeout_s
         return idle + self.grace_s
 
-    async def _place(self, model: str | None = None) -> tuple[str, str, str]:
-        placement = await self._pick(model)
+    async def _place(self, model: str | None = None, prefix: str | None = None) -> tuple[str, str, str]:
+        placement = await self._pick(model, prefix)
         info = await read_worker(self.redis, self.schema, placement.worker_id)
         return placement.worker_id, placement.url, info.model if info is not None else ""
 
-    async def _pick(self, model: str | None = None) -> Placement:
+    async def _pick(self, model: str | None = None, prefix: str | None = None) -> Placement:
         """Placement, waiting out an empty registry: right after Redis lost its data no worker is
         registered until their next heartbeat re-creates their entries (docs/failover.md)."""
         deadline = time.monotonic() + EMPTY_REGISTRY_WAIT_S
         while True:
             try:
-                return await place_session(self.redis, self.schema, exclude=self.suspects(), model=model)
+                return await place_session(
+                    self.redis, self.schema, exclude=self.suspects(), model=model, prefix=prefix
+                )
             except CapacityExhausted:
                 if time.monotonic() >= deadline:
                     raise
@@ -95,13 +98,17 @@ class SessionStore:
                     # Workers are registered, so they were full, unless the first of them
                     # registered between the placement and this count (a heartbeat re-filling the
                     # registry): one more placement decides, and its refusal stands.
-                    return await place_session(self.redis, self.schema, exclude=self.suspects(), model=model)
+                    return await place_session(
+                        self.redis, self.schema, exclude=self.suspects(), model=model, prefix=prefix
+                    )
             await asyncio.sleep(EMPTY_REGISTRY_POLL_S)
 
     async def place_new(self, sid: str, token: str, config: OpenConfig, auth: AuthLimits | None) -> Placed:
         """Pick a worker for a new session and write its record (before the worker hears of it: a
         worker heartbeat that finds no record for one of its sessions ends it)."""
-        worker_id, url, model = await self._place(config.model)
+        # A worker that holds the open's prefix is preferred: the session then maps its KV.
+        prefix = None if config.keep_prefix_text is None else prefix_label(config.keep_prefix_text)
+        worker_id, url, model = await self._place(config.model, prefix)
         record = SessionRecord(
             worker=worker_id,
             token_sha256=sha256_hex(token),

@@ -46,6 +46,10 @@ def _bench(argv: list[str]) -> int:
         from loadtest.long_session.runner import main as long_session_main
 
         return long_session_main([arg for arg in argv if arg != "--long-session"])
+    if "--prefix" in argv:
+        from loadtest.prefix.runner import main as prefix_main
+
+        return prefix_main([arg for arg in argv if arg != "--prefix"])
     from loadtest.bench.run import main as bench_main
 
     return bench_main(argv)

@@ -19,7 +19,9 @@ from typing import Any, Final, TypeVar, Union, get_args, get_origin, get_type_hi
 S = TypeVar("S")
 
 ENV_PREFIX = "MT_"
-AUTH_MODES = ("on", "off")
+# A switch setting's two values (`--auth`, `--prefix-cache`).
+ON_OFF = ("on", "off")
+AUTH_MODES = ON_OFF
 # standalone: one server (or a Sentinel-less primary); cluster: MT_REDIS_URL names any seed node.
 REDIS_MODES = ("standalone", "cluster")
 UP_DEVICES = ("cpu", "cuda")
@@ -155,6 +157,13 @@ class EngineSettings:
     no_session: bool = field(
         default=False,
         metadata={"help": "baseline for benchmarks: keep no KV between turns, recompute history every turn"},
+    )
+    prefix_cache: str = field(
+        default="on",
+        metadata={
+            "help": "sessions that open with the same tokens share their KV pages (off: each has its own)",
+            "choices": ON_OFF,
+        },
     )
 
 

@@ -64,6 +64,7 @@ async def place_session(
     max_heartbeat_age_ms: int = 0,
     exclude: Collection[str] = (),
     model: str | None = None,
+    prefix: str | None = None,
 ) -> Placement:
     """Pick the least-loaded live `ready` worker with a free session slot and charge one slot to it.
 
@@ -72,13 +73,23 @@ async def place_session(
     needs no clock agreement between hosts. Raises `CapacityExhausted` with `retry_after_ms` when no
     worker has room; the caller writes the session hash once the worker has accepted the session.
     Workers with a suspect key, and those in `exclude` (the caller's own suspects), are skipped;
-    with `model`, so is every worker serving another model (None: any model).
+    with `model`, so is every worker serving another model (None: any model). With `prefix` (the
+    name of the session's prefix, shared/store/prefix_label.py), a worker with room that holds it is
+    preferred to a less loaded one that does not.
     """
     script = load_place_script(redis)
     age_ms = max(0, max_heartbeat_age_ms)
     result = await script(
         keys=[schema.workers()],
-        args=[schema.worker_prefix(), now_ms(), age_ms, schema.suspect_prefix(), model or "", *exclude],
+        args=[
+            schema.worker_prefix(),
+            now_ms(),
+            age_ms,
+            schema.suspect_prefix(),
+            model or "",
+            prefix or "",
+            *exclude,
+        ],
     )
     if result is None:
         logger.info("no worker with room under prefix %r (model %r)", schema.prefix, model)

@@ -31,6 +31,7 @@ from redis.asyncio.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
 from shared.protocol.key_limits import AuthLimits, KeyLimits
+from shared.store.prefix_label import MAX_PUBLISHED_PREFIXES, PREFIX_SEPARATOR
 from shared.store.schema import (
     SESSION_AUTH_KEY,
     SESSION_AUTH_LIMIT_PREFIX,
@@ -47,6 +48,7 @@ from shared.store.schema import (
     WORKER_KV_TOKENS_TOTAL,
     WORKER_MAX_SESSIONS,
     WORKER_MODEL,
+    WORKER_PREFIXES,
     WORKER_SESSIONS,
     WORKER_STATE,
     WORKER_URL,
@@ -87,6 +89,9 @@ class WorkerInfo:
     kv_tokens_free: int = 0
     kv_tokens_total: int = 0
     state: str = STATE_READY
+    # The names of the prefixes whose KV it holds, most recently opened first (placement prefers
+    # such a worker for a session that opens with one: shared/store/prefix_label.py).
+    prefixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.url:
@@ -142,6 +147,7 @@ def _worker_mapping(info: WorkerInfo) -> dict[FieldT, EncodableT]:
         WORKER_KV_TOKENS_FREE: info.kv_tokens_free,
         WORKER_KV_TOKENS_TOTAL: info.kv_tokens_total,
         WORKER_MODEL: info.model,
+        WORKER_PREFIXES: PREFIX_SEPARATOR.join(info.prefixes[:MAX_PUBLISHED_PREFIXES]),
         WORKER_HEARTBEAT_MS: now_ms(),
     }
 
@@ -222,6 +228,7 @@ async def read_worker(redis: Redis, schema: KeySchema, worker_id: str) -> Worker
             kv_tokens_free=int(raw.get(WORKER_KV_TOKENS_FREE, "0")),
             kv_tokens_total=int(raw.get(WORKER_KV_TOKENS_TOTAL, "0")),
             state=raw.get(WORKER_STATE, STATE_DRAINING),
+            prefixes=tuple(raw.get(WORKER_PREFIXES, "").split()),
         )
     except (KeyError, ValueError):
         # Treated as dead rather than raised: a malformed hash cannot be routed to either way.

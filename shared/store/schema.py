@@ -44,6 +44,9 @@ WORKER_KV_TOKENS_FREE: Final = "kv_tokens_free"
 WORKER_KV_TOKENS_TOTAL: Final = "kv_tokens_total"
 WORKER_MODEL: Final = "model"
 WORKER_HEARTBEAT_MS: Final = "heartbeat_ms"
+# The names of the prefixes whose KV the worker holds (shared/store/prefix_label.py); place.lua
+# spells it too.
+WORKER_PREFIXES: Final = "prefixes"
 
 STATE_READY: Final = "ready"
 STATE_DRAINING: Final = "draining"

@@ -109,3 +109,16 @@ def test_benchmark_flags_map_onto_their_configs() -> None:
     assert (tuned.p99_limit_ms, tuned.load.chunk_tokens, tuned.model) == (150.0, 8, BenchConfig().model)
     with pytest.raises(SystemExit):
         bench_main(["--modes", "reprefill"])  # streaming is required: a usage error, as before
+
+
+def test_the_prefix_cache_switch_is_on_by_default_and_only_on_or_off() -> None:
+    from worker.engine import EngineConfig
+
+    assert WorkerSettings().prefix_cache == "on"
+    off = parse_settings(WorkerSettings, ["--prefix-cache", "off"], "microturn worker")
+    assert EngineConfig.from_settings(off).prefix_cache == "off"
+    assert from_sources(WorkerSettings, None, {"MT_PREFIX_CACHE": "off"}).prefix_cache == "off"
+    with pytest.raises(SystemExit):
+        parse_settings(WorkerSettings, ["--prefix-cache", "maybe"], "microturn worker")
+    with pytest.raises(ValueError, match="prefix_cache"):
+        EngineConfig(model="tiny", prefix_cache="maybe")

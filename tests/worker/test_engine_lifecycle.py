@@ -21,8 +21,8 @@ from worker.model.loader import load_model
 
 def test_pages_return_to_the_pool_on_close(tiny: Engine) -> None:
     sids = [tiny.open_session(stop_token_ids=()) for _ in range(3)]
-    for sid in sids:
-        tiny.run_turn(sid, tokens=list(range(1, 40)), max_output_tokens=5, timeout=30)
+    for i, sid in enumerate(sids):  # each its own tokens: nothing shared (tests/worker/test_prefix_cache.py)
+        tiny.run_turn(sid, tokens=list(range(1 + 40 * i, 40 + 40 * i)), max_output_tokens=5, timeout=30)
     stats = tiny.stats()
     assert stats.sessions == 3 and stats.pages_used == 3 * 3  # 44 tokens -> 3 pages each
     for sid in sids:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from worker.attention import AttentionMetadata, TorchAttention
+from worker.attention import AttentionMetadata, TorchAttention, torch_backend
 from worker.attention.kv_pool import KVPool
 
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 16, 4
@@ -81,7 +81,7 @@ def dense(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> torc
 
 
 def page_tables(layout: str) -> list[list[int]]:
-    """Every row's page table: consecutive pages, scattered ones, or a mix of both."""
+    """Every row's page table: consecutive pages, scattered ones, a mix of both, or two runs."""
     n = len(ROWS)
     contiguous = [list(range(PAGES_PER_ROW * i, PAGES_PER_ROW * (i + 1))) for i in range(n)]
     # Out of order and interleaved with the other rows' pages.
@@ -90,13 +90,22 @@ def page_tables(layout: str) -> list[list[int]]:
         return contiguous
     if layout == "scattered":
         return scattered
+    if layout == "runs":
+        # A shared prefix's pages, then the session's own elsewhere: two runs, each read as a view.
+        return [pages[:3] + pages[4:] for pages in contiguous]
     mixed = [contiguous[i] if i % 2 == 0 else scattered[i] for i in range(n)]
     # Consecutive but for one page in the middle of the pages row 2 reads: gathered, not sliced.
     mixed[2][2] = scattered[2][2]
     return mixed
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "scattered", "mixed"])
+@pytest.fixture(autouse=True)
+def views_for_every_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These rows are short: read runs of pages as views at any length, as long rows do."""
+    monkeypatch.setattr(torch_backend, "VIEW_RUNS_MIN_KV", 0)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "scattered", "mixed", "runs"])
 def test_ragged_step_matches_dense_attention(layout: str) -> None:
     generator = torch.Generator().manual_seed(0)
     k = [torch.randn(start + n, KV_HEADS, DIM, generator=generator, dtype=torch.float64) for start, n in ROWS]
@@ -105,7 +114,7 @@ def test_ragged_step_matches_dense_attention(layout: str) -> None:
     assert torch.allclose(run(page_tables(layout), q, k, v), dense(q, k, v), atol=1e-10)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "mixed"])
+@pytest.mark.parametrize("layout", ["contiguous", "mixed", "runs"])
 def test_a_step_reads_nothing_back_from_the_device(layout: str) -> None:
     """Plan and forward on the `meta` device, whose tensors hold no data: any read of a device
     tensor to decide something on the host (a sync on CUDA) raises there."""

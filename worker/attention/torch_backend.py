@@ -3,7 +3,10 @@
 Each layer's K (and V) is [kv_heads, num_pages * page_size, dim]. A row whose pages are
 consecutive reads its keys as a view of the pool, one contiguous matrix per head, with no copy:
 the page allocator keeps sessions contiguous where it can, and decode attention then costs one
-read of the session's KV. Rows on scattered pages gather their slots first (correct, slower).
+read of the session's KV. A long row of few query tokens whose pages form a few runs (a shared
+prefix's pages, then the session's own: worker/engine/memory/prefix_cache.py) reads each run as a
+view too: its scores are computed run by run into one row, and its output is the sum of each run's
+share. Other rows on scattered pages gather their slots first (correct, slower).
 
 Short rows (decode, micro-turn appends) run as two matmuls with the query heads of a KV head
 folded into the query axis, so GQA never repeats K/V and strided views are read in place; long
@@ -24,14 +27,19 @@ from worker.attention.base import AttentionBackend, AttentionMetadata
 # Rows with at most this many query tokens take the folded-matmul path; its scores are
 # [kv_heads, group * q_len, kv_len], small for micro-turns at any context length.
 FOLDED_MAX_QUERY = 64
+# A folded row of at least VIEW_RUNS_MIN_KV positions whose pages form at most MAX_VIEW_RUNS runs
+# of consecutive pages reads them as views. Shorter rows gather: a short gather costs little, and
+# a gathered row computes bit for bit what a contiguous one does (summing run by run does not).
+MAX_VIEW_RUNS = 4
+VIEW_RUNS_MIN_KV = 512
 
 
 @dataclass(frozen=True)
 class _Row:
     first_token: int  # index of the row's first query token in the step
     q_len: int
-    # The row's KV slots: a contiguous slice of the pool, or gathered slot ids.
-    kv: slice | torch.Tensor
+    # The row's KV slots: contiguous slices of the pool in position order, or gathered slot ids.
+    kv: tuple[slice, ...] | torch.Tensor
     # Folded rows: [group * q_len, kv_len] True where a key is hidden (None for one query token).
     # SDPA rows: [q_len, kv_len] True where a key is visible (None when plain causal, q == kv).
     mask: torch.Tensor | None
@@ -67,14 +75,16 @@ class TorchAttention(AttentionBackend):
         slot_ids = [token_pages * page_size + meta.positions % page_size]  # the write slots first
         slot_count = len(meta.positions)
 
-        # Per row: a slice of the pool when its pages are consecutive, else where its gathered
-        # slot ids sit in the one device copy (start, length).
-        row_kv: list[slice | tuple[int, int]] = []
-        for i, kv_len in enumerate(meta.kv_lens):
+        # Per row: slices of the pool when its pages are consecutive (or, for a folded row, a few
+        # runs of consecutive pages), else where its gathered slot ids sit in the one device copy
+        # (start, length).
+        row_kv: list[tuple[slice, ...] | tuple[int, int]] = []
+        for i, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True)):
             pages = all_pages[page_bounds[i] : page_bounds[i + 1]]
-            first_page = pages[0]
-            if pages == list(range(first_page, first_page + len(pages))):
-                row_kv.append(slice(first_page * page_size, first_page * page_size + kv_len))
+            viewed = q_len <= FOLDED_MAX_QUERY and kv_len >= VIEW_RUNS_MIN_KV
+            runs = _runs(pages, kv_len, page_size, MAX_VIEW_RUNS if viewed else 1)
+            if runs is not None:
+                row_kv.append(runs)
             else:
                 kv_positions = torch.arange(kv_len)
                 row_pages = page_ids[page_bounds[i] : page_bounds[i + 1]]
@@ -89,7 +99,7 @@ class TorchAttention(AttentionBackend):
         rows = []
         row_starts = meta.qo_indptr[:-1].tolist()
         for first_token, q_len, kv_len, kv in zip(row_starts, meta.q_lens, meta.kv_lens, row_kv, strict=True):
-            slots = kv if isinstance(kv, slice) else on_device[kv[0] : kv[0] + kv[1]]
+            slots = kv if isinstance(kv[0], slice) else on_device[kv[0] : kv[0] + kv[1]]
             rows.append(_Row(first_token, q_len, slots, self._mask(q_len, kv_len, device)))
         self._plan = _Plan(on_device[: len(meta.positions)], tuple(rows))
 
@@ -113,11 +123,15 @@ class TorchAttention(AttentionBackend):
 
         out = torch.empty_like(q)
         for row in plan.rows:
-            if isinstance(row.kv, slice):
-                key, value = keys[:, row.kv], values[:, row.kv]
+            tokens = slice(row.first_token, row.first_token + row.q_len)
+            if isinstance(row.kv, tuple) and len(row.kv) > 1:
+                runs = [(keys[:, run], values[:, run]) for run in row.kv]
+                out[tokens] = self._folded_runs(q[tokens], runs, row.mask)
+                continue
+            if isinstance(row.kv, tuple):
+                key, value = keys[:, row.kv[0]], values[:, row.kv[0]]
             else:
                 key, value = keys.index_select(1, row.kv), values.index_select(1, row.kv)
-            tokens = slice(row.first_token, row.first_token + row.q_len)
             if row.q_len <= FOLDED_MAX_QUERY:
                 out[tokens] = self._folded(q[tokens], key, value, row.mask)
             else:
@@ -136,14 +150,53 @@ class TorchAttention(AttentionBackend):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None
     ) -> torch.Tensor:
         """query [q, heads, dim] against key/value [kv_heads, kv, dim] -> [q, heads, dim]."""
+        return self._folded_runs(query, [(key, value)], hidden)
+
+    def _folded_runs(
+        self,
+        query: torch.Tensor,
+        runs: list[tuple[torch.Tensor, torch.Tensor]],
+        hidden: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """query [q, heads, dim] against the keys/values [kv_heads, run, dim] of consecutive runs of
+        positions -> [q, heads, dim]. One softmax over all the runs' scores; no K/V is copied."""
         q_len = query.shape[0]
         group = self.num_heads // self.num_kv_heads
         # [q, kv_heads, group, dim] -> [kv_heads, group * q, dim]: rows ordered (group, query).
         folded = query.view(q_len, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
         folded = folded.reshape(self.num_kv_heads, group * q_len, self.head_dim)
-        scores = torch.matmul(folded, key.transpose(1, 2)).mul_(1.0 / math.sqrt(self.head_dim))
+        parts = [torch.matmul(folded, key.transpose(1, 2)) for key, _ in runs]
+        scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).mul_(
+            1.0 / math.sqrt(self.head_dim)
+        )
         if hidden is not None:
             scores.masked_fill_(hidden, float("-inf"))
-        attended = torch.matmul(torch.softmax(scores, dim=-1), value)
+        weights = torch.softmax(scores, dim=-1)
+        if len(runs) == 1:
+            attended = torch.matmul(weights, runs[0][1])
+        else:
+            bounds = [0]
+            for _, value in runs:
+                bounds.append(bounds[-1] + value.shape[1])
+            attended = torch.matmul(weights[..., bounds[0] : bounds[1]], runs[0][1])
+            for i, (_, value) in enumerate(runs[1:], start=1):
+                attended.add_(torch.matmul(weights[..., bounds[i] : bounds[i + 1]], value))
         attended = attended.view(self.num_kv_heads, group, q_len, self.head_dim).permute(2, 0, 1, 3)
         return attended.reshape(q_len, self.num_heads, self.head_dim)
+
+
+def _runs(pages: list[int], kv_len: int, page_size: int, most: int) -> tuple[slice, ...] | None:
+    """The pool slices of a row's first `kv_len` positions on `pages`, one per run of consecutive
+    pages; None when they form more than `most` runs."""
+    runs: list[slice] = []
+    start = 0  # the first page of the current run, as an index into `pages`
+    for i in range(1, len(pages) + 1):
+        if i < len(pages) and pages[i] == pages[i - 1] + 1:
+            continue
+        if len(runs) == most:
+            return None
+        first = pages[start] * page_size
+        length = min(i * page_size, kv_len) - start * page_size
+        runs.append(slice(first, first + length))
+        start = i
+    return tuple(runs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.settings import WEIGHT_FORMS, EngineSettings, copy_fields
+from shared.settings import ON_OFF, WEIGHT_FORMS, EngineSettings, copy_fields
 from worker.model.presets import TINY_SEED
 
 
@@ -49,5 +49,7 @@ class EngineConfig(EngineSettings):
             )
         if self.weights not in WEIGHT_FORMS:
             raise ValueError(f"weights {self.weights!r} is not one of {', '.join(WEIGHT_FORMS)}")
+        if self.prefix_cache not in ON_OFF:
+            raise ValueError(f"prefix_cache: {self.prefix_cache!r} is not one of {', '.join(ON_OFF)}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError("kv_memory_fraction must be in (0, 1]")

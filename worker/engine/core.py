@@ -30,6 +30,7 @@ from worker.engine.admission import admit
 from worker.engine.config import EngineConfig
 from worker.engine.grammar import Grammars
 from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager, MemoryStats
+from worker.engine.memory.prefix_cache import prefix_cache
 from worker.engine.memory.window import cut_before, opening_history, session_limit
 from worker.engine.model_runner import ForwardRow, ModelRunner, SampledToken
 from worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -87,8 +88,8 @@ class EngineCore:
         self.vocab_size = runner.config.vocab_size
         self.page_size = runner.page_size
         self.sessions: dict[str, Session] = {}
-        # The one owner of KV memory: both tiers, windows, eviction (worker/engine/memory/).
-        self.kv = KVManager(runner.kv_pool, host_pages, self.sessions)
+        # The one owner of KV memory: both tiers, windows, eviction, the prefix cache (worker/engine/memory/).
+        self.kv = KVManager(runner.kv_pool, host_pages, self.sessions, prefix_cache(config, self.page_size))
         # Structured output: compiled grammars, shared by every session (worker/engine/grammar.py).
         self.grammars = Grammars(tokenizer, runner.config.vocab_size)
         self.scheduler = Scheduler(
@@ -334,7 +335,7 @@ class EngineCore:
             self._refuse(session, turns, reason)
             return
         try:
-            self.kv.prepare(session, cut, len(inputs) + outputs)
+            self.kv.prepare(session, cut, inputs, outputs)
         except CapacityExhausted as error:
             self._refuse(session, turns, error)
             return

@@ -378,6 +378,12 @@ class Engine:
         """`listener(session_id, reason)` runs on the engine thread whenever a session ends."""
         self._call(lambda: self._core.close_listeners.append(listener)).result()
 
+    def name_prefix(self, name: str, tokens: Sequence[int]) -> Future[None]:
+        """Sessions open with the prefix `name` (shared/store/prefix_label.py), whose tokens are
+        `tokens`: while its pages are cached, `stats()` names it among the held prefixes."""
+        prefix = list(tokens)
+        return self._call(lambda: self._core.kv.name_prefix(name, prefix))
+
     def stats(self) -> EngineStats:
         return self._call(self._core.stats).result()
 

@@ -2,9 +2,11 @@
 
 Invariants (the engine thread is the only writer; the pages are worker/engine/memory/manager.py's):
 - `tokens[:num_cached]` have their KV in `pages`, at position p in page `pages[p // page_size]`,
-  or, while the session is parked on the host tier, in `host_pages` the same way (then `pages` is
-  empty). At most one of the two is non-empty.
+  or, while the session is parked on the host tier, in `host_pages` the same way, after the leading
+  run of shared prefix pages that stays in `pages` (often none).
 - `len(pages) * page_size >= num_cached`; pages beyond that are reserved for the active turn.
+- A leading run of `pages` may be the prefix cache's, shared with other sessions: full pages
+  wholly before `num_cached - 1`, never written by this session (worker/engine/memory/prefix_cache.py).
 - Tokens past `num_cached` are fed by the next forward: the rest of an append that did not fit
   one step, or the last sampled token, which gets its KV at the start of the next append.
 - At most one turn is `active`; `pending` turns wait in `seq` order.

@@ -46,6 +46,7 @@ def worker_info(base: WorkerInfo, engine: Engine, *, draining: bool) -> WorkerIn
         kv_tokens_free=stats.kv_tokens_free,
         kv_tokens_total=stats.kv_tokens_total,
         state="draining" if draining else "ready",
+        prefixes=stats.memory.prefix.held_prefixes if stats.memory.prefix is not None else (),
     )
 
 

@@ -56,6 +56,11 @@ class WorkerMetrics:
             "device": (memory.device_pages_used, memory.device_pages_total),
             "host": (memory.host_pages_used, memory.host_pages_total),
         }
+        prefix = memory.prefix
+        if prefix is not None:  # the prefix cache is on (worker/engine/memory/prefix_cache.py)
+            gauges["microturn_worker_prefix_cache_cached_pages"] = prefix.cached_pages
+            gauges["microturn_worker_prefix_cache_shared_pages"] = prefix.shared_pages
+            gauges["microturn_worker_prefix_cache_shared_references"] = prefix.shared_references
         lines = []
         for name, value in gauges.items():
             lines += [f"# TYPE {name} gauge", f"{name} {value}"]
@@ -81,6 +86,10 @@ class WorkerMetrics:
             "microturn_worker_kv_recomputes_total": memory.recomputes,
             "microturn_worker_kv_recomputed_tokens_total": memory.recomputed_tokens,
         }
+        if prefix is not None:
+            counters["microturn_worker_prefix_cache_hits_total"] = prefix.hits
+            counters["microturn_worker_prefix_cache_misses_total"] = prefix.misses
+            counters["microturn_worker_prefix_cache_tokens_reused_total"] = prefix.tokens_reused
         for name, total in counters.items():
             lines += [f"# TYPE {name} counter", f"{name} {total}"]
         for name, index in (

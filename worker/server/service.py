@@ -35,6 +35,7 @@ from shared.protocol.link import (
 from shared.protocol.messages import CloseReason, InputChunk, OutputDelta, OutputDone, Timing
 from shared.settings import WorkerSettings
 from shared.store.log_format import NO_SEQ, encode_log_record
+from shared.store.prefix_label import prefix_label
 from shared.store.schema import KeySchema
 from shared.store.values import now_ms
 from worker.engine import Engine, TokenDelta, TurnResult
@@ -170,6 +171,9 @@ class WorkerService:
             self.token_log.drop(sid)
             self._send_error(link, sid, error, fatal=True)
             return
+        if config.keep_prefix_text is not None and rules.prefix:
+            # Placement prefers a worker that names this prefix while its pages are cached here.
+            self.engine.name_prefix(prefix_label(config.keep_prefix_text), rules.prefix)
         future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._opened, session, f))
 
     def _opened(self, binding: WorkerSession, future: Future[str]) -> None:

@@ -22,6 +22,7 @@ from shared.errors import CapacityExhausted
 from shared.store.log_format import NO_SEQ, LogState, decode_tokens, encode_tokens
 from shared.store.models import ModelCard, read_model, served_models, write_model
 from shared.store.placement import place_script_source, place_session
+from shared.store.prefix_label import prefix_label
 from shared.store.registry import (
     Placement,
     SessionRecord,
@@ -426,5 +427,27 @@ def test_placement_with_a_model_picks_only_its_workers(server_url: str, schema: 
         await write_model(r, schema, ModelCard("mine", "{{ messages }}", "", "<e>", (7, 9)))
         assert await read_model(r, schema, "mine") == ModelCard("mine", "{{ messages }}", "", "<e>", (7, 9))
         assert await read_model(r, schema, "absent") is None
+
+    run(server_url, body)
+
+
+def test_placement_prefers_a_worker_with_room_that_holds_the_prefix(
+    server_url: str, schema: KeySchema
+) -> None:
+    async def body(r: Redis) -> None:
+        label = prefix_label("You are the booking assistant of Example Air.")
+        await register_worker(r, schema, worker("idle"), LONG_TTL_S)
+        holder = dataclasses.replace(worker("holder", sessions=8), prefixes=("0123456789abcdef", label))
+        await register_worker(r, schema, holder, LONG_TTL_S)
+        assert (await read_worker(r, schema, "holder")) == holder  # published and read back whole
+        # The holder is busier, but has room: the session maps the prefix there.
+        assert (await place_session(r, schema, prefix=label)).worker_id == "holder"
+        # Without a prefix, or with one nobody holds, the load rule alone decides.
+        assert (await place_session(r, schema)).worker_id == "idle"
+        assert (await place_session(r, schema, prefix=prefix_label("another app"))).worker_id == "idle"
+        # Full now (10 of 10): never overloaded for its prefix.
+        assert await hash_sessions(r, schema, "holder") == 9
+        assert (await place_session(r, schema, prefix=label)).worker_id == "holder"
+        assert (await place_session(r, schema, prefix=label)).worker_id == "idle"
 
     run(server_url, body)

@@ -7,7 +7,9 @@ answers with pages or a typed, retryable `CapacityExhausted` having changed noth
 A session's KV lives in one place at a time:
 - on the device: `session.pages` cover its first `num_cached` tokens (and the active turn's room);
 - on the host: `session.host_pages` hold the pages that covered its first `num_cached` tokens,
-  copied whole (worker/engine/memory/page_copy.py); the device pages went back to the pool;
+  copied whole (worker/engine/memory/page_copy.py); the device pages went back to the pool, but
+  for a leading run of prefix-cache pages other sessions hold too, which stay in `session.pages`
+  (shared, not copied once per session; pressure copies them too only when nothing else is left);
 - nowhere: `num_cached` is 0 and its next append recomputes its history from its tokens.
 
 Pressure policy. When an append needs more device pages than are free, idle sessions (no turn
@@ -17,12 +19,24 @@ otherwise is its KV dropped. A session on the host is copied back when its next 
 (`prefetch`, if pages are free) or at the latest when its append is prepared. No deadlock by
 construction: a busy session never waits for another to let go; whatever idle sessions hold can
 always be taken (parked or dropped), and when that is not enough the chunk is refused.
+
+Prefix cache (`prefix_cache.py`, when on). An append that starts with no KV anywhere (a session's
+first, or the recompute after its KV was dropped or lost: a restore, a warm copy) maps the longest
+chain of cached full pages its tokens begin with, and computes only the rest; when its turn ends,
+the full pages it computed are indexed for the sessions after it. No other append hashes or looks
+anything up. A shared page is referenced, never copied; the last page an append writes in (the
+one holding its last token) is never mapped, and a page is indexed only once it lies wholly before
+the session's last cached token, so no holder ever writes into an indexed page (a cut that would
+write into one gives it up and recomputes that page's tokens). Under pressure the cache's pages
+no session holds go first (least recently let go), before idle sessions are parked; a page any
+session holds is only ever let go of by its holders.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,6 +47,7 @@ from worker.attention.kv_pool import KVPool
 from worker.engine.memory.kv_transfer import KVExport, gather, page_shape, scatter, staging
 from worker.engine.memory.page_allocator import PageAllocator
 from worker.engine.memory.page_copy import CopyCounter, HostKVPool, PageCopier
+from worker.engine.memory.prefix_cache import PrefixCache, PrefixStats
 from worker.engine.session import Session
 
 logger = logging.getLogger(__name__)
@@ -46,6 +61,8 @@ class MemoryStats:
     """What the owner reports (`EngineStats`, the worker's /metrics)."""
 
     device_pages_total: int
+    # Pages sessions hold. The prefix cache's pages no session holds count as free: they are the
+    # first to go when an append needs them.
     device_pages_used: int
     host_pages_total: int
     host_pages_used: int
@@ -55,6 +72,8 @@ class MemoryStats:
     drops: int
     recomputes: int
     recomputed_tokens: int
+    # The prefix cache (None: off).
+    prefix: PrefixStats | None = None
 
 
 def _pages(tokens: int, page_size: int) -> int:
@@ -62,7 +81,13 @@ def _pages(tokens: int, page_size: int) -> int:
 
 
 class KVManager:
-    def __init__(self, device_pool: KVPool, host_pages: int, sessions: Mapping[str, Session]) -> None:
+    def __init__(
+        self,
+        device_pool: KVPool,
+        host_pages: int,
+        sessions: Mapping[str, Session],
+        prefix: PrefixCache | None = None,
+    ) -> None:
         self.page_size = device_pool.page_size
         self.device = PageAllocator(device_pool.num_pages)
         self.host: PageAllocator | None = None
@@ -81,24 +106,32 @@ class KVManager:
         self.drops = 0
         self.recomputes = 0
         self.recomputed_tokens = 0
+        self.prefix = prefix
+        # Sessions whose append started with no KV and whose turn has not ended: the keys of the
+        # full pages that append covers, and how many of them it mapped from the cache.
+        self._to_index: dict[str, tuple[list[bytes], int]] = {}
 
     # ---- the core's questions -------------------------------------------------------------------
 
-    def prepare(self, session: Session, cut: Cut | None, grows_by: int) -> None:
-        """Get `session` ready to append `grows_by` tokens (inputs and the outputs it may ask for):
-        apply `cut` to its window (the prefix's KV stays), bring its KV back from the host, and
-        reserve device pages for all of it. Raises `CapacityExhausted` having changed nothing."""
-        on_host = bool(session.host_pages)
+    def prepare(self, session: Session, cut: Cut | None, inputs: Sequence[int], outputs: int) -> None:
+        """Get `session` ready to append `inputs` and up to `outputs` sampled tokens: apply `cut` to
+        its window (the prefix's KV stays), bring its KV back from the host, map what the prefix
+        cache holds of it, and reserve device pages for all of it. Raises `CapacityExhausted` having
+        changed nothing."""
+        grows_by = len(inputs) + outputs
         length = len(session.tokens) if cut is None else cut.keep + cut.recent
         cached = session.num_cached if cut is None else min(session.num_cached, cut.keep)
         if cut is not None:
-            kept = _pages(cached, self.page_size)
+            kept, cached = self._kept_by_cut(session, cut, cached, refeeds=not inputs and bool(outputs))
         else:
-            kept = len(session.host_pages) if on_host else len(session.pages)
-        device_kept = 0 if on_host else kept
-        fresh = max(_pages(length + grows_by, self.page_size) - device_kept, 0)
-        released = 0 if on_host else len(session.pages) - kept
-        available = self.device.num_free + released + self._evictable(session)
+            kept = len(session.pages) + len(session.host_pages)
+        device_kept = min(kept, len(session.pages))
+        keys, mapped = self._look_up(session, cut, inputs)
+        fresh = max(_pages(length + grows_by, self.page_size) - device_kept - len(mapped), 0)
+        released = self._freed_by_letting_go(session.pages[kept:])
+        available = self.device.num_free + released
+        if fresh > available:
+            available += self._takeable(session, mapped)
         if fresh > available:
             raise CapacityExhausted(
                 f"KV pool full: {fresh} pages needed, {available} free or held by idle sessions",
@@ -107,6 +140,8 @@ class KVManager:
         # Nothing below can fail: the pages are there.
         if cut is not None:
             self._cut(session, cut, kept, cached)
+        if keys:
+            self._map(session, keys, mapped)
         if session.recompute and len(session.tokens) > session.num_cached:
             self.recomputes += 1
             self.recomputed_tokens += len(session.tokens) - session.num_cached
@@ -114,8 +149,7 @@ class KVManager:
         if fresh > self.device.num_free:
             self._evict(fresh, keep=session)
         if session.host_pages:
-            self._restore(session)
-            fresh -= len(session.pages)
+            fresh -= self._restore(session)
         last = session.pages[-1] if session.pages else None
         session.pages.extend(self.device.allocate(fresh, after=last))
 
@@ -129,12 +163,17 @@ class KVManager:
         """A turn ended: give back the pages reserved for outputs it did not produce."""
         needed = _pages(len(session.tokens), self.page_size)
         if len(session.pages) > needed:
-            self.device.free(session.pages[needed:])
+            self._let_go(session.pages[needed:])
             del session.pages[needed:]
+        if self._to_index:
+            indexing = self._to_index.pop(session.session_id, None)
+            if indexing is not None:
+                self._index(session, *indexing)
 
     def release(self, session: Session) -> None:
-        """The session ended: every page it held, in either tier, is free."""
-        self.device.free(session.pages)
+        """The session ended: every page it held, in either tier, is free (or cache, if indexed)."""
+        self._to_index.pop(session.session_id, None)
+        self._let_go(session.pages)
         if self.host is not None:
             self.host.free(session.host_pages)
         session.pages, session.host_pages, session.num_cached = [], [], 0
@@ -145,12 +184,18 @@ class KVManager:
         self.release(session)
         session.recompute = True
 
+    def name_prefix(self, name: str, tokens: Sequence[int]) -> None:
+        """Sessions open with the prefix `name`, of these tokens (published to placement while cached)."""
+        if self.prefix is not None:
+            self.prefix.name(name, tokens)
+
     def stats(self) -> MemoryStats:
         if self.copier is not None:
             self.copier.settle()
         return MemoryStats(
             device_pages_total=self.device.num_pages,
-            device_pages_used=self.device.num_used,
+            device_pages_used=self.device.num_used
+            - (self.prefix.evictable if self.prefix is not None else 0),
             host_pages_total=self.host.num_pages if self.host is not None else 0,
             host_pages_used=self.host.num_used if self.host is not None else 0,
             # Copies: a snapshot, not the copier's live counters (a before/after difference works).
@@ -159,47 +204,161 @@ class KVManager:
             drops=self.drops,
             recomputes=self.recomputes,
             recomputed_tokens=self.recomputed_tokens,
+            prefix=self.prefix.stats() if self.prefix is not None else None,
         )
 
     # ---- internals ------------------------------------------------------------------------------
 
     def _cut(self, session: Session, cut: Cut, kept: int, cached: int) -> None:
         """Apply `cut`: the first `kept` pages (the prefix's KV) stay where they are."""
+        on_device = len(session.pages)
         if session.host_pages:
             assert self.host is not None
-            self.host.free(session.host_pages[kept:])
-            del session.host_pages[kept:]
-        else:
-            self.device.free(session.pages[kept:])
-            del session.pages[kept:]
+            self.host.free(session.host_pages[max(kept - on_device, 0) :])
+            del session.host_pages[max(kept - on_device, 0) :]
+        self._let_go(session.pages[kept:])
+        del session.pages[kept:]
         session.num_cached = cached
         session.tokens = cut.apply(session.tokens)
 
-    def _evictable(self, keep: Session) -> int:
-        return sum(len(s.pages) for s in self.sessions.values() if s is not keep and not s.is_busy)
+    def _takeable(self, keep: Session, mapped: Sequence[int]) -> int:
+        """Device pages pressure can free for `keep`'s append, which will hold `mapped`: the cache's
+        pages no session holds, and the pages only idle sessions hold (parked or dropped, they let
+        go of them)."""
+        held = set(mapped)
+        takeable = self.prefix.evictable - sum(map(self.prefix.is_idle, held)) if self.prefix else 0
+        idle_refs: Counter[int] = Counter()
+        for session in self.sessions.values():
+            if session is keep or session.is_busy:
+                continue
+            for page in session.pages:
+                if self.prefix is not None and self.prefix.is_indexed(page):
+                    idle_refs[page] += 1
+                else:
+                    takeable += 1
+        if self.prefix is not None:
+            takeable += sum(
+                1 for page, refs in idle_refs.items() if page not in held and self.prefix.refs(page) == refs
+            )
+        return takeable
 
     def _evict(self, free_wanted: int, *, keep: Session) -> None:
-        """Park or drop idle sessions, least recently active first, until `free_wanted` pages are free."""
-        idle = sorted(
-            (s for s in self.sessions.values() if s is not keep and not s.is_busy and s.pages),
-            key=lambda s: s.last_activity,
-        )
-        for session in idle:
-            if self.device.num_free >= free_wanted:
-                return
-            self._park(session)
+        """Take the cache's unheld pages, then park or drop idle sessions, least recently active
+        first, until `free_wanted` pages are free."""
+        self._evict_cache(free_wanted)
+        # First each idle session's own pages (the shared pages others hold stay), then, if that
+        # was not enough, the shared pages idle sessions still hold: all that can always be taken.
+        for keep_shared in (True, False):
+            idle = sorted(
+                (s for s in self.sessions.values() if s is not keep and not s.is_busy and s.pages),
+                key=lambda s: s.last_activity,
+            )
+            for session in idle:
+                if self.device.num_free >= free_wanted:
+                    return
+                self._park(session, keep_shared=keep_shared)
+                self._evict_cache(free_wanted)
 
-    def _park(self, session: Session) -> None:
-        pages = _pages(session.num_cached, self.page_size)
-        if pages and self._host_room(pages, session):
+    def _evict_cache(self, free_wanted: int) -> None:
+        if self.prefix is not None and self.device.num_free < free_wanted:
+            self.device.free(self.prefix.evict(free_wanted - self.device.num_free))
+
+    # ---- the prefix cache -----------------------------------------------------------------------
+
+    def _look_up(
+        self, session: Session, cut: Cut | None, inputs: Sequence[int]
+    ) -> tuple[list[bytes], list[int]]:
+        """For an append that starts with no KV: the keys of the full pages it covers (all but the
+        page of its last token, which it must feed) and the cached pages it can map. Otherwise none."""
+        if self.prefix is None or session.num_cached or session.pages or session.host_pages:
+            return [], []
+        history = session.tokens if cut is None else cut.apply(session.tokens)
+        sequence = [*history, *inputs]
+        keys = self.prefix.chain(sequence, (len(sequence) - 1) // self.page_size)
+        return keys, self.prefix.lookup(keys)
+
+    def _map(self, session: Session, keys: list[bytes], mapped: list[int]) -> None:
+        """The append starts from the cached pages; its other full pages are indexed when its turn ends."""
+        assert self.prefix is not None
+        self.prefix.hold(mapped)
+        session.pages = list(mapped)
+        session.num_cached = len(mapped) * self.page_size
+        if len(keys) > len(mapped):
+            self._to_index[session.session_id] = (keys, len(mapped))
+
+    def _index(self, session: Session, keys: list[bytes], start: int) -> None:
+        """The turn that computed these pages ended: index those wholly before its last cached token."""
+        assert self.prefix is not None
+        written = min(len(keys), (session.num_cached - 1) // self.page_size, len(session.pages))
+        for i in range(start, written):
+            if not self.prefix.insert(keys[i], session.pages[i]):
+                return  # computed twice at once: the other copy is the cached one from here on
+
+    def _kept_by_cut(self, session: Session, cut: Cut, cached: int, *, refeeds: bool) -> tuple[int, int]:
+        """The pages a cut keeps and the tokens they hold: the prefix's, less the last one if it is
+        indexed and the session would write into it after the cut (at `cached`, or at `cached - 1`
+        when the turn re-feeds the last token for its logits: no input and nothing left to feed)."""
+        kept = _pages(cached, self.page_size)
+        if self.prefix is None or not kept or kept > len(session.pages):  # host pages are never indexed
+            return kept, cached
+        writes_from = cached - 1 if refeeds and cut.recent == 0 and cached == cut.keep else cached
+        if self.prefix.is_indexed(session.pages[kept - 1]) and kept * self.page_size > writes_from:
+            kept -= 1
+            cached = kept * self.page_size  # the tokens after it are fed again, into a page of its own
+        return kept, cached
+
+    def _freed_by_letting_go(self, pages: Sequence[int]) -> int:
+        """How many of `pages` become free or evictable cache when a session lets go of them."""
+        if self.prefix is None:
+            return len(pages)
+        return sum(1 for page in pages if not self.prefix.is_indexed(page) or self.prefix.refs(page) == 1)
+
+    def _let_go(self, pages: Sequence[int]) -> None:
+        """A session's table drops `pages`: its own are freed, indexed ones stay as cache (a chain's
+        last pages first in line for eviction)."""
+        if self.prefix is None:
+            self.device.free(pages)
+            return
+        self.device.free([page for page in reversed(pages) if not self.prefix.let_go(page)])
+
+    def _park(self, session: Session, *, keep_shared: bool) -> None:
+        """Copy the session's KV to the host and let go of its device pages; with `keep_shared`,
+        a leading run of cached pages that other sessions hold too stays (nothing to gain there)."""
+        pages = _pages(session.num_cached, self.page_size) - len(session.host_pages)
+        shared = self._shared_run(session.pages[:pages]) if keep_shared else 0
+        if session.host_pages and shared == len(session.pages):
+            return  # parked already, but for pages others hold
+        moving = session.pages[shared:pages]
+        if not moving:
+            self._let_go(session.pages[shared:])
+            del session.pages[shared:]
+            return
+        if self._host_room(len(moving), session):
             assert self.host is not None and self.copier is not None
-            host_pages = self.host.allocate(pages)
-            self.copier.to_host(session.pages[:pages], host_pages)
-            self.device.free(session.pages)
-            session.pages, session.host_pages = [], host_pages
-            logger.debug("parked the KV of idle session %s on the host (%d pages)", session.session_id, pages)
+            host_pages = self.host.allocate(len(moving))
+            self.copier.to_host(moving, host_pages)
+            self._let_go(session.pages[shared:])
+            session.pages = session.pages[:shared]
+            session.host_pages = host_pages + session.host_pages
+            logger.debug(
+                "parked the KV of idle session %s on the host (%d pages, %d shared stay)",
+                session.session_id,
+                len(moving),
+                shared,
+            )
             return
         self._drop(session, "its next chunk recomputes it")
+
+    def _shared_run(self, pages: Sequence[int]) -> int:
+        """How many leading `pages` are cached pages another session holds too."""
+        if self.prefix is None:
+            return 0
+        run = 0
+        for page in pages:
+            if not self.prefix.is_indexed(page) or self.prefix.refs(page) < 2:
+                break
+            run += 1
+        return run
 
     def _drop(self, session: Session, why: str) -> None:
         """Pressure took an idle session's KV (device or host): counted, and recomputed when needed."""
@@ -218,7 +377,10 @@ class KVManager:
             (
                 s
                 for s in self.sessions.values()
-                if s.host_pages and not s.is_busy and s.last_activity <= for_session.last_activity
+                if s.host_pages
+                and s is not for_session
+                and not s.is_busy
+                and s.last_activity <= for_session.last_activity
             ),
             key=lambda s: s.last_activity,
         )
@@ -230,12 +392,16 @@ class KVManager:
             self._drop(session, "room on the host for a newer one")
         return True
 
-    def _restore(self, session: Session) -> None:
+    def _restore(self, session: Session) -> int:
+        """Copy the session's host pages back after the device pages it kept; how many there were."""
         assert self.host is not None and self.copier is not None
-        pages = self.device.allocate(len(session.host_pages))
+        count = len(session.host_pages)
+        pages = self.device.allocate(count, after=session.pages[-1] if session.pages else None)
         self.copier.to_device(session.host_pages, pages)
         self.host.free(session.host_pages)
-        session.pages, session.host_pages = pages, []
+        session.pages.extend(pages)
+        session.host_pages = []
+        return count
 
     # ---- a drain's copy: KV that leaves for another worker, or arrives from one -----------------
 

@@ -1,7 +1,8 @@
 """Hands out KV page ids from a fixed pool. Pure Python, no torch: the memory is `worker.attention.kv_pool`.
 
-Invariant: every page id is either free or owned by exactly one session's page table. `allocate` is
-all-or-nothing, so a failed request leaves the pool untouched.
+Invariant: every page id is either free or owned: by exactly one session's page table, or by the
+prefix cache, which indexes it for any number of sessions' tables to hold and counts them
+(prefix_cache.py). `allocate` is all-or-nothing, so a failed request leaves the pool untouched.
 
 Placement keeps sessions contiguous where it can: a session grows into the pages right after its
 last one when they are free, and a new run starts in the middle of the largest free gap, so the

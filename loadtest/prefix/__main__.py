@@ -1,0 +1,3 @@
+from loadtest.prefix.runner import main
+
+raise SystemExit(main())
