@@ -26,12 +26,19 @@ if TYPE_CHECKING:  # the engine is imported in the subprocess only, never by the
 INSTRUCTIONS: Final = "You are a helpful assistant. Answer briefly."
 TURNS: Final = ["What is the capital of France?", "And of Italy?"]
 STORY: Final = "Write a long story about a dragon who learns to bake bread."
-# The conversations of the OpenAI tests, by name: test_openai.py's two turns and its story, and the
-# same two turns with the shorter replies test_openai_sdks.py asks for.
+# Long enough to fill several KV pages once the chat template renders it as the system message
+# (test_openai_prefix.py: two conversations share its pages).
+PREFIX_INSTRUCTIONS: Final = " ".join(
+    f"Rule {i}: be brief, be exact, and name the country of every city you mention." for i in range(12)
+)
+# The conversations of the OpenAI tests, by name: test_openai.py's two turns and its story, the
+# same two turns with the shorter replies test_openai_sdks.py asks for, and with the long
+# instructions test_openai_prefix.py shares between two conversations.
 PLANS: Final[dict[str, dict[str, Any]]] = {
     "turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 24},
     "story": {"instructions": None, "turns": [STORY], "max_output_tokens": 48},
     "sdk_turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 12},
+    "prefix_turns": {"instructions": PREFIX_INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 24},
 }
 
 

@@ -9,8 +9,6 @@ and the second must have mapped the instructions' pages the first computed (the 
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,38 +18,21 @@ from redis.asyncio import Redis
 from gateway.auth.api_keys import KeyStore
 from tests.conftest import Servers
 from tests.processes import http_get
-from tests.system.gateway import openai_reference
+from tests.system.gateway.conftest import OPENAI_GATEWAY_FLAGS, OPENAI_WORKER_FLAGS
+from tests.system.gateway.openai_reference import PLANS, PREFIX_INSTRUCTIONS, TURNS, PendingReferences
 from tests.system.gateway.stack import Stack
-from tests.system.gateway.test_openai import (
-    GATEWAY_FLAGS,
-    MAX_TOKENS,
-    MODEL,
-    TURNS,
-    WORKER_FLAGS,
-    base_url,
-    new_key,
-    respond,
-    run,
-    until,
-    user,
-)
+from tests.system.gateway.test_openai import MODEL, base_url, new_key, respond, run, until, user
 
-# Long enough to fill several pages once the chat template renders it as the system message.
-INSTRUCTIONS = " ".join(
-    f"Rule {i}: be brief, be exact, and name the country of every city you mention." for i in range(12)
-)
+PLAN = "prefix_turns"  # openai_reference.PLANS: these instructions, test_openai's two turns
+MAX_TOKENS = PLANS[PLAN]["max_output_tokens"]
 
 
 @pytest.fixture(scope="module")
-def reference() -> Iterator[subprocess.Popen[str]]:
-    yield openai_reference.start(
-        {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": MAX_TOKENS}
+def stack(servers: Servers, openai_references: PendingReferences) -> Stack:
+    # One worker, so both conversations land where the first one's pages are cached.
+    return servers.stack(
+        workers=1, gateways=1, worker_flags=OPENAI_WORKER_FLAGS, gateway_flags=OPENAI_GATEWAY_FLAGS
     )
-
-
-@pytest.fixture(scope="module")
-def stack(servers: Servers, reference: subprocess.Popen[str]) -> Stack:
-    return servers.stack(workers=1, gateways=1, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS)
 
 
 def prefix_metric(stack: Stack, name: str) -> float:
@@ -62,14 +43,18 @@ def prefix_metric(stack: Stack, name: str) -> float:
 
 
 def test_two_conversations_with_the_same_instructions_share_them_and_stay_exact(
-    stack: Stack, reference: subprocess.Popen[str]
+    stack: Stack, openai_references: PendingReferences
 ) -> None:
     async def conversation(keys: KeyStore, redis: Redis) -> list[str]:
         client = AsyncOpenAI(base_url=base_url(stack), api_key=await new_key(keys))
         async with client.realtime.connect(model=MODEL) as conn:
             assert (await conn.recv()).type == "session.created"
             await conn.session.update(
-                session={"type": "realtime", "instructions": INSTRUCTIONS, "output_modalities": ["text"]}
+                session={
+                    "type": "realtime",
+                    "instructions": PREFIX_INSTRUCTIONS,
+                    "output_modalities": ["text"],
+                }
             )
             await until(conn, "session.updated")
             texts = []
@@ -85,7 +70,7 @@ def test_two_conversations_with_the_same_instructions_share_them_and_stay_exact(
         prefix_metric(stack, f"microturn_worker_prefix_cache_{n}_total") for n in ("hits", "tokens_reused")
     )
     second: list[Any] = run(stack, conversation)
-    want = openai_reference.result(reference)
+    want = openai_references.result(PLAN)
     assert first == want["texts"] and second == want["texts"]
     assert prefix_metric(stack, "microturn_worker_prefix_cache_hits_total") == hits + 1
     # The instructions rendered as the system message span several full pages, all mapped.
