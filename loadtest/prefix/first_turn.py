@@ -35,7 +35,7 @@ def engines(model: str, prefix: int, sessions: int, shape: TurnShape) -> tuple[E
         "kv_tokens": pool_tokens((prefix + 4 * shape.grows_by) * sessions),
         "host_kv_tokens": 0,
         "max_chunk_tokens": chunk,
-        "max_queued_tokens": chunk,
+        "max_pending_tokens": chunk,
     }
     return Engine.load(model, prefix_cache="on", **options), Engine.load(model, prefix_cache="off", **options)
 

@@ -65,7 +65,7 @@ def run_pages(model: str, config: PagesConfig) -> dict[str, Any]:
         options: dict[str, Any] = {
             "host_kv_tokens": 0,
             "max_chunk_tokens": per_session,
-            "max_queued_tokens": per_session,
+            "max_pending_tokens": per_session,
         }
         with Engine.load(
             model, kv_tokens=per_session * (config.sessions + 1), prefix_cache="on", **options
