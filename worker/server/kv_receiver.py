@@ -17,7 +17,6 @@ no `warm` claimed is discarded `WARM_GRACE_S` after its stream closed.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import zlib
@@ -29,7 +28,7 @@ import torch
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from shared.errors import CapacityExhausted, InvalidMessage, MicroturnError
-from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION, CLOSE_TRY_AGAIN_LATER
+from shared.protocol.close_codes import CLOSE_POLICY_VIOLATION
 from shared.protocol.kv_copy import (
     FallbackReason,
     KVHeader,
@@ -39,10 +38,10 @@ from shared.protocol.kv_copy import (
     decode_kv,
     encode_kv,
 )
-from shared.protocol.link import LINK_SECRET_HEADER
 from shared.settings import WorkerSettings
 from shared.store.schema import KeySchema
 from worker.engine import Engine, torch_dtype
+from worker.server.link import refused
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import plan_restore
 from worker.server.sessions import WorkerSession, WorkerSessions
@@ -217,14 +216,11 @@ class KVCopyAcceptor:
         self.host = host
 
     async def accept(self, websocket: WebSocket) -> None:
-        secret = self.host.link_secret
-        offered = websocket.headers.get(LINK_SECRET_HEADER, "")
-        if secret and not hmac.compare_digest(offered.encode(), secret.encode()):
-            await websocket.close(code=CLOSE_POLICY_VIOLATION)
-            return
         service = self.host.copy_service
-        if service is None or self.host.draining.is_set():
-            await websocket.close(code=CLOSE_TRY_AGAIN_LATER)
+        if await refused(
+            websocket, self.host.link_secret, serving=service is not None, draining=self.host.draining
+        ):
             return
+        assert service is not None
         await websocket.accept()
         await KVReceiver(websocket, service).serve()

@@ -125,14 +125,27 @@ class LinkAcceptor:
         self.host = host
 
     async def accept(self, websocket: WebSocket) -> None:
-        secret = self.host.link_secret
-        offered = websocket.headers.get(LINK_SECRET_HEADER, "")
-        if secret and not hmac.compare_digest(offered.encode(), secret.encode()):
-            await websocket.close(code=CLOSE_POLICY_VIOLATION)
-            return
         service = self.host.service
-        if service is None or self.host.draining.is_set():
-            await websocket.close(code=CLOSE_TRY_AGAIN_LATER)
+        if await refused(
+            websocket, self.host.link_secret, serving=service is not None, draining=self.host.draining
+        ):
             return
+        assert service is not None
         await websocket.accept()
         await LinkConnection(websocket, service).serve()
+
+
+async def refused(
+    websocket: WebSocket, secret: str | None, *, serving: bool, draining: asyncio.Event
+) -> bool:
+    """The rule every worker-to-worker and gateway-to-worker route admits a socket by (`/v1/link`,
+    and the KV copies' `/v1/kv`): the link secret, when one is set, else a policy-violation close;
+    a worker not serving yet or draining, a try-again-later close. True when it closed the socket."""
+    offered = websocket.headers.get(LINK_SECRET_HEADER, "")
+    if secret and not hmac.compare_digest(offered.encode(), secret.encode()):
+        await websocket.close(code=CLOSE_POLICY_VIOLATION)
+        return True
+    if not serving or draining.is_set():
+        await websocket.close(code=CLOSE_TRY_AGAIN_LATER)
+        return True
+    return False
