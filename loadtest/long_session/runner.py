@@ -67,8 +67,20 @@ def run(config: LongSessionConfig, json_path: Path | None = None) -> dict[str, A
         "open": lambda: run_open(config.model, config.open),
         "soak": lambda: run_soak(config.soak),
     }
-    report: dict[str, Any] = {"model": config.model, "machine": machine(), "scenarios": {}}
-    for name in config.scenarios:
+    return run_scenarios(config.model, config.scenarios, runners, json_path)
+
+
+def run_scenarios(
+    model: str,
+    chosen: Sequence[str],
+    runners: Mapping[str, Callable[[], dict[str, Any]]],
+    json_path: Path | None,
+) -> dict[str, Any]:
+    """Run the `chosen` scenarios in order: the report (the model, the machine, each scenario's
+    figures and wall time), written to `json_path` after each scenario, so a long run stopped
+    part-way keeps what it measured. Every benchmark with scenarios (this one, loadtest/prefix/)."""
+    report: dict[str, Any] = {"model": model, "machine": machine(), "scenarios": {}}
+    for name in chosen:
         began = time.monotonic()
         result = runners[name]()
         result["wall_s"] = time.monotonic() - began

@@ -11,19 +11,17 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loadtest.long_session.common import TurnShape
-from loadtest.long_session.runner import machine, table
+from loadtest.long_session.runner import run_scenarios, table
 from loadtest.prefix.first_turn import FirstTurnConfig, run_first_turn
 from loadtest.prefix.hot_path import HotPathConfig, run_hot_path
 from loadtest.prefix.pages import PagesConfig, run_pages
 from loadtest.prefix.placement import PlacementConfig, run_placement
-from loadtest.report_files import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +46,7 @@ def run(config: PrefixBenchConfig, json_path: Path | None = None) -> dict[str, A
         "hot_path": lambda: run_hot_path(config.model, config.hot_path),
         "placement": lambda: run_placement(config.placement),
     }
-    report: dict[str, Any] = {"model": config.model, "machine": machine(), "scenarios": {}}
-    for name in config.scenarios:
-        began = time.monotonic()
-        result = runners[name]()
-        result["wall_s"] = time.monotonic() - began
-        report["scenarios"][name] = result
-        logger.info("%s done in %.0f s", name, result["wall_s"])
-        if json_path is not None:
-            write_json(report, json_path)
-    return report
+    return run_scenarios(config.model, config.scenarios, runners, json_path)
 
 
 def _ints(text: str) -> tuple[int, ...]:
