@@ -21,6 +21,7 @@ from gateway.openai.session_config import (
     read_max_output_tokens,
     text_only,
 )
+from gateway.openai.tools import ToolChoice, parse_tool_choice
 
 Role = Literal["user", "system", "assistant"]
 ROLES: Final = ("user", "system", "assistant")
@@ -37,7 +38,8 @@ MAX_EVENT_ID_CHARS: Final = 512
 class NewItem:
     item_id: str | None
     role: Role
-    text: str
+    text: str  # a message's text; a call output's `output`
+    call_id: str | None = None  # set: a `function_call_output` item (tools.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,7 @@ class ResponseCreate:
     event_id: str | None
     max_output_tokens: int | None = None  # None: the session's
     metadata: Mapping[str, str] | None = None
+    tool_choice: ToolChoice | None = None  # None: the session's
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +170,13 @@ def _item_create(r: _Reader) -> ItemCreate:
     if item is None:
         raise r.bad("missing item", "item", "missing_required_parameter")
     kind = item.get("type", "message")
+    if kind == "function_call_output":
+        return _call_output(r, item)
     if kind != "message":
         raise r.bad(
-            f"item.type {str(kind)[:64]!r}: only message items are served", "item.type", "unsupported_value"
+            f"item.type {str(kind)[:64]!r}: only message and function_call_output items are served",
+            "item.type",
+            "unsupported_value",
         )
     role = item.get("role")
     if role not in ROLES:
@@ -190,16 +197,32 @@ def _item_create(r: _Reader) -> ItemCreate:
                 "unsupported_value",
             )
         texts.append(r.req_str(part, "text", f"{param}.text"))
+    previous = r.opt_str(r.obj, "previous_item_id")
+    return ItemCreate(r.event_id, NewItem(_item_id(r, item), role, "".join(texts)), previous)
+
+
+def _item_id(r: _Reader, item: Mapping[str, object]) -> str | None:
     item_id = r.opt_str(item, "id", "item.id")
     if item_id is not None and not 1 <= len(item_id) <= 64:
         raise r.bad("item.id must have 1 to 64 characters", "item.id")
+    return item_id
+
+
+def _call_output(r: _Reader, item: Mapping[str, object]) -> ItemCreate:
+    """A tool call's output, which the client ran (tools.py): joins as the call's answer."""
+    unknown = set(item) - {"type", "id", "object", "status", "call_id", "output"}
+    if unknown:
+        name = sorted(unknown)[0][:64]
+        raise r.bad(f"unknown function_call_output field {name!r}", "item", "unknown_parameter")
+    call_id = r.req_str(item, "call_id", "item.call_id")
+    output = r.req_str(item, "output", "item.output")
     previous = r.opt_str(r.obj, "previous_item_id")
-    return ItemCreate(r.event_id, NewItem(item_id, role, "".join(texts)), previous)
+    return ItemCreate(r.event_id, NewItem(_item_id(r, item), "user", output, call_id), previous)
 
 
 def _response_create(r: _Reader, limit: int) -> ResponseCreate:
     response = r.obj_at(r.obj, "response", "response") or {}
-    for key in ("input", "tools", "instructions", "prompt", "audio", "tool_choice"):
+    for key in ("input", "tools", "instructions", "prompt", "audio"):
         if response.get(key):
             raise r.bad(
                 f"response.{key}: out-of-band responses are not served; add items to the conversation",
@@ -231,4 +254,6 @@ def _response_create(r: _Reader, limit: int) -> ResponseCreate:
     if unknown:
         raise r.bad(f"unknown response field {sorted(unknown)[0][:64]!r}", "response", "unknown_parameter")
     wanted = (max_tokens if max_tokens is not None else limit) if has_max else None
-    return ResponseCreate(r.event_id, wanted, metadata)  # type: ignore[arg-type]
+    choice = response.get("tool_choice")
+    tool_choice = None if choice is None else parse_tool_choice(choice, "response.tool_choice", r.event_id)
+    return ResponseCreate(r.event_id, wanted, metadata, tool_choice)  # type: ignore[arg-type]

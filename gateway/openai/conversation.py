@@ -16,26 +16,47 @@ validates before it changes anything, raising `RealtimeProblem`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Literal, cast
 
 import jinja2
 
+from gateway.openai import server_events as ev
 from gateway.openai.client_events import NewItem, Role
 from gateway.openai.errors import RealtimeProblem
 from gateway.openai.ids import item_id as new_item_id
+from gateway.openai.tools import FunctionTool, output_content, system_content
 from shared.chat_template import ChatTemplate, Message
 
 # An item's id, as OpenAI's: at most 64 characters (also the client's own ids).
 MAX_ITEMS: Final = 100_000
 
 
+ItemType = Literal["message", "function_call", "function_call_output"]
+
+
 @dataclass(slots=True)
 class Item:
     item_id: str
     role: Role
-    text: str
+    text: str  # a message's text, a call output's output
     status: str = "completed"
+    # A model's tool call or a client's output of one (tools.py): `call_id` links the two.
+    type: ItemType = "message"
+    call_id: str | None = None
+    name: str | None = None  # a call's function
+    arguments: str | None = None  # a call's arguments, JSON text as generated
+
+    def as_event(self, status: str | None = None) -> ev.Event:
+        shown = cast(ev.ItemStatus, status or self.status)
+        if self.type == "function_call":
+            return ev.function_call_item(
+                self.item_id, self.call_id or "", self.name or "", self.arguments or "", shown
+            )
+        if self.type == "function_call_output":
+            return ev.function_call_output_item(self.item_id, self.call_id or "", self.text)
+        return ev.message_item(self.item_id, self.role, self.text, shown)
 
 
 @dataclass(slots=True)
@@ -54,6 +75,7 @@ class Checkpoint:
     owed: str
     prompt: _Prompt | None
     ids: set[str]
+    calls: set[str]
 
 
 @dataclass(slots=True)
@@ -61,12 +83,14 @@ class Conversation:
     template: ChatTemplate
     max_item_chars: int
     instructions: str | None = None
+    tools: tuple[FunctionTool, ...] = ()  # listed in the system message (tools.py)
     items: list[Item] = field(default_factory=list)
     _messages: list[Message] = field(default_factory=list)
     _rendered: str = ""  # render(_messages): what the KV holds, less `_owed`
     _owed: str = ""  # template text the KV still lacks, sent with the next append
     _prompt: _Prompt | None = None
     _ids: set[str] = field(default_factory=set)
+    _calls: set[str] = field(default_factory=set)  # the call ids of the model's tool calls
 
     @property
     def started(self) -> bool:
@@ -83,12 +107,19 @@ class Conversation:
     def checkpoint(self) -> Checkpoint:
         """The state to go back to should the event that changes it next be refused after all."""
         return Checkpoint(
-            list(self.items), list(self._messages), self._rendered, self._owed, self._prompt, set(self._ids)
+            list(self.items),
+            list(self._messages),
+            self._rendered,
+            self._owed,
+            self._prompt,
+            set(self._ids),
+            set(self._calls),
         )
 
     def rollback(self, cp: Checkpoint) -> None:
         self.items, self._messages, self._rendered = list(cp.items), list(cp.messages), cp.rendered
         self._owed, self._prompt, self._ids = cp.owed, cp.prompt, set(cp.ids)
+        self._calls = set(cp.calls)
 
     def set_instructions(self, instructions: str) -> None:
         if self.started and instructions != (self.instructions or ""):
@@ -105,14 +136,26 @@ class Conversation:
             )
         self.instructions = instructions or None
 
+    def set_tools(self, tools: tuple[FunctionTool, ...]) -> None:
+        """The tools the system message lists: like the instructions, fixed once anything is in."""
+        if self.started and tools != self.tools:
+            raise RealtimeProblem(
+                "session.tools can only change before the first item: they are listed in the system "
+                "message at the start of the conversation, already in the model's KV cache",
+                param="session.tools",
+                code="unsupported_value",
+            )
+        self.tools = tools
+
     def instructions_prefix(self) -> str | None:
         """The instructions as the template renders them alone (the system message): the text a
         conversation starting with them begins with, which a session keeps across window cuts
         (`keep_prefix_text`). None without instructions, or when the template renders the system
         message alone as no prefix of a conversation that starts with it."""
-        if not self.instructions:
+        content = system_content(self.instructions, self.tools)
+        if content is None:
             return None
-        system: list[Message] = [{"role": "system", "content": self.instructions}]
+        system: list[Message] = [{"role": "system", "content": content}]
         try:
             alone = self.template.render(system, add_generation_prompt=False)
             probe = self.template.render(
@@ -122,12 +165,25 @@ class Conversation:
             return None
         return alone if alone and probe.startswith(alone) else None
 
-    def check(self, new: NewItem, previous_item_id: str | None, last_item_id: str | None) -> None:
+    def check(
+        self,
+        new: NewItem,
+        previous_item_id: str | None,
+        last_item_id: str | None,
+        calls_before: frozenset[str] = frozenset(),
+    ) -> None:
         """Refuse an item that could not join after `last_item_id`; changes nothing.
 
         `last_item_id` is the last item's id as the item will find it: the current last one, or,
-        for an item queued behind a running response, the last of what joins before it.
+        for an item queued behind a running response, the last of what joins before it; a call
+        output's `call_id` must name a call of the conversation or one in `calls_before` (the
+        running response's).
         """
+        if new.call_id is not None and new.call_id not in self._calls and new.call_id not in calls_before:
+            raise RealtimeProblem(
+                f"item.call_id: no function_call with call_id {new.call_id[:64]!r} in the conversation",
+                param="item.call_id",
+            )
         if previous_item_id is not None and previous_item_id != (last_item_id or "root"):
             raise RealtimeProblem(
                 "previous_item_id: items can only be appended after the last item "
@@ -153,10 +209,18 @@ class Conversation:
                 code="conversation_already_has_active_response",
             )
         self.check(new, previous_item_id, self.last_item_id)
-        messages = [*self._head(), {"role": new.role, "content": new.text}]
+        # A call's output reaches the model as a user message (tools.py's format).
+        message: Message = (
+            {"role": new.role, "content": new.text}
+            if new.call_id is None
+            else {"role": "user", "content": output_content(new.text)}
+        )
+        messages = [*self._head(), message]
         rendered = self._render(messages, generation_prompt=False)
         text = self._owed + rendered[len(self._rendered) :]
         item = Item(new.item_id or new_item_id(), new.role, new.text)
+        if new.call_id is not None:
+            item = Item(item.item_id, "user", new.text, type="function_call_output", call_id=new.call_id)
         self._messages, self._rendered, self._owed = messages, rendered, ""
         self.items.append(item)
         self._ids.add(item.item_id)
@@ -183,8 +247,17 @@ class Conversation:
             self._owed = self._prompt.owed_before
             self._prompt = None
 
-    def finish_response(self, reply: str, stop_text: str | None, item_id: str, status: str) -> Item:
-        """The reply as generated; `stop_text` is the text of the stop token it ended with, if any.
+    def finish_response(
+        self,
+        reply: str,
+        stop_text: str | None,
+        item_id: str,
+        status: str,
+        shown: Sequence[Item] | None = None,
+    ) -> Item:
+        """The reply as generated; `stop_text` is the text of the stop token it ended with, if any;
+        `shown`: the items the client sees for it instead of one message (its text and its tool
+        call, calling_response.py), recorded in its place.
 
         Raises `RealtimeProblem` when the template does not render the reply where it was
         generated (then no later item could be appended exactly either).
@@ -206,14 +279,18 @@ class Conversation:
             tail = tail[len(stop_text) :]
         self._messages, self._rendered, self._owed = messages, rendered, tail
         item = Item(item_id, "assistant", reply, status)
-        self.items.append(item)
-        self._ids.add(item_id)
+        for recorded in [item] if shown is None else shown:
+            self.items.append(recorded)
+            self._ids.add(recorded.item_id)
+            if recorded.call_id is not None:
+                self._calls.add(recorded.call_id)
         return item
 
     def _head(self) -> list[Message]:
         """The messages so far; the instructions become the system message before the first."""
-        if not self._messages and self.instructions:
-            return [{"role": "system", "content": self.instructions}]
+        content = system_content(self.instructions, self.tools)
+        if not self._messages and content is not None:
+            return [{"role": "system", "content": content}]
         return list(self._messages)
 
     def _render(self, messages: list[Message], *, generation_prompt: bool) -> str:

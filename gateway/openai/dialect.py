@@ -33,6 +33,7 @@ from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
 from gateway.openai import server_events as ev
 from gateway.openai.admission import DialectLimits
+from gateway.openai.calling_response import CallingResponse
 from gateway.openai.client_events import (
     ClientEvent,
     ItemCreate,
@@ -49,6 +50,7 @@ from gateway.openai.flight import Flight
 from gateway.openai.ids import conversation_id, session_id
 from gateway.openai.responses import ActiveResponse
 from gateway.openai.session_config import SessionUpdate, merge_echoed
+from gateway.openai.tools import ToolChoice, check_choice, constraint, parse_tool_choice, parse_tools
 from gateway.openai.truncation import parse_truncation
 from shared.chat_template import ChatTemplate
 from shared.protocol.messages import (
@@ -99,6 +101,10 @@ class OpenAIDialect:
         )
         self._instructions = instructions or ""
         self._echoed: dict[str, Any] = dict(echoed or {})  # settings kept only to be echoed
+        # session.tools and tool_choice (tools.py); a client secret's were validated when it was made.
+        self._tools = parse_tools(self._echoed.get("tools") or [], "session.tools", None)
+        choice = self._echoed.get("tool_choice")
+        self._tool_choice: ToolChoice = "auto" if choice is None else parse_tool_choice(choice, "", None)
         self._conversation = self._new_conversation() if self._template is not None else None
         self._max_output_tokens = max_output_tokens  # None: "inf"
         self._temperature = 0.0
@@ -189,10 +195,20 @@ class OpenAIDialect:
                 param="session.truncation",
                 code="unsupported_value",
             )
+        tools = self._tools if event.tools is None else event.tools
+        choice = self._tool_choice if event.tool_choice is None else event.tool_choice
+        check_choice(choice, tools, "session.tool_choice")
+        if event.tools is not None:
+            self._need_conversation().set_tools(tools)  # raises having changed nothing
         if "instructions" in event.given:
             conversation = self._need_conversation()
-            conversation.set_instructions(event.instructions or "")  # raises having changed nothing
+            try:
+                conversation.set_instructions(event.instructions or "")  # raises having changed nothing
+            except RealtimeProblem:
+                conversation.set_tools(self._tools)  # as it was (unchanged, or not started)
+                raise
             self._instructions = event.instructions or ""
+        self._tools, self._tool_choice = tools, choice
         if "max_output_tokens" in event.given:
             self._max_output_tokens = event.max_output_tokens
         if event.temperature is not None:
@@ -208,7 +224,16 @@ class OpenAIDialect:
 
     def _response_create(self, event: ResponseCreate) -> Decoded:
         limit = event.max_output_tokens or self._max_output_tokens or self._limits.max_output_tokens
-        messages, replies = self._flight.add_response(event, limit)
+        choice = self._tool_choice if event.tool_choice is None else event.tool_choice
+        check_choice(choice, self._tools, "response.tool_choice")
+        grammar = constraint(self._tools, choice)
+
+        def make(seq: int) -> ActiveResponse:
+            if grammar is None:  # no tools, or `none`: text, as without tools
+                return ActiveResponse(seq, limit, event.metadata)
+            return CallingResponse(seq, limit, event.metadata, grammar)
+
+        messages, replies = self._flight.add_response(event, make)
         return self._sending(messages, replies)
 
     def _sending(self, messages: list[ClientMessage], replies: list[ev.Event]) -> Decoded:
@@ -244,7 +269,7 @@ class OpenAIDialect:
 
     def _item_retrieve(self, event: ItemRetrieve) -> Decoded:
         item = self._known(event.item_id)
-        retrieved = ev.item_retrieved(ev.message_item(item.item_id, item.role, item.text, "completed"))
+        retrieved = ev.item_retrieved(item.as_event("completed"))
         return Decoded(replies=(ev.frame(retrieved),))
 
     def _known(self, wanted: str) -> Item:
@@ -348,7 +373,7 @@ class OpenAIDialect:
                 return []
             index = self._conversation.items.index(item) if self._conversation is not None else 0
             previous = self._conversation.items[index - 1].item_id if index and self._conversation else None
-            return [ev.item_done(ev.message_item(item.item_id, item.role, item.text, "completed"), previous)]
+            return [ev.item_done(item.as_event("completed"), previous)]
         response = self._flight.response
         if response is None or done.seq != response.seq:
             return []
@@ -363,7 +388,7 @@ class OpenAIDialect:
         events: list[ev.Event] = []
         try:
             conversation.finish_response(
-                outcome.reply, outcome.stop_text, response.item_id, outcome.item_status
+                outcome.reply, outcome.stop_text, response.item_id, outcome.item_status, response.shown()
             )
         except RealtimeProblem as exc:
             self._broken = exc.message
@@ -428,4 +453,5 @@ class OpenAIDialect:
         conversation = Conversation(self._template, self._values.max_queued_tokens)
         if self._instructions:
             conversation.set_instructions(self._instructions)
+        conversation.set_tools(self._tools)
         return conversation

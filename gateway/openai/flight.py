@@ -96,16 +96,17 @@ class Flight:
             conversation.rollback(checkpoint)
             raise
         self.seq = seqs[-1]
-        added = ev.item_added(ev.message_item(item.item_id, item.role, item.text, "completed"), previous)
+        added = ev.item_added(item.as_event(), previous)
         return self._item_chunks_for(item, seqs, pieces), [added]
 
-    def add_response(self, event: ResponseCreate, limit: int) -> Sent:
-        """The response's chunk and opening events now, or nothing now when it queues."""
+    def add_response(self, event: ResponseCreate, make: Callable[[int], ActiveResponse]) -> Sent:
+        """The response's chunk and opening events now, or nothing now when it queues; `make`
+        builds the response for its seq (with or without tools, the dialect's choice)."""
         conversation = self._usable()
         if self.busy:  # it starts when what runs and what waits before it are done
             self.admit([ChunkCost(self.seq + 1, TEMPLATE_CHARS, True)], "response")
             self.seq += 1
-            self.pending.put(QueuedResponse(event.event_id, ActiveResponse(self.seq, limit, event.metadata)))
+            self.pending.put(QueuedResponse(event.event_id, make(self.seq)))
             return [], []
         checkpoint = conversation.checkpoint()
         header = conversation.begin_response()
@@ -115,10 +116,10 @@ class Flight:
             conversation.rollback(checkpoint)
             raise
         self.seq += 1
-        response = ActiveResponse(self.seq, limit, event.metadata)
+        response = make(self.seq)
         self.response = response
         opening = response.opening(self._conversation_id, conversation.last_item_id)
-        return [InputChunk(self.seq, text=header, max_output_tokens=limit)], opening
+        return [_chunk(response, header)], opening
 
     def _queue_item(self, event: ItemCreate) -> None:
         """Checked and admitted now, joined when the running response ends."""
@@ -131,11 +132,12 @@ class Flight:
         last = self.pending.last_item_id if self.pending else None
         if last is None:
             last = self.response.item_id if self.response is not None else conversation.last_item_id
-        conversation.check(event.item, event.previous_item_id, last)
+        calls = self.response.call_ids if self.response is not None else frozenset()
+        conversation.check(event.item, event.previous_item_id, last, calls)
         costs = item_costs(self.seq + 1, len(event.item.text))
         self.admit(costs, "item.content")
         self.seq = costs[-1].seq
-        item = NewItem(wanted or new_item_id(), event.item.role, event.item.text)
+        item = NewItem(wanted or new_item_id(), event.item.role, event.item.text, event.item.call_id)
         self.pending.put(
             QueuedItem(event.event_id, item, event.previous_item_id, tuple(c.seq for c in costs))
         )
@@ -160,15 +162,13 @@ class Flight:
                     previous = conversation.last_item_id
                     item, text = conversation.append(entry.item, entry.previous_item_id)
                     self._released += self._item_chunks_for(item, seqs, split(text, len(seqs)))
-                    added = ev.message_item(item.item_id, item.role, item.text, "completed")
-                    events.append(ev.item_added(added, previous))
+                    events.append(ev.item_added(item.as_event(), previous))
                 else:
                     response = entry.response
                     header = conversation.begin_response()
                     self.response = response
                     events += response.opening(self._conversation_id, conversation.last_item_id)
-                    limit = response.max_output_tokens
-                    self._released.append(InputChunk(response.seq, text=header, max_output_tokens=limit))
+                    self._released.append(_chunk(response, header))
             except RealtimeProblem as exc:
                 self.settle(seqs)
                 events.append(ev.error(exc, entry.event_id))
@@ -178,3 +178,13 @@ class Flight:
         """The session underneath is gone (a failed open): the queue goes as if never sent."""
         for entry in self.pending.clear():
             self.settle(entry.seqs if isinstance(entry, QueuedItem) else (entry.response.seq,))
+
+
+def _chunk(response: ActiveResponse, header: str) -> InputChunk:
+    """The chunk that generates `response`: its header, its length, its tool call's grammar."""
+    return InputChunk(
+        response.seq,
+        text=header,
+        max_output_tokens=response.max_output_tokens,
+        response_format=response.response_format,
+    )

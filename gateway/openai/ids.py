@@ -1,5 +1,5 @@
 """Ids shaped as OpenAI's: a prefix, an underscore, then random letters and digits (`event_...`,
-`item_...`, `resp_...`, `sess_...`, `conv_...`). Clients only compare them, never parse them."""
+`item_...`, `call_...`, `resp_...`, `sess_...`, `conv_...`). Clients only compare them, never parse them."""
 
 from __future__ import annotations
 
@@ -33,3 +33,7 @@ def session_id() -> str:
 
 def conversation_id() -> str:
     return new_id("conv")
+
+
+def call_id() -> str:
+    return new_id("call")

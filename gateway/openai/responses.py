@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.openai import server_events as ev
+from gateway.openai.conversation import Item
 from gateway.openai.errors import RealtimeProblem
 from gateway.openai.ids import item_id, response_id
 from shared.protocol.messages import OutputDelta, OutputDone
+from shared.protocol.response_format import ResponseFormat
 
 ItemStatus = Literal["completed", "incomplete"]
 
@@ -38,6 +40,8 @@ class ActiveResponse:
     seq: int  # the native chunk that generates it
     max_output_tokens: int
     metadata: Mapping[str, str] | None
+    # The grammar its output is held to (a tool call's, tools.py), sent with its chunk.
+    response_format: ResponseFormat | None = None
     response_id: str = field(default_factory=response_id)
     item_id: str = field(default_factory=item_id)
     deltas: list[str] = field(default_factory=list)
@@ -52,6 +56,15 @@ class ActiveResponse:
             metadata=self.metadata,
             **fields,  # type: ignore[arg-type]
         )
+
+    @property
+    def call_ids(self) -> frozenset[str]:
+        """The tool calls it made so far (calling_response.py); none without tools."""
+        return frozenset()
+
+    def shown(self) -> list[Item] | None:
+        """The items the conversation records for it; None: its one message item."""
+        return None
 
     def opening(self, conversation_id: str, previous_item_id: str | None) -> list[ev.Event]:
         item = ev.message_item(self.item_id, "assistant", "", "in_progress")

@@ -16,6 +16,7 @@ from gateway.openai.errors import RealtimeProblem
 from gateway.openai.ids import event_id
 
 Event = dict[str, Any]
+ItemStatus = Literal["completed", "incomplete", "in_progress"]
 ResponseStatus = Literal["completed", "cancelled", "failed", "incomplete", "in_progress"]
 
 
@@ -74,6 +75,37 @@ def message_item(
         "role": role,
         "status": status,
         "content": [{"type": part_type, "text": text}],
+    }
+
+
+def function_call_item(
+    item_id: str,
+    call_id: str,
+    name: str,
+    arguments: str,
+    status: Literal["completed", "incomplete", "in_progress"],
+) -> Event:
+    """A call the model made (OpenAI's `RealtimeConversationItemFunctionCall`)."""
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def function_call_output_item(item_id: str, call_id: str, output: str) -> Event:
+    """A call's output the client added (`RealtimeConversationItemFunctionCallOutput`)."""
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "function_call_output",
+        "status": "completed",
+        "call_id": call_id,
+        "output": output,
     }
 
 
@@ -148,34 +180,63 @@ def response_done(resp: Event) -> Event:
     return _event("response.done", response=resp)
 
 
-def output_item_added(response_id: str, item: Event) -> Event:
-    return _event("response.output_item.added", response_id=response_id, output_index=0, item=item)
+def output_item_added(response_id: str, item: Event, output_index: int = 0) -> Event:
+    return _event("response.output_item.added", response_id=response_id, output_index=output_index, item=item)
 
 
-def output_item_done(response_id: str, item: Event) -> Event:
-    return _event("response.output_item.done", response_id=response_id, output_index=0, item=item)
+def output_item_done(response_id: str, item: Event, output_index: int = 0) -> Event:
+    return _event("response.output_item.done", response_id=response_id, output_index=output_index, item=item)
 
 
-def _part_fields(response_id: str, item_id: str) -> Event:
-    return {"response_id": response_id, "item_id": item_id, "output_index": 0, "content_index": 0}
+def _part_fields(response_id: str, item_id: str, output_index: int = 0) -> Event:
+    return {"response_id": response_id, "item_id": item_id, "output_index": output_index, "content_index": 0}
 
 
-def content_part_added(response_id: str, item_id: str) -> Event:
+def content_part_added(response_id: str, item_id: str, output_index: int = 0) -> Event:
     part = {"type": "text", "text": ""}
-    return _event("response.content_part.added", **_part_fields(response_id, item_id), part=part)
+    return _event(
+        "response.content_part.added", **_part_fields(response_id, item_id, output_index), part=part
+    )
 
 
-def content_part_done(response_id: str, item_id: str, text: str) -> Event:
+def content_part_done(response_id: str, item_id: str, text: str, output_index: int = 0) -> Event:
     part = {"type": "text", "text": text}
-    return _event("response.content_part.done", **_part_fields(response_id, item_id), part=part)
+    return _event("response.content_part.done", **_part_fields(response_id, item_id, output_index), part=part)
 
 
-def text_delta(response_id: str, item_id: str, delta: str) -> Event:
-    return _event("response.output_text.delta", **_part_fields(response_id, item_id), delta=delta)
+def text_delta(response_id: str, item_id: str, delta: str, output_index: int = 0) -> Event:
+    return _event(
+        "response.output_text.delta", **_part_fields(response_id, item_id, output_index), delta=delta
+    )
 
 
-def text_done(response_id: str, item_id: str, text: str) -> Event:
-    return _event("response.output_text.done", **_part_fields(response_id, item_id), text=text)
+def text_done(response_id: str, item_id: str, text: str, output_index: int = 0) -> Event:
+    return _event("response.output_text.done", **_part_fields(response_id, item_id, output_index), text=text)
+
+
+def arguments_delta(response_id: str, item_id: str, output_index: int, call_id: str, delta: str) -> Event:
+    return _event(
+        "response.function_call_arguments.delta",
+        response_id=response_id,
+        item_id=item_id,
+        output_index=output_index,
+        call_id=call_id,
+        delta=delta,
+    )
+
+
+def arguments_done(
+    response_id: str, item_id: str, output_index: int, call_id: str, *, name: str, arguments: str
+) -> Event:
+    return _event(
+        "response.function_call_arguments.done",
+        response_id=response_id,
+        item_id=item_id,
+        output_index=output_index,
+        call_id=call_id,
+        name=name,
+        arguments=arguments,
+    )
 
 
 def error(problem: RealtimeProblem, client_event_id: str | None = None) -> Event:

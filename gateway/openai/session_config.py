@@ -4,14 +4,15 @@ this model cannot act on kept to be echoed.
 Why accept what cannot be used: OpenAI's own clients (the Agents SDKs above all) always send their
 audio formats, transcription, turn detection and voice, even for a text-only session, and treat
 every `error` as a failure. So a setting is refused only when it is *used*: `output_modalities`
-asking for audio, a non-empty `tools` list (this model calls no tools), and `input_audio_buffer.*`
+asking for audio, an MCP tool (this server runs no MCP client; tools.py), and `input_audio_buffer.*`
 events (client_events.py). Everything else a realtime session may carry is type-checked, kept, and
 echoed back in `session.created` / `session.updated` as OpenAI echoes it.
 
 Acted on: `type` (only "realtime"), `model` (must be the socket's), `instructions`,
-`max_output_tokens`, `output_modalities` (["text"]), `tools` (empty), `truncation` (the session's
-context window, truncation.py; also echoed) and `temperature` (a pre-GA field some clients still
-send). Echoed only: the rest of `ECHOED_FIELDS`.
+`max_output_tokens`, `output_modalities` (["text"]), `tools` (function tools, tools.py; echoed
+as parsed), `tool_choice` (also echoed), `truncation` (the session's context window,
+truncation.py; also echoed) and `temperature` (a pre-GA field some clients still send). Echoed
+only: the rest of `ECHOED_FIELDS`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from gateway.openai.errors import BadEvent
+from gateway.openai.tools import FunctionTool, ToolChoice, parse_tool_choice, parse_tools
 from gateway.openai.truncation import AUTO, Truncation, parse_truncation
 
 JSON = Any  # a value as json.loads gives it
@@ -63,6 +65,10 @@ class SessionUpdate:
     echoed: Mapping[str, JSON] = field(default_factory=dict)
     # The context window `truncation` asks for (when given: "truncation" in `echoed`).
     truncation: Truncation = AUTO
+    # The function tools (None: not given; null or [] gives none) and the tool choice (None: not
+    # given; also in `echoed`, as sent).
+    tools: tuple[FunctionTool, ...] | None = None
+    tool_choice: ToolChoice | None = None
 
 
 def _bad(message: str, event_id: str | None, param: str, code: str = "invalid_value") -> BadEvent:
@@ -182,15 +188,13 @@ def parse_session_update(session: Mapping[str, JSON], event_id: str | None, limi
         ):
             raise _bad("session.temperature must be a number from 0 to 2", event_id, "session.temperature")
         given.add("temperature")
-    tools = session.get("tools")
-    _check_type(tools, (list,), "session.tools", event_id)
-    if tools:
-        raise _bad(
-            "session.tools: this model calls no tools; send an empty list",
-            event_id,
-            "session.tools",
-            "unsupported_value",
-        )
+    tools = None
+    if "tools" in session:
+        raw_tools = session["tools"]
+        tools = () if raw_tools is None else parse_tools(raw_tools, "session.tools", event_id)
+        echoed["tools"] = [tool.as_dict() for tool in tools]
+    choice = session.get("tool_choice")
+    tool_choice = None if choice is None else parse_tool_choice(choice, "session.tool_choice", event_id)
     truncation = parse_truncation(session.get("truncation"), event_id)
     model = session.get("model")
     _check_type(model, (str,), "session.model", event_id)
@@ -205,4 +209,6 @@ def parse_session_update(session: Mapping[str, JSON], event_id: str | None, limi
         frozenset(given),
         echoed,
         truncation,
+        tools,
+        tool_choice,
     )

@@ -151,6 +151,16 @@ def _response_format(r: FieldReader | None) -> ResponseFormat | None:
         if size > MAX_SCHEMA_BYTES:
             raise InvalidMessage(f"response_format: schema of {size} bytes exceeds {MAX_SCHEMA_BYTES}")
         fmt = ResponseFormat(kind, schema=schema)
+    elif kind == "structural_tag":
+        tag = r.value("tag")
+        if type(tag) is not dict or tag.get("type") != "structural_tag":
+            raise InvalidMessage(
+                f"response_format: field 'tag' must be a map with type 'structural_tag', got {show(tag)}"
+            )
+        size = schema_bytes(tag)
+        if size > MAX_SCHEMA_BYTES:
+            raise InvalidMessage(f"response_format: tag of {size} bytes exceeds {MAX_SCHEMA_BYTES}")
+        fmt = ResponseFormat(kind, tag=tag)
     elif kind == "regex":
         pattern = r.string("pattern", nonempty=True)
         if len(pattern) > MAX_PATTERN_CHARS:

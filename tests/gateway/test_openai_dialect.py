@@ -394,10 +394,10 @@ def test_the_agents_sdks_session_update_is_kept_echoed_and_refused_only_when_use
         "speed": 1.2,
     }
     assert updated["session"]["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
-    # Used, not set: audio out, tools, and a misspelt field are refused.
+    # Used, not set: audio out, an MCP tool, and a misspelt field are refused.
     for bad, code in (
         ({"output_modalities": ["audio"]}, "unsupported_value"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_value"),
+        ({"tools": [{"type": "mcp", "server_label": "f"}]}, "unsupported_value"),
         ({"audio": {"output": {"volume": 3}}}, "unknown_parameter"),
         ({"tracing": 5}, "invalid_type"),
     ):

@@ -83,8 +83,9 @@ def test_the_registry_names_each_class_by_its_op() -> None:
     assert len(set(FRAME_CLASSES.values())) == len(FRAME_CLASSES)
 
 
-# Fields whose value is a free-form JSON map (a response_format's schema): its inside is anyone's.
-_FREE_FORM = frozenset({"schema"})
+# Fields whose value is a free-form JSON map (a response_format's schema or structural tag): its
+# inside is anyone's.
+_FREE_FORM = frozenset({"schema", "tag"})
 
 
 def _paths(wire: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

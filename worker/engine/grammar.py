@@ -74,6 +74,8 @@ def compile_format(compiler: xgr.GrammarCompiler, fmt: ResponseFormat) -> xgr.Co
     try:
         if fmt.type == "json_schema":
             return compiler.compile_json_schema(json.dumps(fmt.schema), any_whitespace=False)
+        if fmt.type == "structural_tag":
+            return compiler.compile_structural_tag(json.dumps(fmt.tag))
         if fmt.type == "regex":
             assert fmt.pattern is not None
             return compiler.compile_regex(fmt.pattern)
