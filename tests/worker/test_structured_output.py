@@ -1,5 +1,6 @@
 """Structured output with real weights (SmolLM2-135M from the GGUF): `response_format` through the
-engine, its output parsed, the same tokens as transformers under xgrammar's own logits processor,
+engine, its output parsed, the same tokens as transformers under xgrammar's own logits processor
+(a JSON schema, and a tool-call conversation under the OpenAI dialect's structural tags),
 unconstrained rows batched with it unchanged, and bad formats refused having changed nothing."""
 
 from __future__ import annotations
@@ -7,10 +8,19 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 import torch
 
+from gateway.openai.tools import (
+    FunctionTool,
+    NamedFunction,
+    ToolChoice,
+    constraint,
+    output_content,
+    system_content,
+)
 from shared.errors import InvalidMessage
 from shared.protocol.response_format import MAX_SCHEMA_BYTES
 from worker.engine import Engine
@@ -38,6 +48,47 @@ QUESTION = "Describe the capital of France as JSON."
 def engine() -> Iterator[Engine]:
     with Engine.load("smollm2-135m", kv_tokens=8192) as engine:
         yield engine
+
+
+@pytest.fixture(scope="module")
+def transformers_model() -> tuple[Any, Any]:
+    """SmolLM2 in transformers, from the same GGUF: (tokenizer, model)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_gguf_path()
+    hf_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return hf_tokenizer, model
+
+
+def xgrammar_compiler(transformers_model: tuple[Any, Any]) -> Any:
+    import xgrammar as xgr
+
+    hf_tokenizer, model = transformers_model
+    info = xgr.TokenizerInfo.from_huggingface(
+        hf_tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[hf_tokenizer.eos_token_id]
+    )
+    return xgr.GrammarCompiler(info)
+
+
+def generate_under(
+    transformers_model: tuple[Any, Any], compiled: Any, tokens: list[int], limit: int
+) -> list[int]:
+    """Greedy transformers decoding of `tokens` under xgrammar's own logits processor (none:
+    `compiled` None)."""
+    import xgrammar as xgr
+
+    hf_tokenizer, model = transformers_model
+    processors = [] if compiled is None else [xgr.contrib.hf.LogitsProcessor(compiled)]
+    with torch.no_grad():
+        generated = model.generate(
+            torch.tensor([tokens]),
+            max_new_tokens=limit,
+            do_sample=False,
+            eos_token_id=hf_tokenizer.eos_token_id,
+            logits_processor=processors,
+        )
+    return list(generated[0, len(tokens) :].tolist())
 
 
 def prompt(engine: Engine, question: str = QUESTION) -> list[int]:
@@ -127,11 +178,8 @@ def test_bad_formats_are_refused_and_the_seq_is_not_consumed(engine: Engine) -> 
 
 
 def test_the_same_tokens_as_transformers_under_xgrammar_and_unconstrained_rows_unchanged(
-    engine: Engine,
+    engine: Engine, transformers_model: tuple[Any, Any]
 ) -> None:
-    import xgrammar as xgr
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokens = prompt(engine)
     other = prompt(engine, "What is the capital of Germany?")
     alone_sid = engine.open_session()
@@ -151,19 +199,65 @@ def test_the_same_tokens_as_transformers_under_xgrammar_and_unconstrained_rows_u
     assert free.tokens == alone.tokens
     assert constrained.finish == "stop"
 
-    path = smollm2_gguf_path()
-    hf_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    info = xgr.TokenizerInfo.from_huggingface(
-        hf_tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[hf_tokenizer.eos_token_id]
+    compiled = xgrammar_compiler(transformers_model).compile_json_schema(
+        json.dumps(CITY_SCHEMA), any_whitespace=False
     )
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(CITY_SCHEMA), any_whitespace=False)
-    with torch.no_grad():
-        generated = model.generate(
-            torch.tensor([tokens]),
-            max_new_tokens=80,
-            do_sample=False,
-            eos_token_id=hf_tokenizer.eos_token_id,
-            logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled)],
-        )
-    assert list(constrained.tokens) == generated[0, len(tokens) :].tolist()
+    assert list(constrained.tokens) == generate_under(transformers_model, compiled, tokens, 80)
+
+
+WEATHER = FunctionTool(
+    "get_weather",
+    "The current weather in a city.",
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+)
+CALL_HEAD = '<tool_call>\n{"name": "get_weather", "arguments": '
+
+
+def test_a_tool_call_conversation_is_transformers_over_the_chat_template(
+    engine: Engine, transformers_model: tuple[Any, Any]
+) -> None:
+    """A call under a named tool_choice, its output, then a reply under `auto`: the session's
+    tokens equal transformers decoding the whole conversation, rendered by the model's chat
+    template through transformers, under xgrammar's processor compiled from the same structural
+    tag (the OpenAI dialect's, gateway/openai/tools.py)."""
+    hf_tokenizer, _ = transformers_model
+    compiler = xgrammar_compiler(transformers_model)
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None
+    eos = set(tokenizer.eos_token_ids)
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": system_content("Answer briefly.", (WEATHER,)) or ""},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    sid = engine.open_session()
+    history: list[int] = []  # the conversation's tokens, replies as generated
+    rendered = ""  # what `history` holds, as the template renders it
+    choices: list[ToolChoice] = [NamedFunction("get_weather"), "auto"]
+    for turn, choice in enumerate(choices):
+        prompt_text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert prompt_text.startswith(rendered)
+        new = tokenizer.encode(prompt_text[len(rendered) :])
+        history += new
+        fmt = constraint((WEATHER,), choice)
+        wire = None if fmt is None else {"type": "structural_tag", "tag": fmt.tag}
+        result = engine.run_turn(sid, tokens=new, max_output_tokens=24, response_format=wire, timeout=300)
+        compiled = None if fmt is None else compiler.compile_structural_tag(json.dumps(fmt.tag))
+        assert list(result.tokens) == generate_under(transformers_model, compiled, history, 24), turn
+        stopped = result.finish == "stop" and result.tokens[-1] in eos
+        reply = tokenizer.decode(result.tokens[:-1] if stopped else result.tokens)
+        print(f"[tools] turn {turn + 1} ({choice}): {reply!r}")
+        if turn == 0:  # a well-formed call of the function, matching its schema
+            assert stopped and reply.startswith(CALL_HEAD) and reply.endswith("}\n</tool_call>")
+            assert set(json.loads(reply[len(CALL_HEAD) : -len("}\n</tool_call>")])) == {"city"}
+        history += list(result.tokens)
+        rendered = prompt_text + reply + (tokenizer.decode(result.tokens[-1:]) if stopped else "")
+        messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": output_content('{"temperature_c": 21}')},
+        ]
+    engine.close_session(sid)
