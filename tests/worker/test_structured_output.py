@@ -245,9 +245,9 @@ def test_a_tool_call_conversation_is_transformers_over_the_chat_template(
         history += new
         fmt = constraint((WEATHER,), choice)
         wire = None if fmt is None else {"type": "structural_tag", "tag": fmt.tag}
-        result = engine.run_turn(sid, tokens=new, max_output_tokens=24, response_format=wire, timeout=300)
+        result = engine.run_turn(sid, tokens=new, max_output_tokens=40, response_format=wire, timeout=300)
         compiled = None if fmt is None else compiler.compile_structural_tag(json.dumps(fmt.tag))
-        assert list(result.tokens) == generate_under(transformers_model, compiled, history, 24), turn
+        assert list(result.tokens) == generate_under(transformers_model, compiled, history, 40), turn
         stopped = result.finish == "stop" and result.tokens[-1] in eos
         reply = tokenizer.decode(result.tokens[:-1] if stopped else result.tokens)
         print(f"[tools] turn {turn + 1} ({choice}): {reply!r}")
