@@ -8,6 +8,10 @@ computed on one load of the model (`PLANS`; the load costs far more than the few
 test run (the `openai_references` fixture). Run as `python -m tests.system.gateway.openai_reference`
 with JSON plans on stdin, {name: {"instructions": str | null, "turns": [str, ...],
 "max_output_tokens": int}}; prints {name: {"replies": [[token ids], ...], "texts": [str, ...]}}.
+A plan with tools (issue #36) adds "tools" (OpenAI function tools) and "choices" (each response's
+tool_choice): the system message lists the tools, a turn may be {"output": str} (a call's output),
+each reply is generated under the grammar its choice asks for (gateway/openai/tools.py), and its
+text is the reply as generated, a call's text included.
 """
 
 from __future__ import annotations
@@ -31,14 +35,36 @@ STORY: Final = "Write a long story about a dragon who learns to bake bread."
 PREFIX_INSTRUCTIONS: Final = " ".join(
     f"Rule {i}: be brief, be exact, and name the country of every city you mention." for i in range(12)
 )
+# A function tool (test_openai_tools.py), its question and the output its call gets.
+WEATHER_TOOL: Final[dict[str, Any]] = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+WEATHER_QUESTION: Final = "What is the weather in Paris?"
+WEATHER_OUTPUT: Final = '{"temperature_c": 21, "sky": "clear"}'
 # The conversations of the OpenAI tests, by name: test_openai.py's two turns and its story, the
-# same two turns with the shorter replies test_openai_sdks.py asks for, and with the long
-# instructions test_openai_prefix.py shares between two conversations.
+# same two turns with the shorter replies test_openai_sdks.py asks for, with the long
+# instructions test_openai_prefix.py shares between two conversations, and test_openai_tools.py's
+# call (`required`), its output and the reply after it (`auto`).
 PLANS: Final[dict[str, dict[str, Any]]] = {
     "turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 24},
     "story": {"instructions": None, "turns": [STORY], "max_output_tokens": 48},
     "sdk_turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 12},
     "prefix_turns": {"instructions": PREFIX_INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 24},
+    "tool_turns": {
+        "instructions": INSTRUCTIONS,
+        "tools": [WEATHER_TOOL],
+        "turns": [WEATHER_QUESTION, {"output": WEATHER_OUTPUT}],
+        "choices": ["required", "auto"],
+        "max_output_tokens": 40,
+    },
 }
 
 
@@ -51,10 +77,14 @@ def compute_all(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def compute(engine: Engine, plan: dict[str, Any]) -> dict[str, Any]:
+    from gateway.openai.tools import constraint, output_content, parse_tools, system_content
+
     limit = int(plan["max_output_tokens"])
+    tools = parse_tools(plan.get("tools", []), "tools", None)
     messages: list[dict[str, str]] = []
-    if plan.get("instructions"):
-        messages.append({"role": "system", "content": plan["instructions"]})
+    system = system_content(plan.get("instructions"), tools)
+    if system:
+        messages.append({"role": "system", "content": system})
     replies: list[list[int]] = []
     texts: list[str] = []
     tokenizer = engine.tokenizer
@@ -64,13 +94,18 @@ def compute(engine: Engine, plan: dict[str, Any]) -> dict[str, Any]:
     history: list[int] = []  # the whole conversation's tokens so far, replies as generated
     rendered = ""  # what `history` holds, as the template renders it
     for turn, text in enumerate(plan["turns"], start=1):
-        messages.append({"role": "user", "content": text})
+        content = output_content(text["output"]) if isinstance(text, dict) else text
+        messages.append({"role": "user", "content": content})
+        fmt = constraint(tools, plan["choices"][turn - 1]) if tools else None
+        grammar = None if fmt is None else {"type": "structural_tag", "tag": fmt.tag}
         prompt = template.render(messages, add_generation_prompt=True)
         assert prompt.startswith(rendered)
         history += tokenizer.encode(prompt[len(rendered) :])
         # A fresh session fed the whole conversation at once: nothing cached from earlier turns.
         sid = engine.open_session(max_output_tokens=limit)
-        result = engine.run_turn(sid, tokens=history, seq=1, max_output_tokens=limit, timeout=600)
+        result = engine.run_turn(
+            sid, tokens=history, seq=1, max_output_tokens=limit, response_format=grammar, timeout=600
+        )
         engine.close_session(sid)
         tokens = list(result.tokens)
         stopped = bool(tokens) and tokens[-1] in eos and result.finish == "stop"
