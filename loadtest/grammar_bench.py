@@ -10,7 +10,9 @@ its mask is a JSON string's, the common case. They alternate, constrained then u
 mask's own cost per token is measured apart on the constrained turns' own tokens: a matcher fills
 its bitmask row and the row is masked, as the step does (`worker/engine/grammar.py`). Compiles are
 timed three times: a small schema on a cold engine (xgrammar's tokenizer info built first), a new
-small schema once the compiler exists, and the benchmark's own (a long `minLength`).
+small schema once the compiler exists, and the benchmark's own (a long `minLength`); then the
+OpenAI dialect's tool grammars for one function tool (gateway/openai/tools.py): `required` (one
+call) and `auto` (text, or a call once `<tool_call>` is written).
 """
 
 from __future__ import annotations
@@ -25,10 +27,16 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
+from gateway.openai.tools import FunctionTool, constraint
 from worker.engine import Engine
 from worker.engine.grammar import apply_masks
 
 QUESTION = "Describe Paris in a long paragraph."
+TOOL = FunctionTool(
+    "get_weather",
+    "The current weather in a city.",
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
 
 
 def schema(min_length: int) -> dict[str, object]:
@@ -63,6 +71,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         warm_ms = grammars.last_compile_ms
         engine.compile_format(fmt).result()
         long_ms = grammars.last_compile_ms
+        tool_ms = {}
+        for choice in ("required", "auto"):
+            tool_format = constraint((TOOL,), choice)
+            assert tool_format is not None
+            engine.compile_format({"type": "structural_tag", "tag": tool_format.tag}).result()
+            tool_ms[choice] = grammars.last_compile_ms
 
         def turn(constrained: bool) -> tuple[float, tuple[int, ...]]:
             sid = engine.open_session(stop_token_ids=[])
@@ -114,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "first_compile_cold_worker_ms": round(cold_ms, 1),
         "new_schema_compile_ms": round(warm_ms, 2),
         "bench_schema_compile_ms": round(long_ms, 1),
+        "tool_required_compile_ms": round(tool_ms["required"], 1),
+        "tool_auto_compile_ms": round(tool_ms["auto"], 1),
     }
     json.dump(report, sys.stdout, indent=2)
     print()
