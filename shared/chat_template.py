@@ -75,13 +75,33 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         return env.from_string(self.source)
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """`tools`: function tools in the Chat Completions shape (`{"type": "function", "function":
+        {...}}`), as transformers passes them to a template with a tools section."""
         return self._compiled.render(
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            tools=None if tools is None else [dict(tool) for tool in tools],
         )
+
+    @cached_property
+    def has_tools_section(self) -> bool:
+        """Whether the template writes the tools it is given (a tools section of its own): a
+        conversation renders differently with a tool than without."""
+        probe = _PROBE[1:3]
+        tool = {"type": "function", "function": {"name": "probe_tool", "parameters": {"type": "object"}}}
+        try:
+            return self.render(probe, tools=[tool]) != self.render(probe)
+        except jinja2.TemplateError:
+            return False
 
     def check_extends(self) -> str | None:
         """None when every prefix of the probe conversation renders as a prefix of the next, with

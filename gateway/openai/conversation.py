@@ -26,7 +26,7 @@ from gateway.openai import server_events as ev
 from gateway.openai.client_events import NewItem, Role
 from gateway.openai.errors import RealtimeProblem
 from gateway.openai.ids import item_id as new_item_id
-from gateway.openai.tools import FunctionTool, output_content, system_content
+from gateway.openai.tools import FunctionTool, as_template, output_message, system_content
 from shared.chat_template import ChatTemplate, Message
 
 # An item's id, as OpenAI's: at most 64 characters (also the client's own ids).
@@ -152,14 +152,15 @@ class Conversation:
         conversation starting with them begins with, which a session keeps across window cuts
         (`keep_prefix_text`). None without instructions, or when the template renders the system
         message alone as no prefix of a conversation that starts with it."""
-        content = system_content(self.instructions, self.tools)
+        content = self._system_content()
         if content is None:
             return None
         system: list[Message] = [{"role": "system", "content": content}]
+        tools = self._template_tools()
         try:
-            alone = self.template.render(system, add_generation_prompt=False)
+            alone = self.template.render(system, add_generation_prompt=False, tools=tools)
             probe = self.template.render(
-                [*system, {"role": "user", "content": "."}], add_generation_prompt=False
+                [*system, {"role": "user", "content": "."}], add_generation_prompt=False, tools=tools
             )
         except jinja2.TemplateError:
             return None
@@ -209,11 +210,12 @@ class Conversation:
                 code="conversation_already_has_active_response",
             )
         self.check(new, previous_item_id, self.last_item_id)
-        # A call's output reaches the model as a user message (tools.py's format).
+        # A call's output reaches the model as its template's tool message, or a user message in
+        # tools.py's format.
         message: Message = (
             {"role": new.role, "content": new.text}
             if new.call_id is None
-            else {"role": "user", "content": output_content(new.text)}
+            else output_message(new.text, template_tools=self.template.has_tools_section)
         )
         messages = [*self._head(), message]
         rendered = self._render(messages, generation_prompt=False)
@@ -288,14 +290,24 @@ class Conversation:
 
     def _head(self) -> list[Message]:
         """The messages so far; the instructions become the system message before the first."""
-        content = system_content(self.instructions, self.tools)
+        content = self._system_content()
         if not self._messages and content is not None:
             return [{"role": "system", "content": content}]
         return list(self._messages)
 
+    def _system_content(self) -> str | None:
+        """The system message: the instructions, and the tools unless the template lists them."""
+        return system_content(self.instructions, () if self.template.has_tools_section else self.tools)
+
+    def _template_tools(self) -> list[dict[str, object]] | None:
+        """The tools the template is given to list (a template with a tools section)."""
+        return as_template(self.tools) if self.tools and self.template.has_tools_section else None
+
     def _render(self, messages: list[Message], *, generation_prompt: bool) -> str:
         try:
-            rendered = self.template.render(messages, add_generation_prompt=generation_prompt)
+            rendered = self.template.render(
+                messages, add_generation_prompt=generation_prompt, tools=self._template_tools()
+            )
         except jinja2.TemplateError as exc:
             raise RealtimeProblem(f"the model's chat template refuses this conversation: {exc}") from None
         if not rendered.startswith(self._rendered):

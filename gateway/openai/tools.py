@@ -2,12 +2,17 @@
 written into the conversation, and the grammar a response's call is held to.
 
 The format (docs/protocol.md "Tools"), Hermes's, as Qwen2.5's and SmolLM3's chat templates write
-it, used for every model (SmolLM2's template has no tools section of its own):
-- the tools: a section appended to the system message (after the instructions, if any) listing
-  each function as one line of JSON inside `<tools></tools>` (`tools_section`);
+it:
+- the tools: the model's chat template lists them when it has a tools section of its own
+  (`ChatTemplate.has_tools_section`: it is given them as transformers gives them, `as_template`);
+  otherwise (SmolLM2's template has none) a section appended to the system message (after the
+  instructions, if any) lists each function as one line of JSON inside `<tools></tools>`
+  (`tools_section`);
 - a call: the assistant's text `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>`
   (`call_text`), kept in the conversation exactly as generated;
-- a call's output: a user message `<tool_response>\\nOUTPUT\\n</tool_response>` (`output_content`).
+- a call's output: a `tool` message for a template with a tools section (Qwen2.5's renders it as
+  `<tool_response>`), else a user message `<tool_response>\\nOUTPUT\\n</tool_response>`
+  (`output_message`).
 
 Why a grammar: `required` and a named function are held to exactly one such call by an xgrammar
 structural tag (`constraint`: the call's arguments match the function's JSON schema, always
@@ -168,9 +173,7 @@ def check_choice(choice: ToolChoice, tools: Sequence[FunctionTool], param: str) 
 
 def tools_section(tools: Sequence[FunctionTool]) -> str:
     """The tools as the system message lists them (the module's format)."""
-    lines = [
-        json.dumps({"type": "function", "function": tool.signature()}, ensure_ascii=False) for tool in tools
-    ]
+    lines = [json.dumps(tool, ensure_ascii=False) for tool in as_template(tools)]
     return _SECTION_HEAD + "".join("\n" + line for line in lines) + _SECTION_TAIL
 
 
@@ -188,8 +191,22 @@ def call_text(name: str, arguments: str) -> str:
 
 
 def output_content(output: str) -> str:
-    """A call's output as the user message that gives it to the model."""
+    """A call's output as the user message that gives it to the model (a template without a tools
+    section)."""
     return f"<tool_response>\n{output}\n</tool_response>"
+
+
+def output_message(output: str, *, template_tools: bool) -> dict[str, str]:
+    """The message of a call's output: a `tool` message for a template with a tools section (it
+    knows the role), else a user message in the module's format."""
+    if template_tools:
+        return {"role": "tool", "content": output}
+    return {"role": "user", "content": output_content(output)}
+
+
+def as_template(tools: Sequence[FunctionTool]) -> list[dict[str, Any]]:
+    """The tools as transformers passes them to a chat template (Chat Completions' shape)."""
+    return [{"type": "function", "function": tool.signature()} for tool in tools]
 
 
 def _call_tag(tool: FunctionTool) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from gateway.openai.call_parser import ArgumentsDelta, CallEnded, CallParser, Ca
 from gateway.openai.tools import (
     FunctionTool,
     NamedFunction,
+    as_template,
     call_text,
     constraint,
     output_content,
@@ -225,3 +226,57 @@ def test_bad_tool_input_gets_a_typed_error_and_changes_nothing(
     (chunk,) = h.send({"type": "response.create"}).messages
     assert isinstance(chunk, InputChunk) and chunk.response_format == constraint((TOOL,), "required")
     assert before
+
+
+# A chat template with a tools section of its own, in the shape of Qwen2.5's: it lists the tools in
+# its system message and renders a `tool` message as a `<tool_response>`.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}You help.{% endif %}"
+    "\n\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_with_a_tools_section_lists_the_tools_and_renders_the_output_itself(
+    smollm2_card: ModelCard,
+) -> None:
+    hermes = ModelCard(
+        smollm2_card.name,
+        HERMES_TEMPLATE,
+        smollm2_card.bos_token,
+        smollm2_card.eos_token,
+        smollm2_card.eos_token_ids,
+    )
+    template = template_of(hermes)
+    assert template.has_tools_section and not template_of(smollm2_card).has_tools_section
+    h = tool_session(hermes)
+    first = h.send(user("Weather in Paris?"))
+    h.encode(SessionOpened("s", "t", "smollm2-135m"))
+    response = h.send({"type": "response.create"})
+    (chunk,) = response.messages
+    assert isinstance(chunk, InputChunk)
+    call = call_text("get_weather", '{"city": "Paris"}')
+    stream(h, chunk.seq, [call])
+    h.encode(OutputDelta(chunk.seq, 1, EOS, "<|im_end|>"))
+    closing = h.encode(done(chunk.seq, (100, EOS), "stop"))
+    (final,) = closing[-1]["response"]["output"]
+    output = {"type": "function_call_output", "call_id": final["call_id"], "output": "21 C"}
+    joined = h.send({"type": "conversation.item.create", "item": output})
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": "21 C"},
+    ]
+    whole = texts(first.messages) + texts(response.messages) + call + "<|im_end|>" + texts(joined.messages)
+    assert whole == template.render(messages, tools=as_template((TOOL,)))
+    assert whole.count("get_weather") == 2 and "# Tools\n<tools>" in whole  # listed once, by the template
