@@ -280,3 +280,30 @@ def test_a_template_with_a_tools_section_lists_the_tools_and_renders_the_output_
     whole = texts(first.messages) + texts(response.messages) + call + "<|im_end|>" + texts(joined.messages)
     assert whole == template.render(messages, tools=as_template((TOOL,)))
     assert whole.count("get_weather") == 2 and "# Tools\n<tools>" in whole  # listed once, by the template
+
+
+def test_an_output_sent_while_its_response_runs_queues_and_joins_after_it(smollm2_card: ModelCard) -> None:
+    """As the Agents SDKs do: they run the tool at the call's `response.output_item.done`, before
+    `response.done`, and send its output and the next `response.create` at once."""
+    h = tool_session(smollm2_card)
+    h.send(user("Weather?"))
+    (chunk,) = h.send({"type": "response.create"}).messages
+    assert isinstance(chunk, InputChunk)
+    streamed = stream(h, chunk.seq, [call_text("get_weather", '{"city": "Rome"}')])
+    (item_done,) = [e for e in streamed if e["type"] == "response.output_item.done"]
+    output = {"type": "function_call_output", "call_id": item_done["item"]["call_id"], "output": "sunny"}
+    queued = h.send({"type": "conversation.item.create", "item": output})
+    follow = h.send({"type": "response.create"})
+    assert queued.messages == () and queued.replies == () and follow.messages == ()  # both wait
+    h.encode(OutputDelta(chunk.seq, 1, EOS, "<|im_end|>"))
+    closing = h.encode(done(chunk.seq, (100, EOS), "stop"))
+    kinds = types(closing)
+    assert kinds.index("response.done") < kinds.index("conversation.item.added")
+    (added,) = [e for e in closing if e["type"] == "conversation.item.added"]
+    assert added["item"]["type"] == "function_call_output"
+    assert added["previous_item_id"] == item_done["item"]["id"]
+    released = h.dialect.take_released()
+    assert [m.max_output_tokens for m in released if isinstance(m, InputChunk)][-1] > 0  # its response
+    assert "<tool_response>\nsunny\n</tool_response>" in "".join(
+        m.text or "" for m in released if isinstance(m, InputChunk)
+    )

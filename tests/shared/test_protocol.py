@@ -84,6 +84,14 @@ CLIENT_MESSAGES: list[ClientMessage] = [
     ),
     InputChunk(6, tokens=(1,), response_format=ResponseFormat("regex", pattern="[0-9]+")),
     InputChunk(7, tokens=(1,), response_format=ResponseFormat("choice", choices=("yes", "no"))),
+    InputChunk(
+        8,
+        tokens=(1,),
+        response_format=ResponseFormat(
+            "structural_tag",
+            tag={"type": "structural_tag", "format": {"type": "const_string", "value": "<a>"}},
+        ),
+    ),
     SessionOpen(OpenConfig(response_format=ResponseFormat("choice", choices=("a",)))),
     OutputCancel(9),
     SessionClose(),
@@ -185,6 +193,13 @@ JSON_FAILURES: list[tuple[str, type[MicroturnError], str]] = [
     (_CHUNK + '{"type": "choice", "choices": [""]}}', InvalidMessage, "each choice"),
     (_CHUNK + '{"type": "choice", "choices": ["\\ud800"]}}', InvalidMessage, "Unicode"),
     (_CHUNK + '"json"}', InvalidMessage, "must be a map"),
+    (_CHUNK + '{"type": "structural_tag"}}', InvalidMessage, "field 'tag' must be a map"),
+    (_CHUNK + '{"type": "structural_tag", "tag": {"format": {}}}}', InvalidMessage, "type 'structural_tag'"),
+    (
+        _CHUNK + '{"type": "structural_tag", "tag": {"type": "structural_tag", "d": "%s"}}}' % ("x" * 16384),
+        InvalidMessage,
+        "tag of",
+    ),
     (
         '{"type": "session.open", "config": {"response_format": '
         '{"type": "json_schema", "schema": {"d": "%s"}}}}' % ("x" * 16384),

@@ -162,6 +162,10 @@ def test_bad_formats_are_refused_and_the_seq_is_not_consumed(engine: Engine) -> 
     bad: list[tuple[dict[str, object], str]] = [
         ({"type": "json_schema", "schema": {"type": "nonsense"}}, "grammar library: Unsupported type"),
         ({"type": "regex", "pattern": "[a-"}, "grammar library: Regex parsing error"),
+        (
+            {"type": "structural_tag", "tag": {"type": "structural_tag", "format": {"type": "nope"}}},
+            "grammar library: Invalid structural tag error: Format type not recognized",
+        ),
         ({"type": "json_schema", "schema": huge}, "exceeds"),
         ({"type": "choice", "choices": []}, "choices"),
         ({"type": "grammar", "pattern": "x"}, "type"),

@@ -87,6 +87,8 @@ def compile_format(compiler: xgr.GrammarCompiler, fmt: ResponseFormat) -> xgr.Co
         detail = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         # xgrammar prefixes its messages with a timestamp and a source location: keep the reason.
         reason = detail.split(": ", 1)[-1] if ".cc:" in detail else detail
+        # A structural tag's refusal comes as a failed check: keep what it says after it.
+        reason = reason.split(" is false: ", 1)[-1]
         raise InvalidMessage(f"response_format rejected by the grammar library: {reason}") from None
 
 
