@@ -108,6 +108,8 @@ def test_the_openai_sdk_gets_a_required_call_sends_its_output_and_the_reply_foll
     print(f"[openai tools] replies {replies!r}")
     assert replies == openai_references.result("tool_turns")["texts"]
     assert second.status == "completed"
+    # The reply after the output found the whole conversation so far in the KV: nothing re-sent.
+    assert second.usage.input_token_details.cached_tokens == first.usage.total_tokens
 
 
 def test_the_python_agents_sdk_runs_a_required_tool_and_the_reply_follows(stack: Stack) -> None:
@@ -153,6 +155,8 @@ def test_the_python_agents_sdk_runs_a_required_tool_and_the_reply_follows(stack:
     assert call["type"] == "function_call" and call["name"] == "get_weather"
     assert calls == [json.loads(call["arguments"])["city"]]  # the tool ran with the model's arguments
     assert "conversation.item.added" in raw and done[1]["status"] == "completed"
+    # The next response found the call in the KV: the conversation was never re-sent.
+    assert done[1]["usage"]["input_token_details"]["cached_tokens"] == done[0]["usage"]["total_tokens"]
 
 
 def test_the_javascript_agents_sdk_runs_a_required_tool_and_the_reply_follows(stack: Stack) -> None:
