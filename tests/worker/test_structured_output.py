@@ -7,15 +7,17 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 import torch
 
 from shared.errors import InvalidMessage
 from shared.protocol.response_format import MAX_SCHEMA_BYTES
+from tests.worker.smollm2 import engine_on
 from worker.engine import Engine
 from worker.engine.turn import TurnResult
-from worker.model.presets import smollm2_gguf_path
+from worker.model.loader import LoadedModel
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +37,10 @@ QUESTION = "Describe the capital of France as JSON."
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    with Engine.load("smollm2-135m", kv_tokens=8192) as engine:
+def engine(smollm2_model: LoadedModel) -> Iterator[Engine]:
+    # On the run's one SmolLM2 load (tests/worker/smollm2.py): the float weights, as `auto` picks on
+    # the CPU, and as transformers runs them.
+    with engine_on(smollm2_model, kv_tokens=8192) as engine:
         yield engine
 
 
@@ -127,10 +131,9 @@ def test_bad_formats_are_refused_and_the_seq_is_not_consumed(engine: Engine) -> 
 
 
 def test_the_same_tokens_as_transformers_under_xgrammar_and_unconstrained_rows_unchanged(
-    engine: Engine,
+    engine: Engine, hf_smollm2: Any, hf_smollm2_tokenizer: Any
 ) -> None:
     import xgrammar as xgr
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokens = prompt(engine)
     other = prompt(engine, "What is the capital of Germany?")
@@ -151,9 +154,7 @@ def test_the_same_tokens_as_transformers_under_xgrammar_and_unconstrained_rows_u
     assert free.tokens == alone.tokens
     assert constrained.finish == "stop"
 
-    path = smollm2_gguf_path()
-    hf_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf_tokenizer, model = hf_smollm2_tokenizer, hf_smollm2  # the run's shared loads (conftest.py)
     info = xgr.TokenizerInfo.from_huggingface(
         hf_tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[hf_tokenizer.eos_token_id]
     )
