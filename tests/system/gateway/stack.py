@@ -43,10 +43,8 @@ class Stack:
     def common(self) -> list[str]:
         return ["--redis-url", self.redis_url, "--key-prefix", self.prefix]
 
-    def start_worker(self, worker_id: str, own_flags: list[str] | None = None) -> Proc:
-        """A tiny worker of the stack's, ready; with the stack's worker flags unless `own_flags`."""
-        chosen = self.worker_flags if own_flags is None else own_flags
-        flags = [*self.common(), "--model", "tiny", "--worker-id", worker_id, *chosen]
+    def start_worker(self, worker_id: str) -> Proc:
+        flags = [*self.common(), "--model", "tiny", "--worker-id", worker_id, *self.worker_flags]
         proc = start(f"worker-{worker_id}", "worker", flags, self.log_dir)
         self.workers[worker_id] = proc
         return proc
