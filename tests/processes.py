@@ -1,8 +1,8 @@
 """Real microturn processes for integration tests: started on free ports, stopped at teardown.
 
 Every process is a supervised child (microturn/processes.py, as `microturn up` runs them) with a free
-port and a log file, waited for on its `/readyz`; a start that fails is retried on another port,
-and `stop` sends the signal, then SIGKILL, so nothing leaks.
+port and a log file, waited for on its `/readyz`; a process that exits at start (its port was taken)
+is retried on another port, and `stop` sends the signal, then SIGKILL, so nothing leaks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from microturn.processes import Child, free_port, http_ready, spawn
 logger = logging.getLogger(__name__)
 
 REPO: Final = Path(__file__).resolve().parents[1]
-_READY_TIMEOUT_S: Final = 60.0
+# A start is given this long while it lives: SmolLM2 workers booting three at once on a loaded
+# 2-core machine (load ~12) were not ready in 60 s, and a slow start retried on another port only
+# loads the same model again (the worst case is the same 3 x 60 s it was).
+_READY_TIMEOUT_S: Final = 180.0
 _STOP_TIMEOUT_S: Final = 10.0
 _PORT_ATTEMPTS: Final = 3
 
@@ -82,6 +85,8 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
 
 
 def _wait_ready(proc: Proc, timeout: float) -> bool:
+    """True once /readyz answers; False if the process exited (its port may have been taken: the
+    caller tries another); RuntimeError if it still lives, not ready, after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not proc.alive():
@@ -89,7 +94,7 @@ def _wait_ready(proc: Proc, timeout: float) -> bool:
         if http_ready(proc.http + "/readyz"):
             return True
         time.sleep(0.1)
-    return False
+    raise RuntimeError(f"{proc.name} was not ready after {timeout:g} s:\n{proc.log_tail()}")
 
 
 def stop(proc: Proc, sig: int = signal.SIGTERM) -> None:
@@ -99,7 +104,8 @@ def stop(proc: Proc, sig: int = signal.SIGTERM) -> None:
 
 def start(name: str, command: str, flags: list[str], log_dir: Path, *, tls: bool = False) -> Proc:
     """Start `python -m microturn <command> --host 127.0.0.1 --port <free> <flags>`, wait for /readyz
-    (over https for a process that serves TLS: `tls`)."""
+    (over https for a process that serves TLS: `tls`); a process that exits before it is ready is
+    started again on another port."""
     for attempt in range(_PORT_ATTEMPTS):
         port = free_port()
         args = [sys.executable, "-m", "microturn", command, "--host", "127.0.0.1", "--port", str(port)]

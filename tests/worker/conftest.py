@@ -59,3 +59,11 @@ def hf_smollm2() -> Any:
     path = smollm2_gguf_path()
     model: Any = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=DTYPE)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path: Path) -> Any:
+    """transformers' own tokenizer of the same GGUF file (it parses the 49k-token vocabulary again)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)

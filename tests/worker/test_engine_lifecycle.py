@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from concurrent.futures import Future
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from shared.protocol.messages import OpenConfig
+from tests.processes import REPO
 from tests.wait import wait_until
 from worker.engine import Engine
 from worker.engine.config import EngineConfig
@@ -232,3 +235,18 @@ def test_text_chunks_are_tokenized_and_outputs_decoded(tiny: Engine) -> None:
     result = tiny.run_turn(sid, text="hello", max_output_tokens=3, timeout=30)
     assert result.length == len(tiny.tokenizer.encode("hello")) + 3
     assert result.text == tiny.tokenizer.decode(list(result.tokens))
+
+
+def test_a_worker_that_never_meets_a_response_format_never_imports_the_grammar_library() -> None:
+    """xgrammar imports transformers, about a second of CPU at every start (worker/engine/grammar.py):
+    a worker of a model without a tokenizer starts, serves a turn and closes without either."""
+    code = (
+        "import sys, worker.server.main\n"
+        "from worker.engine import Engine\n"
+        "with Engine.load('tiny', kv_tokens=1024) as engine:\n"
+        "    sid = engine.open_session(stop_token_ids=())\n"
+        "    engine.run_turn(sid, tokens=[1, 2, 3], max_output_tokens=2, timeout=60)\n"
+        "print(sorted({'xgrammar', 'transformers'} & set(sys.modules)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stderr[-2000:]

@@ -66,10 +66,8 @@ def ours(reader: gguf.GGUFReader) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(gguf_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+def hf_tokenizer(hf_smollm2_tokenizer: Any) -> Any:
+    return hf_smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,10 @@ from gateway.openai.tools import (
 )
 from shared.errors import InvalidMessage
 from shared.protocol.response_format import MAX_SCHEMA_BYTES
+from tests.worker.smollm2 import engine_on
 from worker.engine import Engine
 from worker.engine.turn import TurnResult
-from worker.model.presets import smollm2_gguf_path
+from worker.model.loader import LoadedModel
 
 pytestmark = pytest.mark.slow
 
@@ -45,20 +46,18 @@ QUESTION = "Describe the capital of France as JSON."
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    with Engine.load("smollm2-135m", kv_tokens=8192) as engine:
+def engine(smollm2_model: LoadedModel) -> Iterator[Engine]:
+    # On the run's one SmolLM2 load (tests/worker/smollm2.py): the float weights, as `auto` picks on
+    # the CPU, and as transformers runs them.
+    with engine_on(smollm2_model, kv_tokens=8192) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
-def transformers_model() -> tuple[Any, Any]:
-    """SmolLM2 in transformers, from the same GGUF: (tokenizer, model)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = smollm2_gguf_path()
-    hf_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return hf_tokenizer, model
+def transformers_model(hf_smollm2: Any, hf_smollm2_tokenizer: Any) -> tuple[Any, Any]:
+    """SmolLM2 in transformers, from the same GGUF: (tokenizer, model), the run's shared loads
+    (tests/worker/conftest.py)."""
+    return hf_smollm2_tokenizer, hf_smollm2
 
 
 def xgrammar_compiler(transformers_model: tuple[Any, Any]) -> Any:

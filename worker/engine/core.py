@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-
-from xgrammar import CompiledGrammar
+from typing import TYPE_CHECKING
 
 from shared.errors import (
     CapacityExhausted,
@@ -38,6 +37,9 @@ from worker.engine.session import Session
 from worker.engine.turn import Turn
 from worker.tokenizer.incremental import EMPTY_TAIL, IncrementalTokenizer, TextTail
 from worker.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # annotations only: worker/engine/grammar.py imports xgrammar at the first grammar
+    from xgrammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 

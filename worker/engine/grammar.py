@@ -23,14 +23,21 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 from tokenizers import decoders
 
 from shared.errors import InvalidMessage
 from shared.protocol.response_format import ResponseFormat
 from worker.tokenizer.tokenizer import Tokenizer
+
+# xgrammar is imported where a grammar is first built or used, never at the module's import: it
+# imports transformers (about a second of CPU), which a worker that never meets a response_format
+# (a model without a tokenizer, such as `tiny`) would pay at every start. A worker with a tokenizer
+# imports it at start all the same, on the grammar thread (`Grammars.prepare`).
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +51,8 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
     tokens such as `<|im_end|>`) as empty strings so no grammar ever emits them as text, and the
     EOS ids as the stop tokens. `vocab_size` is the model's (the logits' width): ids past the
     tokenizer's vocabulary are masked out of every constrained row."""
+    import xgrammar as xgr
+
     backend = tokenizer.backend
     encoded = [""] * tokenizer.vocab_size
     for token, index in backend.get_vocab(with_added_tokens=True).items():
@@ -62,6 +71,8 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
 
 def _vocab_type(decoder: decoders.Decoder | None) -> xgr.VocabType:
     """How the vocabulary's token strings encode bytes, read off the tokenizer's decoder."""
+    import xgrammar as xgr
+
     if isinstance(decoder, decoders.ByteLevel):
         return xgr.VocabType.BYTE_LEVEL
     if decoder is not None and "ByteFallback" in json.dumps(json.loads(decoder.__getstate__())):
@@ -139,6 +150,8 @@ class Grammars:
     def matcher(self, future: Future[xgr.CompiledGrammar], stop_ids: Sequence[int]) -> xgr.GrammarMatcher:
         """A fresh matcher for one turn (`future` done). The grammar ends with one of the session's
         stop tokens, as an unconstrained turn does; a session with none ends when it is complete."""
+        import xgrammar as xgr
+
         return xgr.GrammarMatcher(
             future.result(),
             override_stop_tokens=list(stop_ids) or None,
@@ -157,6 +170,8 @@ class Grammars:
 
     def _ensure_compiler(self) -> xgr.GrammarCompiler:
         """The compiler (grammar thread only): built by `prepare`, or by the first compile."""
+        import xgrammar as xgr
+
         if self._compiler is None:
             assert self._tokenizer is not None
             info = tokenizer_info(self._tokenizer, self.vocab_size)
@@ -185,6 +200,8 @@ def apply_masks(logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | No
     rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
     if not rows:
         return
+    import xgrammar as xgr  # loaded already: a matcher exists
+
     bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
     for row in rows:
         matcher = matchers[row]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from worker.attention import AttentionShape, choose_backend
 from worker.attention.base import AttentionMetadata, paged_metadata
@@ -19,6 +19,9 @@ from worker.attention.kv_pool import KVPool
 from worker.engine.sampling import SamplingParams, sample
 from worker.model.llama import LlamaModel
 from worker.model.loader import LoadedModel
+
+if TYPE_CHECKING:  # annotations only: worker/engine/grammar.py imports xgrammar at the first grammar
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from worker.engine.grammar import apply_masks
+
+if TYPE_CHECKING:  # annotations only: worker/engine/grammar.py imports xgrammar at the first grammar
+    import xgrammar as xgr
 
 
 @dataclass(frozen=True)

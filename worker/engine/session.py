@@ -17,14 +17,17 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from shared.protocol.messages import OpenConfig
 from worker.engine.sampling import SamplingParams
 from worker.engine.turn import Turn
 from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
+
+if TYPE_CHECKING:  # annotations only: worker/engine/grammar.py imports xgrammar at the first grammar
+    import xgrammar as xgr
 
 
 class Session:

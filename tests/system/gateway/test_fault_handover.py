@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import re
 import signal
@@ -66,8 +67,10 @@ def expected() -> list[list[tuple[int, ...]]]:
     return reference_outputs()
 
 
+@functools.cache
 def reference_outputs() -> list[list[tuple[int, ...]]]:
-    """Each session's outputs on an engine that never moved it."""
+    """Each session's outputs on an engine that never moved it (once per run: test_fault_kv_copy.py
+    streams the same sessions)."""
     with Engine.load("tiny", kv_tokens=8192) as engine:
         out = []
         for session in range(SESSIONS):
