@@ -33,6 +33,7 @@ from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager, MemorySta
 from worker.engine.memory.prefix_cache import prefix_cache
 from worker.engine.memory.window import cut_before, opening_history, session_limit
 from worker.engine.model_runner import ForwardRow, ModelRunner, SampledToken
+from worker.engine.rewind import RewindTarget, rewind_length
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
 from worker.engine.turn import Turn
@@ -203,6 +204,34 @@ class EngineCore:
         if active is not None and active.cancelled and session.uncached <= 1 and active.output_tokens:
             self._finish(session, "cancelled")
 
+    def rewind(self, session_id: str, target: RewindTarget) -> int:
+        """Take the session's history back to where `target` says (worker/engine/rewind.py) and
+        return its new length; raises `InvalidMessage` having changed nothing.
+
+        Its running and queued turns are cancelled first (their results say `cancelled`; a queued
+        one appended nothing), its held-back text is dropped (a rewind ends on a token boundary),
+        and the KV past the new end goes back to the pool with no forward pass (`KVManager.truncate`)."""
+        session = self._get(session_id)
+        length = rewind_length(session, target)
+        self.running.pop(session_id, None)
+        self.waiting.pop(session_id, None)
+        active, session.active = session.active, None
+        if active is not None:
+            for turn in [*active.absorbed, active]:
+                turn.cancelled = True
+                self._resolve(session, turn, "cancelled")
+        for turn in session.pending:
+            turn.cancelled = True
+            turn.input_tokens = []  # it never entered the sequence
+            self._resolve(session, turn, "cancelled")
+        session.pending.clear()
+        self.kv.truncate(session, length)
+        del session.tokens[length:]
+        session.ends.truncate(length)
+        session.tail = EMPTY_TAIL
+        session.last_activity = self.clock()
+        return length
+
     def close(self, session_id: str, reason: str) -> None:
         session = self._get(session_id)
         self._remove(session)
@@ -334,11 +363,14 @@ class EngineCore:
             reason = failed if isinstance(failed, MicroturnError) else InternalError("grammar compile failed")
             self._refuse(session, turns, reason)
             return
+        length_before = len(session.tokens)
         try:
             self.kv.prepare(session, cut, inputs, outputs)
         except CapacityExhausted as error:
             self._refuse(session, turns, error)
             return
+        if cut is not None:
+            session.ends.after_cut(cut, length_before)
         if owner.wants_output and owner.grammar is not None:
             owner.matcher = self.grammars.matcher(owner.grammar, self._stop_ids(session))
         turns[0].cut = cut
@@ -443,9 +475,10 @@ class EngineCore:
     def _resolve(self, session: Session, turn: Turn, reason: FinishReason) -> None:
         self.turns_completed += 1
         text = self.tokenizer.decode(turn.output_tokens) if self.tokenizer is not None else None
-        result = turn.result(
-            session.session_id, reason, now=self.clock(), text=text, length=len(session.tokens)
-        )
+        length = len(session.tokens)
+        result = turn.result(session.session_id, reason, now=self.clock(), text=text, length=length)
+        if turn.started_at is not None:  # its input entered the sequence: a rewind may go back to its end
+            session.ends.record(turn.seq, length - len(turn.output_tokens), length)
         if not turn.future.done():
             turn.future.set_result(result)
 

@@ -35,6 +35,7 @@ from worker.engine.memory.kv_transfer import KVExport, model_fingerprint
 from worker.engine.memory.sizing import device_pages, host_pages
 from worker.engine.memory.window import resolve_prefix, session_limit
 from worker.engine.model_runner import ModelRunner
+from worker.engine.rewind import RewindTarget
 from worker.engine.session_rules import SessionRules
 from worker.engine.turn import TokenListener, Turn, TurnResult
 from worker.model.loader import LoadedModel, load_model
@@ -367,6 +368,12 @@ class Engine:
     def cancel(self, session_id: str, seq: int | None = None) -> Future[None]:
         """Stop the turn `seq` (or every turn of the session): its result has finish='cancelled'."""
         return self._call(lambda: self._core.cancel(session_id, seq))
+
+    def rewind(self, session_id: str, target: RewindTarget) -> Future[int]:
+        """Take the session's history back (worker/engine/rewind.py); resolves to its new length.
+        Its running and queued turns end `cancelled` first; bad targets fail with `InvalidMessage`
+        having changed nothing."""
+        return self._call(lambda: self._core.rewind(session_id, target))
 
     def close_session(self, session_id: str, reason: str = "closed") -> None:
         self._call(lambda: self._core.close(session_id, reason)).result()

@@ -1,0 +1,63 @@
+"""Where each recent turn of a session ends in its sequence: what a rewind `to_seq` goes back to.
+
+Each entry is seq -> (where the turn's outputs begin, where it ends), in the sequence's current
+positions: the `length` its `output.done` reported, less the outputs. Kept for the last
+`MAX_TURN_ENDS` turns, so a session's bookkeeping does not grow with its life; a window cut moves
+the entries of the turns it kept whole and drops the rest (that history is gone), and a rewind
+drops the turns past its end. A restored session gets the entries of the turns its log still holds
+as records (worker/server/restore.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Final
+
+from shared.store.log_format import Cut
+
+# Turns whose ends a session remembers: the log's default `--log-keep-records`, the turns a
+# compacted log still holds as records, so a restored session knows as many as its first worker.
+MAX_TURN_ENDS: Final = 64
+
+
+class TurnEnds:
+    def __init__(self) -> None:
+        self._spans: OrderedDict[int, tuple[int, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+    def get(self, seq: int) -> tuple[int, int] | None:
+        return self._spans.get(seq)
+
+    @property
+    def last_seq(self) -> int | None:
+        return next(reversed(self._spans)) if self._spans else None
+
+    def record(self, seq: int, outputs_start: int, end: int) -> None:
+        """Turn `seq` ended at `end`, its outputs from `outputs_start` (O(1): once per turn)."""
+        self._spans[seq] = (outputs_start, end)
+        self._spans.move_to_end(seq)
+        if len(self._spans) > MAX_TURN_ENDS:
+            self._spans.popitem(last=False)
+
+    def after_cut(self, cut: Cut, length: int) -> None:
+        """A window cut of a history of `length`: turns in its recent tokens move, the rest go."""
+        first_kept = length - cut.recent
+        shift = cut.keep - first_kept
+        moved = [
+            (seq, (start + shift, end + shift))
+            for seq, (start, end) in self._spans.items()
+            if cut.recent > 0 and start >= first_kept
+        ]
+        self._spans = OrderedDict(moved)
+
+    def truncate(self, length: int) -> None:
+        """A rewind to `length`: a turn it cut inside its outputs ends at `length`; later ones go."""
+        kept: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        for seq, (start, end) in self._spans.items():
+            if end <= length:
+                kept[seq] = (start, end)
+            elif start <= length:
+                kept[seq] = (start, length)
+        self._spans = kept
