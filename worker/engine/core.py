@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -123,6 +123,7 @@ class EngineCore:
         *,
         adopt: bool = False,
         grammar: Future[CompiledGrammar] | None = None,
+        turn_ends: Sequence[tuple[int, int, int]] = (),
     ) -> None:
         """Open a session with `history`. With `adopt`, a session of that id already here (a copy
         warmed before a handover, `warm`) is taken over when its tokens begin `history` and its
@@ -133,6 +134,7 @@ class EngineCore:
             context_limit = session_limit(config, self.context_limit)
             window = opening_history(history, config, context_limit)
             if self._adopt(existing, config, window, accepted_seq, text_tail):
+                _seed_ends(existing, turn_ends, len(history))
                 return
             self._remove(existing)
         if session_id in self.sessions:
@@ -143,8 +145,9 @@ class EngineCore:
                 retry_after_ms=CAPACITY_RETRY_MS,
             )
         context_limit = session_limit(config, self.context_limit)
+        given = len(history)
         history = opening_history(history, config, context_limit)
-        self.sessions[session_id] = Session(
+        session = self.sessions[session_id] = Session(
             session_id,
             config,
             history=history,
@@ -155,6 +158,7 @@ class EngineCore:
             tail=text_tail,
             grammar=grammar,
         )
+        _seed_ends(session, turn_ends, given)
 
     def warm(self, session_id: str, turn: Turn) -> None:
         """Compute the KV of the session's whole history now, in the background class of the
@@ -510,3 +514,13 @@ class EngineCore:
             return self.sessions[session_id]
         except KeyError:
             raise SessionNotFound(f"no session {session_id} on this worker") from None
+
+
+def _seed_ends(session: Session, turn_ends: Sequence[tuple[int, int, int]], given: int) -> None:
+    """A reopened session remembers where its logged turns end, unless opening cut its history
+    (then their positions are gone, as after any cut)."""
+    if len(session.tokens) != given:
+        return
+    for seq, outputs_start, end in turn_ends:
+        if end <= given:
+            session.ends.record(seq, outputs_start, end)

@@ -162,6 +162,7 @@ class Engine:
         text_tail: TextTail = EMPTY_TAIL,
         config: OpenConfig | None = None,
         adopt: bool = False,
+        turn_ends: Sequence[tuple[int, int, int]] = (),
         **options: Any,
     ) -> tuple[str, Future[str]]:
         """Open a session with `config`, or with `options` given by hand (tests, the bench, the console).
@@ -169,6 +170,8 @@ class Engine:
         `config` has been validated where it entered (the client codec, or the session record read
         back from Redis); hand-given `options` enter here, so the same rules check them. `adopt`
         takes over a warm copy of the session (`warm_async`) whose tokens begin `history`.
+        `turn_ends`: (seq, outputs_start, end) of the turns `history` holds, which a rewind may go
+        back to (worker/engine/turn_ends.py; a restore reads them from the log).
         """
         if config is None:
             config = config_from_map(options, "session options")
@@ -182,7 +185,14 @@ class Engine:
 
         def open_it() -> str:
             self._core.open_session(
-                sid, config, history_tokens, accepted_seq, text_tail, adopt=adopt, grammar=grammar
+                sid,
+                config,
+                history_tokens,
+                accepted_seq,
+                text_tail,
+                adopt=adopt,
+                grammar=grammar,
+                turn_ends=turn_ends,
             )
             return sid
 

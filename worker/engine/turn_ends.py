@@ -27,6 +27,10 @@ class TurnEnds:
     def __len__(self) -> int:
         return len(self._spans)
 
+    def items(self) -> list[tuple[int, int, int]]:
+        """(seq, outputs_start, end) per remembered turn, oldest first (what a reopened session seeds)."""
+        return [(seq, start, end) for seq, (start, end) in self._spans.items()]
+
     def get(self, seq: int) -> tuple[int, int] | None:
         return self._spans.get(seq)
 

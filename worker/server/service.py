@@ -183,6 +183,7 @@ class WorkerService:
                 text_tail=EMPTY_TAIL if plan is None else plan.text_tail,
                 config=replace(rules.config, idle_timeout_s=idle),
                 adopt=adopted is not None,
+                turn_ends=() if plan is None else plan.turn_ends,
             )
         except MicroturnError as error:
             self.sessions.close(sid)

@@ -8,16 +8,20 @@ streamed in chunks is the same conversation as one sent whole: docs/design.md), 
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Iterator
 
 import pytest
 
 from shared.client.clients import RealtimeClient
 from shared.errors import InvalidMessage
-from shared.protocol.messages import OutputDone
+from shared.protocol.messages import OutputDone, SessionRestored
+from shared.store.connection import resilient_redis
+from shared.store.registry import read_session
+from shared.store.schema import KeySchema
 from tests.conftest import Servers
 from tests.system.gateway.conftest import GATEWAY_FLAGS, LINK_SECRET
-from tests.system.gateway.stack import Stack
+from tests.system.gateway.stack import Stack, stop
 
 CONFIG = {"stop_token_ids": [], "max_output_tokens": 0}
 PROMPT = [(7 * j) % 500 + 3 for j in range(12)]
@@ -94,5 +98,36 @@ def test_a_rewind_cancels_the_running_turn_first(rewind_stack: Stack) -> None:
             assert queued.committed_tokens == 0  # it never entered the history
             got = await client.turn(3, [33, 34], max_output_tokens=4)
         assert got.tokens == (await _as_whole(url, history, [33, 34], 4)).tokens
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_a_worker_killed_after_a_rewind_leaves_the_edited_history(rewind_stack: Stack) -> None:
+    """Point 3 and 4: the rewind is in the log before it is answered, so the session restored on
+    the other worker continues from the rewound history (and still knows where its turns end).
+    Last in the module: it leaves the stack one worker."""
+    url = rewind_stack.realtime_url(0)
+
+    async def body() -> None:
+        redis = resilient_redis(rewind_stack.redis_url)
+        try:
+            async with await RealtimeClient.connect(url) as client:
+                await client.open(**CONFIG)
+                history = await _history(client, [(PROMPT, 0), ([5, 6, 7, 8], 6), ([9, 10, 11, 12], 6)])
+                rewound = await client.rewind(to_seq=1)
+                history = history[: rewound.length]
+                assert client.session_id is not None
+                record = await read_session(redis, KeySchema(rewind_stack.prefix), client.session_id)
+                assert record is not None
+                stop(rewind_stack.workers[record.worker], signal.SIGKILL)
+                got = await client.turn(3, [40, 41], max_output_tokens=4)
+                assert any(isinstance(m, SessionRestored) for m in client.buffered)
+                # Restored from the log: turn 1's end is known there too, and leads to the same answer.
+                assert (await client.rewind(to_seq=1)).length == rewound.length
+                again = await client.turn(4, [40, 41], max_output_tokens=4)
+                assert again.tokens == got.tokens
+        finally:
+            await redis.aclose()
+        assert got.tokens == (await _as_whole(url, history, [40, 41], 4)).tokens
 
     asyncio.run(asyncio.wait_for(body(), 120))
