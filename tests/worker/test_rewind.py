@@ -206,3 +206,27 @@ def test_a_parked_session_rewinds_on_the_host() -> None:
             engine.run_turn(first, seq=1, timeout=60, **turn),
             _as_whole(engine, list(range(1, 21)), **turn),
         )
+
+
+def _history(engine: Engine, sid: str) -> list[int]:
+    return list(engine._core.sessions[sid].tokens)
+
+
+def test_a_rewind_to_a_chunk_folded_into_a_later_append_lands_at_its_own_end() -> None:
+    with _engine() as engine:
+        sid = _open(engine)
+        engine.run_turn(sid, tokens=PROMPT, max_output_tokens=2, seq=0, timeout=60)
+        # Queued behind a running turn, the next three fold into one append; each keeps its own end.
+        futures = [
+            engine.submit(sid, tokens=[1], max_output_tokens=30, seq=1),
+            engine.submit(sid, tokens=[7, 8], max_output_tokens=0, seq=2),
+            engine.submit(sid, tokens=[9], max_output_tokens=0, seq=3),
+            engine.submit(sid, tokens=[10, 11], max_output_tokens=3, seq=4),
+        ]
+        results = [f.result(timeout=60) for f in futures]
+        assert results[1].length == results[3].length  # folded: one append, one length
+        history = _history(engine, sid)
+        assert _rewind(engine, sid, ToTurn(2)) == 42 + 1 + 30 + 2
+        turn = {"tokens": [4], "max_output_tokens": 3}
+        expected = _as_whole(engine, history[: 42 + 1 + 30 + 2], **turn)
+        _same(engine.run_turn(sid, seq=5, timeout=60, **turn), expected)

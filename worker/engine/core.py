@@ -381,6 +381,10 @@ class EngineCore:
         now = self.clock()
         for turn in turns:
             turn.started_at = now
+        end = len(session.tokens)
+        for turn in owner.absorbed:  # each folded chunk's own end: where a rewind to it lands
+            end += len(turn.input_tokens)
+            turn.input_end = end
         session.tokens.extend(inputs)
         session.active = owner
         if outputs and session.uncached == 0:
@@ -481,7 +485,9 @@ class EngineCore:
         text = self.tokenizer.decode(turn.output_tokens) if self.tokenizer is not None else None
         length = len(session.tokens)
         result = turn.result(session.session_id, reason, now=self.clock(), text=text, length=length)
-        if turn.started_at is not None:  # its input entered the sequence: a rewind may go back to its end
+        if turn.input_end is not None:  # folded into a later chunk's append: its own end
+            session.ends.record(turn.seq, turn.input_end, turn.input_end)
+        elif turn.started_at is not None:  # its input entered the sequence: a rewind may go back to its end
             session.ends.record(turn.seq, length - len(turn.output_tokens), length)
         if not turn.future.done():
             turn.future.set_result(result)
