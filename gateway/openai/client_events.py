@@ -49,10 +49,28 @@ class ItemCreate:
 
 
 @dataclass(frozen=True, slots=True)
+class ItemReference:
+    """An `input` entry naming a conversation item by id (`{"type": "item_reference", "id": ...}`)."""
+
+    item_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class OutOfBand:
+    """`response.conversation: "none"` (issue #35, gateway/openai/out_of_band.py): the response
+    adds nothing to the conversation. `input` None: over the conversation; else over exactly
+    these items (messages of its own, or references to conversation items), after the
+    session's instructions."""
+
+    input: tuple[NewItem | ItemReference, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ResponseCreate:
     event_id: str | None
     max_output_tokens: int | None = None  # None: the session's
     metadata: Mapping[str, str] | None = None
+    out_of_band: OutOfBand | None = None  # None: a response in the conversation
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,21 +184,27 @@ def _item_create(r: _Reader) -> ItemCreate:
     item = r.obj_at(r.obj, "item", "item")
     if item is None:
         raise r.bad("missing item", "item", "missing_required_parameter")
+    previous = r.opt_str(r.obj, "previous_item_id")
+    return ItemCreate(r.event_id, _message(r, item, "item"), previous)
+
+
+def _message(r: _Reader, item: Mapping[str, object], at: str) -> NewItem:
+    """A message item (`conversation.item.create`'s, or one of an out-of-band response's `input`)."""
     kind = item.get("type", "message")
     if kind != "message":
         raise r.bad(
-            f"item.type {str(kind)[:64]!r}: only message items are served", "item.type", "unsupported_value"
+            f"{at}.type {str(kind)[:64]!r}: only message items are served", f"{at}.type", "unsupported_value"
         )
     role = item.get("role")
     if role not in ROLES:
-        raise r.bad('item.role must be "user", "system" or "assistant"', "item.role")
+        raise r.bad(f'{at}.role must be "user", "system" or "assistant"', f"{at}.role")
     content = item.get("content")
     if not isinstance(content, list) or not content:
-        raise r.bad("item.content must be a non-empty list of text parts", "item.content")
+        raise r.bad(f"{at}.content must be a non-empty list of text parts", f"{at}.content")
     allowed = _TEXT_PARTS[str(role)]
     texts = []
     for index, part in enumerate(content):
-        param = f"item.content[{index}]"
+        param = f"{at}.content[{index}]"
         if not isinstance(part, dict):
             raise r.bad(f"{param} must be an object", param, "invalid_type")
         if part.get("type") not in allowed:
@@ -190,27 +214,52 @@ def _item_create(r: _Reader) -> ItemCreate:
                 "unsupported_value",
             )
         texts.append(r.req_str(part, "text", f"{param}.text"))
-    item_id = r.opt_str(item, "id", "item.id")
+    item_id = r.opt_str(item, "id", f"{at}.id")
     if item_id is not None and not 1 <= len(item_id) <= 64:
-        raise r.bad("item.id must have 1 to 64 characters", "item.id")
-    previous = r.opt_str(r.obj, "previous_item_id")
-    return ItemCreate(r.event_id, NewItem(item_id, role, "".join(texts)), previous)
+        raise r.bad(f"{at}.id must have 1 to 64 characters", f"{at}.id")
+    return NewItem(item_id, role, "".join(texts))
+
+
+def _out_of_band(r: _Reader, response: Mapping[str, object]) -> OutOfBand | None:
+    """`response.conversation` and `response.input`: None for a response in the conversation."""
+    conversation = response.get("conversation", "auto")
+    if conversation not in ("auto", "none"):
+        raise r.bad('response.conversation must be "auto" or "none"', "response.conversation")
+    given = response.get("input")
+    if conversation == "auto":
+        if given:
+            raise r.bad(
+                'response.input is served with response.conversation "none" (an out-of-band response)',
+                "response.input",
+                "unsupported_value",
+            )
+        return None
+    if given is None:
+        return OutOfBand()
+    if not isinstance(given, list):
+        raise r.bad("response.input must be a list of items", "response.input", "invalid_type")
+    items: list[NewItem | ItemReference] = []
+    for index, entry in enumerate(given):
+        at = f"response.input[{index}]"
+        if not isinstance(entry, dict):
+            raise r.bad(f"{at} must be an object", at, "invalid_type")
+        if entry.get("type") == "item_reference":
+            items.append(ItemReference(r.req_str(entry, "id", f"{at}.id")))
+        else:
+            items.append(_message(r, entry, at))
+    return OutOfBand(tuple(items))
 
 
 def _response_create(r: _Reader, limit: int) -> ResponseCreate:
     response = r.obj_at(r.obj, "response", "response") or {}
-    for key in ("input", "tools", "instructions", "prompt", "audio", "tool_choice"):
+    for key in ("tools", "instructions", "prompt", "audio", "tool_choice"):
         if response.get(key):
             raise r.bad(
-                f"response.{key}: out-of-band responses are not served; add items to the conversation",
+                f"response.{key}: not served; add items to the conversation",
                 f"response.{key}",
                 "unsupported_value",
             )
-    conversation = response.get("conversation", "auto")
-    if conversation != "auto":
-        raise r.bad(
-            'response.conversation: only "auto" (the session\'s conversation)', "response.conversation"
-        )
+    out_of_band = _out_of_band(r, response)
     text_only(response, "response.output_modalities", r.event_id)
     has_max, max_tokens = read_max_output_tokens(response, "response.max_output_tokens", limit, r.event_id)
     metadata = r.obj_at(response, "metadata", "response.metadata")
@@ -231,4 +280,4 @@ def _response_create(r: _Reader, limit: int) -> ResponseCreate:
     if unknown:
         raise r.bad(f"unknown response field {sorted(unknown)[0][:64]!r}", "response", "unknown_parameter")
     wanted = (max_tokens if max_tokens is not None else limit) if has_max else None
-    return ResponseCreate(r.event_id, wanted, metadata)  # type: ignore[arg-type]
+    return ResponseCreate(r.event_id, wanted, metadata, out_of_band)  # type: ignore[arg-type]

@@ -31,6 +31,7 @@ from gateway.dialect import Decoded, Frame, frame_size
 from gateway.limits import LimitValues, SessionLimits
 from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
+from gateway.openai import out_of_band
 from gateway.openai import server_events as ev
 from gateway.openai.admission import DialectLimits
 from gateway.openai.client_events import (
@@ -111,6 +112,7 @@ class OpenAIDialect:
         self._context = 0  # tokens in the session's KV as of the last done seen
         self._cached = 0  # ... as of the end of the last response: what the next one finds cached
         self._broken: str | None = None
+        self._out_of_band: out_of_band.OutOfBandRun | None = None  # an out-of-band response under way
         self._eos_ids = frozenset(card.eos_token_ids)
 
     # ---- the Dialect protocol -----------------------------------------------------------------
@@ -208,6 +210,17 @@ class OpenAIDialect:
 
     def _response_create(self, event: ResponseCreate) -> Decoded:
         limit = event.max_output_tokens or self._max_output_tokens or self._limits.max_output_tokens
+        if event.out_of_band is not None:
+            conversation, oob = self._usable(), event.out_of_band
+            sent, self._out_of_band = out_of_band.start(
+                self._flight,
+                conversation,
+                oob,
+                limit=limit,
+                metadata=event.metadata,
+                conversation_id=self._conversation_id,
+            )
+            return self._sending(*sent)
         messages, replies = self._flight.add_response(event, limit)
         return self._sending(messages, replies)
 
@@ -339,6 +352,8 @@ class OpenAIDialect:
 
     def _done(self, done: OutputDone) -> list[ev.Event]:
         self._flight.settle((done.seq,))
+        if self._out_of_band is not None and done.seq in self._out_of_band.chunks:
+            return self._out_of_band_done(done, self._out_of_band)
         self._context += (done.committed_tokens or 0) + len(done.tokens)
         piece = self._flight.item_chunks.pop(done.seq, None)
         if piece is not None:
@@ -378,6 +393,35 @@ class OpenAIDialect:
             events + response.closing(self._conversation_id, outcome, usage, previous) + self._flight.join()
         )
 
+    def _out_of_band_done(self, done: OutputDone, run: out_of_band.OutOfBandRun) -> list[ev.Event]:
+        """An out-of-band response's chunk is done; at its last, the conversation goes back to
+        where it was and the session is rewound there, ahead of any input that waited."""
+        run.inputs += done.committed_tokens or 0
+        if done.seq != run.response.seq:
+            return []
+        self._out_of_band, self._flight.response = None, None
+        assert self._conversation is not None
+        self._conversation.rollback(run.checkpoint)
+        self._flight.release(run.rewind())
+        outcome = run.response.outcome(done, self._eos_ids)
+        usage = ev.Usage(self._context + run.inputs, self._context, len(done.tokens))
+        closing = run.response.closing(self._conversation_id, outcome, usage, None)
+        return out_of_band.without_conversation(closing) + self._flight.join()
+
+    def _out_of_band_refused(self, error: Error, run: out_of_band.OutOfBandRun) -> list[ev.Event]:
+        """A chunk of an out-of-band response was refused (the ones behind it will be too): the
+        response fails, and what of it reached the session is rewound."""
+        self._out_of_band, self._flight.response = None, None
+        assert self._conversation is not None
+        self._conversation.rollback(run.checkpoint)
+        if error.seq != run.flush_seq:
+            self._flight.release(run.rewind())
+        assert error.seq is not None
+        self._dropped.update(s for s in run.chunks if s > error.seq)  # refused behind it: told here
+        problem = problem_from_native(error, "the out-of-band response was refused")
+        failed = run.response.failed(self._conversation_id, problem)
+        return out_of_band.without_conversation(failed) + self._flight.join()
+
     def _error(self, error: Error) -> list[ev.Event]:
         if error.seq is None:
             problem = problem_from_native(error)
@@ -385,6 +429,9 @@ class OpenAIDialect:
                 return [ev.error(self._open_failed(problem))]
             return [ev.error(problem)]
         self._flight.settle((error.seq,))
+        run = self._out_of_band
+        if run is not None and (error.seq in run.chunks or error.seq == run.flush_seq):
+            return self._out_of_band_refused(error, run)
         if error.seq in self._dropped:
             self._dropped.discard(error.seq)  # refused because the open failed: already reported
             return []

@@ -70,6 +70,11 @@ class Flight:
             if isinstance(message, InputChunk):
                 self.sent_seq = message.seq
 
+    def release(self, message: ClientMessage) -> None:
+        """A request for the session ahead of the input `join` releases next (the rewind that
+        ends an out-of-band response, out_of_band.py)."""
+        self._released.append(message)
+
     def take_released(self) -> tuple[ClientMessage, ...]:
         released, self._released = tuple(self._released), []
         self.note_sent(released)

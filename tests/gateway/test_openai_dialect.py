@@ -31,6 +31,7 @@ from shared.protocol.messages import (
     SessionClosed,
     SessionOpen,
     SessionOpened,
+    SessionRewind,
     Timing,
 )
 from shared.store.models import ModelCard
@@ -239,8 +240,12 @@ def test_cancel_sends_output_cancel_and_the_response_ends_cancelled(card: ModelC
         ),
         ({"type": "session.update", "event_id": "e1", "session": {"max_output_tokens": 0}}, "invalid_value"),
         (
-            {"type": "response.create", "event_id": "e1", "response": {"conversation": "none"}},
+            {"type": "response.create", "event_id": "e1", "response": {"conversation": "elsewhere"}},
             "invalid_value",
+        ),
+        (  # out of band (#35), but there is no conversation yet
+            {"type": "response.create", "event_id": "e1", "response": {"conversation": "none"}},
+            "unsupported_value",
         ),
         ({"type": "conversation.item.delete", "event_id": "e1", "item_id": "item_x"}, "item_not_found"),
         ({"type": "conversation.item.truncate", "event_id": "e1"}, "missing_required_parameter"),
@@ -486,3 +491,74 @@ def test_truncation_is_fixed_once_the_session_is_open(card: ModelCard) -> None:
     assert error["type"] == "error" and error["error"]["code"] == "unsupported_value"
     same = h.reply({"type": "session.update", "session": {"type": "realtime", "truncation": "auto"}})
     assert same[0]["type"] == "session.updated"
+
+
+# ---- out-of-band responses (issue #35) ---------------------------------------------------------
+
+
+def _talked(card: ModelCard) -> tuple[Harness, int]:
+    """A harness whose conversation has a user item and a finished reply; the last seq given out."""
+    h = Harness(card)
+    h.send(user("Hi", event_id="u1"))
+    (first,) = h.send({"type": "response.create"}).messages
+    assert isinstance(first, InputChunk)
+    h.encode(OutputDelta(first.seq, 0, 28, "Hello"))
+    h.encode(OutputDelta(first.seq, 1, EOS, "<|im_end|>"))
+    h.encode(done(first.seq, (28, EOS), "stop"))
+    return h, first.seq
+
+
+def test_an_out_of_band_response_answers_then_rewinds_and_adds_nothing(card: ModelCard) -> None:
+    h, last = _talked(card)
+    oob = {"conversation": "none", "metadata": {"topic": "summary"}, "max_output_tokens": 3}
+    decoded = h.send({"type": "response.create", "response": oob})
+    flush, header = decoded.messages
+    assert isinstance(flush, InputChunk) and flush.flush and flush.text == "" and flush.seq == last + 1
+    assert isinstance(header, InputChunk) and header.max_output_tokens == 3
+    opening = events(decoded.replies)
+    assert "conversation.item.added" not in types(opening)
+    assert opening[0]["response"]["conversation_id"] is None
+    # Input meanwhile waits, as behind any response.
+    assert h.send(user("Next")).messages == ()
+    h.encode(OutputDelta(header.seq, 0, 30, "Greeting"))
+    closing = h.encode(done(header.seq, (30,), "length", committed=4))
+    assert "conversation.item.done" not in types(closing)
+    response_done = next(e for e in closing if e["type"] == "response.done")
+    assert response_done["response"]["metadata"] == {"topic": "summary"}
+    assert response_done["response"]["output"][0]["content"][0]["text"] == "Greeting"
+    # The rewind goes first, then the item that waited, exactly as if the side answer never ran.
+    released = h.dialect.take_released()
+    assert released[0] == SessionRewind(to_seq=flush.seq)
+    plain, _ = _talked(card)
+    (*_, want) = plain.send(user("Next")).messages
+    assert isinstance(want, InputChunk)
+    assert texts(released[1:]) == want.text
+
+
+def test_an_out_of_band_input_reuses_the_conversation_and_refuses_what_it_cannot_serve(
+    card: ModelCard,
+) -> None:
+    h, _last = _talked(card)
+    conversation = h.dialect._conversation  # the ids the client was told
+    assert conversation is not None
+    ids = [item.item_id for item in conversation.items]
+    question = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Sum up"}]}
+    refs = [{"type": "item_reference", "id": i} for i in ids]
+    decoded = h.send(
+        {"type": "response.create", "response": {"conversation": "none", "input": [*refs, question]}}
+    )
+    _flush, header = decoded.messages
+    template = template_of(card)
+    before = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    whole = template.render([*before, {"role": "user", "content": "Sum up"}], add_generation_prompt=True)
+    assert isinstance(header, InputChunk) and whole.endswith(header.text) and "Sum up" in header.text
+    h.encode(done(header.seq, (30,), "length", committed=9))
+    assert h.dialect.take_released() == (SessionRewind(to_seq=_flush.seq),)
+    for bad, code in [
+        ([{"type": "item_reference", "id": "item_nope"}], "item_not_found"),
+        ([refs[1], question], "unsupported_value"),  # leaves the first item out
+    ]:
+        reply = h.reply(
+            {"type": "response.create", "event_id": "o", "response": {"conversation": "none", "input": bad}}
+        )
+        assert [(e["type"], e["error"]["code"]) for e in reply] == [("error", code)]
