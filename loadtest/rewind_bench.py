@@ -60,9 +60,9 @@ def _rewind_engine_us(engine: Engine, sid: str, target: KeepOutputs | KeepTokens
 
     def timed() -> int:
         started = time.perf_counter()
-        length = core.rewind(sid, target)
+        rewound = core.rewind(sid, target)
         spent.append((time.perf_counter() - started) * 1e6)
-        return length
+        return rewound.length
 
     before = engine.stats().tokens_forwarded
     started = time.perf_counter()

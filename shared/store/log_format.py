@@ -123,6 +123,9 @@ class LogState:
     spans: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     tail_text: str = ""
     tail_context: str = ""
+    # The text tail (text, context) each record with a span left held back, when not empty: what
+    # a rewind to that turn restores (worker/engine/turn_ends.py).
+    span_tails: dict[int, tuple[str, str]] = field(default_factory=dict)
 
 
 def encode_log_record(
@@ -241,6 +244,7 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
     durable_seq: int | None = None
     spans: dict[int, tuple[int, int, int]] = {}
     tail = ("", "")
+    span_tails: dict[int, tuple[str, str]] = {}
     read_any = False
     for entry in log_entries(data):
         seq = entry.seq
@@ -275,7 +279,10 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
             is_turn = entry.directive is None or entry.directive[0] != DIRECTIVE_SNAPSHOT
             if is_turn and spans_after is not None and seq > spans_after:
                 spans[seq] = (start, start + entry.inputs, len(tokens))
-    return LogState(tokens, durable_seq, spans, *tail)
+                if tail != ("", ""):
+                    span_tails[seq] = tail
+    kept_tails = {seq: held for seq, held in span_tails.items() if seq in spans}
+    return LogState(tokens, durable_seq, spans, *tail, span_tails=kept_tails)
 
 
 def _tail_of(view: memoryview, entry: LogEntry) -> tuple[str, str]:

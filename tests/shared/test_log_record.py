@@ -25,7 +25,8 @@ def test_records_round_trip_with_their_input_counts_and_the_last_tail() -> None:
         + encode_log_record(1, [3, 91, 92], inputs=1, tail_text="ld", tail_context="wor")
     )
     state = decode_log(log, spans_after=0)
-    assert state == LogState([7, 8, 1, 2, 90, 3, 91, 92], 1, {1: (5, 6, 8)}, "ld", "wor")
+    tails = {1: ("ld", "wor")}  # what each spanned turn held back (a rewind to it restores it)
+    assert state == LogState([7, 8, 1, 2, 90, 3, 91, 92], 1, {1: (5, 6, 8)}, "ld", "wor", tails)
     assert len(encode_log_record(2, [5], inputs=1)) == RECORD_HEADER_BYTES + 4
 
 
@@ -108,7 +109,8 @@ def test_a_rewind_takes_the_history_back_where_it_stands_and_a_retried_copy_is_s
     log = turns + rewind(1, 5)
     state = decode_log(log, spans_after=-1)
     # Turn 1 kept its input and first output; the held-back text went with the rewind.
-    assert state == LogState([1, 2, 3, 4, 5], 1, {0: (0, 1, 3), 1: (3, 4, 5)}, "", "")
+    spans = {0: (0, 1, 3), 1: (3, 4, 5)}
+    assert state == LogState([1, 2, 3, 4, 5], 1, spans, "", "", {0: ("x", "")})
     later = encode_log_record(2, [7], inputs=1)
     # The same rewind again (a retried append) changes nothing; after a later turn it is skipped.
     assert decode_log(log + rewind(1, 5) + later).tokens == [1, 2, 3, 4, 5, 7]

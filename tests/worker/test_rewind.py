@@ -30,7 +30,7 @@ def _open(engine: Engine, **options: Any) -> str:
 
 
 def _rewind(engine: Engine, sid: str, target: RewindTarget) -> int:
-    return engine.rewind(sid, target).result(timeout=60)
+    return engine.rewind(sid, target).result(timeout=60).length
 
 
 def _as_whole(engine: Engine, history: list[int], **turn: Any) -> TurnResult:
@@ -230,3 +230,19 @@ def test_a_rewind_to_a_chunk_folded_into_a_later_append_lands_at_its_own_end() -
         turn = {"tokens": [4], "max_output_tokens": 3}
         expected = _as_whole(engine, history[: 42 + 1 + 30 + 2], **turn)
         _same(engine.run_turn(sid, seq=5, timeout=60, **turn), expected)
+
+
+def test_a_rewind_to_a_turn_gives_back_the_text_it_held_and_other_rewinds_drop_it() -> None:
+    with _engine() as engine:
+        sid = engine.open_session(stop_token_ids=())
+        held = engine.run_turn(sid, text="hello wor", seq=0, timeout=60)
+        engine.run_turn(sid, text="ld, and more", seq=1, timeout=60)
+        # Back to right after turn 0: " wor" is held again, so "ld" completes the same word.
+        assert _rewind(engine, sid, ToTurn(0)) == len(held.inputs)
+        again = engine.run_turn(sid, text="ld", flush=True, seq=2, timeout=60)
+        whole = engine.open_session(stop_token_ids=())
+        want = engine.run_turn(whole, text="hello world", flush=True, timeout=60)
+        assert [*held.inputs, *again.inputs] == list(want.inputs)
+        # A token count ends on a token boundary: nothing is held after it.
+        assert _rewind(engine, sid, KeepTokens(1)) == 1
+        assert engine.run_turn(sid, text="", flush=True, seq=3, timeout=60).inputs == ()

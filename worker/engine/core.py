@@ -33,7 +33,7 @@ from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager, MemorySta
 from worker.engine.memory.prefix_cache import prefix_cache
 from worker.engine.memory.window import cut_before, opening_history, session_limit
 from worker.engine.model_runner import ForwardRow, ModelRunner, SampledToken
-from worker.engine.rewind import RewindTarget, rewind_length
+from worker.engine.rewind import RewindTarget, Rewound, ToTurn, rewind_length
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
 from worker.engine.turn import Turn
@@ -123,7 +123,7 @@ class EngineCore:
         *,
         adopt: bool = False,
         grammar: Future[CompiledGrammar] | None = None,
-        turn_ends: Sequence[tuple[int, int, int]] = (),
+        turn_ends: Sequence[tuple[int, int, int, TextTail]] = (),
     ) -> None:
         """Open a session with `history`. With `adopt`, a session of that id already here (a copy
         warmed before a handover, `warm`) is taken over when its tokens begin `history` and its
@@ -208,13 +208,15 @@ class EngineCore:
         if active is not None and active.cancelled and session.uncached <= 1 and active.output_tokens:
             self._finish(session, "cancelled")
 
-    def rewind(self, session_id: str, target: RewindTarget) -> int:
+    def rewind(self, session_id: str, target: RewindTarget) -> Rewound:
         """Take the session's history back to where `target` says (worker/engine/rewind.py) and
         return its new length; raises `InvalidMessage` having changed nothing.
 
         Its running and queued turns are cancelled first (their results say `cancelled`; a queued
         one appended nothing), its held-back text is dropped (a rewind ends on a token boundary),
-        and the KV past the new end goes back to the pool with no forward pass (`KVManager.truncate`)."""
+        and the KV past the new end goes back to the pool with no forward pass (`KVManager.truncate`).
+        The session's held-back text is dropped (the rewind ends on a token boundary), but for a
+        rewind to a turn, which takes it back to the text held right after that turn."""
         session = self._get(session_id)
         length = rewind_length(session, target)
         self.running.pop(session_id, None)
@@ -231,10 +233,11 @@ class EngineCore:
         session.pending.clear()
         self.kv.truncate(session, length)
         del session.tokens[length:]
+        tail = session.ends.tail(target.seq) if isinstance(target, ToTurn) else EMPTY_TAIL
         session.ends.truncate(length)
-        session.tail = EMPTY_TAIL
+        session.tail = tail
         session.last_activity = self.clock()
-        return length
+        return Rewound(length, tail)
 
     def close(self, session_id: str, reason: str) -> None:
         session = self._get(session_id)
@@ -486,9 +489,9 @@ class EngineCore:
         length = len(session.tokens)
         result = turn.result(session.session_id, reason, now=self.clock(), text=text, length=length)
         if turn.input_end is not None:  # folded into a later chunk's append: its own end
-            session.ends.record(turn.seq, turn.input_end, turn.input_end)
+            session.ends.record(turn.seq, turn.input_end, turn.input_end, turn.tail_after)
         elif turn.started_at is not None:  # its input entered the sequence: a rewind may go back to its end
-            session.ends.record(turn.seq, length - len(turn.output_tokens), length)
+            session.ends.record(turn.seq, length - len(turn.output_tokens), length, turn.tail_after)
         if not turn.future.done():
             turn.future.set_result(result)
 
@@ -522,11 +525,11 @@ class EngineCore:
             raise SessionNotFound(f"no session {session_id} on this worker") from None
 
 
-def _seed_ends(session: Session, turn_ends: Sequence[tuple[int, int, int]], given: int) -> None:
+def _seed_ends(session: Session, turn_ends: Sequence[tuple[int, int, int, TextTail]], given: int) -> None:
     """A reopened session remembers where its logged turns end, unless opening cut its history
     (then their positions are gone, as after any cut)."""
     if len(session.tokens) != given:
         return
-    for seq, outputs_start, end in turn_ends:
+    for seq, outputs_start, end, tail in turn_ends:
         if end <= given:
-            session.ends.record(seq, outputs_start, end)
+            session.ends.record(seq, outputs_start, end, tail)

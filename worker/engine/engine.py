@@ -35,7 +35,7 @@ from worker.engine.memory.kv_transfer import KVExport, model_fingerprint
 from worker.engine.memory.sizing import device_pages, host_pages
 from worker.engine.memory.window import resolve_prefix, session_limit
 from worker.engine.model_runner import ModelRunner
-from worker.engine.rewind import RewindTarget
+from worker.engine.rewind import RewindTarget, Rewound
 from worker.engine.session_rules import SessionRules
 from worker.engine.turn import TokenListener, Turn, TurnResult
 from worker.model.loader import LoadedModel, load_model
@@ -162,7 +162,7 @@ class Engine:
         text_tail: TextTail = EMPTY_TAIL,
         config: OpenConfig | None = None,
         adopt: bool = False,
-        turn_ends: Sequence[tuple[int, int, int]] = (),
+        turn_ends: Sequence[tuple[int, int, int, TextTail]] = (),
         **options: Any,
     ) -> tuple[str, Future[str]]:
         """Open a session with `config`, or with `options` given by hand (tests, the bench, the console).
@@ -379,8 +379,9 @@ class Engine:
         """Stop the turn `seq` (or every turn of the session): its result has finish='cancelled'."""
         return self._call(lambda: self._core.cancel(session_id, seq))
 
-    def rewind(self, session_id: str, target: RewindTarget) -> Future[int]:
-        """Take the session's history back (worker/engine/rewind.py); resolves to its new length.
+    def rewind(self, session_id: str, target: RewindTarget) -> Future[Rewound]:
+        """Take the session's history back (worker/engine/rewind.py); resolves to its new length
+        and held-back text.
         Its running and queued turns end `cancelled` first; bad targets fail with `InvalidMessage`
         having changed nothing."""
         return self._call(lambda: self._core.rewind(session_id, target))

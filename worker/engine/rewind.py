@@ -21,6 +21,7 @@ from typing import TypeAlias
 
 from shared.errors import InvalidMessage
 from worker.engine.session import Session
+from worker.tokenizer.incremental import TextTail
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,15 @@ class KeepOutputs:
 
 
 RewindTarget: TypeAlias = KeepTokens | ToTurn | KeepOutputs
+
+
+@dataclass(frozen=True)
+class Rewound:
+    """A rewind applied: the sequence's new length and the text the session now holds back (the
+    text held right after the turn a `ToTurn` named; none otherwise). The token log records both."""
+
+    length: int
+    tail: TextTail
 
 
 def rewind_length(session: Session, target: RewindTarget) -> int:

@@ -73,7 +73,7 @@ class RestorePlan:
     text_tail: TextTail = field(default_factory=TextTail)
     # (seq, outputs_start, end) of the turns the rebuilt history holds, the last `MAX_TURN_ENDS`:
     # a rewind `to_seq` reaches them on the new worker as on the old (issue #35).
-    turn_ends: tuple[tuple[int, int, int], ...] = ()
+    turn_ends: tuple[tuple[int, int, int, TextTail], ...] = ()
 
 
 def plan_restore(
@@ -100,7 +100,7 @@ def plan_restore(
     state = decode_log(log, spans_after=NO_SEQ)  # every turn's span: the owed ones answer, all end
     ends = TurnEnds()
     for seq, (_start, inputs_end, end) in sorted(state.spans.items()):
-        ends.record(seq, inputs_end, end)
+        ends.record(seq, inputs_end, end, TextTail(*state.span_tails.get(seq, ("", ""))))
     state = replace(state, spans={s: span for s, span in state.spans.items() if s > spans_after})
     history = list(state.tokens)
     durable_seq = state.durable_seq
@@ -133,7 +133,7 @@ def plan_restore(
             history = cut.apply(history)
         tokens = inputs + list(turn.output)
         history.extend(tokens)
-        ends.record(chunk.seq, len(history) - len(turn.output), len(history))
+        ends.record(chunk.seq, len(history) - len(turn.output), len(history), text_tail)
         forced.append(ForcedTurn(chunk.seq, tokens, len(inputs), text_tail, cut))
     # Logged turns the tail does not hold, after the last one the client saw: a gateway that went
     # away took their `done`s with it (the client resumed with an empty tail).

@@ -49,7 +49,7 @@ from shared.store.prefix_label import prefix_label
 from shared.store.schema import KeySchema
 from shared.store.values import now_ms
 from worker.engine import Engine, TokenDelta, TurnResult
-from worker.engine.rewind import KeepOutputs, KeepTokens, RewindTarget, ToTurn
+from worker.engine.rewind import KeepOutputs, KeepTokens, RewindTarget, Rewound, ToTurn
 from worker.server.lifecycle import HELD_ELSEWHERE, Phase
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
@@ -426,7 +426,7 @@ class WorkerService:
         future = self.engine.rewind(sid, target)
         future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._rewound, binding, seq, f))
 
-    def _rewound(self, binding: WorkerSession, seq: int | None, future: Future[int]) -> None:
+    def _rewound(self, binding: WorkerSession, seq: int | None, future: Future[Rewound]) -> None:
         """The engine applied it (after the `done`s of the turns it cancelled, which ran first)."""
         error = future.exception()
         if error is not None:
@@ -434,10 +434,10 @@ class WorkerService:
             return
         if self.sessions.get(binding.sid) is not binding:
             return  # the session ended meanwhile
-        length = future.result()
-        binding.length = length
-        self.token_log.append_rewind(binding.sid, length, binding.idle_timeout_s)
-        self.loop.create_task(self._answer_rewind(binding, length))
+        rewound = future.result()
+        binding.length = rewound.length
+        self.token_log.append_rewind(binding.sid, rewound.length, rewound.tail, binding.idle_timeout_s)
+        self.loop.create_task(self._answer_rewind(binding, rewound.length))
 
     async def _answer_rewind(self, binding: WorkerSession, length: int) -> None:
         """`rewound` goes out once the log in Redis holds the rewind (retried while Redis refuses)."""

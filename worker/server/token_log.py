@@ -52,7 +52,7 @@ from shared.store.log_format import (
     encode_log_record,
 )
 from shared.store.schema import KeySchema, lua_script
-from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
+from worker.tokenizer.incremental import TextTail
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +177,10 @@ class TokenLogWriter:
             self._last_seq[sid] = seq
         self._queue(sid, _Turn(seq, inputs, outputs, tail, cut), idle_timeout_s)
 
-    def append_rewind(self, sid: str, length: int, idle_timeout_s: float) -> None:
-        """Queue a rewind of the session to its first `length` tokens, after every turn appended
-        so far (the turns it cancelled included); `flush` makes it durable."""
-        turn = _Turn(self._last_seq.get(sid, NO_SEQ), (), (), EMPTY_TAIL, None, rewind=length)
+    def append_rewind(self, sid: str, length: int, tail: TextTail, idle_timeout_s: float) -> None:
+        """Queue a rewind of the session to its first `length` tokens, holding `tail` back, after
+        every turn appended so far (the turns it cancelled included); `flush` makes it durable."""
+        turn = _Turn(self._last_seq.get(sid, NO_SEQ), (), (), tail, None, rewind=length)
         self._queue(sid, turn, idle_timeout_s)
 
     def _queue(self, sid: str, turn: _Turn, idle_timeout_s: float) -> None:
