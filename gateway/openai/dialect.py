@@ -9,6 +9,9 @@ How events map (docs/protocol.md "OpenAI Realtime dialect"):
 - `response.create` -> one chunk with the assistant header that asks for `max_output_tokens`;
   its deltas -> `response.output_text.delta`, its done -> the closing events and `response.done`;
 - `response.cancel` -> `output.cancel`;
+- `conversation.item.delete` -> `session.rewind` to the item, then what followed again
+  (item_delete.py); `response.create` with `conversation: "none"` -> a flush, the response's
+  chunks, then `session.rewind` back to the flush (out_of_band.py);
 - an item or a response asked for while a response runs is admitted at once and queued
   (pending.py); it joins when the running response ends, and its chunks are then handed to the
   session through `take_released`. What is in flight, and the queue, is flight.py's.
@@ -31,7 +34,7 @@ from gateway.dialect import Decoded, Frame, frame_size
 from gateway.limits import LimitValues, SessionLimits
 from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
-from gateway.openai import out_of_band
+from gateway.openai import item_delete, out_of_band
 from gateway.openai import server_events as ev
 from gateway.openai.admission import DialectLimits
 from gateway.openai.client_events import (
@@ -66,6 +69,7 @@ from shared.protocol.messages import (
     SessionClosed,
     SessionOpen,
     SessionOpened,
+    SessionRewound,
 )
 from shared.store.models import ModelCard
 
@@ -113,6 +117,7 @@ class OpenAIDialect:
         self._cached = 0  # ... as of the end of the last response: what the next one finds cached
         self._broken: str | None = None
         self._out_of_band: out_of_band.OutOfBandRun | None = None  # an out-of-band response under way
+        self._deleting: item_delete.Deleting | None = None  # a conversation.item.delete under way
         self._eos_ids = frozenset(card.eos_token_ids)
 
     # ---- the Dialect protocol -----------------------------------------------------------------
@@ -240,12 +245,16 @@ class OpenAIDialect:
 
     def _item_delete(self, event: ItemDelete) -> Decoded:
         self._known(event.item_id)
-        raise RealtimeProblem(
-            "conversation.item.delete: an item's tokens are already in the model's KV cache, which only "
-            "grows; start a new session for a conversation without it",
-            param="item_id",
-            code="unsupported_operation",
+        if self._deleting is not None or self._out_of_band is not None:
+            raise RealtimeProblem(
+                "conversation.item.delete waits for the delete or response under way",
+                code="conversation_already_has_active_response",
+            )
+        kept_prefix = self._truncation.policy == "truncate" and bool(self._instructions)
+        messages, self._deleting = item_delete.delete(
+            self._flight, self._usable(), event.item_id, kept_prefix=kept_prefix
         )
+        return Decoded(messages=tuple(messages))
 
     def _item_truncate(self, event: ItemTruncate) -> Decoded:
         self._known(event.item_id)
@@ -339,6 +348,13 @@ class OpenAIDialect:
             return self._done(message)
         if isinstance(message, Error):
             return self._error(message)
+        if isinstance(message, SessionRewound):  # a delete's or an out-of-band response's
+            self._context = self._cached = message.length
+            deleting = self._deleting
+            if deleting is not None and deleting.last_seq is None:
+                self._deleting = None
+                return [ev.item_deleted(deleting.item_id)]
+            return []
         if isinstance(message, SessionClosed):
             problem = problem_from_close(message.reason)
             return [] if problem is None else [ev.error(problem)]
@@ -354,6 +370,11 @@ class OpenAIDialect:
         self._flight.settle((done.seq,))
         if self._out_of_band is not None and done.seq in self._out_of_band.chunks:
             return self._out_of_band_done(done, self._out_of_band)
+        deleting = self._deleting
+        if deleting is not None and done.seq == deleting.last_seq:
+            self._deleting = None
+            self._context += (done.committed_tokens or 0) + len(done.tokens)
+            return [ev.item_deleted(deleting.item_id)]
         self._context += (done.committed_tokens or 0) + len(done.tokens)
         piece = self._flight.item_chunks.pop(done.seq, None)
         if piece is not None:
@@ -423,6 +444,13 @@ class OpenAIDialect:
         return out_of_band.without_conversation(failed) + self._flight.join()
 
     def _error(self, error: Error) -> list[ev.Event]:
+        if error.seq is None and self._deleting is not None:
+            # The session refused the delete's rewind (its item's turn is gone from the window, or
+            # too old): the conversation here was already edited, so it no longer matches the KV.
+            self._deleting = None
+            problem = problem_from_native(error, "the item could not be deleted")
+            self._broken = problem.message
+            return [ev.error(problem)]
         if error.seq is None:
             problem = problem_from_native(error)
             if self._opened and not self._confirmed and not error.fatal:

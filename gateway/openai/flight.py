@@ -50,6 +50,11 @@ class Flight:
         self.response: ActiveResponse | None = None
         self.pending = PendingInput()  # input that arrived while a response runs
         self._released: list[ClientMessage] = []  # its requests, once it may run
+        # The last chunk that is part of the conversation (an item's, a response's, an out-of-band
+        # response's flush), and for each item the last such chunk before it: where deleting the
+        # item rewinds the session to (item_delete.py). 0: none.
+        self.conversation_seq = 0
+        self.before_seq: dict[str, int] = {}
 
     @property
     def busy(self) -> bool:
@@ -122,6 +127,7 @@ class Flight:
         self.seq += 1
         response = ActiveResponse(self.seq, limit, event.metadata)
         self.response = response
+        self.joined(response.item_id, response.seq)
         opening = response.opening(self._conversation_id, conversation.last_item_id)
         return [InputChunk(self.seq, text=header, max_output_tokens=limit)], opening
 
@@ -145,7 +151,13 @@ class Flight:
             QueuedItem(event.event_id, item, event.previous_item_id, tuple(c.seq for c in costs))
         )
 
+    def joined(self, item_id: str, last_seq: int) -> None:
+        """Item `item_id` joins the conversation in chunks up to `last_seq`."""
+        self.before_seq[item_id] = self.conversation_seq
+        self.conversation_seq = last_seq
+
     def _item_chunks_for(self, item: Item, seqs: Sequence[int], pieces: Sequence[str]) -> list[ClientMessage]:
+        self.joined(item.item_id, seqs[-1])
         for s in seqs:
             self.item_chunks[s] = (item.item_id, s == seqs[-1])
         return [InputChunk(s, text=p, max_output_tokens=0) for s, p in zip(seqs, pieces, strict=True)]
@@ -171,6 +183,7 @@ class Flight:
                     response = entry.response
                     header = conversation.begin_response()
                     self.response = response
+                    self.joined(response.item_id, response.seq)
                     events += response.opening(self._conversation_id, conversation.last_item_id)
                     limit = response.max_output_tokens
                     self._released.append(InputChunk(response.seq, text=header, max_output_tokens=limit))

@@ -89,6 +89,7 @@ def start(
         conversation.rollback(checkpoint)
         raise
     flight.seq = seqs[-1]
+    flight.conversation_seq = flush_seq  # the flush is the conversation's; what follows is not
     response = ActiveResponse(seqs[-1], limit, metadata)
     flight.response = response
     messages: list[InputChunk] = [InputChunk(flush_seq, text="", max_output_tokens=0, flush=True)]

@@ -32,6 +32,7 @@ from shared.protocol.messages import (
     SessionOpen,
     SessionOpened,
     SessionRewind,
+    SessionRewound,
     Timing,
 )
 from shared.store.models import ModelCard
@@ -265,12 +266,12 @@ def test_bad_events_get_an_error_naming_them_and_change_nothing(
     assert isinstance(h.send(user("ok")).messages[0], SessionOpen)
 
 
-def test_items_cannot_be_deleted_from_the_kv_and_say_so(card: ModelCard) -> None:
+def test_a_delete_waits_for_what_is_in_flight_and_changes_nothing(card: ModelCard) -> None:
     h = Harness(card)
     added = events(h.send(user("keep me")).replies)
     item_id = added[0]["item"]["id"]
     (error,) = h.reply({"type": "conversation.item.delete", "item_id": item_id, "event_id": "d"})
-    assert error["error"]["code"] == "unsupported_operation" and "KV" in error["error"]["message"]
+    assert error["error"]["code"] == "conversation_already_has_active_response"
     (retrieved,) = h.reply({"type": "conversation.item.retrieve", "item_id": item_id})
     assert retrieved["item"]["content"][0]["text"] == "keep me"
 
@@ -562,3 +563,50 @@ def test_an_out_of_band_input_reuses_the_conversation_and_refuses_what_it_cannot
             {"type": "response.create", "event_id": "o", "response": {"conversation": "none", "input": bad}}
         )
         assert [(e["type"], e["error"]["code"]) for e in reply] == [("error", code)]
+
+
+# ---- conversation.item.delete (issue #35) -----------------------------------------------------
+
+
+def _answer(h: Harness, seq: int, text: str, token: int) -> None:
+    h.encode(OutputDelta(seq, 0, token, text))
+    h.encode(OutputDelta(seq, 1, EOS, "<|im_end|>"))
+    h.encode(done(seq, (token, EOS), "stop"))
+
+
+def test_deleting_an_item_rewinds_to_it_and_sends_what_followed_again(card: ModelCard) -> None:
+    h = Harness(card)
+    *_, hi = h.send(user("Hi")).messages
+    h.encode(done(hi.seq, committed=30))
+    (first,) = h.send({"type": "response.create"}).messages
+    _answer(h, first.seq, "Hello", 28)
+    *_, last_piece = h.send(user("Again")).messages
+    h.encode(done(last_piece.seq, committed=3))
+    (second,) = h.send({"type": "response.create"}).messages
+    _answer(h, second.seq, "Sure", 29)
+    conversation = h.dialect._conversation
+    assert conversation is not None
+    ids = [item.item_id for item in conversation.items]
+    template = template_of(card)
+    # A middle item: back to right after the first reply, then the second reply again as text.
+    decoded = h.send({"type": "conversation.item.delete", "item_id": ids[2]})
+    rewind, *chunks = decoded.messages
+    assert rewind == SessionRewind(to_seq=first.seq)
+    remaining = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "assistant", "content": "Sure"},
+    ]
+    prompt = template.render(remaining[:1], add_generation_prompt=True)
+    want = template.render(remaining, add_generation_prompt=False)[len(prompt + "Hello<|im_end|>") :]
+    assert texts(tuple(chunks)) == want and all(c.max_output_tokens == 0 for c in chunks)
+    assert [item.item_id for item in conversation.items] == [ids[0], ids[1], ids[3]]
+    assert h.encode(SessionRewound(20)) == []
+    assert types(h.encode(done(chunks[-1].seq, committed=6))) == ["conversation.item.deleted"]
+    # The first item: the whole session goes, and what is left is sent whole.
+    decoded = h.send({"type": "conversation.item.delete", "item_id": ids[0]})
+    rewind, *chunks = decoded.messages
+    assert rewind == SessionRewind(keep_tokens=0)
+    assert texts(tuple(chunks)) == template.render(remaining[1:], add_generation_prompt=False)
+    # Unknown items, and a delete while a response runs, change nothing.
+    assert types(h.reply({"type": "conversation.item.delete", "item_id": "nope"})) == ["error"]
