@@ -118,6 +118,9 @@ class OpenAIDialect:
         self._broken: str | None = None
         self._out_of_band: out_of_band.OutOfBandRun | None = None  # an out-of-band response under way
         self._deleting: item_delete.Deleting | None = None  # a conversation.item.delete under way
+        # Rewinds sent (a delete's, an out-of-band response's) and not answered `session.rewound`:
+        # a refusal of one leaves the KV and the conversation apart.
+        self._rewinds = 0
         self._eos_ids = frozenset(card.eos_token_ids)
 
     # ---- the Dialect protocol -----------------------------------------------------------------
@@ -254,6 +257,7 @@ class OpenAIDialect:
         messages, self._deleting = item_delete.delete(
             self._flight, self._usable(), event.item_id, kept_prefix=kept_prefix
         )
+        self._rewinds += 1
         return Decoded(messages=tuple(messages))
 
     def _item_truncate(self, event: ItemTruncate) -> Decoded:
@@ -349,6 +353,7 @@ class OpenAIDialect:
         if isinstance(message, Error):
             return self._error(message)
         if isinstance(message, SessionRewound):  # a delete's or an out-of-band response's
+            self._rewinds = max(self._rewinds - 1, 0)
             self._context = self._cached = message.length
             deleting = self._deleting
             if deleting is not None and deleting.last_seq is None:
@@ -424,6 +429,7 @@ class OpenAIDialect:
         assert self._conversation is not None
         self._conversation.rollback(run.checkpoint)
         self._flight.release(run.rewind())
+        self._rewinds += 1
         outcome = run.response.outcome(done, self._eos_ids)
         usage = ev.Usage(self._context + run.inputs, self._context, len(done.tokens))
         closing = run.response.closing(self._conversation_id, outcome, usage, None)
@@ -437,6 +443,7 @@ class OpenAIDialect:
         self._conversation.rollback(run.checkpoint)
         if error.seq != run.flush_seq:
             self._flight.release(run.rewind())
+            self._rewinds += 1
         assert error.seq is not None
         self._dropped.update(s for s in run.chunks if s > error.seq)  # refused behind it: told here
         problem = problem_from_native(error, "the out-of-band response was refused")
@@ -444,11 +451,13 @@ class OpenAIDialect:
         return out_of_band.without_conversation(failed) + self._flight.join()
 
     def _error(self, error: Error) -> list[ev.Event]:
-        if error.seq is None and self._deleting is not None:
-            # The session refused the delete's rewind (its item's turn is gone from the window, or
-            # too old): the conversation here was already edited, so it no longer matches the KV.
+        if error.seq is None and self._rewinds and not error.fatal:
+            # The session refused a rewind (a delete's item is gone from the window or too old;
+            # the session was moving): the conversation here was already edited, so it no longer
+            # matches the KV. Said once; further items and responses are refused.
+            self._rewinds -= 1
             self._deleting = None
-            problem = problem_from_native(error, "the item could not be deleted")
+            problem = problem_from_native(error, "the conversation could not be edited")
             self._broken = problem.message
             return [ev.error(problem)]
         if error.seq is None:

@@ -610,3 +610,15 @@ def test_deleting_an_item_rewinds_to_it_and_sends_what_followed_again(card: Mode
     assert texts(tuple(chunks)) == template.render(remaining[1:], add_generation_prompt=False)
     # Unknown items, and a delete while a response runs, change nothing.
     assert types(h.reply({"type": "conversation.item.delete", "item_id": "nope"})) == ["error"]
+
+
+def test_a_refused_rewind_leaves_the_conversation_refusing_more(card: ModelCard) -> None:
+    h, _last = _talked(card)
+    decoded = h.send({"type": "response.create", "response": {"conversation": "none"}})
+    _flush, header = decoded.messages
+    h.encode(done(header.seq, (30,), "length", committed=4))
+    assert isinstance(h.dialect.take_released()[0], SessionRewind)
+    moving = Error(ErrorCode.WORKER_UNAVAILABLE, "the session moved while rewinding", False)
+    assert types(h.encode(moving)) == ["error"]
+    (refused,) = h.reply(user("More"))
+    assert refused["error"]["code"] == "session_inconsistent"
