@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from shared.errors import InvalidMessage
+from tests.worker.smollm2 import engine_on
 from worker.engine import Engine, TokenDelta, TurnResult
 from worker.engine.rewind import KeepOutputs, KeepTokens, RewindTarget, ToTurn
+from worker.model.loader import LoadedModel
 
 PAGE = 16
 PROMPT = [(5 * j) % 200 + 1 for j in range(40)]
@@ -246,3 +248,19 @@ def test_a_rewind_to_a_turn_gives_back_the_text_it_held_and_other_rewinds_drop_i
         # A token count ends on a token boundary: nothing is held after it.
         assert _rewind(engine, sid, KeepTokens(1)) == 1
         assert engine.run_turn(sid, text="", flush=True, seq=3, timeout=60).inputs == ()
+
+
+def test_smollm2_after_rewinds_answers_as_the_history_sent_whole(smollm2_model: LoadedModel) -> None:
+    """Point 4 with real weights: after a barge-in (a reply kept to its first outputs), a rewind to
+    a turn and one to a token count, each next turn equals the engine fed the history whole."""
+    with engine_on(smollm2_model, kv_tokens=2048, host_kv_tokens=0) as engine:
+        sid = engine.open_session(stop_token_ids=(), logprobs=True)
+        chunks = [[(97 * t + 13 * j) % 5000 + 100 for j in range(10)] for t in range(6)]
+        engine.run_turn(sid, tokens=chunks[0], max_output_tokens=4, seq=0, timeout=120)
+        engine.run_turn(sid, tokens=chunks[1], max_output_tokens=6, seq=1, timeout=120)
+        edits: list[RewindTarget] = [KeepOutputs(1, 2), ToTurn(0), KeepTokens(7)]
+        for seq, edit in enumerate(edits, start=2):
+            _rewind(engine, sid, edit)
+            history = _history(engine, sid)
+            turn = {"tokens": chunks[seq], "max_output_tokens": 4}
+            _same(engine.run_turn(sid, seq=seq, timeout=120, **turn), _as_whole(engine, history, **turn))
