@@ -224,7 +224,9 @@ class SessionMachine:
         limit = msg.max_output_tokens if msg.max_output_tokens is not None else self.config.max_output_tokens
         frame = LinkChunk(sid, msg)
         # Held while RESTORING: it goes to the new worker with the tail, or right after its restore.
-        held = phase is Phase.RESTORING
+        # Held while a rewind is unanswered too: it goes once the rewind is durable, so a worker
+        # lost in between cannot run it on the history before the rewind (refused then, `_move`).
+        held = phase is Phase.RESTORING or self._rewinds > 0
         self.turns.admit(msg, wants_output=limit > 0, received=received, frame=frame, sent=not held)
         if not held:
             self._out += (SendWorker(frame, worker), _CHUNK_FORWARDED)
@@ -429,15 +431,17 @@ class SessionMachine:
         elif isinstance(frame, LinkDone):
             self._done(frame)
         elif isinstance(frame, LinkRewound):
-            self._rewinds = max(self._rewinds - 1, 0)
             self.turns.undurable.durable(frame.durable_seq)
             self._to_client(frame.rewound)
+            self._rewind_settled()
         elif isinstance(frame, LinkError):
             error = frame.error
             if error.seq is not None:
                 self.turns.refused(error.seq)
-            elif not error.fatal:  # a worker's refusals with no seq answer rewinds
-                self._rewinds = max(self._rewinds - 1, 0)
+            elif not error.fatal and self._rewinds:  # a worker's refusals with no seq answer rewinds
+                self._to_client(error)
+                self._rewind_settled()
+                return
             self._to_client(error)
             if error.fatal:
                 self.life.end_session()
@@ -456,7 +460,14 @@ class SessionMachine:
 
     def _rewind_answered(self, frame: LinkCancel | LinkRewind) -> None:
         if isinstance(frame, LinkRewind) or frame.keep_output_tokens is not None:
-            self._rewinds = max(self._rewinds - 1, 0)
+            self._rewind_settled()
+
+    def _rewind_settled(self) -> None:
+        """A rewind was answered: once none is, the chunks held behind them go, in seq order."""
+        self._rewinds = max(self._rewinds - 1, 0)
+        if self._rewinds == 0 and self.life.phase is Phase.ACTIVE and self.worker is not None:
+            worker = self.worker
+            self._out += [SendWorker(held, worker) for held in self.turns.undurable.take_unsent()]
 
     def _move(self, why: str, *, target: str | None = None) -> None:
         """The session leaves its worker (lost or draining): restore it elsewhere with its tail."""
@@ -470,9 +481,16 @@ class SessionMachine:
         )
         self.unbind()  # the old worker's late frames are not ours any more
         self.life.move(Phase.RESTORING)
-        for _ in range(self._rewinds):  # applied and logged, or not: the client sends it again
+        if self._rewinds:
+            # Applied and logged, or not: the client sends the rewind again (it is idempotent), and
+            # the chunks it sent after it, which must not run on the history before it.
             moved = "the session moved while rewinding: send the rewind again (it is idempotent)"
-            self.error(WorkerUnavailable(moved, retry_after_ms=MOVING_RETRY_MS))
+            for _ in range(self._rewinds):
+                self.error(WorkerUnavailable(moved, retry_after_ms=MOVING_RETRY_MS))
+            for held in self.turns.undurable.take_unsent():
+                self.turns.refused(held.chunk.seq)
+                after = "sent after a rewind the session lost: send it again after the rewind"
+                self.error(WorkerUnavailable(after, retry_after_ms=MOVING_RETRY_MS), held.chunk.seq)
         self._rewinds = 0
         # Every done up to the finished seq has been queued for the client: it is what it saw.
         self.run(RestoreFlow(Origin.MOVE, self.turns.finished_seq, target))

@@ -194,13 +194,23 @@ def test_a_rewind_goes_to_the_worker_and_its_answer_makes_the_turns_before_it_du
         LinkRewind(SID, SessionRewind(to_seq=1)),
         LinkCancel(SID, 1, keep_output_tokens=0),
     ]
+    m.receive(chunk(2), 0.0)  # sent behind the rewinds: held until they are durable
+    assert not of(m.actions(), SendWorker)
     m.worker_frame(LinkRewound(SID, SessionRewound(3), durable_seq=1), 0.0)
     assert client(m) == [SessionRewound(3)]
-    assert len(m.turns.undurable) == 0  # turn 1 is in the log, with the rewind after it
-    # The second is in flight when the worker goes: the client is told to send it again.
+    assert len(m.turns.undurable) == 1  # chunk 2; turn 1 is in the log, the rewind after it
+    m.worker_frame(LinkRewound(SID, SessionRewound(3), durable_seq=1), 0.0)
+    assert [a.frame for a in of(m.actions(), SendWorker)] == [LinkChunk(SID, chunk(2))]  # type: ignore[attr-defined]
+    # A rewind in flight when the worker goes: it and the chunk behind it are to be sent again.
+    m.receive(SessionRewind(keep_tokens=2), 0.0)
+    m.receive(chunk(3), 0.0)
+    m.actions()
     m.link_lost()
     errors = [x for x in client(m) if isinstance(x, Error)]
-    assert [(e.code, e.fatal) for e in errors] == [(ErrorCode.WORKER_UNAVAILABLE, False)]
+    assert [(e.code, e.fatal, e.seq) for e in errors] == [
+        (ErrorCode.WORKER_UNAVAILABLE, False, None),
+        (ErrorCode.WORKER_UNAVAILABLE, False, 3),
+    ]
 
 
 def test_a_restore_retries_on_another_worker_then_ends_the_socket_not_the_session() -> None:
