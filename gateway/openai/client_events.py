@@ -3,7 +3,7 @@ parsed and validated into frozen dataclasses before anything acts on them.
 
 Why strict here: the dialect promises "validate before mutating", so everything a client can get
 wrong in one event is found while reading it and answered with an `error` naming the event. What a
-text-only model cannot do is refused when a client *uses* it (audio sent, out-of-band responses),
+text-only model cannot do is refused when a client *uses* it (audio sent),
 with a message saying so; settings it cannot act on are accepted and echoed (session_config.py).
 """
 
