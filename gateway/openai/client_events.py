@@ -3,7 +3,7 @@ parsed and validated into frozen dataclasses before anything acts on them.
 
 Why strict here: the dialect promises "validate before mutating", so everything a client can get
 wrong in one event is found while reading it and answered with an `error` naming the event. What a
-text-only model cannot do is refused when a client *uses* it (audio sent, out-of-band responses),
+text-only model cannot do is refused when a client *uses* it (audio sent),
 with a message saying so; settings it cannot act on are accepted and echoed (session_config.py).
 """
 
@@ -51,10 +51,28 @@ class ItemCreate:
 
 
 @dataclass(frozen=True, slots=True)
+class ItemReference:
+    """An `input` entry naming a conversation item by id (`{"type": "item_reference", "id": ...}`)."""
+
+    item_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class OutOfBand:
+    """`response.conversation: "none"` (issue #35, gateway/openai/out_of_band.py): the response
+    adds nothing to the conversation. `input` None: over the conversation; else over exactly
+    these items (messages of its own, or references to conversation items), after the
+    session's instructions."""
+
+    input: tuple[NewItem | ItemReference, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ResponseCreate:
     event_id: str | None
     max_output_tokens: int | None = None  # None: the session's
     metadata: Mapping[str, str] | None = None
+    out_of_band: OutOfBand | None = None  # None: a response in the conversation
     tool_choice: ToolChoice | None = None  # None: the session's
 
 
@@ -169,25 +187,28 @@ def _item_create(r: _Reader) -> ItemCreate:
     item = r.obj_at(r.obj, "item", "item")
     if item is None:
         raise r.bad("missing item", "item", "missing_required_parameter")
+    previous = r.opt_str(r.obj, "previous_item_id")
+    if item.get("type") == "function_call_output":
+        return ItemCreate(r.event_id, _call_output(r, item), previous)
+    return ItemCreate(r.event_id, _message(r, item, "item"), previous)
+
+
+def _message(r: _Reader, item: Mapping[str, object], at: str) -> NewItem:
+    """A message item (`conversation.item.create`'s, or one of an out-of-band response's `input`)."""
     kind = item.get("type", "message")
-    if kind == "function_call_output":
-        return _call_output(r, item)
     if kind != "message":
-        raise r.bad(
-            f"item.type {str(kind)[:64]!r}: only message and function_call_output items are served",
-            "item.type",
-            "unsupported_value",
-        )
+        served = "message and function_call_output items are" if at == "item" else "message items are"
+        raise r.bad(f"{at}.type {str(kind)[:64]!r}: only {served} served", f"{at}.type", "unsupported_value")
     role = item.get("role")
     if role not in ROLES:
-        raise r.bad('item.role must be "user", "system" or "assistant"', "item.role")
+        raise r.bad(f'{at}.role must be "user", "system" or "assistant"', f"{at}.role")
     content = item.get("content")
     if not isinstance(content, list) or not content:
-        raise r.bad("item.content must be a non-empty list of text parts", "item.content")
+        raise r.bad(f"{at}.content must be a non-empty list of text parts", f"{at}.content")
     allowed = _TEXT_PARTS[str(role)]
     texts = []
     for index, part in enumerate(content):
-        param = f"item.content[{index}]"
+        param = f"{at}.content[{index}]"
         if not isinstance(part, dict):
             raise r.bad(f"{param} must be an object", param, "invalid_type")
         if part.get("type") not in allowed:
@@ -197,18 +218,17 @@ def _item_create(r: _Reader) -> ItemCreate:
                 "unsupported_value",
             )
         texts.append(r.req_str(part, "text", f"{param}.text"))
-    previous = r.opt_str(r.obj, "previous_item_id")
-    return ItemCreate(r.event_id, NewItem(_item_id(r, item), role, "".join(texts)), previous)
+    return NewItem(_item_id(r, item, at), role, "".join(texts))
 
 
-def _item_id(r: _Reader, item: Mapping[str, object]) -> str | None:
-    item_id = r.opt_str(item, "id", "item.id")
+def _item_id(r: _Reader, item: Mapping[str, object], at: str) -> str | None:
+    item_id = r.opt_str(item, "id", f"{at}.id")
     if item_id is not None and not 1 <= len(item_id) <= 64:
-        raise r.bad("item.id must have 1 to 64 characters", "item.id")
+        raise r.bad(f"{at}.id must have 1 to 64 characters", f"{at}.id")
     return item_id
 
 
-def _call_output(r: _Reader, item: Mapping[str, object]) -> ItemCreate:
+def _call_output(r: _Reader, item: Mapping[str, object]) -> NewItem:
     """A tool call's output, which the client ran (tools.py): joins as the call's answer."""
     unknown = set(item) - {"type", "id", "object", "status", "call_id", "output"}
     if unknown:
@@ -216,24 +236,49 @@ def _call_output(r: _Reader, item: Mapping[str, object]) -> ItemCreate:
         raise r.bad(f"unknown function_call_output field {name!r}", "item", "unknown_parameter")
     call_id = r.req_str(item, "call_id", "item.call_id")
     output = r.req_str(item, "output", "item.output")
-    previous = r.opt_str(r.obj, "previous_item_id")
-    return ItemCreate(r.event_id, NewItem(_item_id(r, item), "user", output, call_id), previous)
+    return NewItem(_item_id(r, item, "item"), "user", output, call_id)
+
+
+def _out_of_band(r: _Reader, response: Mapping[str, object]) -> OutOfBand | None:
+    """`response.conversation` and `response.input`: None for a response in the conversation."""
+    conversation = response.get("conversation", "auto")
+    if conversation not in ("auto", "none"):
+        raise r.bad('response.conversation must be "auto" or "none"', "response.conversation")
+    given = response.get("input")
+    if conversation == "auto":
+        if given:
+            raise r.bad(
+                'response.input is served with response.conversation "none" (an out-of-band response)',
+                "response.input",
+                "unsupported_value",
+            )
+        return None
+    if given is None:
+        return OutOfBand()
+    if not isinstance(given, list):
+        raise r.bad("response.input must be a list of items", "response.input", "invalid_type")
+    items: list[NewItem | ItemReference] = []
+    for index, entry in enumerate(given):
+        at = f"response.input[{index}]"
+        if not isinstance(entry, dict):
+            raise r.bad(f"{at} must be an object", at, "invalid_type")
+        if entry.get("type") == "item_reference":
+            items.append(ItemReference(r.req_str(entry, "id", f"{at}.id")))
+        else:
+            items.append(_message(r, entry, at))
+    return OutOfBand(tuple(items))
 
 
 def _response_create(r: _Reader, limit: int) -> ResponseCreate:
     response = r.obj_at(r.obj, "response", "response") or {}
-    for key in ("input", "tools", "instructions", "prompt", "audio"):
+    for key in ("tools", "instructions", "prompt", "audio"):
         if response.get(key):
             raise r.bad(
-                f"response.{key}: out-of-band responses are not served; add items to the conversation",
+                f"response.{key}: not served; add items to the conversation",
                 f"response.{key}",
                 "unsupported_value",
             )
-    conversation = response.get("conversation", "auto")
-    if conversation != "auto":
-        raise r.bad(
-            'response.conversation: only "auto" (the session\'s conversation)', "response.conversation"
-        )
+    out_of_band = _out_of_band(r, response)
     text_only(response, "response.output_modalities", r.event_id)
     has_max, max_tokens = read_max_output_tokens(response, "response.max_output_tokens", limit, r.event_id)
     metadata = r.obj_at(response, "metadata", "response.metadata")
@@ -256,4 +301,4 @@ def _response_create(r: _Reader, limit: int) -> ResponseCreate:
     wanted = (max_tokens if max_tokens is not None else limit) if has_max else None
     choice = response.get("tool_choice")
     tool_choice = None if choice is None else parse_tool_choice(choice, "response.tool_choice", r.event_id)
-    return ResponseCreate(r.event_id, wanted, metadata, tool_choice)  # type: ignore[arg-type]
+    return ResponseCreate(r.event_id, wanted, metadata, out_of_band, tool_choice)  # type: ignore[arg-type]

@@ -68,6 +68,16 @@ class _Prompt:
 
 
 @dataclass(frozen=True, slots=True)
+class Mark:
+    """The conversation right before an item joined (issue #35): what deleting it goes back to."""
+
+    items: int
+    messages: int
+    rendered: int  # a prefix of every later rendering
+    owed: str
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     items: list[Item]
     messages: list[Message]
@@ -76,6 +86,7 @@ class Checkpoint:
     prompt: _Prompt | None
     ids: set[str]
     calls: set[str]
+    marks: dict[str, Mark] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -91,6 +102,9 @@ class Conversation:
     _prompt: _Prompt | None = None
     _ids: set[str] = field(default_factory=set)
     _calls: set[str] = field(default_factory=set)  # the call ids of the model's tool calls
+    # Each item's `Mark` (a reply's is taken when its response begins, in `_reply_mark`).
+    marks: dict[str, Mark] = field(default_factory=dict)
+    _reply_mark: Mark | None = None
 
     @property
     def started(self) -> bool:
@@ -114,12 +128,28 @@ class Conversation:
             self._prompt,
             set(self._ids),
             set(self._calls),
+            dict(self.marks),
         )
 
     def rollback(self, cp: Checkpoint) -> None:
         self.items, self._messages, self._rendered = list(cp.items), list(cp.messages), cp.rendered
         self._owed, self._prompt, self._ids = cp.owed, cp.prompt, set(cp.ids)
         self._calls = set(cp.calls)
+        self.marks = dict(cp.marks)
+
+    def mark(self) -> Mark:
+        return Mark(len(self.items), len(self._messages), len(self._rendered), self._owed)
+
+    def back_to(self, mark: Mark) -> list[Item]:
+        """The conversation as it was at `mark` (an item's, which is deleted with all after it);
+        returns the items after it, which the caller appends again."""
+        later = self.items[mark.items :]
+        self.items, self._messages = self.items[: mark.items], self._messages[: mark.messages]
+        self._rendered, self._owed, self._prompt = self._rendered[: mark.rendered], mark.owed, None
+        self._ids = {item.item_id for item in self.items}
+        self._calls = {i.call_id for i in self.items if i.type == "function_call" and i.call_id}
+        self.marks = {i: m for i, m in self.marks.items() if i in self._ids}
+        return later
 
     def set_instructions(self, instructions: str) -> None:
         if self.started and instructions != (self.instructions or ""):
@@ -210,6 +240,7 @@ class Conversation:
                 code="conversation_already_has_active_response",
             )
         self.check(new, previous_item_id, self.last_item_id)
+        mark = self.mark()
         # A call's output reaches the model as its template's tool message, or a user message in
         # tools.py's format.
         message: Message = (
@@ -226,6 +257,7 @@ class Conversation:
         self._messages, self._rendered, self._owed = messages, rendered, ""
         self.items.append(item)
         self._ids.add(item.item_id)
+        self.marks[item.item_id] = mark
         return item, text
 
     def begin_response(self) -> str:
@@ -235,6 +267,7 @@ class Conversation:
                 "a response is already being generated: wait for response.done or cancel it",
                 code="conversation_already_has_active_response",
             )
+        self._reply_mark = self.mark()
         messages = self._head()
         prompt = self._render(messages, generation_prompt=True)
         text = self._owed + prompt[len(self._rendered) :]
@@ -286,6 +319,8 @@ class Conversation:
             self._ids.add(recorded.item_id)
             if recorded.call_id is not None:
                 self._calls.add(recorded.call_id)
+            if self._reply_mark is not None:
+                self.marks[recorded.item_id] = self._reply_mark
         return item
 
     def _head(self) -> list[Message]:

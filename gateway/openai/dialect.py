@@ -9,6 +9,9 @@ How events map (docs/protocol.md "OpenAI Realtime dialect"):
 - `response.create` -> one chunk with the assistant header that asks for `max_output_tokens`;
   its deltas -> `response.output_text.delta`, its done -> the closing events and `response.done`;
 - `response.cancel` -> `output.cancel`;
+- `conversation.item.delete` -> `session.rewind` to the item, then what followed again
+  (item_delete.py); `response.create` with `conversation: "none"` -> a flush, the response's
+  chunks, then `session.rewind` back to the flush (out_of_band.py);
 - an item or a response asked for while a response runs is admitted at once and queued
   (pending.py); it joins when the running response ends, and its chunks are then handed to the
   session through `take_released`. What is in flight, and the queue, is flight.py's.
@@ -31,6 +34,7 @@ from gateway.dialect import Decoded, Frame, frame_size
 from gateway.limits import LimitValues, SessionLimits
 from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
+from gateway.openai import item_delete, out_of_band
 from gateway.openai import server_events as ev
 from gateway.openai.admission import DialectLimits
 from gateway.openai.calling_response import CallingResponse
@@ -67,6 +71,7 @@ from shared.protocol.messages import (
     SessionClosed,
     SessionOpen,
     SessionOpened,
+    SessionRewound,
 )
 from shared.store.models import ModelCard
 
@@ -117,6 +122,11 @@ class OpenAIDialect:
         self._context = 0  # tokens in the session's KV as of the last done seen
         self._cached = 0  # ... as of the end of the last response: what the next one finds cached
         self._broken: str | None = None
+        self._out_of_band: out_of_band.OutOfBandRun | None = None  # an out-of-band response under way
+        self._deleting: item_delete.Deleting | None = None  # a conversation.item.delete under way
+        # Rewinds sent (a delete's, an out-of-band response's) and not answered `session.rewound`:
+        # a refusal of one leaves the KV and the conversation apart.
+        self._rewinds = 0
         self._eos_ids = frozenset(card.eos_token_ids)
 
     # ---- the Dialect protocol -----------------------------------------------------------------
@@ -224,6 +234,26 @@ class OpenAIDialect:
 
     def _response_create(self, event: ResponseCreate) -> Decoded:
         limit = event.max_output_tokens or self._max_output_tokens or self._limits.max_output_tokens
+        if event.out_of_band is not None:
+            # An out-of-band response answers in text: a call it made would belong to no
+            # conversation, so a tool_choice of its own is refused (the session's tools are still
+            # in the prompt; what the model writes comes back as text).
+            if event.tool_choice is not None:
+                raise RealtimeProblem(
+                    "response.tool_choice: an out-of-band response answers in text, without tool calls",
+                    param="response.tool_choice",
+                    code="unsupported_value",
+                )
+            conversation, oob = self._usable(), event.out_of_band
+            sent, self._out_of_band = out_of_band.start(
+                self._flight,
+                conversation,
+                oob,
+                limit=limit,
+                metadata=event.metadata,
+                conversation_id=self._conversation_id,
+            )
+            return self._sending(*sent)
         choice = self._tool_choice if event.tool_choice is None else event.tool_choice
         check_choice(choice, self._tools, "response.tool_choice")
         grammar = constraint(self._tools, choice)
@@ -252,12 +282,17 @@ class OpenAIDialect:
 
     def _item_delete(self, event: ItemDelete) -> Decoded:
         self._known(event.item_id)
-        raise RealtimeProblem(
-            "conversation.item.delete: an item's tokens are already in the model's KV cache, which only "
-            "grows; start a new session for a conversation without it",
-            param="item_id",
-            code="unsupported_operation",
+        if self._deleting is not None or self._out_of_band is not None:
+            raise RealtimeProblem(
+                "conversation.item.delete waits for the delete or response under way",
+                code="conversation_already_has_active_response",
+            )
+        kept_prefix = self._truncation.policy == "truncate" and bool(self._instructions)
+        messages, self._deleting = item_delete.delete(
+            self._flight, self._usable(), event.item_id, kept_prefix=kept_prefix
         )
+        self._rewinds += 1
+        return Decoded(messages=tuple(messages))
 
     def _item_truncate(self, event: ItemTruncate) -> Decoded:
         self._known(event.item_id)
@@ -351,6 +386,14 @@ class OpenAIDialect:
             return self._done(message)
         if isinstance(message, Error):
             return self._error(message)
+        if isinstance(message, SessionRewound):  # a delete's or an out-of-band response's
+            self._rewinds = max(self._rewinds - 1, 0)
+            self._context = self._cached = message.length
+            deleting = self._deleting
+            if deleting is not None and deleting.last_seq is None:
+                self._deleting = None
+                return [ev.item_deleted(deleting.item_id)]
+            return []
         if isinstance(message, SessionClosed):
             problem = problem_from_close(message.reason)
             return [] if problem is None else [ev.error(problem)]
@@ -364,6 +407,13 @@ class OpenAIDialect:
 
     def _done(self, done: OutputDone) -> list[ev.Event]:
         self._flight.settle((done.seq,))
+        if self._out_of_band is not None and done.seq in self._out_of_band.chunks:
+            return self._out_of_band_done(done, self._out_of_band)
+        deleting = self._deleting
+        if deleting is not None and done.seq == deleting.last_seq:
+            self._deleting = None
+            self._context += (done.committed_tokens or 0) + len(done.tokens)
+            return [ev.item_deleted(deleting.item_id)]
         self._context += (done.committed_tokens or 0) + len(done.tokens)
         piece = self._flight.item_chunks.pop(done.seq, None)
         if piece is not None:
@@ -403,13 +453,56 @@ class OpenAIDialect:
             events + response.closing(self._conversation_id, outcome, usage, previous) + self._flight.join()
         )
 
+    def _out_of_band_done(self, done: OutputDone, run: out_of_band.OutOfBandRun) -> list[ev.Event]:
+        """An out-of-band response's chunk is done; at its last, the conversation goes back to
+        where it was and the session is rewound there, ahead of any input that waited."""
+        run.inputs += done.committed_tokens or 0
+        if done.seq != run.response.seq:
+            return []
+        self._out_of_band, self._flight.response = None, None
+        assert self._conversation is not None
+        self._conversation.rollback(run.checkpoint)
+        self._flight.release(run.rewind())
+        self._rewinds += 1
+        outcome = run.response.outcome(done, self._eos_ids)
+        usage = ev.Usage(self._context + run.inputs, self._context, len(done.tokens))
+        closing = run.response.closing(self._conversation_id, outcome, usage, None)
+        return out_of_band.without_conversation(closing) + self._flight.join()
+
+    def _out_of_band_refused(self, error: Error, run: out_of_band.OutOfBandRun) -> list[ev.Event]:
+        """A chunk of an out-of-band response was refused (the ones behind it will be too): the
+        response fails, and what of it reached the session is rewound."""
+        self._out_of_band, self._flight.response = None, None
+        assert self._conversation is not None
+        self._conversation.rollback(run.checkpoint)
+        if error.seq != run.flush_seq:
+            self._flight.release(run.rewind())
+            self._rewinds += 1
+        assert error.seq is not None
+        self._dropped.update(s for s in run.chunks if s > error.seq)  # refused behind it: told here
+        problem = problem_from_native(error, "the out-of-band response was refused")
+        failed = run.response.failed(self._conversation_id, problem)
+        return out_of_band.without_conversation(failed) + self._flight.join()
+
     def _error(self, error: Error) -> list[ev.Event]:
+        if error.seq is None and self._rewinds and not error.fatal:
+            # The session refused a rewind (a delete's item is gone from the window or too old;
+            # the session was moving): the conversation here was already edited, so it no longer
+            # matches the KV. Said once; further items and responses are refused.
+            self._rewinds -= 1
+            self._deleting = None
+            problem = problem_from_native(error, "the conversation could not be edited")
+            self._broken = problem.message
+            return [ev.error(problem)]
         if error.seq is None:
             problem = problem_from_native(error)
             if self._opened and not self._confirmed and not error.fatal:
                 return [ev.error(self._open_failed(problem))]
             return [ev.error(problem)]
         self._flight.settle((error.seq,))
+        run = self._out_of_band
+        if run is not None and (error.seq in run.chunks or error.seq == run.flush_seq):
+            return self._out_of_band_refused(error, run)
         if error.seq in self._dropped:
             self._dropped.discard(error.seq)  # refused because the open failed: already reported
             return []

@@ -50,6 +50,11 @@ class Flight:
         self.response: ActiveResponse | None = None
         self.pending = PendingInput()  # input that arrived while a response runs
         self._released: list[ClientMessage] = []  # its requests, once it may run
+        # The last chunk that is part of the conversation (an item's, a response's, an out-of-band
+        # response's flush), and for each item the last such chunk before it: where deleting the
+        # item rewinds the session to (item_delete.py). 0: none.
+        self.conversation_seq = 0
+        self.before_seq: dict[str, int] = {}
 
     @property
     def busy(self) -> bool:
@@ -69,6 +74,11 @@ class Flight:
         for message in messages:
             if isinstance(message, InputChunk):
                 self.sent_seq = message.seq
+
+    def release(self, message: ClientMessage) -> None:
+        """A request for the session ahead of the input `join` releases next (the rewind that
+        ends an out-of-band response, out_of_band.py)."""
+        self._released.append(message)
 
     def take_released(self) -> tuple[ClientMessage, ...]:
         released, self._released = tuple(self._released), []
@@ -118,6 +128,7 @@ class Flight:
         self.seq += 1
         response = make(self.seq)
         self.response = response
+        self.joined(response.item_id, response.seq)
         opening = response.opening(self._conversation_id, conversation.last_item_id)
         return [_chunk(response, header)], opening
 
@@ -142,7 +153,13 @@ class Flight:
             QueuedItem(event.event_id, item, event.previous_item_id, tuple(c.seq for c in costs))
         )
 
+    def joined(self, item_id: str, last_seq: int) -> None:
+        """Item `item_id` joins the conversation in chunks up to `last_seq`."""
+        self.before_seq[item_id] = self.conversation_seq
+        self.conversation_seq = last_seq
+
     def _item_chunks_for(self, item: Item, seqs: Sequence[int], pieces: Sequence[str]) -> list[ClientMessage]:
+        self.joined(item.item_id, seqs[-1])
         for s in seqs:
             self.item_chunks[s] = (item.item_id, s == seqs[-1])
         return [InputChunk(s, text=p, max_output_tokens=0) for s, p in zip(seqs, pieces, strict=True)]
@@ -167,6 +184,7 @@ class Flight:
                     response = entry.response
                     header = conversation.begin_response()
                     self.response = response
+                    self.joined(response.item_id, response.seq)
                     events += response.opening(self._conversation_id, conversation.last_item_id)
                     self._released.append(_chunk(response, header))
             except RealtimeProblem as exc:

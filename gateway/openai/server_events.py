@@ -117,6 +117,10 @@ def item_done(item: Event, previous_item_id: str | None) -> Event:
     return _event("conversation.item.done", item=item, previous_item_id=previous_item_id)
 
 
+def item_deleted(item_id: str) -> Event:
+    return _event("conversation.item.deleted", item_id=item_id)
+
+
 def item_retrieved(item: Event) -> Event:
     return _event("conversation.item.retrieved", item=item)
 

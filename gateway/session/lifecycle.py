@@ -57,6 +57,7 @@ class Request(enum.Enum):
     OPEN = "session.open/session.resume"
     CHUNK = "input.chunk"
     CANCEL = "output.cancel"
+    REWIND = "session.rewind"
     CLOSE = "session.close"
 
 
@@ -66,6 +67,7 @@ SERVED: Final[Mapping[Request, frozenset[Phase]]] = {
     Request.OPEN: frozenset({Phase.IDLE}),
     Request.CHUNK: frozenset({Phase.ACTIVE, Phase.RESTORING}),
     Request.CANCEL: frozenset({Phase.ACTIVE}),
+    Request.REWIND: frozenset({Phase.ACTIVE}),
     Request.CLOSE: frozenset({Phase.IDLE, Phase.ACTIVE, Phase.RESTORING}),
 }
 
@@ -125,7 +127,7 @@ class SessionLifecycle:
             return None
         if request is Request.OPEN:
             return InvalidMessage(f"this socket already has a session ({phase.value})")
-        if request is Request.CANCEL and phase is Phase.RESTORING:
+        if request in (Request.CANCEL, Request.REWIND) and phase is Phase.RESTORING:
             moving = "the session is moving to another worker"
             return WorkerUnavailable(moving, retry_after_ms=MOVING_RETRY_MS)
         if request is Request.CHUNK:

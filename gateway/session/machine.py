@@ -72,7 +72,7 @@ from gateway.session.flows import (
     Step,
 )
 from gateway.session.guard import Expire, SessionGuard, Verdict
-from gateway.session.lifecycle import IllegalTransition, Phase, Request, SessionLifecycle
+from gateway.session.lifecycle import MOVING_RETRY_MS, IllegalTransition, Phase, Request, SessionLifecycle
 from gateway.session.turns import Turns
 from shared.errors import MicroturnError, SessionExpired, WorkerUnavailable
 from shared.protocol.close_codes import CLOSE_NORMAL, close_code_for, error_message_from
@@ -87,6 +87,8 @@ from shared.protocol.link import (
     LinkError,
     LinkMigrate,
     LinkOpened,
+    LinkRewind,
+    LinkRewound,
     ToGateway,
     ToWorker,
 )
@@ -104,6 +106,7 @@ from shared.protocol.messages import (
     SessionExpiring,
     SessionOpen,
     SessionResume,
+    SessionRewind,
 )
 
 if TYPE_CHECKING:
@@ -154,6 +157,9 @@ class SessionMachine:
         self._close_deferred = False  # `session.close` while restoring: served once the restore ends
         self._warning: SessionExpiring | None = None  # the credential's deadline, once armed
         self._expiry: Expire | None = None
+        # Rewinds (and cancels keeping k outputs) sent to the worker and not answered yet: told
+        # `worker_unavailable` if the session moves first (the client sends them again).
+        self._rewinds = 0
 
     # ---- the caller's side -----------------------------------------------------------------------
 
@@ -193,6 +199,8 @@ class SessionMachine:
                 self._to_client(Pong(msg.data))
             elif isinstance(msg, OutputCancel):
                 self._cancel(msg)
+            elif isinstance(msg, SessionRewind):
+                self._rewind(msg)
             elif isinstance(msg, SessionOpen):
                 self._open(msg.config)
             elif isinstance(msg, SessionResume):
@@ -216,7 +224,9 @@ class SessionMachine:
         limit = msg.max_output_tokens if msg.max_output_tokens is not None else self.config.max_output_tokens
         frame = LinkChunk(sid, msg)
         # Held while RESTORING: it goes to the new worker with the tail, or right after its restore.
-        held = phase is Phase.RESTORING
+        # Held while a rewind is unanswered too: it goes once the rewind is durable, so a worker
+        # lost in between cannot run it on the history before the rewind (refused then, `_move`).
+        held = phase is Phase.RESTORING or self._rewinds > 0
         self.turns.admit(msg, wants_output=limit > 0, received=received, frame=frame, sent=not held)
         if not held:
             self._out += (SendWorker(frame, worker), _CHUNK_FORWARDED)
@@ -224,7 +234,17 @@ class SessionMachine:
     def _cancel(self, msg: OutputCancel) -> None:
         self.life.check(Request.CANCEL)
         assert self.sid is not None and self.worker is not None, "an active session has a worker"
-        self._out.append(SendWorker(LinkCancel(self.sid, msg.seq), self.worker))
+        self._out.append(SendWorker(LinkCancel(self.sid, msg.seq, msg.keep_output_tokens), self.worker))
+        if msg.keep_output_tokens is not None:
+            self._rewinds += 1
+
+    def _rewind(self, msg: SessionRewind) -> None:
+        """`session.rewind`: the worker cancels the session's turns, edits its history, logs the
+        edit and answers `rewound`; the gateway keeps nothing of it but the count in flight."""
+        self.life.check(Request.REWIND)
+        assert self.sid is not None and self.worker is not None, "an active session has a worker"
+        self._out.append(SendWorker(LinkRewind(self.sid, msg), self.worker))
+        self._rewinds += 1
 
     def _open(self, config: OpenConfig) -> None:
         self.life.check(Request.OPEN)
@@ -289,8 +309,9 @@ class SessionMachine:
         """A `SendWorker` could not be sent. A chunk is left to the restore the link loss starts (the
         new worker gets it with the tail); a request or a close fails; a cancel is refused."""
         flow = self._flow
-        if isinstance(frame, LinkCancel):
-            self.error(exc, frame.seq)
+        if isinstance(frame, LinkCancel | LinkRewind):
+            self._rewind_answered(frame)
+            self.error(exc, frame.seq if isinstance(frame, LinkCancel) else None)
         elif flow is not None and flow.awaits_opened:
             if frame is flow.frame:
                 self._request_failed(exc)
@@ -409,10 +430,18 @@ class SessionMachine:
                 self._to_client(frame.delta)
         elif isinstance(frame, LinkDone):
             self._done(frame)
+        elif isinstance(frame, LinkRewound):
+            self.turns.undurable.durable(frame.durable_seq)
+            self._to_client(frame.rewound)
+            self._rewind_settled()
         elif isinstance(frame, LinkError):
             error = frame.error
             if error.seq is not None:
                 self.turns.refused(error.seq)
+            elif not error.fatal and self._rewinds:  # a worker's refusals with no seq answer rewinds
+                self._to_client(error)
+                self._rewind_settled()
+                return
             self._to_client(error)
             if error.fatal:
                 self.life.end_session()
@@ -429,6 +458,17 @@ class SessionMachine:
         if self.guard is not None:
             self._judge(self.guard.on_done(grown))
 
+    def _rewind_answered(self, frame: LinkCancel | LinkRewind) -> None:
+        if isinstance(frame, LinkRewind) or frame.keep_output_tokens is not None:
+            self._rewind_settled()
+
+    def _rewind_settled(self) -> None:
+        """A rewind was answered: once none is, the chunks held behind them go, in seq order."""
+        self._rewinds = max(self._rewinds - 1, 0)
+        if self._rewinds == 0 and self.life.phase is Phase.ACTIVE and self.worker is not None:
+            worker = self.worker
+            self._out += [SendWorker(held, worker) for held in self.turns.undurable.take_unsent()]
+
     def _move(self, why: str, *, target: str | None = None) -> None:
         """The session leaves its worker (lost or draining): restore it elsewhere with its tail."""
         if self.life.phase is not Phase.ACTIVE or self.sid is None or self.record is None:
@@ -441,6 +481,17 @@ class SessionMachine:
         )
         self.unbind()  # the old worker's late frames are not ours any more
         self.life.move(Phase.RESTORING)
+        if self._rewinds:
+            # Applied and logged, or not: the client sends the rewind again (it is idempotent), and
+            # the chunks it sent after it, which must not run on the history before it.
+            moved = "the session moved while rewinding: send the rewind again (it is idempotent)"
+            for _ in range(self._rewinds):
+                self.error(WorkerUnavailable(moved, retry_after_ms=MOVING_RETRY_MS))
+            for held in self.turns.undurable.take_unsent():
+                self.turns.refused(held.chunk.seq)
+                after = "sent after a rewind the session lost: send it again after the rewind"
+                self.error(WorkerUnavailable(after, retry_after_ms=MOVING_RETRY_MS), held.chunk.seq)
+        self._rewinds = 0
         # Every done up to the finished seq has been queued for the client: it is what it saw.
         self.run(RestoreFlow(Origin.MOVE, self.turns.finished_seq, target))
 

@@ -41,6 +41,7 @@ from shared.client.retry import NO_RETRY, RetryPolicy
 from shared.protocol.codec import Encoding
 from shared.protocol.messages import (
     ClientMessage,
+    OutputCancel,
     OutputDelta,
     OutputDone,
     Pong,
@@ -48,6 +49,8 @@ from shared.protocol.messages import (
     SessionClosed,
     SessionOpened,
     SessionResumed,
+    SessionRewind,
+    SessionRewound,
 )
 from shared.protocol.response_format import ResponseFormat
 
@@ -226,6 +229,23 @@ class RealtimeClient(_ClientShell[AsyncConnection]):
     async def cancel(self, seq: int) -> None:
         await self.send(self._core.cancel(seq))
 
+    async def cancel_keeping(
+        self, seq: int, keep_output_tokens: int, *, timeout: float | None = DEFAULT_TIMEOUT_S
+    ) -> SessionRewound:
+        """Stop turn `seq` (or take back the session's last, finished turn) keeping only its first
+        `keep_output_tokens` outputs in the history."""
+        return await self._run(self._core.rewind(OutputCancel(seq, keep_output_tokens)), timeout)
+
+    async def rewind(
+        self,
+        *,
+        to_seq: int | None = None,
+        keep_tokens: int | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+    ) -> SessionRewound:
+        """Take the session's history back to turn `to_seq`'s end or to its first `keep_tokens`."""
+        return await self._run(self._core.rewind(SessionRewind(to_seq, keep_tokens)), timeout)
+
     async def ping(self, data: object = None, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> Pong:
         return await self._run(self._core.ping(data), timeout)
 
@@ -359,6 +379,22 @@ class SyncRealtimeClient(_ClientShell[SyncConnection]):
 
     def cancel(self, seq: int) -> None:
         self.send(self._core.cancel(seq))
+
+    def cancel_keeping(
+        self, seq: int, keep_output_tokens: int, *, timeout: float | None = DEFAULT_TIMEOUT_S
+    ) -> SessionRewound:
+        """See `RealtimeClient.cancel_keeping`."""
+        return self._run(self._core.rewind(OutputCancel(seq, keep_output_tokens)), timeout)
+
+    def rewind(
+        self,
+        *,
+        to_seq: int | None = None,
+        keep_tokens: int | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+    ) -> SessionRewound:
+        """See `RealtimeClient.rewind`."""
+        return self._run(self._core.rewind(SessionRewind(to_seq, keep_tokens)), timeout)
 
     def ping(self, data: object = None, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> Pong:
         return self._run(self._core.ping(data), timeout)

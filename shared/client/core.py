@@ -35,6 +35,8 @@ from shared.protocol.messages import (
     SessionOpened,
     SessionResume,
     SessionResumed,
+    SessionRewind,
+    SessionRewound,
 )
 from shared.protocol.response_format import ResponseFormat
 
@@ -212,6 +214,11 @@ class ClientCore:
 
     def cancel(self, seq: int) -> OutputCancel:
         return OutputCancel(seq)
+
+    def rewind(self, message: SessionRewind | OutputCancel) -> Request[SessionRewound]:
+        """`session.rewind`, or `output.cancel` keeping k outputs: answered by `session.rewound`."""
+        waiter = ReplyWaiter(SessionRewound)
+        return Request(message, waiter, lambda: _answer(waiter, SessionRewound))
 
     def wait_turn(self, seq: int) -> Request[OutputDone | float]:
         """Wait for turn `seq`: its `output.done`, or the seconds to wait before `resend(seq)` when

@@ -59,6 +59,8 @@ from shared.protocol.messages import (
     SessionRestored,
     SessionResume,
     SessionResumed,
+    SessionRewind,
+    SessionRewound,
     Timing,
 )
 from shared.protocol.response_format import (
@@ -288,6 +290,13 @@ def _input_chunk(r: FieldReader) -> InputChunk:
     )
 
 
+def _session_rewind(r: FieldReader) -> SessionRewind:
+    to_seq, keep_tokens = r.opt_integer("to_seq"), r.opt_integer("keep_tokens", 0)
+    if (to_seq is None) == (keep_tokens is None):
+        raise InvalidMessage("session.rewind: give exactly one of to_seq and keep_tokens")
+    return SessionRewind(to_seq, keep_tokens)
+
+
 _CLIENT: dict[str, Callable[[FieldReader], ClientMessage]] = {
     SessionOpen.type: _session_open,
     SessionResume.type: lambda r: SessionResume(
@@ -296,7 +305,8 @@ _CLIENT: dict[str, Callable[[FieldReader], ClientMessage]] = {
         r.opt_integer("last_seq"),
     ),
     InputChunk.type: _input_chunk,
-    OutputCancel.type: lambda r: OutputCancel(r.integer("seq")),
+    OutputCancel.type: lambda r: OutputCancel(r.integer("seq"), r.opt_integer("keep_output_tokens", 0)),
+    SessionRewind.type: _session_rewind,
     SessionClose.type: lambda r: SessionClose(),
     Ping.type: lambda r: Ping(r.value("data")),
 }
@@ -349,6 +359,7 @@ _SERVER: dict[str, Callable[[FieldReader], ServerMessage]] = {
         r.opt_number("logprob", -math.inf),
     ),
     OutputDone.type: _output_done,
+    SessionRewound.type: lambda r: SessionRewound(r.integer("length", 0)),
     SessionClosed.type: lambda r: SessionClosed(cast(CloseReason, r.choice("reason", CLOSE_REASONS))),
     SessionExpiring.type: lambda r: SessionExpiring(
         r.string("session_id", nonempty=True),

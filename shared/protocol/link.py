@@ -12,9 +12,10 @@ The link is internal and authenticated, so it is decoded by the field-driven cod
 fails loudly and typed: every malformed frame raises `InvalidMessage`.
 
 Ops: gateway -> worker `open`, `attach` (resume), `restore` (rebuild from the token log), `chunk`,
-`cancel`, `detach` (the client went away; the session stays resumable and becomes the first to
+`cancel`, `rewind`, `detach` (the client went away; the session stays resumable and becomes the first to
 lose its KV under memory pressure), `close`; worker -> gateway `opened` (the answer to `open`,
-`attach` and `restore`), `delta`, `done`, `error`, `closed`, `migrate` (the worker is draining:
+`attach` and `restore`), `delta`, `done`, `rewound` (the answer to `rewind` and to a `cancel`
+that keeps k outputs), `error`, `closed`, `migrate` (the worker is draining:
 restore the session elsewhere). An `error` with an empty `sid` concerns the link itself (e.g. a
 malformed frame whose session is unknown).
 
@@ -38,6 +39,8 @@ from shared.protocol.messages import (
     OpenConfig,
     OutputDelta,
     OutputDone,
+    SessionRewind,
+    SessionRewound,
 )
 
 # Where a worker serves the link, and the handshake header that carries `MT_LINK_SECRET`.
@@ -115,6 +118,17 @@ class LinkCancel:
     op: ClassVar[str] = "cancel"
     sid: str
     seq: int
+    # `output.cancel`'s: set, the history keeps the turn's first k outputs and `rewound` answers.
+    keep_output_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkRewind:
+    """The client's `session.rewind`; answered by `rewound` once the edit is in the token log."""
+
+    op: ClassVar[str] = "rewind"
+    sid: str
+    rewind: SessionRewind
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +175,18 @@ class LinkDone:
     length: int
     # The last seq whose turn the token log holds in Redis (None: none yet); piggybacked here so
     # durability costs no frame of its own.
+    durable_seq: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkRewound:
+    """A rewind (or `output.cancel` with `keep_output_tokens`) is applied and durable: the token log
+    in Redis holds it, so a restore continues from the edited history (docs/failover.md)."""
+
+    op: ClassVar[str] = "rewound"
+    sid: str
+    rewound: SessionRewound
+    # As in `done`: every turn up to it is durable too (the rewind is logged after them).
     durable_seq: int | None = None
 
 
@@ -217,11 +243,21 @@ class LinkWarmed:
 
 
 ToWorker: TypeAlias = (
-    LinkOpen | LinkAttach | LinkRestore | LinkChunk | LinkCancel | LinkDetach | LinkClose | LinkWarm
+    LinkOpen
+    | LinkAttach
+    | LinkRestore
+    | LinkChunk
+    | LinkCancel
+    | LinkRewind
+    | LinkDetach
+    | LinkClose
+    | LinkWarm
 )
 # `warmed` goes back to the draining worker that asked for the copy, which dials the link as a
 # gateway does; a gateway never asks for one.
-ToGateway: TypeAlias = LinkOpened | LinkDelta | LinkDone | LinkError | LinkClosed | LinkMigrate | LinkWarmed
+ToGateway: TypeAlias = (
+    LinkOpened | LinkDelta | LinkDone | LinkRewound | LinkError | LinkClosed | LinkMigrate | LinkWarmed
+)
 LinkFrame: TypeAlias = ToWorker | ToGateway
 
 # Every frame class by its op: the registry `decode_link` (link_codec.py) and the round-trip test walk.
@@ -233,11 +269,13 @@ FRAME_CLASSES: Final[dict[str, type[LinkFrame]]] = {
         LinkRestore,
         LinkChunk,
         LinkCancel,
+        LinkRewind,
         LinkDetach,
         LinkClose,
         LinkOpened,
         LinkDelta,
         LinkDone,
+        LinkRewound,
         LinkError,
         LinkClosed,
         LinkMigrate,

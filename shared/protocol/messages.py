@@ -101,6 +101,22 @@ class InputChunk:
 class OutputCancel:
     type: ClassVar[str] = "output.cancel"
     seq: int
+    # The history keeps only this turn's first k outputs (the ones the client delivered), also for
+    # the session's last turn once it finished; answered by `session.rewound` too. None: the turn
+    # stops and keeps what it produced (no rewind).
+    keep_output_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRewind:
+    """Take the session's history back; exactly one of `to_seq` and `keep_tokens` is set (the codec
+    enforces it). Its running and queued turns are cancelled first. Answered by `session.rewound`."""
+
+    type: ClassVar[str] = "session.rewind"
+    # The history becomes what it was right after this turn's `output.done`, its outputs included.
+    to_seq: int | None = None
+    # The history becomes its first N tokens.
+    keep_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +131,9 @@ class Ping:
     data: object = None
 
 
-ClientMessage: TypeAlias = SessionOpen | SessionResume | InputChunk | OutputCancel | SessionClose | Ping
+ClientMessage: TypeAlias = (
+    SessionOpen | SessionResume | InputChunk | OutputCancel | SessionRewind | SessionClose | Ping
+)
 
 
 # ---- server -> client -------------------------------------------------------------------------
@@ -147,6 +165,15 @@ class SessionRestored:
 
     type: ClassVar[str] = "session.restored"
     session_id: str
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRewound:
+    """The answer to `session.rewind` and to `output.cancel` with `keep_output_tokens`: the history
+    now has `length` tokens (durable: a restore continues from it); the next chunk appends after."""
+
+    type: ClassVar[str] = "session.rewound"
     length: int
 
 
@@ -231,6 +258,7 @@ ServerMessage: TypeAlias = (
     | SessionResumed
     | SessionRestored
     | SessionExpiring
+    | SessionRewound
     | OutputDelta
     | OutputDone
     | SessionClosed

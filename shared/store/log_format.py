@@ -31,6 +31,12 @@ that record's tokens are added; it is skipped with its record when the record is
   window the session had, not one of its own.
 - `SNAPSHOT` (2): the record holds the whole history as of its seq (the log was compacted to it,
   worker/server/token_log.py); it is no turn of its own, so it has no span to answer from.
+- `REWIND` (3): the session was rewound (a client took its history back, worker/engine/rewind.py):
+  the history becomes its first `keep` tokens (`recent` is 0). Its record is no turn: it holds no
+  tokens, the session's text tail after the rewind (none: a rewind ends on a token boundary), and
+  the seq of the last record before it (`NO_SEQ` when none), which is how a reader tells the
+  rewind from a retried copy of it: it applies only right where it was written, after that seq.
+  Applying it twice in a row changes nothing.
 
 The marker cannot start a plain record (its token count would be 2**32 - 1), so logs written
 before directives existed read the same.
@@ -58,6 +64,8 @@ _DIRECTIVE: Final = np.dtype([("marker", "<u4"), ("kind", "<u4"), ("keep", "<u4"
 DIRECTIVE_BYTES: Final = _DIRECTIVE.itemsize  # 16
 DIRECTIVE_CUT: Final = 1
 DIRECTIVE_SNAPSHOT: Final = 2
+DIRECTIVE_REWIND: Final = 3
+_DIRECTIVE_KINDS: Final = (DIRECTIVE_CUT, DIRECTIVE_SNAPSHOT, DIRECTIVE_REWIND)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +123,9 @@ class LogState:
     spans: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     tail_text: str = ""
     tail_context: str = ""
+    # The text tail (text, context) each record with a span left held back, when not empty: what
+    # a rewind to that turn restores (worker/engine/turn_ends.py).
+    span_tails: dict[int, tuple[str, str]] = field(default_factory=dict)
 
 
 def encode_log_record(
@@ -157,8 +168,9 @@ def _spans_after_cut(
 
 
 def encode_directive(kind: int, cut: Cut = Cut(0, 0)) -> bytes:
-    """A directive (`DIRECTIVE_CUT` with its cut, or `DIRECTIVE_SNAPSHOT`) for the record after it."""
-    if kind not in (DIRECTIVE_CUT, DIRECTIVE_SNAPSHOT) or cut.keep < 0 or cut.recent < 0:
+    """A directive (`DIRECTIVE_CUT` with its cut, `DIRECTIVE_SNAPSHOT`, or `DIRECTIVE_REWIND` with
+    `Cut(length, 0)`) for the record after it."""
+    if kind not in _DIRECTIVE_KINDS or cut.keep < 0 or cut.recent < 0:
         raise ValueError(f"bad directive {kind} {cut}")
     directive = np.zeros(1, dtype=_DIRECTIVE)
     directive["marker"] = DIRECTIVE_MARKER
@@ -198,7 +210,7 @@ def log_entries(data: bytes) -> Iterator[LogEntry]:
                 raise ValueError(f"token log has a truncated directive at byte {offset}")
             fields = np.frombuffer(view[offset : offset + DIRECTIVE_BYTES], dtype=_DIRECTIVE)[0]
             kind = int(fields["kind"])
-            if kind not in (DIRECTIVE_CUT, DIRECTIVE_SNAPSHOT):
+            if kind not in _DIRECTIVE_KINDS:
                 raise ValueError(f"token log has an unknown directive {kind} at byte {offset}")
             directive = (kind, Cut(int(fields["keep"]), int(fields["recent"])))
             offset += DIRECTIVE_BYTES
@@ -232,9 +244,20 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
     durable_seq: int | None = None
     spans: dict[int, tuple[int, int, int]] = {}
     tail = ("", "")
+    span_tails: dict[int, tuple[str, str]] = {}
     read_any = False
     for entry in log_entries(data):
         seq = entry.seq
+        if entry.directive is not None and entry.directive[0] == DIRECTIVE_REWIND:
+            if seq != (NO_SEQ if durable_seq is None else durable_seq):
+                continue  # a retried copy, after later turns: the rewind was applied where it stood
+            keep = entry.directive[1].keep
+            tokens = tokens[:keep]
+            # A turn it cut inside its outputs ends where the rewind did; a later one is gone.
+            spans = {s: (a, b, min(c, keep)) for s, (a, b, c) in spans.items() if b <= keep}
+            tail = _tail_of(view, entry)
+            read_any = True
+            continue
         if seq != NO_SEQ and durable_seq is not None and seq <= durable_seq:
             continue  # a duplicate of a turn already read, with its directive
         snapshot = entry.directive is not None and entry.directive[0] == DIRECTIVE_SNAPSHOT
@@ -250,14 +273,22 @@ def decode_log(data: bytes, spans_after: int | None = None) -> LogState:
                 tokens = cut.apply(tokens)
         start = len(tokens)
         tokens.extend(decode_tokens(bytes(view[entry.tokens_at : entry.text_at])))
-        try:
-            text = str(view[entry.text_at : entry.context_at], "utf-8")
-            tail = (text, str(view[entry.context_at : entry.end], "utf-8"))
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"token log has bad text in the record at byte {entry.start}") from exc
+        tail = _tail_of(view, entry)
         if seq != NO_SEQ:
             durable_seq = seq
             is_turn = entry.directive is None or entry.directive[0] != DIRECTIVE_SNAPSHOT
             if is_turn and spans_after is not None and seq > spans_after:
                 spans[seq] = (start, start + entry.inputs, len(tokens))
-    return LogState(tokens, durable_seq, spans, *tail)
+                if tail != ("", ""):
+                    span_tails[seq] = tail
+    kept_tails = {seq: held for seq, held in span_tails.items() if seq in spans}
+    return LogState(tokens, durable_seq, spans, *tail, span_tails=kept_tails)
+
+
+def _tail_of(view: memoryview, entry: LogEntry) -> tuple[str, str]:
+    """The record's text tail and its context."""
+    try:
+        text = str(view[entry.text_at : entry.context_at], "utf-8")
+        return text, str(view[entry.context_at : entry.end], "utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"token log has bad text in the record at byte {entry.start}") from exc

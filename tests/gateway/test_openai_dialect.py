@@ -31,6 +31,8 @@ from shared.protocol.messages import (
     SessionClosed,
     SessionOpen,
     SessionOpened,
+    SessionRewind,
+    SessionRewound,
     Timing,
 )
 from shared.store.models import ModelCard
@@ -239,8 +241,12 @@ def test_cancel_sends_output_cancel_and_the_response_ends_cancelled(card: ModelC
         ),
         ({"type": "session.update", "event_id": "e1", "session": {"max_output_tokens": 0}}, "invalid_value"),
         (
-            {"type": "response.create", "event_id": "e1", "response": {"conversation": "none"}},
+            {"type": "response.create", "event_id": "e1", "response": {"conversation": "elsewhere"}},
             "invalid_value",
+        ),
+        (  # out of band (#35), but there is no conversation yet
+            {"type": "response.create", "event_id": "e1", "response": {"conversation": "none"}},
+            "unsupported_value",
         ),
         ({"type": "conversation.item.delete", "event_id": "e1", "item_id": "item_x"}, "item_not_found"),
         ({"type": "conversation.item.truncate", "event_id": "e1"}, "missing_required_parameter"),
@@ -260,12 +266,12 @@ def test_bad_events_get_an_error_naming_them_and_change_nothing(
     assert isinstance(h.send(user("ok")).messages[0], SessionOpen)
 
 
-def test_items_cannot_be_deleted_from_the_kv_and_say_so(card: ModelCard) -> None:
+def test_a_delete_waits_for_what_is_in_flight_and_changes_nothing(card: ModelCard) -> None:
     h = Harness(card)
     added = events(h.send(user("keep me")).replies)
     item_id = added[0]["item"]["id"]
     (error,) = h.reply({"type": "conversation.item.delete", "item_id": item_id, "event_id": "d"})
-    assert error["error"]["code"] == "unsupported_operation" and "KV" in error["error"]["message"]
+    assert error["error"]["code"] == "conversation_already_has_active_response"
     (retrieved,) = h.reply({"type": "conversation.item.retrieve", "item_id": item_id})
     assert retrieved["item"]["content"][0]["text"] == "keep me"
 
@@ -486,3 +492,133 @@ def test_truncation_is_fixed_once_the_session_is_open(card: ModelCard) -> None:
     assert error["type"] == "error" and error["error"]["code"] == "unsupported_value"
     same = h.reply({"type": "session.update", "session": {"type": "realtime", "truncation": "auto"}})
     assert same[0]["type"] == "session.updated"
+
+
+# ---- out-of-band responses (issue #35) ---------------------------------------------------------
+
+
+def _talked(card: ModelCard) -> tuple[Harness, int]:
+    """A harness whose conversation has a user item and a finished reply; the last seq given out."""
+    h = Harness(card)
+    h.send(user("Hi", event_id="u1"))
+    (first,) = h.send({"type": "response.create"}).messages
+    assert isinstance(first, InputChunk)
+    h.encode(OutputDelta(first.seq, 0, 28, "Hello"))
+    h.encode(OutputDelta(first.seq, 1, EOS, "<|im_end|>"))
+    h.encode(done(first.seq, (28, EOS), "stop"))
+    return h, first.seq
+
+
+def test_an_out_of_band_response_answers_then_rewinds_and_adds_nothing(card: ModelCard) -> None:
+    h, last = _talked(card)
+    oob = {"conversation": "none", "metadata": {"topic": "summary"}, "max_output_tokens": 3}
+    decoded = h.send({"type": "response.create", "response": oob})
+    flush, header = decoded.messages
+    assert isinstance(flush, InputChunk) and flush.flush and flush.text == "" and flush.seq == last + 1
+    assert isinstance(header, InputChunk) and header.max_output_tokens == 3
+    opening = events(decoded.replies)
+    assert "conversation.item.added" not in types(opening)
+    assert opening[0]["response"]["conversation_id"] is None
+    # Input meanwhile waits, as behind any response.
+    assert h.send(user("Next")).messages == ()
+    h.encode(OutputDelta(header.seq, 0, 30, "Greeting"))
+    closing = h.encode(done(header.seq, (30,), "length", committed=4))
+    assert "conversation.item.done" not in types(closing)
+    response_done = next(e for e in closing if e["type"] == "response.done")
+    assert response_done["response"]["metadata"] == {"topic": "summary"}
+    assert response_done["response"]["output"][0]["content"][0]["text"] == "Greeting"
+    # The rewind goes first, then the item that waited, exactly as if the side answer never ran.
+    released = h.dialect.take_released()
+    assert released[0] == SessionRewind(to_seq=flush.seq)
+    plain, _ = _talked(card)
+    (*_, want) = plain.send(user("Next")).messages
+    assert isinstance(want, InputChunk)
+    assert texts(released[1:]) == want.text
+
+
+def test_an_out_of_band_input_reuses_the_conversation_and_refuses_what_it_cannot_serve(
+    card: ModelCard,
+) -> None:
+    h, _last = _talked(card)
+    conversation = h.dialect._conversation  # the ids the client was told
+    assert conversation is not None
+    ids = [item.item_id for item in conversation.items]
+    question = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Sum up"}]}
+    refs = [{"type": "item_reference", "id": i} for i in ids]
+    decoded = h.send(
+        {"type": "response.create", "response": {"conversation": "none", "input": [*refs, question]}}
+    )
+    _flush, header = decoded.messages
+    template = template_of(card)
+    before = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    whole = template.render([*before, {"role": "user", "content": "Sum up"}], add_generation_prompt=True)
+    assert isinstance(header, InputChunk) and whole.endswith(header.text) and "Sum up" in header.text
+    h.encode(done(header.seq, (30,), "length", committed=9))
+    assert h.dialect.take_released() == (SessionRewind(to_seq=_flush.seq),)
+    for bad, code in [
+        ([{"type": "item_reference", "id": "item_nope"}], "item_not_found"),
+        ([refs[1], question], "unsupported_value"),  # leaves the first item out
+    ]:
+        reply = h.reply(
+            {"type": "response.create", "event_id": "o", "response": {"conversation": "none", "input": bad}}
+        )
+        assert [(e["type"], e["error"]["code"]) for e in reply] == [("error", code)]
+
+
+# ---- conversation.item.delete (issue #35) -----------------------------------------------------
+
+
+def _answer(h: Harness, seq: int, text: str, token: int) -> None:
+    h.encode(OutputDelta(seq, 0, token, text))
+    h.encode(OutputDelta(seq, 1, EOS, "<|im_end|>"))
+    h.encode(done(seq, (token, EOS), "stop"))
+
+
+def test_deleting_an_item_rewinds_to_it_and_sends_what_followed_again(card: ModelCard) -> None:
+    h = Harness(card)
+    *_, hi = h.send(user("Hi")).messages
+    h.encode(done(hi.seq, committed=30))
+    (first,) = h.send({"type": "response.create"}).messages
+    _answer(h, first.seq, "Hello", 28)
+    *_, last_piece = h.send(user("Again")).messages
+    h.encode(done(last_piece.seq, committed=3))
+    (second,) = h.send({"type": "response.create"}).messages
+    _answer(h, second.seq, "Sure", 29)
+    conversation = h.dialect._conversation
+    assert conversation is not None
+    ids = [item.item_id for item in conversation.items]
+    template = template_of(card)
+    # A middle item: back to right after the first reply, then the second reply again as text.
+    decoded = h.send({"type": "conversation.item.delete", "item_id": ids[2]})
+    rewind, *chunks = decoded.messages
+    assert rewind == SessionRewind(to_seq=first.seq)
+    remaining = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "assistant", "content": "Sure"},
+    ]
+    prompt = template.render(remaining[:1], add_generation_prompt=True)
+    want = template.render(remaining, add_generation_prompt=False)[len(prompt + "Hello<|im_end|>") :]
+    assert texts(tuple(chunks)) == want and all(c.max_output_tokens == 0 for c in chunks)
+    assert [item.item_id for item in conversation.items] == [ids[0], ids[1], ids[3]]
+    assert h.encode(SessionRewound(20)) == []
+    assert types(h.encode(done(chunks[-1].seq, committed=6))) == ["conversation.item.deleted"]
+    # The first item: the whole session goes, and what is left is sent whole.
+    decoded = h.send({"type": "conversation.item.delete", "item_id": ids[0]})
+    rewind, *chunks = decoded.messages
+    assert rewind == SessionRewind(keep_tokens=0)
+    assert texts(tuple(chunks)) == template.render(remaining[1:], add_generation_prompt=False)
+    # Unknown items, and a delete while a response runs, change nothing.
+    assert types(h.reply({"type": "conversation.item.delete", "item_id": "nope"})) == ["error"]
+
+
+def test_a_refused_rewind_leaves_the_conversation_refusing_more(card: ModelCard) -> None:
+    h, _last = _talked(card)
+    decoded = h.send({"type": "response.create", "response": {"conversation": "none"}})
+    _flush, header = decoded.messages
+    h.encode(done(header.seq, (30,), "length", committed=4))
+    assert isinstance(h.dialect.take_released()[0], SessionRewind)
+    moving = Error(ErrorCode.WORKER_UNAVAILABLE, "the session moved while rewinding", False)
+    assert types(h.encode(moving)) == ["error"]
+    (refused,) = h.reply(user("More"))
+    assert refused["error"]["code"] == "session_inconsistent"

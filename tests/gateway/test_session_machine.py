@@ -54,6 +54,7 @@ from shared.protocol.close_codes import CLOSE_NORMAL
 from shared.protocol.key_limits import AuthLimits
 from shared.protocol.link import (
     LinkAttach,
+    LinkCancel,
     LinkChunk,
     LinkClose,
     LinkClosed,
@@ -65,6 +66,8 @@ from shared.protocol.link import (
     LinkOpen,
     LinkOpened,
     LinkRestore,
+    LinkRewind,
+    LinkRewound,
 )
 from shared.protocol.messages import (
     ClientMessage,
@@ -85,6 +88,8 @@ from shared.protocol.messages import (
     SessionRestored,
     SessionResume,
     SessionResumed,
+    SessionRewind,
+    SessionRewound,
     Timing,
 )
 from shared.store.registry import SessionRecord
@@ -176,6 +181,36 @@ def test_a_lost_worker_is_replaced_and_every_chunk_gets_exactly_one_done() -> No
     m.worker_frame(done(1, (5,), 3), 0.0)  # the new worker re-sends a turn the client had: dropped
     m.worker_frame(done(2, (6,), 5), 0.0)
     assert [d.seq for d in client(m) if isinstance(d, OutputDone)] == [2]
+
+
+def test_a_rewind_goes_to_the_worker_and_its_answer_makes_the_turns_before_it_durable() -> None:
+    m = opened(machine())
+    m.receive(chunk(1), 0.0)
+    m.worker_frame(done(1, (5,), 3), 0.0)
+    m.actions()
+    m.receive(SessionRewind(to_seq=1), 0.0)
+    m.receive(OutputCancel(1, keep_output_tokens=0), 0.0)
+    assert [a.frame for a in of(m.actions(), SendWorker)] == [  # type: ignore[attr-defined]
+        LinkRewind(SID, SessionRewind(to_seq=1)),
+        LinkCancel(SID, 1, keep_output_tokens=0),
+    ]
+    m.receive(chunk(2), 0.0)  # sent behind the rewinds: held until they are durable
+    assert not of(m.actions(), SendWorker)
+    m.worker_frame(LinkRewound(SID, SessionRewound(3), durable_seq=1), 0.0)
+    assert client(m) == [SessionRewound(3)]
+    assert len(m.turns.undurable) == 1  # chunk 2; turn 1 is in the log, the rewind after it
+    m.worker_frame(LinkRewound(SID, SessionRewound(3), durable_seq=1), 0.0)
+    assert [a.frame for a in of(m.actions(), SendWorker)] == [LinkChunk(SID, chunk(2))]  # type: ignore[attr-defined]
+    # A rewind in flight when the worker goes: it and the chunk behind it are to be sent again.
+    m.receive(SessionRewind(keep_tokens=2), 0.0)
+    m.receive(chunk(3), 0.0)
+    m.actions()
+    m.link_lost()
+    errors = [x for x in client(m) if isinstance(x, Error)]
+    assert [(e.code, e.fatal, e.seq) for e in errors] == [
+        (ErrorCode.WORKER_UNAVAILABLE, False, None),
+        (ErrorCode.WORKER_UNAVAILABLE, False, 3),
+    ]
 
 
 def test_a_restore_retries_on_another_worker_then_ends_the_socket_not_the_session() -> None:
@@ -287,6 +322,7 @@ def test_every_request_is_refused_in_every_phase_that_does_not_serve_it(request_
         Request.OPEN: SessionOpen(OpenConfig()),
         Request.CHUNK: chunk(1),
         Request.CANCEL: OutputCancel(1),
+        Request.REWIND: SessionRewind(keep_tokens=1),
         Request.CLOSE: SessionClose(),
     }
     for phase in Phase:

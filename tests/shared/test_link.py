@@ -22,10 +22,21 @@ from shared.protocol.link import (
     LinkOpen,
     LinkOpened,
     LinkRestore,
+    LinkRewind,
+    LinkRewound,
     link_error_from,
 )
 from shared.protocol.link_codec import decode_link, encode_link
-from shared.protocol.messages import Error, InputChunk, OpenConfig, OutputDelta, OutputDone, Timing
+from shared.protocol.messages import (
+    Error,
+    InputChunk,
+    OpenConfig,
+    OutputDelta,
+    OutputDone,
+    SessionRewind,
+    SessionRewound,
+    Timing,
+)
 
 CONFIG = OpenConfig(max_output_tokens=8, temperature=0.5, seed=7, stop_token_ids=(2,), stream=True)
 
@@ -39,6 +50,9 @@ FRAMES: list[LinkFrame] = [
     LinkChunk("s1", InputChunk(0, tokens=(5, 6))),
     LinkChunk("s1", InputChunk(1, text="hi", max_output_tokens=4, logprobs=True)),
     LinkCancel("s1", 3),
+    LinkCancel("s1", 3, keep_output_tokens=2),
+    LinkRewind("s1", SessionRewind(keep_tokens=12)),
+    LinkRewound("s1", SessionRewound(12), 4),
     LinkDetach("s1"),
     LinkClose("s1"),
     LinkClose("s1", "idle_timeout"),
@@ -78,6 +92,8 @@ def test_ops_are_distinct_and_cover_the_design() -> None:
         "restore",
         "chunk",
         "cancel",
+        "rewind",
+        "rewound",
         "detach",
         "close",
         "opened",

@@ -18,9 +18,11 @@ from shared.store.log_compaction import compact_log, records_since_snapshot
 from shared.store.log_format import (
     DIRECTIVE_BYTES,
     DIRECTIVE_CUT,
+    DIRECTIVE_REWIND,
     NO_SEQ,
     RECORD_HEADER_BYTES,
     TOKEN_BYTES,
+    Cut,
     decode_log,
     encode_directive,
     encode_log_record,
@@ -44,6 +46,7 @@ class Session:
     records: list[bytes]  # each turn's record (with its directive), as appended
     seq: int = 0
     cuts: int = 0
+    rewinds: int = 0
 
     @classmethod
     def start(cls, seed: int, prompt: int = 5) -> Session:
@@ -73,6 +76,16 @@ class Session:
         self.records.append(record)
         return record
 
+    def rewind(self) -> bytes:
+        """A rewind's record: back to a length past the kept prefix, after the last turn's seq."""
+        length = self.rng.randint(min(4, len(self.history)), len(self.history))
+        self.history = self.history[:length]
+        self.rewinds += 1
+        directive = encode_directive(DIRECTIVE_REWIND, Cut(length, 0))
+        record = directive + encode_log_record(self.seq or NO_SEQ, [])
+        self.records.append(record)
+        return record
+
     def retried(self) -> bytes:
         """A retried append: the last one to three records again (duplicates, directives and all)."""
         return b"".join(self.records[-self.rng.randint(1, 3) :])
@@ -91,11 +104,13 @@ def kept_seqs(log: bytes, keep: int) -> set[int]:
 def test_a_compacted_log_reads_as_the_log_it_replaces(seed: int, keep: int) -> None:
     session = Session.start(seed)
     log = session.records[0]
-    for _ in range(80):
+    for turn in range(80):
         log += session.turn()
+        if turn % 20 == 10:
+            log += session.rewind()  # issue #35: compaction keeps the rewind's rule
         if session.rng.random() < 0.1:
             log += session.retried()
-    assert session.cuts > 5
+    assert session.cuts > 2 and session.rewinds > 0
     compacted = compact_log(log, keep)
     original, after = decode_log(log, spans_after=-1), decode_log(compacted, spans_after=-1)
     assert after.tokens == original.tokens == session.history

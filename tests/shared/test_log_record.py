@@ -6,6 +6,7 @@ import pytest
 
 from shared.store.log_format import (
     DIRECTIVE_CUT,
+    DIRECTIVE_REWIND,
     DIRECTIVE_SNAPSHOT,
     NO_SEQ,
     RECORD_HEADER_BYTES,
@@ -24,7 +25,8 @@ def test_records_round_trip_with_their_input_counts_and_the_last_tail() -> None:
         + encode_log_record(1, [3, 91, 92], inputs=1, tail_text="ld", tail_context="wor")
     )
     state = decode_log(log, spans_after=0)
-    assert state == LogState([7, 8, 1, 2, 90, 3, 91, 92], 1, {1: (5, 6, 8)}, "ld", "wor")
+    tails = {1: ("ld", "wor")}  # what each spanned turn held back (a rewind to it restores it)
+    assert state == LogState([7, 8, 1, 2, 90, 3, 91, 92], 1, {1: (5, 6, 8)}, "ld", "wor", tails)
     assert len(encode_log_record(2, [5], inputs=1)) == RECORD_HEADER_BYTES + 4
 
 
@@ -95,6 +97,26 @@ def test_a_snapshot_replaces_the_history_and_answers_no_turn() -> None:
     state = decode_log(log, spans_after=-1)
     assert state == LogState([9, 8, 7, 6], 6, {6: (3, 4, 4)}, "", "")
     assert decode_log(log[: -len(encode_log_record(6, [6]))], spans_after=-1).spans == {}
+
+
+def test_a_rewind_takes_the_history_back_where_it_stands_and_a_retried_copy_is_skipped() -> None:
+    def rewind(after_seq: int, length: int) -> bytes:
+        return encode_directive(DIRECTIVE_REWIND, Cut(length, 0)) + encode_log_record(after_seq, [])
+
+    turns = encode_log_record(0, [1, 2, 3], inputs=1, tail_text="x") + encode_log_record(
+        1, [4, 5, 6], inputs=1
+    )
+    log = turns + rewind(1, 5)
+    state = decode_log(log, spans_after=-1)
+    # Turn 1 kept its input and first output; the held-back text went with the rewind.
+    spans = {0: (0, 1, 3), 1: (3, 4, 5)}
+    assert state == LogState([1, 2, 3, 4, 5], 1, spans, "", "", {0: ("x", "")})
+    later = encode_log_record(2, [7], inputs=1)
+    # The same rewind again (a retried append) changes nothing; after a later turn it is skipped.
+    assert decode_log(log + rewind(1, 5) + later).tokens == [1, 2, 3, 4, 5, 7]
+    assert decode_log(log + later + rewind(1, 5) + later).tokens == [1, 2, 3, 4, 5, 7]
+    # Before any turn: it names no seq.
+    assert decode_log(encode_log_record(NO_SEQ, [8, 9]) + rewind(NO_SEQ, 1)).tokens == [8]
 
 
 def test_a_duplicate_record_is_skipped_with_its_directive() -> None:

@@ -49,6 +49,8 @@ from shared.protocol.messages import (
     SessionRestored,
     SessionResume,
     SessionResumed,
+    SessionRewind,
+    SessionRewound,
     Timing,
 )
 from shared.protocol.response_format import ResponseFormat
@@ -94,6 +96,9 @@ CLIENT_MESSAGES: list[ClientMessage] = [
     ),
     SessionOpen(OpenConfig(response_format=ResponseFormat("choice", choices=("a",)))),
     OutputCancel(9),
+    OutputCancel(9, keep_output_tokens=0),
+    SessionRewind(to_seq=4),
+    SessionRewind(keep_tokens=0),
     SessionClose(),
     Ping(),
     Ping({"t": 1.5, "nested": [1, "x", None, True]}),
@@ -117,6 +122,7 @@ SERVER_MESSAGES: list[ServerMessage] = [
     Error(ErrorCode.SESSION_NOT_FOUND, "no such session", True),
     Pong(),
     Pong({"t": 1.5}),
+    SessionRewound(37),
 ]
 
 
@@ -163,7 +169,7 @@ def test_wire_shape_matches_design() -> None:
 
 def test_every_message_type_has_a_distinct_wire_name() -> None:
     names = [type(m).type for m in CLIENT_MESSAGES + SERVER_MESSAGES]
-    assert len(set(names)) == 14
+    assert len(set(names)) == 16
 
 
 def test_missing_or_null_config_fields_take_defaults() -> None:
@@ -267,6 +273,10 @@ JSON_FAILURES: list[tuple[str, type[MicroturnError], str]] = [
     ('{"type": "input.chunk", "seq": 1, "text": "a", "sequence": 2}', InvalidMessage, "sequence"),
     ('{"type": "output.cancel"}', InvalidMessage, "'seq'"),
     ('{"type": "output.cancel", "seq": false}', InvalidMessage, "'seq'"),
+    ('{"type": "output.cancel", "seq": 1, "keep_output_tokens": -1}', InvalidMessage, "keep_output"),
+    ('{"type": "session.rewind"}', InvalidMessage, "exactly one"),
+    ('{"type": "session.rewind", "to_seq": 1, "keep_tokens": 2}', InvalidMessage, "exactly one"),
+    ('{"type": "session.rewind", "keep_tokens": -2}', InvalidMessage, "keep_tokens"),
     ('{"type": "session.close", "reason": "bye"}', InvalidMessage, "reason"),
     ('{"type": "session.resume", "session_id": "", "resume_token": "t"}', InvalidMessage, "session_id"),
     ('{"type": "session.resume", "session_id": "s"}', InvalidMessage, "resume_token"),

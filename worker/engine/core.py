@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +32,7 @@ from worker.engine.memory.manager import CAPACITY_RETRY_MS, KVManager, MemorySta
 from worker.engine.memory.prefix_cache import prefix_cache
 from worker.engine.memory.window import cut_before, opening_history, session_limit
 from worker.engine.model_runner import ForwardRow, ModelRunner, SampledToken
+from worker.engine.rewind import RewindTarget, Rewound, ToTurn, rewind_length
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.session import Session
 from worker.engine.turn import Turn
@@ -124,6 +125,7 @@ class EngineCore:
         *,
         adopt: bool = False,
         grammar: Future[CompiledGrammar] | None = None,
+        turn_ends: Sequence[tuple[int, int, int, TextTail]] = (),
     ) -> None:
         """Open a session with `history`. With `adopt`, a session of that id already here (a copy
         warmed before a handover, `warm`) is taken over when its tokens begin `history` and its
@@ -134,6 +136,7 @@ class EngineCore:
             context_limit = session_limit(config, self.context_limit)
             window = opening_history(history, config, context_limit)
             if self._adopt(existing, config, window, accepted_seq, text_tail):
+                _seed_ends(existing, turn_ends, len(history))
                 return
             self._remove(existing)
         if session_id in self.sessions:
@@ -144,8 +147,9 @@ class EngineCore:
                 retry_after_ms=CAPACITY_RETRY_MS,
             )
         context_limit = session_limit(config, self.context_limit)
+        given = len(history)
         history = opening_history(history, config, context_limit)
-        self.sessions[session_id] = Session(
+        session = self.sessions[session_id] = Session(
             session_id,
             config,
             history=history,
@@ -156,6 +160,7 @@ class EngineCore:
             tail=text_tail,
             grammar=grammar,
         )
+        _seed_ends(session, turn_ends, given)
 
     def warm(self, session_id: str, turn: Turn) -> None:
         """Compute the KV of the session's whole history now, in the background class of the
@@ -204,6 +209,37 @@ class EngineCore:
         # A turn between two decode steps stops now; one still appending stops once its input is in.
         if active is not None and active.cancelled and session.uncached <= 1 and active.output_tokens:
             self._finish(session, "cancelled")
+
+    def rewind(self, session_id: str, target: RewindTarget) -> Rewound:
+        """Take the session's history back to where `target` says (worker/engine/rewind.py) and
+        return its new length; raises `InvalidMessage` having changed nothing.
+
+        Its running and queued turns are cancelled first (their results say `cancelled`; a queued
+        one appended nothing), its held-back text is dropped (a rewind ends on a token boundary),
+        and the KV past the new end goes back to the pool with no forward pass (`KVManager.truncate`).
+        The session's held-back text is dropped (the rewind ends on a token boundary), but for a
+        rewind to a turn, which takes it back to the text held right after that turn."""
+        session = self._get(session_id)
+        length = rewind_length(session, target)
+        self.running.pop(session_id, None)
+        self.waiting.pop(session_id, None)
+        active, session.active = session.active, None
+        if active is not None:
+            for turn in [*active.absorbed, active]:
+                turn.cancelled = True
+                self._resolve(session, turn, "cancelled")
+        for turn in session.pending:
+            turn.cancelled = True
+            turn.input_tokens = []  # it never entered the sequence
+            self._resolve(session, turn, "cancelled")
+        session.pending.clear()
+        self.kv.truncate(session, length)
+        del session.tokens[length:]
+        tail = session.ends.tail(target.seq) if isinstance(target, ToTurn) else EMPTY_TAIL
+        session.ends.truncate(length)
+        session.tail = tail
+        session.last_activity = self.clock()
+        return Rewound(length, tail)
 
     def close(self, session_id: str, reason: str) -> None:
         session = self._get(session_id)
@@ -336,17 +372,24 @@ class EngineCore:
             reason = failed if isinstance(failed, MicroturnError) else InternalError("grammar compile failed")
             self._refuse(session, turns, reason)
             return
+        length_before = len(session.tokens)
         try:
             self.kv.prepare(session, cut, inputs, outputs)
         except CapacityExhausted as error:
             self._refuse(session, turns, error)
             return
+        if cut is not None:
+            session.ends.after_cut(cut, length_before)
         if owner.wants_output and owner.grammar is not None:
             owner.matcher = self.grammars.matcher(owner.grammar, self._stop_ids(session))
         turns[0].cut = cut
         now = self.clock()
         for turn in turns:
             turn.started_at = now
+        end = len(session.tokens)
+        for turn in owner.absorbed:  # each folded chunk's own end: where a rewind to it lands
+            end += len(turn.input_tokens)
+            turn.input_end = end
         session.tokens.extend(inputs)
         session.active = owner
         if outputs and session.uncached == 0:
@@ -445,9 +488,12 @@ class EngineCore:
     def _resolve(self, session: Session, turn: Turn, reason: FinishReason) -> None:
         self.turns_completed += 1
         text = self.tokenizer.decode(turn.output_tokens) if self.tokenizer is not None else None
-        result = turn.result(
-            session.session_id, reason, now=self.clock(), text=text, length=len(session.tokens)
-        )
+        length = len(session.tokens)
+        result = turn.result(session.session_id, reason, now=self.clock(), text=text, length=length)
+        if turn.input_end is not None:  # folded into a later chunk's append: its own end
+            session.ends.record(turn.seq, turn.input_end, turn.input_end, turn.tail_after)
+        elif turn.started_at is not None:  # its input entered the sequence: a rewind may go back to its end
+            session.ends.record(turn.seq, length - len(turn.output_tokens), length, turn.tail_after)
         if not turn.future.done():
             turn.future.set_result(result)
 
@@ -479,3 +525,13 @@ class EngineCore:
             return self.sessions[session_id]
         except KeyError:
             raise SessionNotFound(f"no session {session_id} on this worker") from None
+
+
+def _seed_ends(session: Session, turn_ends: Sequence[tuple[int, int, int, TextTail]], given: int) -> None:
+    """A reopened session remembers where its logged turns end, unless opening cut its history
+    (then their positions are gone, as after any cut)."""
+    if len(session.tokens) != given:
+        return
+    for seq, outputs_start, end, tail in turn_ends:
+        if end <= given:
+            session.ends.record(seq, outputs_start, end, tail)

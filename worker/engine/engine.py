@@ -35,6 +35,7 @@ from worker.engine.memory.kv_transfer import KVExport, model_fingerprint
 from worker.engine.memory.sizing import device_pages, host_pages
 from worker.engine.memory.window import resolve_prefix, session_limit
 from worker.engine.model_runner import ModelRunner
+from worker.engine.rewind import RewindTarget, Rewound
 from worker.engine.session_rules import SessionRules
 from worker.engine.turn import TokenListener, Turn, TurnResult
 from worker.model.loader import LoadedModel, load_model
@@ -161,6 +162,7 @@ class Engine:
         text_tail: TextTail = EMPTY_TAIL,
         config: OpenConfig | None = None,
         adopt: bool = False,
+        turn_ends: Sequence[tuple[int, int, int, TextTail]] = (),
         **options: Any,
     ) -> tuple[str, Future[str]]:
         """Open a session with `config`, or with `options` given by hand (tests, the bench, the console).
@@ -168,6 +170,8 @@ class Engine:
         `config` has been validated where it entered (the client codec, or the session record read
         back from Redis); hand-given `options` enter here, so the same rules check them. `adopt`
         takes over a warm copy of the session (`warm_async`) whose tokens begin `history`.
+        `turn_ends`: (seq, outputs_start, end) of the turns `history` holds, which a rewind may go
+        back to (worker/engine/turn_ends.py; a restore reads them from the log).
         """
         if config is None:
             config = config_from_map(options, "session options")
@@ -181,7 +185,14 @@ class Engine:
 
         def open_it() -> str:
             self._core.open_session(
-                sid, config, history_tokens, accepted_seq, text_tail, adopt=adopt, grammar=grammar
+                sid,
+                config,
+                history_tokens,
+                accepted_seq,
+                text_tail,
+                adopt=adopt,
+                grammar=grammar,
+                turn_ends=turn_ends,
             )
             return sid
 
@@ -367,6 +378,13 @@ class Engine:
     def cancel(self, session_id: str, seq: int | None = None) -> Future[None]:
         """Stop the turn `seq` (or every turn of the session): its result has finish='cancelled'."""
         return self._call(lambda: self._core.cancel(session_id, seq))
+
+    def rewind(self, session_id: str, target: RewindTarget) -> Future[Rewound]:
+        """Take the session's history back (worker/engine/rewind.py); resolves to its new length
+        and held-back text.
+        Its running and queued turns end `cancelled` first; bad targets fail with `InvalidMessage`
+        having changed nothing."""
+        return self._call(lambda: self._core.rewind(session_id, target))
 
     def close_session(self, session_id: str, reason: str = "closed") -> None:
         self._call(lambda: self._core.close(session_id, reason)).result()

@@ -24,6 +24,7 @@ import torch
 from shared.protocol.messages import OpenConfig
 from worker.engine.sampling import SamplingParams
 from worker.engine.turn import Turn
+from worker.engine.turn_ends import TurnEnds
 from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
 
 if TYPE_CHECKING:  # annotations only: worker/engine/grammar.py imports xgrammar at the first grammar
@@ -66,6 +67,8 @@ class Session:
         # session starts from the text its old worker held back (worker/server/restore.py).
         self.tail: TextTail = tail
         self.last_activity = now
+        # Where the recent finished turns end (worker/engine/turn_ends.py): what a rewind goes back to.
+        self.ends = TurnEnds()
         # Per-session sampling stream: a session samples the same whatever it is batched with. With
         # no seed it is the session id's: the same session samples the same on every worker.
         if seed is None:

@@ -87,6 +87,9 @@ class Turn:
     tail_after: TextTail = EMPTY_TAIL
     # The cut made before this turn's input (set at activation, for the first turn of an append).
     cut: Cut | None = None
+    # Folded into a later chunk's append (`absorbed`): where its own input ends in the sequence,
+    # which a rewind `to_seq` goes back to (set at activation).
+    input_end: int | None = None
     # A warm-up (`EngineCore.warm`): scheduled after every client turn, within a small budget.
     background: bool = False
     # Structured output (worker/engine/grammar.py): the turn's grammar, compiling or compiled (its

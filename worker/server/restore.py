@@ -28,13 +28,14 @@ new session starts from and what still has to run. docs/failover.md has the why;
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 from shared.protocol.link import LinkDone, UndurableTurn
 from shared.protocol.messages import FinishReason, InputChunk, OutputDone, Timing
 from shared.store.log_format import NO_SEQ, Cut, decode_log
 from worker.engine import SessionRules
+from worker.engine.turn_ends import TurnEnds
 from worker.tokenizer.incremental import TextTail
 
 # The most `done`s a session keeps for a client that comes back (an attach replays them from the
@@ -70,6 +71,9 @@ class RestorePlan:
     # The text the session holds back once the history is in: the new session starts from it, so
     # re-run text chunks continue exactly where the old session was.
     text_tail: TextTail = field(default_factory=TextTail)
+    # (seq, outputs_start, end) of the turns the rebuilt history holds, the last `MAX_TURN_ENDS`:
+    # a rewind `to_seq` reaches them on the new worker as on the old (issue #35).
+    turn_ends: tuple[tuple[int, int, int, TextTail], ...] = ()
 
 
 def plan_restore(
@@ -92,7 +96,12 @@ def plan_restore(
     first = tail[0].chunk.seq if tail else None
     # Spans from the first turn that may be owed a `done`: the client's last seen, or before the tail.
     owed_after = [s for s in (seen_seq, None if first is None else first - 1) if s is not None]
-    state = decode_log(log, spans_after=min(owed_after, default=NO_SEQ))
+    spans_after = min(owed_after, default=NO_SEQ)
+    state = decode_log(log, spans_after=NO_SEQ)  # every turn's span: the owed ones answer, all end
+    ends = TurnEnds()
+    for seq, (_start, inputs_end, end) in sorted(state.spans.items()):
+        ends.record(seq, inputs_end, end, TextTail(*state.span_tails.get(seq, ("", ""))))
+    state = replace(state, spans={s: span for s, span in state.spans.items() if s > spans_after})
     history = list(state.tokens)
     durable_seq = state.durable_seq
     text_tail = TextTail(state.tail_text, state.tail_context)
@@ -120,9 +129,11 @@ def plan_restore(
         # What the engine's turn would reserve (turn.py `grows_by`): its input and its outputs.
         cut = rules.cut_before(len(history), len(inputs) + max(outputs, 0))
         if cut is not None:
+            ends.after_cut(cut, len(history))
             history = cut.apply(history)
         tokens = inputs + list(turn.output)
         history.extend(tokens)
+        ends.record(chunk.seq, len(history) - len(turn.output), len(history), text_tail)
         forced.append(ForcedTurn(chunk.seq, tokens, len(inputs), text_tail, cut))
     # Logged turns the tail does not hold, after the last one the client saw: a gateway that went
     # away took their `done`s with it (the client resumed with an empty tail).
@@ -135,7 +146,7 @@ def plan_restore(
     finished = max(seqs) if seqs else None
     if rerun and finished is not None:
         finished = min(finished, rerun[0].seq - 1)
-    return RestorePlan(history, finished, durable_seq, forced, rerun, answers, text_tail)
+    return RestorePlan(history, finished, durable_seq, forced, rerun, answers, text_tail, tuple(ends.items()))
 
 
 def _answer(

@@ -28,17 +28,28 @@ from shared.protocol.link import (
     LinkOpen,
     LinkOpened,
     LinkRestore,
+    LinkRewind,
+    LinkRewound,
     LinkWarm,
     ToWorker,
     link_error_from,
 )
-from shared.protocol.messages import CloseReason, InputChunk, OutputDelta, OutputDone, Timing
+from shared.protocol.messages import (
+    CloseReason,
+    InputChunk,
+    OutputDelta,
+    OutputDone,
+    SessionRewind,
+    SessionRewound,
+    Timing,
+)
 from shared.settings import WorkerSettings
 from shared.store.log_format import NO_SEQ, encode_log_record
 from shared.store.prefix_label import prefix_label
 from shared.store.schema import KeySchema
 from shared.store.values import now_ms
 from worker.engine import Engine, TokenDelta, TurnResult
+from worker.engine.rewind import KeepOutputs, KeepTokens, RewindTarget, Rewound, ToTurn
 from worker.server.lifecycle import HELD_ELSEWHERE, Phase
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import RestorePlan, plan_restore
@@ -49,6 +60,9 @@ from worker.tokenizer.detokenize import IncrementalDecoder
 from worker.tokenizer.incremental import EMPTY_TAIL
 
 logger = logging.getLogger(__name__)
+
+# A rewind that finds its session still opening, or Redis refusing its log record, tries again after this.
+REWIND_RETRY_MS = 100
 
 
 class WorkerService:
@@ -93,8 +107,12 @@ class WorkerService:
             self._attach(link, frame)
         elif isinstance(frame, LinkRestore):
             self._restore(link, frame)
+        elif isinstance(frame, LinkCancel) and frame.keep_output_tokens is not None:
+            self._rewind(frame.sid, KeepOutputs(frame.seq, frame.keep_output_tokens), link)
         elif isinstance(frame, LinkCancel):
             self._guard(frame.sid, None, lambda: self.engine.cancel(frame.sid, frame.seq))
+        elif isinstance(frame, LinkRewind):
+            self._rewind(frame.sid, _rewind_target(frame.rewind), link)
         elif isinstance(frame, LinkDetach):
             session = self.sessions.get(frame.sid)
             if session is not None and session.link is link:
@@ -165,6 +183,7 @@ class WorkerService:
                 text_tail=EMPTY_TAIL if plan is None else plan.text_tail,
                 config=replace(rules.config, idle_timeout_s=idle),
                 adopt=adopted is not None,
+                turn_ends=() if plan is None else plan.turn_ends,
             )
         except MicroturnError as error:
             self.sessions.close(sid)
@@ -391,6 +410,46 @@ class WorkerService:
             cut=result.cut,
         )
 
+    # ---- rewinds (issue #35) --------------------------------------------------------------------
+
+    def _rewind(self, sid: str, target: RewindTarget, link: LinkPeer, *, seq: int | None = None) -> None:
+        """Apply a rewind in the engine, write it to the token log, and answer `rewound` once Redis
+        holds it: a session restored elsewhere from then on continues from the edited history."""
+        binding = self.sessions.get(sid)
+        if binding is None:
+            self._send_error(link, sid, SessionNotFound(f"no session {sid} on this worker"), seq=seq)
+            return
+        if binding.phase is Phase.OPENING:
+            opening = WorkerUnavailable("the session is still opening", retry_after_ms=REWIND_RETRY_MS)
+            self._send_error(link, sid, opening, seq=seq)
+            return
+        future = self.engine.rewind(sid, target)
+        future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._rewound, binding, seq, f))
+
+    def _rewound(self, binding: WorkerSession, seq: int | None, future: Future[Rewound]) -> None:
+        """The engine applied it (after the `done`s of the turns it cancelled, which ran first)."""
+        error = future.exception()
+        if error is not None:
+            self._send_error(binding.link, binding.sid, error, seq=seq)
+            return
+        if self.sessions.get(binding.sid) is not binding:
+            return  # the session ended meanwhile
+        rewound = future.result()
+        binding.length = rewound.length
+        self.token_log.append_rewind(binding.sid, rewound.length, rewound.tail, binding.idle_timeout_s)
+        self.loop.create_task(self._answer_rewind(binding, rewound.length))
+
+    async def _answer_rewind(self, binding: WorkerSession, length: int) -> None:
+        """`rewound` goes out once the log in Redis holds the rewind (retried while Redis refuses)."""
+        delay = REWIND_RETRY_MS / 1000
+        while not await self.token_log.flush():
+            if self.sessions.get(binding.sid) is not binding:
+                return
+            await asyncio.sleep(delay)
+        self.sessions.touched.add(binding.sid)
+        durable = self.token_log.durable_seq(binding.sid)
+        binding.send(LinkRewound(binding.sid, SessionRewound(length), durable))
+
     # ---- errors -------------------------------------------------------------------------------
 
     def _guard(self, sid: str, seq: int | None, action: Callable[[], object]) -> None:
@@ -415,3 +474,10 @@ class WorkerService:
         self.metrics.error(str(error.code))
         if link is not None:
             link.send(link_error_from(sid, error, seq, fatal=fatal))
+
+
+def _rewind_target(rewind: SessionRewind) -> RewindTarget:
+    """The engine's target for a client's `session.rewind` (the codec made sure exactly one is set)."""
+    if rewind.to_seq is not None:
+        return ToTurn(rewind.to_seq)
+    return KeepTokens(rewind.keep_tokens or 0)

@@ -43,6 +43,7 @@ from shared.store.connection import OutageLog
 from shared.store.log_compaction import compact_log, records_since_snapshot
 from shared.store.log_format import (
     DIRECTIVE_CUT,
+    DIRECTIVE_REWIND,
     NO_SEQ,
     Cut,
     LogState,
@@ -73,10 +74,16 @@ class _Turn:
     outputs: tuple[int, ...]
     tail: TextTail
     cut: Cut | None
+    # A rewind's record, not a turn's: the history becomes its first `rewind` tokens (`seq` is the
+    # last turn's before it; it adds no tokens).
+    rewind: int | None = None
 
     def record(self) -> bytes:
         inputs, tail = self.inputs, self.tail
-        directive = b"" if self.cut is None else encode_directive(DIRECTIVE_CUT, self.cut)
+        if self.rewind is not None:
+            directive = encode_directive(DIRECTIVE_REWIND, Cut(self.rewind, 0))
+        else:
+            directive = b"" if self.cut is None else encode_directive(DIRECTIVE_CUT, self.cut)
         return directive + encode_log_record(
             self.seq,
             inputs + self.outputs,
@@ -132,6 +139,8 @@ class TokenLogWriter:
         self._mirror: dict[str, bytearray] = {}
         self._records: dict[str, int] = {}  # sid -> records its mirror holds past its last snapshot
         self._durable: dict[str, int] = {}
+        # sid -> the seq of the last turn appended (queued or flushed): what a rewind's record names.
+        self._last_seq: dict[str, int] = {}
         # Sessions whose log in Redis came back shorter than written (a failover lost writes): the
         # heartbeat re-writes them from the mirror (shared/store/held.py).
         self.damaged: set[str] = set()
@@ -147,6 +156,7 @@ class TokenLogWriter:
         self._records[sid] = records_since_snapshot(log)
         if durable_seq is not None:
             self._durable[sid] = durable_seq
+            self._last_seq[sid] = durable_seq
 
     def append(
         self,
@@ -163,7 +173,17 @@ class TokenLogWriter:
         input and the window cut made before it (None: none). A turn that added nothing is still
         recorded: its seq is what tells a restoring worker that the turn was done. Nothing is copied
         or encoded here (the reply path): the flush task builds the record."""
-        turn = _Turn(seq, inputs, outputs, tail, cut)
+        if seq != NO_SEQ:
+            self._last_seq[sid] = seq
+        self._queue(sid, _Turn(seq, inputs, outputs, tail, cut), idle_timeout_s)
+
+    def append_rewind(self, sid: str, length: int, tail: TextTail, idle_timeout_s: float) -> None:
+        """Queue a rewind of the session to its first `length` tokens, holding `tail` back, after
+        every turn appended so far (the turns it cancelled included); `flush` makes it durable."""
+        turn = _Turn(self._last_seq.get(sid, NO_SEQ), (), (), tail, None, rewind=length)
+        self._queue(sid, turn, idle_timeout_s)
+
+    def _queue(self, sid: str, turn: _Turn, idle_timeout_s: float) -> None:
         queued = self._pending.get(sid)
         if queued is None:
             self._pending[sid] = _Queued([turn], idle_timeout_s)
@@ -209,6 +229,7 @@ class TokenLogWriter:
         self._mirror.pop(sid, None)
         self._records.pop(sid, None)
         self._durable.pop(sid, None)
+        self._last_seq.pop(sid, None)
 
     async def flush(self) -> bool:
         """Write every queued append; False when Redis refused (they stay queued, in order).

@@ -150,9 +150,12 @@ def test_what_the_model_cannot_do_gets_error_events_and_the_socket_stays_open(st
             assert error.error.type == "invalid_request_error" and error.error.event_id == "bad_2"
             await conn.conversation.item.create(item=user("Hello"), event_id="it_3")  # type: ignore[arg-type]
             item_id = (await until(conn, "conversation.item.added")).item.id
-            await conn.conversation.item.delete(item_id=item_id, event_id="del_4")
+            # Truncate is defined by audio time (delete is served since #35: test_openai_edits.py).
+            await conn.conversation.item.truncate(
+                item_id=item_id, content_index=0, audio_end_ms=0, event_id="trunc_4"
+            )
             error = await until(conn, "error")
-            assert error.error.event_id == "del_4" and error.error.code == "unsupported_operation"
+            assert error.error.event_id == "trunc_4" and error.error.code == "unsupported_operation"
             _reply, done, _ = await respond(conn, 4)  # still open and serving
             assert done.response.status in ("completed", "incomplete")
 

@@ -9,10 +9,10 @@ import pytest
 
 from shared.protocol.link import UndurableTurn
 from shared.protocol.messages import InputChunk, OpenConfig
-from shared.store.log_format import encode_log_record
+from shared.store.log_format import DIRECTIVE_REWIND, Cut, encode_directive, encode_log_record
 from worker.engine import SessionRules
 from worker.server.restore import REPLAY_DONES, ForcedTurn, plan_restore
-from worker.tokenizer.incremental import EMPTY_TAIL
+from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
 
 
 def chunk(seq: int, tokens: list[int], max_out: int | None = None) -> InputChunk:
@@ -96,3 +96,21 @@ def test_the_dones_a_restore_replays_are_bounded() -> None:
     log = b"".join(encode_log_record(seq, [seq, 900 + seq], inputs=1) for seq in range(1, 101))
     plan = plan_restore("s", log, [], None, rules=rules(1))
     assert [a.done.seq for a in plan.answers] == list(range(101 - REPLAY_DONES, 101))
+
+
+def test_a_rewound_log_restores_the_edited_history_and_where_its_turns_end() -> None:
+    # Turn 2 kept its input and first output (output.cancel keep_output_tokens 1), then turn 3.
+    rewind = encode_directive(DIRECTIVE_REWIND, Cut(7, 0)) + encode_log_record(2, [])
+    log = LOG + rewind + encode_log_record(3, [5, 94], inputs=1)
+    tail = [UndurableTurn(chunk(4, [6]), (95,))]  # delivered, not durable: forced after it
+    plan = plan_restore("s", log, tail, 4, rules=rules(1))
+    assert plan.history == [1, 2, 90, 91, 3, 4, 92, 5, 94, 6, 95]
+    assert [end[:3] for end in plan.turn_ends] == [(1, 2, 4), (2, 6, 7), (3, 8, 9), (4, 10, 11)]
+    assert {end[3] for end in plan.turn_ends} == {EMPTY_TAIL}
+
+
+def test_a_turn_that_held_text_back_gives_it_to_the_restored_session() -> None:
+    log = encode_log_record(0, [1, 2], tail_text=" wor", tail_context="hello") + encode_log_record(1, [3])
+    plan = plan_restore("s", log, [], 1, rules=rules(0))
+    assert plan.turn_ends[0] == (0, 2, 2, TextTail(" wor", "hello"))
+    assert plan.turn_ends[1] == (1, 3, 3, EMPTY_TAIL)

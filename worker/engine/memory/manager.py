@@ -170,6 +170,28 @@ class KVManager:
             if indexing is not None:
                 self._index(session, *indexing)
 
+    def truncate(self, session: Session, length: int) -> None:
+        """A rewind: the session's history becomes its first `length` tokens (the core shortens
+        `tokens`). The KV before the end stays where it is, in either tier; the pages past it go
+        back to the pool with no forward pass, and the shared pages among them stay the cache's,
+        untouched (other sessions hold them).
+
+        Shared pages are never written, so a rewind into the prefix cache's pages copies on write
+        by recomputing: when the page holding the new last cached token is indexed, the session
+        gives it up and its few tokens (at most a page) are fed again into a page of its own by the
+        next append. Only the page of the last cached token matters: indexed pages are a leading
+        run, and the next append writes at that token (a re-fed last token) or after it."""
+        cached = min(session.num_cached, length)
+        kept = _pages(cached, self.page_size)
+        shared = self.prefix is not None and 0 < kept <= len(session.pages)
+        if shared and self.prefix is not None and self.prefix.is_indexed(session.pages[kept - 1]):
+            kept -= 1
+            cached = kept * self.page_size
+        indexing = self._to_index.pop(session.session_id, None)
+        self._keep_pages(session, kept, cached)
+        if indexing is not None:  # the pages its cancelled turn computed before the end still count
+            self._index(session, *indexing)
+
     def release(self, session: Session) -> None:
         """The session ended: every page it held, in either tier, is free (or cache, if indexed)."""
         self._to_index.pop(session.session_id, None)
@@ -211,6 +233,13 @@ class KVManager:
 
     def _cut(self, session: Session, cut: Cut, kept: int, cached: int) -> None:
         """Apply `cut`: the first `kept` pages (the prefix's KV) stay where they are."""
+        self._keep_pages(session, kept, cached)
+        session.tokens = cut.apply(session.tokens)
+
+    def _keep_pages(self, session: Session, kept: int, cached: int) -> None:
+        """The session keeps its first `kept` pages (device ones, then host ones: a parked session
+        may keep a leading shared run on the device), holding its first `cached` tokens; it lets go
+        of the rest, so shared pages past them stay the cache's and only its own are freed."""
         on_device = len(session.pages)
         if session.host_pages:
             assert self.host is not None
@@ -219,7 +248,6 @@ class KVManager:
         self._let_go(session.pages[kept:])
         del session.pages[kept:]
         session.num_cached = cached
-        session.tokens = cut.apply(session.tokens)
 
     def _takeable(self, keep: Session, mapped: Sequence[int]) -> int:
         """Device pages pressure can free for `keep`'s append, which will hold `mapped`: the cache's
