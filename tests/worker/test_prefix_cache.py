@@ -128,15 +128,60 @@ def test_a_parked_session_copies_only_its_own_pages_while_others_hold_the_shared
         engine.run_turn(first, tokens=[1, 2], max_output_tokens=1, timeout=60)
         assert engine.stats().memory.restores.pages == 1
         assert engine.stats().tokens_forwarded - before == 1 + 2
-        # Under more pressure the shared pages idle sessions hold are taken too (parked, not lost).
+
+
+def test_idle_sessions_park_the_shared_pages_once_and_map_them_again_when_they_come_back() -> None:
+    # `second` comes back through a cut whose kept prefix (20 tokens) ends inside the 2nd shared
+    # page: it must not write into that page, which `first` maps (it re-feeds those 4 tokens).
+    window = {"max_context_tokens": 130, "context_policy": "truncate", "keep_prefix_tokens": 20}
+
+    def scenario(engine: Engine) -> tuple[list[TurnResult], list[Any]]:
+        first = engine.open_session(stop_token_ids=(), logprobs=True)
+        second = engine.open_session(stop_token_ids=(), logprobs=True, retention_ratio=1.0, **window)
+        results = [
+            engine.run_turn(sid, tokens=PREFIX + _tail(i), max_output_tokens=1, timeout=60)
+            for i, sid in enumerate((first, second))
+        ]
+        # 6 shared + 1 + 1 pages held; a crowd of 13 pages takes the shared pages too (only idle
+        # sessions hold them): their own pages go to the host, and the 6 shared pages once.
         crowd = engine.open_session(stop_token_ids=())
         engine.run_turn(crowd, tokens=_tail(3, 200), max_output_tokens=2, timeout=60)
-        assert engine.stats().memory.drops == 0
+        figures: list[Any] = [engine.stats().memory]
+        engine.close_session(crowd)
+        results.append(engine.run_turn(first, tokens=[3], max_output_tokens=2, timeout=60))
+        figures.append(engine.stats().memory)
+        results.append(engine.run_turn(second, tokens=_tail(4, 25), max_output_tokens=2, timeout=60))
+        assert results[-1].cut is not None
+        figures.append(engine.stats().memory)
+        results.append(engine.run_turn(first, tokens=[4], max_output_tokens=2, timeout=60))
         for sid in (first, second):
-            engine.run_turn(sid, tokens=[3], max_output_tokens=1, timeout=60)
-        for sid in (first, second, newcomer, crowd):
             engine.close_session(sid)
-        assert engine.stats().pages_used == 0 and engine.stats().memory.host_pages_used == 0
+        figures.append(engine.stats())
+        return results, figures
+
+    options: dict[str, Any] = {"kv_tokens": 16 * PAGE, "page_size": PAGE, "host_kv_tokens": 64 * PAGE}
+    with Engine.load("tiny", prefix_cache="off", **options) as alone:
+        expected, _ = scenario(alone)
+    with Engine.load("tiny", **options) as engine:
+        got, (parked, first_back, second_back, closed) = scenario(engine)
+    assert parked.drops == 0 and parked.prefix is not None
+    # Host pages: the prefix once and one page of each session's own (not 2 x (6 + 1)).
+    assert parked.host_pages_used == parked.offloads.pages == 6 + 2
+    assert (parked.prefix.host_pages, parked.prefix.host_references) == (6, 12)
+    # `first` copies back what the crowd evicted from the device cache (3 of the 6, the chain's
+    # last pages first) and its own page, maps the other 3, and indexes the 3 it copied again.
+    assert first_back.restores.pages == 3 + 1 and first_back.prefix is not None
+    assert (first_back.prefix.shared_pages, first_back.prefix.host_pages) == (0, 6)
+    # `second`'s cut keeps 1 page (mapped: nothing copied) and lets go of the host copies.
+    assert second_back.restores.pages == 4 and second_back.host_pages_used == 0
+    assert second_back.prefix is not None and second_back.prefix.shared_references == 2
+    assert closed.memory.prefix is not None and closed.memory.prefix.host_pages == 0
+    assert closed.pages_used == 0 and closed.memory.host_pages_used == 0  # no page leaks
+    # Exact: the same tokens and logprobs as with the cache off (each session parked whole).
+    assert [r.tokens for r in got] == [r.tokens for r in expected]
+    for have, want in zip(got, expected, strict=True):
+        assert have.logprobs is not None and want.logprobs is not None
+        assert max(abs(a - b) for a, b in zip(have.logprobs, want.logprobs, strict=True)) < 1e-4
 
 
 def test_a_named_prefix_is_held_while_its_pages_are_cached() -> None:
