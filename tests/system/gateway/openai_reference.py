@@ -1,27 +1,37 @@
-"""The reference an OpenAI-dialect conversation must equal, token for token: greedy generation by
-the engine alone over the conversation rendered whole by the model's chat template, each reply kept
-exactly as it was generated (its tokens, never re-tokenized from its text).
+"""The reference an OpenAI-dialect conversation must equal, token for token: greedy generation over
+the conversation rendered whole by the model's chat template, each reply kept exactly as it was
+generated (its tokens, never re-tokenized from its text). The generator is each plan's `reference`:
+transformers' own model of the same GGUF (`"transformers"`: the prefix cache's conversations, #33,
+held to a model that shares nothing with the engine) or the engine alone, fed the whole
+conversation in a fresh session (`"engine"`, the default).
 
 Why a subprocess: it loads SmolLM2 with its own torch settings, away from the pytest process, and
 runs while the stack starts. Why one for the run: every conversation the OpenAI tests hold is
 computed on one load of the model (`PLANS`; the load costs far more than the few turns), once per
 test run (the `openai_references` fixture). Run as `python -m tests.system.gateway.openai_reference`
 with JSON plans on stdin, {name: {"instructions": str | null, "turns": [str, ...],
-"max_output_tokens": int}}; prints {name: {"replies": [[token ids], ...], "texts": [str, ...]}}.
+"max_output_tokens": int, "reference": "engine" | "transformers" (optional)}}; prints
+{name: {"replies": [[token ids], ...], "texts": [str, ...]}}.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from tests.processes import REPO
 
 if TYPE_CHECKING:  # the engine is imported in the subprocess only, never by the tests
-    from worker.engine import Engine
+    from worker.tokenizer.tokenizer import Tokenizer
+
+# A generator: the whole conversation's tokens and a reply's limit -> the reply's tokens (with the
+# EOS it stopped at, if it did).
+Generate = Callable[[list[int], int], list[int]]
 
 INSTRUCTIONS: Final = "You are a helpful assistant. Answer briefly."
 TURNS: Final = ["What is the capital of France?", "And of Italy?"]
@@ -38,27 +48,78 @@ PLANS: Final[dict[str, dict[str, Any]]] = {
     "turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 24},
     "story": {"instructions": None, "turns": [STORY], "max_output_tokens": 48},
     "sdk_turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 12},
-    "prefix_turns": {"instructions": PREFIX_INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 24},
+    "prefix_turns": {
+        "instructions": PREFIX_INSTRUCTIONS,
+        "turns": TURNS,
+        "max_output_tokens": 24,
+        "reference": "transformers",
+    },
 }
 
 
 def compute_all(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every plan's reference, on one load of the model."""
+    """Every plan's reference, on one load of each model a plan names."""
+    import gguf
+    import torch
+
     from worker.engine import Engine
+    from worker.model.presets import smollm2_gguf_path
+    from worker.tokenizer.gguf import tokenizer_from_gguf
 
-    with Engine.load("smollm2-135m", kv_tokens=8192) as engine:
-        return {name: compute(engine, plan) for name, plan in plans.items()}
+    path = smollm2_gguf_path()
+    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(path))
+    generators: dict[str, Generate] = {}
+    wanted = {plan.get("reference", "engine") for plan in plans.values()}
+    if "transformers" in wanted:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+
+        def by_transformers(history: list[int], limit: int) -> list[int]:
+            with torch.no_grad():
+                generated = model.generate(
+                    torch.tensor([history]),
+                    max_new_tokens=limit,
+                    do_sample=False,
+                    eos_token_id=list(tokenizer.eos_token_ids),
+                    pad_token_id=tokenizer.eos_token_ids[0],
+                )
+            return [int(t) for t in generated[0, len(history) :]]
+
+        generators["transformers"] = by_transformers
+    with Engine.load("smollm2-135m", kv_tokens=8192) if "engine" in wanted else _nothing() as engine:
+        if engine is not None:
+
+            def by_engine(history: list[int], limit: int) -> list[int]:
+                # A fresh session fed the whole conversation at once: nothing cached from earlier turns.
+                sid = engine.open_session(max_output_tokens=limit)
+                result = engine.run_turn(sid, tokens=history, seq=1, max_output_tokens=limit, timeout=600)
+                engine.close_session(sid)
+                return list(result.tokens)
+
+            generators["engine"] = by_engine
+        return {
+            name: compute(generators[plan.get("reference", "engine")], tokenizer, plan)
+            for name, plan in plans.items()
+        }
 
 
-def compute(engine: Engine, plan: dict[str, Any]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield None
+
+
+def compute(generate: Generate, tokenizer: Tokenizer, plan: dict[str, Any]) -> dict[str, Any]:
     limit = int(plan["max_output_tokens"])
     messages: list[dict[str, str]] = []
     if plan.get("instructions"):
         messages.append({"role": "system", "content": plan["instructions"]})
     replies: list[list[int]] = []
     texts: list[str] = []
-    tokenizer = engine.tokenizer
-    assert tokenizer is not None and tokenizer.chat_template is not None
+    assert tokenizer.chat_template is not None
     template = tokenizer.chat_template
     eos = set(tokenizer.eos_token_ids)
     history: list[int] = []  # the whole conversation's tokens so far, replies as generated
@@ -68,12 +129,8 @@ def compute(engine: Engine, plan: dict[str, Any]) -> dict[str, Any]:
         prompt = template.render(messages, add_generation_prompt=True)
         assert prompt.startswith(rendered)
         history += tokenizer.encode(prompt[len(rendered) :])
-        # A fresh session fed the whole conversation at once: nothing cached from earlier turns.
-        sid = engine.open_session(max_output_tokens=limit)
-        result = engine.run_turn(sid, tokens=history, seq=1, max_output_tokens=limit, timeout=600)
-        engine.close_session(sid)
-        tokens = list(result.tokens)
-        stopped = bool(tokens) and tokens[-1] in eos and result.finish == "stop"
+        tokens = generate(history, limit)
+        stopped = bool(tokens) and tokens[-1] in eos
         reply = tokenizer.decode(tokens[:-1] if stopped else tokens)
         replies.append(tokens)
         texts.append(reply)

@@ -2,9 +2,10 @@
 
 Real processes on loopback: redis-server, one SmolLM2-135M worker (prefix cache on, the default)
 and a gateway with auth on, through the official `openai` SDK. Two conversations with the same long
-instructions run one after the other: both must equal, token for token, the engine alone fed the
-whole conversation rendered by the model's chat template (tests/system/gateway/openai_reference.py),
-and the second must have mapped the instructions' pages the first computed (the worker's /metrics).
+instructions run one after the other: both must equal, token for token, transformers' own model
+of the same GGUF generating greedily over the whole conversation rendered by the model's chat
+template (tests/system/gateway/openai_reference.py, this plan's `reference`), and the second must
+have mapped the instructions' pages the first computed (the worker's /metrics).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.system.gateway.openai_reference import PLANS, PREFIX_INSTRUCTIONS, TU
 from tests.system.gateway.stack import Stack
 from tests.system.gateway.test_openai import MODEL, base_url, new_key, respond, run, until, user
 
-PLAN = "prefix_turns"  # openai_reference.PLANS: these instructions, test_openai's two turns
+PLAN = "prefix_turns"  # openai_reference.PLANS: these instructions, test_openai's two turns, transformers
 MAX_TOKENS = PLANS[PLAN]["max_output_tokens"]
 
 
@@ -71,6 +72,7 @@ def test_two_conversations_with_the_same_instructions_share_them_and_stay_exact(
     )
     second: list[Any] = run(stack, conversation)
     want = openai_references.result(PLAN)
+    assert PLANS[PLAN]["reference"] == "transformers"
     assert first == want["texts"] and second == want["texts"]
     assert prefix_metric(stack, "microturn_worker_prefix_cache_hits_total") == hits + 1
     # The instructions rendered as the system message span several full pages, all mapped.
