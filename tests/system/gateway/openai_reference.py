@@ -41,13 +41,18 @@ STORY: Final = "Write a long story about a dragon who learns to bake bread."
 PREFIX_INSTRUCTIONS: Final = " ".join(
     f"Rule {i}: be brief, be exact, and name the country of every city you mention." for i in range(12)
 )
-# The conversations of the OpenAI tests, by name: test_openai.py's two turns and its story, the
-# same two turns with the shorter replies test_openai_sdks.py asks for, and with the long
-# instructions test_openai_prefix.py shares between two conversations.
+# The conversations of the OpenAI tests, by name, on the engine (one process for the run, the
+# `openai_references` fixture): test_openai.py's two turns and its story, and the same two turns
+# with the shorter replies test_openai_sdks.py asks for.
 PLANS: Final[dict[str, dict[str, Any]]] = {
     "turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 24},
     "story": {"instructions": None, "turns": [STORY], "max_output_tokens": 48},
     "sdk_turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 12},
+}
+# The same two turns with the long instructions test_openai_prefix.py shares between two
+# conversations, held to transformers (its own process: transformers' GGUF load is about a minute
+# on a busy machine, so it starts once the stack is up instead of competing with the workers' boot).
+PREFIX_PLANS: Final[dict[str, dict[str, Any]]] = {
     "prefix_turns": {
         "instructions": PREFIX_INSTRUCTIONS,
         "turns": TURNS,

@@ -10,6 +10,7 @@ have mapped the instructions' pages the first computed (the worker's /metrics).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,20 +21,31 @@ from gateway.auth.api_keys import KeyStore
 from tests.conftest import Servers
 from tests.processes import http_get
 from tests.system.gateway.conftest import OPENAI_GATEWAY_FLAGS, OPENAI_WORKER_FLAGS
-from tests.system.gateway.openai_reference import PLANS, PREFIX_INSTRUCTIONS, TURNS, PendingReferences
+from tests.system.gateway.openai_reference import PREFIX_INSTRUCTIONS, PREFIX_PLANS, TURNS, PendingReferences
 from tests.system.gateway.stack import Stack
 from tests.system.gateway.test_openai import MODEL, base_url, new_key, respond, run, until, user
 
-PLAN = "prefix_turns"  # openai_reference.PLANS: these instructions, test_openai's two turns, transformers
-MAX_TOKENS = PLANS[PLAN]["max_output_tokens"]
+PLAN = "prefix_turns"  # openai_reference.PREFIX_PLANS: these instructions, test_openai's two turns
+MAX_TOKENS = PREFIX_PLANS[PLAN]["max_output_tokens"]
 
 
 @pytest.fixture(scope="module")
-def stack(servers: Servers, openai_references: PendingReferences) -> Stack:
+def stack(servers: Servers) -> Stack:
     # One worker, so both conversations land where the first one's pages are cached.
     return servers.stack(
         workers=1, gateways=1, worker_flags=OPENAI_WORKER_FLAGS, gateway_flags=OPENAI_GATEWAY_FLAGS
     )
+
+
+@pytest.fixture(scope="module")
+def transformers_reference(stack: Stack) -> Iterator[PendingReferences]:
+    """The conversation's reference by transformers, computed once the stack is up (it runs beside
+    the conversations, not beside the worker's boot)."""
+    pending = PendingReferences(PREFIX_PLANS)
+    try:
+        yield pending
+    finally:
+        pending.stop()
 
 
 def prefix_metric(stack: Stack, name: str) -> float:
@@ -44,7 +56,7 @@ def prefix_metric(stack: Stack, name: str) -> float:
 
 
 def test_two_conversations_with_the_same_instructions_share_them_and_stay_exact(
-    stack: Stack, openai_references: PendingReferences
+    stack: Stack, transformers_reference: PendingReferences
 ) -> None:
     async def conversation(keys: KeyStore, redis: Redis) -> list[str]:
         client = AsyncOpenAI(base_url=base_url(stack), api_key=await new_key(keys))
@@ -71,8 +83,8 @@ def test_two_conversations_with_the_same_instructions_share_them_and_stay_exact(
         prefix_metric(stack, f"microturn_worker_prefix_cache_{n}_total") for n in ("hits", "tokens_reused")
     )
     second: list[Any] = run(stack, conversation)
-    want = openai_references.result(PLAN)
-    assert PLANS[PLAN]["reference"] == "transformers"
+    want = transformers_reference.result(PLAN)
+    assert PREFIX_PLANS[PLAN]["reference"] == "transformers"
     assert first == want["texts"] and second == want["texts"]
     assert prefix_metric(stack, "microturn_worker_prefix_cache_hits_total") == hits + 1
     # The instructions rendered as the system message span several full pages, all mapped.
