@@ -16,12 +16,11 @@ with JSON plans on stdin, {name: {"instructions": str | null, "turns": [str, ...
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from tests.processes import REPO
@@ -63,58 +62,57 @@ PREFIX_PLANS: Final[dict[str, dict[str, Any]]] = {
 
 
 def compute_all(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every plan's reference, on one load of each model a plan names."""
+    """Every plan's reference, on one load of the model their `reference` names (one per process)."""
+    (reference,) = {plan.get("reference", "engine") for plan in plans.values()}
+    compute_with = {"engine": _by_engine, "transformers": _by_transformers}[reference]
+    return compute_with(plans)
+
+
+def _by_engine(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    from worker.engine import Engine
+
+    with Engine.load("smollm2-135m", kv_tokens=8192) as engine:
+        tokenizer = engine.tokenizer
+        assert tokenizer is not None
+
+        def generate(history: list[int], limit: int) -> list[int]:
+            # A fresh session fed the whole conversation at once: nothing cached from earlier turns.
+            sid = engine.open_session(max_output_tokens=limit)
+            result = engine.run_turn(sid, tokens=history, seq=1, max_output_tokens=limit, timeout=600)
+            engine.close_session(sid)
+            return list(result.tokens)
+
+        return {name: compute(generate, tokenizer, plan) for name, plan in plans.items()}
+
+
+def _by_transformers(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """transformers' own model of the GGUF (its weights converted by transformers, not by the
+    engine's loader); the prompt's tokens and the template are the GGUF's, as the worker reads them."""
     import gguf
     import torch
+    from transformers import AutoModelForCausalLM
 
-    from worker.engine import Engine
     from worker.model.presets import smollm2_gguf_path
     from worker.tokenizer.gguf import tokenizer_from_gguf
 
     path = smollm2_gguf_path()
     tokenizer = tokenizer_from_gguf(gguf.GGUFReader(path))
-    generators: dict[str, Generate] = {}
-    wanted = {plan.get("reference", "engine") for plan in plans.values()}
-    if "transformers" in wanted:
-        from transformers import AutoModelForCausalLM
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
-        torch.manual_seed(0)
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        ).eval()
+    def generate(history: list[int], limit: int) -> list[int]:
+        with torch.no_grad():
+            generated = model.generate(
+                torch.tensor([history]),
+                max_new_tokens=limit,
+                do_sample=False,
+                eos_token_id=list(tokenizer.eos_token_ids),
+                pad_token_id=tokenizer.eos_token_ids[0],
+            )
+        return [int(t) for t in generated[0, len(history) :]]
 
-        def by_transformers(history: list[int], limit: int) -> list[int]:
-            with torch.no_grad():
-                generated = model.generate(
-                    torch.tensor([history]),
-                    max_new_tokens=limit,
-                    do_sample=False,
-                    eos_token_id=list(tokenizer.eos_token_ids),
-                    pad_token_id=tokenizer.eos_token_ids[0],
-                )
-            return [int(t) for t in generated[0, len(history) :]]
-
-        generators["transformers"] = by_transformers
-    with Engine.load("smollm2-135m", kv_tokens=8192) if "engine" in wanted else _nothing() as engine:
-        if engine is not None:
-
-            def by_engine(history: list[int], limit: int) -> list[int]:
-                # A fresh session fed the whole conversation at once: nothing cached from earlier turns.
-                sid = engine.open_session(max_output_tokens=limit)
-                result = engine.run_turn(sid, tokens=history, seq=1, max_output_tokens=limit, timeout=600)
-                engine.close_session(sid)
-                return list(result.tokens)
-
-            generators["engine"] = by_engine
-        return {
-            name: compute(generators[plan.get("reference", "engine")], tokenizer, plan)
-            for name, plan in plans.items()
-        }
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
+    return {name: compute(generate, tokenizer, plan) for name, plan in plans.items()}
 
 
 def compute(generate: Generate, tokenizer: Tokenizer, plan: dict[str, Any]) -> dict[str, Any]:
