@@ -25,6 +25,7 @@ KV: the dialect says so and refuses further items and responses rather than answ
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -342,16 +343,12 @@ class OpenAIDialect:
         prefix = None
         if self._truncation.policy == "truncate" and self._conversation is not None:
             prefix = self._conversation.instructions_prefix()
-            first = messages[0]
-            text = first.text if isinstance(first, InputChunk) else None
-            if (
-                prefix
-                and isinstance(first, InputChunk)
-                and text
-                and len(text) > len(prefix)
-                and text.startswith(prefix)
-            ):
-                messages = [replace(first, text=text[len(prefix) :]), *messages[1:]]
+            # An item's text goes out in pieces (pending.PIECE_CHARS), so long instructions (the
+            # prefix cache's case) span several: the leading chunks' text together holds them.
+            lead = itertools.takewhile(lambda m: isinstance(m, InputChunk) and m.text is not None, messages)
+            text = "".join(m.text or "" for m in lead if isinstance(m, InputChunk))
+            if prefix and len(text) > len(prefix) and text.startswith(prefix):
+                messages = _strip_leading(messages, len(prefix))
             else:
                 prefix = None
         config = OpenConfig(
@@ -548,3 +545,17 @@ class OpenAIDialect:
             conversation.set_instructions(self._instructions)
         conversation.set_tools(self._tools)
         return conversation
+
+
+def _strip_leading(messages: list[ClientMessage], chars: int) -> list[ClientMessage]:
+    """The messages with their first `chars` characters of chunk text taken out (the open keeps
+    them); a chunk emptied whole stays, with no text, so every seq is still sent in order."""
+    stripped: list[ClientMessage] = []
+    for message in messages:
+        if chars and isinstance(message, InputChunk) and message.text is not None:
+            taken = min(chars, len(message.text))
+            stripped.append(replace(message, text=message.text[taken:]))
+            chars -= taken
+        else:
+            stripped.append(message)
+    return stripped

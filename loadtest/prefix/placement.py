@@ -80,12 +80,14 @@ class _TwoWorkers:
             argv += ["--heartbeat-s", str(HEARTBEAT_S)]
             self._spawn(f"worker-{i}", argv)
             self.worker_ports.append(worker_port)
-        for worker_port in self.worker_ports:
-            _wait(lambda p=worker_port: http_ready(f"http://127.0.0.1:{p}/readyz"), "worker")  # type: ignore[misc]
+        # The gateway boots beside the workers (it needs only Valkey): the stack is up in about its
+        # slowest process's time, not the sum.
         self.gateway_port = free_port()
         argv = [sys.executable, "-m", "microturn", "gateway", "--port", str(self.gateway_port)]
         argv += ["--redis-url", redis_url, "--auth", "off", "--max-chunk-tokens", "2048"]
         self._spawn("gateway", argv)
+        for worker_port in self.worker_ports:
+            _wait(lambda p=worker_port: http_ready(f"http://127.0.0.1:{p}/readyz"), "worker")  # type: ignore[misc]
         _wait(lambda: http_ready(f"http://127.0.0.1:{self.gateway_port}/readyz"), "gateway")
 
     def stop(self) -> None:

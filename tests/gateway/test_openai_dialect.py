@@ -135,6 +135,24 @@ def test_session_created_comes_first_and_matches_the_sdk(card: ModelCard) -> Non
     assert h.created[0]["session"]["output_modalities"] == ["text"]
 
 
+def test_long_instructions_spanning_several_chunks_are_the_opens_kept_prefix(card: ModelCard) -> None:
+    # An item's text goes out in 256-character chunks: instructions longer than one still become
+    # the open's `keep_prefix_text` (what the prefix cache names for placement, #33, and what a
+    # window cut keeps), the chunks carrying the rest, every seq still sent.
+    template = template_of(card)
+    instructions = " ".join(f"Rule {i}: be brief and exact." for i in range(30))
+    h = Harness(card)
+    h.reply({"type": "session.update", "session": {"type": "realtime", "instructions": instructions}})
+    first = h.send(user("Hi!"))
+    assert isinstance(first.messages[0], SessionOpen)
+    system = template.render([{"role": "system", "content": instructions}])
+    assert len(system) > 256 and first.messages[0].config.keep_prefix_text == system
+    conversation = [{"role": "system", "content": instructions}, {"role": "user", "content": "Hi!"}]
+    assert texts(first.messages) == template.render(conversation)
+    seqs = [m.seq for m in first.messages[1:]]  # type: ignore[union-attr]
+    assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) > 1
+
+
 def test_two_turns_append_exactly_what_the_template_renders(card: ModelCard) -> None:
     template = template_of(card)
     h = Harness(card)

@@ -33,7 +33,7 @@ SMALL = [
     "--samples",
     "2",
     "--sessions",
-    "6",
+    "4",
     "--tail",
     "32",
     "--off-sessions",
@@ -45,7 +45,7 @@ SMALL = [
     "--rounds",
     "2",
     "--placement-sessions",
-    "6",
+    "4",
 ]
 
 
@@ -68,8 +68,8 @@ def test_every_scenario_reports_its_figures(tmp_path: Path) -> None:
     assert first["cached_first_turn_ms"] > 0 and first["full_prefill_first_turn_ms"] > 0
 
     pages = report["scenarios"]["pages"]["P256"]
-    assert pages["device_pages_cache_on"] == pages["prefix_once_plus_tails"] == 16 + 6 * 2
-    assert pages["device_pages_cache_off"] == 6 * 18
+    assert pages["device_pages_cache_on"] == pages["prefix_once_plus_tails"] == 16 + 4 * 2
+    assert pages["device_pages_cache_off"] == 4 * 18
     assert pages["sessions_fit_cache_off"] == 2 and pages["sessions_fit_cache_on"] > 2
 
     hot = report["scenarios"]["hot_path"]["P256"]
@@ -77,5 +77,5 @@ def test_every_scenario_reports_its_figures(tmp_path: Path) -> None:
 
     placement = report["scenarios"]["placement"]
     preferred, load_only = placement["with_preference"], placement["without_preference"]
-    assert preferred["hits"] + preferred["misses"] == load_only["hits"] + load_only["misses"] == 6
+    assert preferred["hits"] + preferred["misses"] == load_only["hits"] + load_only["misses"] == 4
     assert preferred["misses"] >= 2 and preferred["hit_rate"] >= load_only["hit_rate"]

@@ -7,6 +7,8 @@ Invariants (the engine thread is the only writer; the pages are worker/engine/me
 - `len(pages) * page_size >= num_cached`; pages beyond that are reserved for the active turn.
 - A leading run of `pages` may be the prefix cache's, shared with other sessions: full pages
   wholly before `num_cached - 1`, never written by this session (worker/engine/memory/prefix_cache.py).
+  Likewise a run of `host_pages` (first after `pages`) may be host copies of such pages, shared
+  with other parked sessions (worker/engine/memory/host_prefix.py).
 - Tokens past `num_cached` are fed by the next forward: the rest of an append that did not fit
   one step, or the last sampled token, which gets its KV at the start of the next append.
 - At most one turn is `active`; `pending` turns wait in `seq` order.

@@ -61,6 +61,8 @@ class WorkerMetrics:
             gauges["microturn_worker_prefix_cache_cached_pages"] = prefix.cached_pages
             gauges["microturn_worker_prefix_cache_shared_pages"] = prefix.shared_pages
             gauges["microturn_worker_prefix_cache_shared_references"] = prefix.shared_references
+            gauges["microturn_worker_prefix_cache_host_pages"] = prefix.host_pages
+            gauges["microturn_worker_prefix_cache_host_references"] = prefix.host_references
         lines = []
         for name, value in gauges.items():
             lines += [f"# TYPE {name} gauge", f"{name} {value}"]

@@ -1,17 +1,21 @@
-"""The reference an OpenAI-dialect conversation must equal, token for token: greedy generation by
-the engine alone over the conversation rendered whole by the model's chat template, each reply kept
-exactly as it was generated (its tokens, never re-tokenized from its text).
+"""The reference an OpenAI-dialect conversation must equal, token for token: greedy generation over
+the conversation rendered whole by the model's chat template, each reply kept exactly as it was
+generated (its tokens, never re-tokenized from its text). The generator is each plan's `reference`:
+transformers' own model of the same GGUF (`"transformers"`: the prefix cache's conversations, #33,
+held to a model that shares nothing with the engine) or the engine alone, fed the whole
+conversation in a fresh session (`"engine"`, the default).
 
 Why a subprocess: it loads SmolLM2 with its own torch settings, away from the pytest process, and
 runs while the stack starts. Why one for the run: every conversation the OpenAI tests hold is
 computed on one load of the model (`PLANS`; the load costs far more than the few turns), once per
 test run (the `openai_references` fixture). Run as `python -m tests.system.gateway.openai_reference`
 with JSON plans on stdin, {name: {"instructions": str | null, "turns": [str, ...],
-"max_output_tokens": int}}; prints {name: {"replies": [[token ids], ...], "texts": [str, ...]}}.
+"max_output_tokens": int, "reference": "engine" | "transformers" (optional)}}; prints
+{name: {"replies": [[token ids], ...], "texts": [str, ...]}}.
 A plan with tools (issue #36) adds "tools" (OpenAI function tools) and "choices" (each response's
 tool_choice): the system message lists the tools, a turn may be {"output": str} (a call's output),
-each reply is generated under the grammar its choice asks for (gateway/openai/tools.py), and its
-text is the reply as generated, a call's text included.
+each reply is generated under the grammar its choice asks for (gateway/openai/tools.py; the engine
+reference only), and its text is the reply as generated, a call's text included.
 """
 
 from __future__ import annotations
@@ -20,12 +24,17 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from tests.processes import REPO
 
 if TYPE_CHECKING:  # the engine is imported in the subprocess only, never by the tests
-    from worker.engine import Engine
+    from worker.tokenizer.tokenizer import Tokenizer
+
+# A generator: the whole conversation's tokens and a reply's limit -> the reply's tokens (with the
+# EOS it stopped at, if it did).
+Generate = Callable[[list[int], int, dict[str, Any] | None], list[int]]
 
 INSTRUCTIONS: Final = "You are a helpful assistant. Answer briefly."
 TURNS: Final = ["What is the capital of France?", "And of Italy?"]
@@ -49,15 +58,14 @@ WEATHER_TOOL: Final[dict[str, Any]] = {
 }
 WEATHER_QUESTION: Final = "What is the weather in Paris?"
 WEATHER_OUTPUT: Final = '{"temperature_c": 21, "sky": "clear"}'
-# The conversations of the OpenAI tests, by name: test_openai.py's two turns and its story, the
-# same two turns with the shorter replies test_openai_sdks.py asks for, with the long
-# instructions test_openai_prefix.py shares between two conversations, and test_openai_tools.py's
-# call (`required`), its output and the reply after it (`auto`).
+# The conversations of the OpenAI tests, by name, on the engine (one process for the run, the
+# `openai_references` fixture): test_openai.py's two turns and its story, the same two turns with
+# the shorter replies test_openai_sdks.py asks for, and test_openai_tools.py's call (`required`),
+# its output and the reply after it (`auto`).
 PLANS: Final[dict[str, dict[str, Any]]] = {
     "turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 24},
     "story": {"instructions": None, "turns": [STORY], "max_output_tokens": 48},
     "sdk_turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 12},
-    "prefix_turns": {"instructions": PREFIX_INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 24},
     "tool_turns": {
         "instructions": INSTRUCTIONS,
         "tools": [WEATHER_TOOL],
@@ -66,17 +74,77 @@ PLANS: Final[dict[str, dict[str, Any]]] = {
         "max_output_tokens": 40,
     },
 }
+# The same two turns with the long instructions test_openai_prefix.py shares between two
+# conversations, held to transformers (its own process: transformers' GGUF load is about a minute
+# on a busy machine, so it starts once the stack is up instead of competing with the workers' boot).
+PREFIX_PLANS: Final[dict[str, dict[str, Any]]] = {
+    "prefix_turns": {
+        "instructions": PREFIX_INSTRUCTIONS,
+        "turns": TURNS,
+        "max_output_tokens": 24,
+        "reference": "transformers",
+    },
+}
 
 
 def compute_all(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every plan's reference, on one load of the model."""
+    """Every plan's reference, on one load of the model their `reference` names (one per process)."""
+    (reference,) = {plan.get("reference", "engine") for plan in plans.values()}
+    compute_with = {"engine": _by_engine, "transformers": _by_transformers}[reference]
+    return compute_with(plans)
+
+
+def _by_engine(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     from worker.engine import Engine
 
     with Engine.load("smollm2-135m", kv_tokens=8192) as engine:
-        return {name: compute(engine, plan) for name, plan in plans.items()}
+        tokenizer = engine.tokenizer
+        assert tokenizer is not None
+
+        def generate(history: list[int], limit: int, grammar: dict[str, Any] | None) -> list[int]:
+            # A fresh session fed the whole conversation at once: nothing cached from earlier turns.
+            sid = engine.open_session(max_output_tokens=limit)
+            result = engine.run_turn(
+                sid, tokens=history, seq=1, max_output_tokens=limit, response_format=grammar, timeout=600
+            )
+            engine.close_session(sid)
+            return list(result.tokens)
+
+        return {name: compute(generate, tokenizer, plan) for name, plan in plans.items()}
 
 
-def compute(engine: Engine, plan: dict[str, Any]) -> dict[str, Any]:
+def _by_transformers(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """transformers' own model of the GGUF (its weights converted by transformers, not by the
+    engine's loader); the prompt's tokens and the template are the GGUF's, as the worker reads them."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from worker.model.presets import smollm2_gguf_path
+    from worker.tokenizer.gguf import tokenizer_from_gguf
+
+    path = smollm2_gguf_path()
+    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(path))
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+    def generate(history: list[int], limit: int, grammar: dict[str, Any] | None) -> list[int]:
+        assert grammar is None, "a plan with tools is held to the engine's reference"
+        with torch.no_grad():
+            generated = model.generate(
+                torch.tensor([history]),
+                max_new_tokens=limit,
+                do_sample=False,
+                eos_token_id=list(tokenizer.eos_token_ids),
+                pad_token_id=tokenizer.eos_token_ids[0],
+            )
+        return [int(t) for t in generated[0, len(history) :]]
+
+    return {name: compute(generate, tokenizer, plan) for name, plan in plans.items()}
+
+
+def compute(generate: Generate, tokenizer: Tokenizer, plan: dict[str, Any]) -> dict[str, Any]:
     from gateway.openai.tools import constraint, output_content, parse_tools, system_content
 
     limit = int(plan["max_output_tokens"])
@@ -87,8 +155,7 @@ def compute(engine: Engine, plan: dict[str, Any]) -> dict[str, Any]:
         messages.append({"role": "system", "content": system})
     replies: list[list[int]] = []
     texts: list[str] = []
-    tokenizer = engine.tokenizer
-    assert tokenizer is not None and tokenizer.chat_template is not None
+    assert tokenizer.chat_template is not None
     template = tokenizer.chat_template
     eos = set(tokenizer.eos_token_ids)
     history: list[int] = []  # the whole conversation's tokens so far, replies as generated
@@ -101,14 +168,8 @@ def compute(engine: Engine, plan: dict[str, Any]) -> dict[str, Any]:
         prompt = template.render(messages, add_generation_prompt=True)
         assert prompt.startswith(rendered)
         history += tokenizer.encode(prompt[len(rendered) :])
-        # A fresh session fed the whole conversation at once: nothing cached from earlier turns.
-        sid = engine.open_session(max_output_tokens=limit)
-        result = engine.run_turn(
-            sid, tokens=history, seq=1, max_output_tokens=limit, response_format=grammar, timeout=600
-        )
-        engine.close_session(sid)
-        tokens = list(result.tokens)
-        stopped = bool(tokens) and tokens[-1] in eos and result.finish == "stop"
+        tokens = generate(history, limit, grammar)
+        stopped = bool(tokens) and tokens[-1] in eos
         reply = tokenizer.decode(tokens[:-1] if stopped else tokens)
         replies.append(tokens)
         texts.append(reply)

@@ -31,7 +31,7 @@ OUT = 3
 CONFIG: Final[dict[str, Any]] = {"max_output_tokens": OUT, "stop_token_ids": []}
 # 13 full pages of instructions and 4 tokens more, shared by every session.
 INSTRUCTIONS = [(7919 * j) % 40000 + 100 for j in range(212)]
-SESSIONS, TURNS, KILL_AFTER = 3, 6, 3
+SESSIONS, TURNS, KILL_AFTER = 3, 4, 2
 WORKER_FLAGS = [*LINK_SECRET, "--model", MODEL, "--kv-tokens", "4096", "--host-kv-tokens", "0"]
 WORKER_FLAGS += ["--idle-timeout-s", "120", "--heartbeat-s", "0.5"]
 

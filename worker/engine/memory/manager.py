@@ -9,7 +9,8 @@ A session's KV lives in one place at a time:
 - on the host: `session.host_pages` hold the pages that covered its first `num_cached` tokens,
   copied whole (worker/engine/memory/page_copy.py); the device pages went back to the pool, but
   for a leading run of prefix-cache pages other sessions hold too, which stay in `session.pages`
-  (shared, not copied once per session; pressure copies them too only when nothing else is left);
+  (shared, not copied once per session). A session's table is always its device pages first, then
+  its host pages;
 - nowhere: `num_cached` is 0 and its next append recomputes its history from its tokens.
 
 Pressure policy. When an append needs more device pages than are free, idle sessions (no turn
@@ -29,7 +30,11 @@ one holding its last token) is never mapped, and a page is indexed only once it 
 the session's last cached token, so no holder ever writes into an indexed page (a cut that would
 write into one gives it up and recomputes that page's tokens). Under pressure the cache's pages
 no session holds go first (least recently let go), before idle sessions are parked; a page any
-session holds is only ever let go of by its holders.
+session holds is only ever let go of by its holders. Parking: an idle session copies to the host
+only what is its own while other sessions hold its shared pages; when pressure needs those too
+(every holder idle), each cached page is copied to the host once, by its first holder to go, and
+the others map that copy (`host_prefix.py`). A restore maps the device's cached page of a copy's
+key if there is one, else copies it back and indexes it there again.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import torch
 from shared.errors import CapacityExhausted
 from shared.store.log_format import Cut
 from worker.attention.kv_pool import KVPool
+from worker.engine.memory.host_prefix import HostPrefixCopies
 from worker.engine.memory.kv_transfer import KVExport, gather, page_shape, scatter, staging
 from worker.engine.memory.page_allocator import PageAllocator
 from worker.engine.memory.page_copy import CopyCounter, HostKVPool, PageCopier
@@ -107,6 +113,8 @@ class KVManager:
         self.recomputes = 0
         self.recomputed_tokens = 0
         self.prefix = prefix
+        # The host copies of cached pages, shared by the parked sessions that held them (None: off).
+        self.host_copies = HostPrefixCopies() if prefix is not None else None
         # Sessions whose append started with no KV and whose turn has not ended: the keys of the
         # full pages that append covers, and how many of them it mapped from the cache.
         self._to_index: dict[str, tuple[list[bytes], int]] = {}
@@ -127,11 +135,14 @@ class KVManager:
             kept = len(session.pages) + len(session.host_pages)
         device_kept = min(kept, len(session.pages))
         keys, mapped = self._look_up(session, cut, inputs)
-        fresh = max(_pages(length + grows_by, self.page_size) - device_kept - len(mapped), 0)
+        # Host pages it keeps that are copies of pages cached on the device: mapped, not copied back.
+        remap = self._cached_on_device(session.host_pages[: kept - device_kept])
+        remapped = [page for page in remap if page is not None]
+        fresh = max(_pages(length + grows_by, self.page_size) - device_kept - len(mapped) - len(remapped), 0)
         released = self._freed_by_letting_go(session.pages[kept:])
         available = self.device.num_free + released
         if fresh > available:
-            available += self._takeable(session, mapped)
+            available += self._takeable(session, [*mapped, *remapped])
         if fresh > available:
             raise CapacityExhausted(
                 f"KV pool full: {fresh} pages needed, {available} free or held by idle sessions",
@@ -146,18 +157,26 @@ class KVManager:
             self.recomputes += 1
             self.recomputed_tokens += len(session.tokens) - session.num_cached
         session.recompute = False
+        if self.prefix is not None:
+            self.prefix.hold(remapped)  # before eviction, which takes only pages nobody holds
         if fresh > self.device.num_free:
-            self._evict(fresh, keep=session)
+            self._evict(fresh, keep=session, held=remapped)
         if session.host_pages:
-            fresh -= self._restore(session)
+            fresh -= self._restore(session, remap)
         last = session.pages[-1] if session.pages else None
         session.pages.extend(self.device.allocate(fresh, after=last))
 
     def prefetch(self, session: Session) -> None:
         """A chunk arrived for a session parked on the host: start copying it back now if the pages
         are free, so the copy overlaps the wait for its turn (`prepare` does it otherwise)."""
-        if session.host_pages and len(session.host_pages) <= self.device.num_free:
-            self._restore(session)
+        if not session.host_pages:
+            return
+        remap = self._cached_on_device(session.host_pages)
+        remapped = [page for page in remap if page is not None]
+        if len(session.host_pages) - len(remapped) <= self.device.num_free:
+            if self.prefix is not None:
+                self.prefix.hold(remapped)
+            self._restore(session, remap)
 
     def trim(self, session: Session) -> None:
         """A turn ended: give back the pages reserved for outputs it did not produce."""
@@ -183,8 +202,8 @@ class KVManager:
         run, and the next append writes at that token (a re-fed last token) or after it."""
         cached = min(session.num_cached, length)
         kept = _pages(cached, self.page_size)
-        shared = self.prefix is not None and 0 < kept <= len(session.pages)
-        if shared and self.prefix is not None and self.prefix.is_indexed(session.pages[kept - 1]):
+        # The page may be on the device (a cached page) or on the host (a shared copy of one).
+        if 0 < kept <= len(session.pages) + len(session.host_pages) and self._is_shared_copy(session, kept - 1):
             kept -= 1
             cached = kept * self.page_size
         indexing = self._to_index.pop(session.session_id, None)
@@ -196,8 +215,7 @@ class KVManager:
         """The session ended: every page it held, in either tier, is free (or cache, if indexed)."""
         self._to_index.pop(session.session_id, None)
         self._let_go(session.pages)
-        if self.host is not None:
-            self.host.free(session.host_pages)
+        self._free_host(session.host_pages)
         session.pages, session.host_pages, session.num_cached = [], [], 0
 
     def forget(self, session: Session) -> None:
@@ -226,8 +244,14 @@ class KVManager:
             drops=self.drops,
             recomputes=self.recomputes,
             recomputed_tokens=self.recomputed_tokens,
-            prefix=self.prefix.stats() if self.prefix is not None else None,
+            prefix=self._prefix_stats(),
         )
+
+    def _prefix_stats(self) -> PrefixStats | None:
+        if self.prefix is None or self.host_copies is None:
+            return None
+        copies = self.host_copies
+        return replace(self.prefix.stats(), host_pages=copies.pages, host_references=copies.references)
 
     # ---- internals ------------------------------------------------------------------------------
 
@@ -242,8 +266,7 @@ class KVManager:
         of the rest, so shared pages past them stay the cache's and only its own are freed."""
         on_device = len(session.pages)
         if session.host_pages:
-            assert self.host is not None
-            self.host.free(session.host_pages[max(kept - on_device, 0) :])
+            self._free_host(session.host_pages[max(kept - on_device, 0) :])
             del session.host_pages[max(kept - on_device, 0) :]
         self._let_go(session.pages[kept:])
         del session.pages[kept:]
@@ -270,12 +293,16 @@ class KVManager:
             )
         return takeable
 
-    def _evict(self, free_wanted: int, *, keep: Session) -> None:
+    def _evict(self, free_wanted: int, *, keep: Session, held: Sequence[int] = ()) -> None:
         """Take the cache's unheld pages, then park or drop idle sessions, least recently active
-        first, until `free_wanted` pages are free."""
+        first, until `free_wanted` pages are free (`held`: cached pages `keep` holds already, but
+        its table does not list yet)."""
         self._evict_cache(free_wanted)
-        # First each idle session's own pages (the shared pages others hold stay), then, if that
-        # was not enough, the shared pages idle sessions still hold: all that can always be taken.
+        # First each idle session's own pages (the shared pages others hold stay). Then, if that
+        # was not enough, the shared pages only idle sessions hold, each copied to the host once:
+        # all that can always be taken. A page a busy session (or `keep`) holds stays: parking
+        # its other holders would free nothing.
+        in_use = {*held, *(p for s in self.sessions.values() if s is keep or s.is_busy for p in s.pages)}
         for keep_shared in (True, False):
             idle = sorted(
                 (s for s in self.sessions.values() if s is not keep and not s.is_busy and s.pages),
@@ -284,7 +311,12 @@ class KVManager:
             for session in idle:
                 if self.device.num_free >= free_wanted:
                     return
-                self._park(session, keep_shared=keep_shared)
+                count = _pages(session.num_cached, self.page_size) - len(session.host_pages)
+                if keep_shared:
+                    stay = self._shared_run(session.pages[:count])
+                else:
+                    stay = next((i for i, p in enumerate(session.pages) if p not in in_use), count)
+                self._park(session, stay=stay)
                 self._evict_cache(free_wanted)
 
     def _evict_cache(self, free_wanted: int) -> None:
@@ -327,13 +359,22 @@ class KVManager:
         indexed and the session would write into it after the cut (at `cached`, or at `cached - 1`
         when the turn re-feeds the last token for its logits: no input and nothing left to feed)."""
         kept = _pages(cached, self.page_size)
-        if self.prefix is None or not kept or kept > len(session.pages):  # host pages are never indexed
+        if self.prefix is None or not kept:
             return kept, cached
         writes_from = cached - 1 if refeeds and cut.recent == 0 and cached == cut.keep else cached
-        if self.prefix.is_indexed(session.pages[kept - 1]) and kept * self.page_size > writes_from:
+        if self._is_shared_copy(session, kept - 1) and kept * self.page_size > writes_from:
             kept -= 1
             cached = kept * self.page_size  # the tokens after it are fed again, into a page of its own
         return kept, cached
+
+    def _is_shared_copy(self, session: Session, index: int) -> bool:
+        """Whether page `index` of the session's table is a cached page (on the device) or a host
+        copy of one (which its restore maps or indexes again): never to be written into."""
+        on_device = len(session.pages)
+        if index < on_device:
+            return self.prefix is not None and self.prefix.is_indexed(session.pages[index])
+        host_page = session.host_pages[index - on_device]
+        return self.host_copies is not None and self.host_copies.key(host_page) is not None
 
     def _freed_by_letting_go(self, pages: Sequence[int]) -> int:
         """How many of `pages` become free or evictable cache when a session lets go of them."""
@@ -349,33 +390,77 @@ class KVManager:
             return
         self.device.free([page for page in reversed(pages) if not self.prefix.let_go(page)])
 
-    def _park(self, session: Session, *, keep_shared: bool) -> None:
-        """Copy the session's KV to the host and let go of its device pages; with `keep_shared`,
-        a leading run of cached pages that other sessions hold too stays (nothing to gain there)."""
+    def _park(self, session: Session, *, stay: int) -> None:
+        """Copy the session's KV to the host and let go of its device pages, but for its first
+        `stay` pages (cached pages others hold: nothing to gain there). A cached page whose copy
+        is on the host already is mapped there, not copied again."""
         pages = _pages(session.num_cached, self.page_size) - len(session.host_pages)
-        shared = self._shared_run(session.pages[:pages]) if keep_shared else 0
-        if session.host_pages and shared == len(session.pages):
+        stay = min(stay, pages)
+        if session.host_pages and stay == len(session.pages):
             return  # parked already, but for pages others hold
-        moving = session.pages[shared:pages]
+        moving = session.pages[stay:pages]
         if not moving:
-            self._let_go(session.pages[shared:])
-            del session.pages[shared:]
+            self._let_go(session.pages[stay:])
+            del session.pages[stay:]
             return
-        if self._host_room(len(moving), session):
+        copies = [self._host_copy(page) for page in moving]
+        for copy in copies:  # held before making room: the drops that make it must not free them
+            if copy is not None and self.host_copies is not None:
+                self.host_copies.hold(copy)
+        to_copy = [page for page, copy in zip(moving, copies, strict=True) if copy is None]
+        if self._host_room(len(to_copy), session):
             assert self.host is not None and self.copier is not None
-            host_pages = self.host.allocate(len(moving))
-            self.copier.to_host(moving, host_pages)
-            self._let_go(session.pages[shared:])
-            session.pages = session.pages[:shared]
+            allocated = self.host.allocate(len(to_copy))
+            if to_copy:
+                self.copier.to_host(to_copy, allocated)
+            targets = iter(allocated)
+            host_pages = []
+            for page, copy in zip(moving, copies, strict=True):
+                if copy is not None:
+                    host_pages.append(copy)
+                    continue
+                target = next(targets)
+                key = self.prefix.key_of(page) if self.prefix is not None else None
+                if key is not None and self.host_copies is not None:
+                    self.host_copies.add(key, target)  # the other holders parked after it map it
+                host_pages.append(target)
+            self._let_go(session.pages[stay:])
+            session.pages = session.pages[:stay]
             session.host_pages = host_pages + session.host_pages
             logger.debug(
-                "parked the KV of idle session %s on the host (%d pages, %d shared stay)",
+                "parked the KV of idle session %s on the host (%d pages, %d copied, %d shared stay)",
                 session.session_id,
                 len(moving),
-                shared,
+                len(to_copy),
+                stay,
             )
             return
+        self._free_host([copy for copy in copies if copy is not None])
         self._drop(session, "its next chunk recomputes it")
+
+    def _host_copy(self, page: int) -> int | None:
+        """The host copy of device page `page`, when it is cached and a copy is on the host."""
+        if self.prefix is None or self.host_copies is None:
+            return None
+        key = self.prefix.key_of(page)
+        return self.host_copies.find(key) if key is not None else None
+
+    def _cached_on_device(self, host_pages: Sequence[int]) -> list[int | None]:
+        """For each host page: the device page cached under its key when it is a copy, else None."""
+        if self.prefix is None or self.host_copies is None:
+            return [None] * len(host_pages)
+        remap: list[int | None] = []
+        for page in host_pages:
+            key = self.host_copies.key(page)
+            remap.append(self.prefix.page_of(key) if key is not None else None)
+        return remap
+
+    def _free_host(self, pages: Sequence[int]) -> None:
+        """A session's host table drops `pages`: its own are freed, a copy when nobody holds it."""
+        if self.host is None:
+            return
+        copies = self.host_copies
+        self.host.free([page for page in pages if copies is None or copies.let_go(page)])
 
     def _shared_run(self, pages: Sequence[int]) -> int:
         """How many leading `pages` are cached pages another session holds too."""
@@ -412,7 +497,11 @@ class KVManager:
             ),
             key=lambda s: s.last_activity,
         )
-        if self.host.num_free + sum(len(s.host_pages) for s in older) < pages:
+        if self.host_copies is not None:
+            freed = self.host_copies.freed_by_letting_go(s.host_pages for s in older)
+        else:
+            freed = sum(len(s.host_pages) for s in older)
+        if self.host.num_free + freed < pages:
             return False
         for session in older:
             if self.host.num_free >= pages:
@@ -420,16 +509,29 @@ class KVManager:
             self._drop(session, "room on the host for a newer one")
         return True
 
-    def _restore(self, session: Session) -> int:
-        """Copy the session's host pages back after the device pages it kept; how many there were."""
+    def _restore(self, session: Session, remap: Sequence[int | None]) -> int:
+        """Bring the session's host pages back after the device pages it kept: those `remap` names
+        (cached device pages of the same key, held for it already) are mapped, the others copied
+        into fresh pages; a copied copy of a cached page is indexed on the device again. How many
+        fresh device pages it took."""
         assert self.host is not None and self.copier is not None
-        count = len(session.host_pages)
-        pages = self.device.allocate(count, after=session.pages[-1] if session.pages else None)
-        self.copier.to_device(session.host_pages, pages)
-        self.host.free(session.host_pages)
-        session.pages.extend(pages)
+        to_copy = [page for page, cached in zip(session.host_pages, remap, strict=True) if cached is None]
+        targets = self.device.allocate(len(to_copy), after=session.pages[-1] if session.pages else None)
+        if to_copy:
+            self.copier.to_device(to_copy, targets)
+        fresh = iter(targets)
+        for page, cached in zip(session.host_pages, remap, strict=True):
+            if cached is not None:
+                session.pages.append(cached)
+                continue
+            target = next(fresh)
+            key = self.host_copies.key(page) if self.host_copies is not None else None
+            if key is not None and self.prefix is not None:
+                self.prefix.insert(key, target)  # the sessions restored after it map it here
+            session.pages.append(target)
+        self._free_host(session.host_pages)
         session.host_pages = []
-        return count
+        return len(to_copy)
 
     # ---- a drain's copy: KV that leaves for another worker, or arrives from one -----------------
 

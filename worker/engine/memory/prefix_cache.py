@@ -49,6 +49,10 @@ class PrefixStats:
     # The names of the named prefixes whose every full page is cached, most recently named first
     # (what the worker publishes to placement: shared/store/prefix_label.py).
     held_prefixes: tuple[str, ...] = ()
+    # The host tier's copies of cached pages (parked once however many parked sessions hold
+    # them: host_prefix.py), and the references to them.
+    host_pages: int = 0
+    host_references: int = 0
 
 
 def prefix_cache(config: EngineConfig, page_size: int) -> PrefixCache | None:
@@ -125,6 +129,14 @@ class PrefixCache:
 
     def is_indexed(self, page: int) -> bool:
         return page in self._key_of
+
+    def key_of(self, page: int) -> bytes | None:
+        """The chain key of device page `page` when it is indexed, else None."""
+        return self._key_of.get(page)
+
+    def page_of(self, key: bytes) -> int | None:
+        """The cached page `key` names, if any (a restore's question: not counted as a hit or a miss)."""
+        return self._page_of.get(key)
 
     def refs(self, page: int) -> int:
         return self._refs[page]
