@@ -203,7 +203,8 @@ class KVManager:
         cached = min(session.num_cached, length)
         kept = _pages(cached, self.page_size)
         # The page may be on the device (a cached page) or on the host (a shared copy of one).
-        if 0 < kept <= len(session.pages) + len(session.host_pages) and self._is_shared_copy(session, kept - 1):
+        held = len(session.pages) + len(session.host_pages)
+        if 0 < kept <= held and self._is_shared_copy(session, kept - 1):
             kept -= 1
             cached = kept * self.page_size
         indexing = self._to_index.pop(session.session_id, None)
