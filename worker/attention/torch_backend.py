@@ -29,7 +29,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
 
@@ -182,32 +181,41 @@ class TorchAttention(AttentionBackend):
         kv_len = scores.shape[-1]
         tiles = -(-kv_len // KV_TILE)
         terms = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
-        terms = F.pad(terms, (0, tiles * KV_TILE - kv_len)).view(kv_heads, rows, tiles, KV_TILE)
-        total = terms.sum(dim=-1).cumsum(dim=-1)[..., -1:]  # [kv_heads, rows, 1]
+        if kv_len % KV_TILE:
+            terms = torch.constant_pad_nd(terms, (0, tiles * KV_TILE - kv_len))
+        terms = terms.view(kv_heads, rows, tiles, KV_TILE)
+        total = terms.sum(dim=-1).cumsum(dim=-1).narrow(-1, tiles - 1, 1)  # [kv_heads, rows, 1]
 
         # Every tile's weighted values, one matmul of one shape per tile (the last partial tile
         # against its values padded with zeros), then added in position order by one cumulative
         # sum (torch accumulates it in double: a query's sum must run over the same sequence of
         # tiles however many masked, all-zero tiles follow, never a partial sum rounded between).
+        # Views by method calls, not indexing: this runs per layer and row, and indexing costs
+        # more Python time than the small matmuls themselves.
         weighted = torch.empty(kv_heads, tiles, rows, dim, dtype=query.dtype, device=query.device)
+        terms_by_head = terms.unbind(0)
+        weighted_by_head = weighted.unbind(0)
         tile = 0
         for value in values:
             count = value.shape[1] // KV_TILE
             if count:
-                for head in range(kv_heads):
+                for head_terms, head_value, head_weighted in zip(
+                    terms_by_head, value.unbind(0), weighted_by_head, strict=True
+                ):
                     torch.bmm(
-                        terms[head, :, tile : tile + count].transpose(0, 1),
-                        value[head, : count * KV_TILE].view(count, KV_TILE, dim),
-                        out=weighted[head, tile : tile + count],
+                        head_terms.narrow(1, tile, count).transpose(0, 1),
+                        head_value.narrow(0, 0, count * KV_TILE).view(count, KV_TILE, dim),
+                        out=head_weighted.narrow(0, tile, count),
                     )
             tile += count
         rest = kv_len - tile * KV_TILE
         if rest:
-            padded = values[-1].new_zeros(kv_heads, KV_TILE, dim)
-            padded[:, :rest] = values[-1][:, -rest:]
-            weighted[:, tile] = torch.bmm(terms[:, :, tile], padded)
-        attended = weighted.cumsum(dim=1)[:, -1]
-        attended = attended.div_(total)
+            last = values[-1]
+            padded = torch.constant_pad_nd(
+                last.narrow(1, last.shape[1] - rest, rest), (0, 0, 0, KV_TILE - rest)
+            )
+            weighted.select(1, tile).copy_(torch.bmm(terms.select(2, tile), padded))
+        attended = weighted.cumsum(dim=1).select(1, tiles - 1).div_(total)
         attended = attended.view(kv_heads, group, q_len, dim).permute(2, 0, 1, 3)
         return attended.reshape(q_len, self.num_heads, dim)
 
