@@ -187,9 +187,9 @@ class TorchAttention(AttentionBackend):
         total = terms.sum(dim=-1).cumsum(dim=-1).narrow(-1, tiles - 1, 1)  # [kv_heads, rows, 1]
 
         # Every tile's weighted values, one matmul of one shape per tile (the last partial tile
-        # against its values padded with zeros), then added in position order by one cumulative
-        # sum (torch accumulates it in double: a query's sum must run over the same sequence of
-        # tiles however many masked, all-zero tiles follow, never a partial sum rounded between).
+        # against its values padded with zeros), then added in position order, one tile at a time:
+        # a query's sum runs over the same sequence of tiles however many masked, all-zero tiles
+        # follow it (torch's cumulative sum would do the same but runs strided and scalar here).
         # Views by method calls, not indexing: this runs per layer and row, and indexing costs
         # more Python time than the small matmuls themselves.
         weighted = torch.empty(kv_heads, tiles, rows, dim, dtype=query.dtype, device=query.device)
@@ -215,7 +215,11 @@ class TorchAttention(AttentionBackend):
                 last.narrow(1, last.shape[1] - rest, rest), (0, 0, 0, KV_TILE - rest)
             )
             weighted.select(1, tile).copy_(torch.bmm(terms.select(2, tile), padded))
-        attended = weighted.cumsum(dim=1).select(1, tiles - 1).div_(total)
+        by_tile = weighted.unbind(1)
+        attended = by_tile[0].clone()
+        for tile_values in by_tile[1:]:
+            attended.add_(tile_values)
+        attended = attended.div_(total)
         attended = attended.view(kv_heads, group, q_len, dim).permute(2, 0, 1, 3)
         return attended.reshape(q_len, self.num_heads, dim)
 
