@@ -6,14 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import gguf
 import pytest
 import torch
 
 from worker.attention import TorchAttention
 from worker.attention.base import paged_metadata
 from worker.attention.kv_pool import KVPool
+from worker.engine import Engine
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_model
+from worker.model.presets import smollm2_gguf_path
 from worker.numerics import blas_is_row_invariant
 
 CPU = torch.device("cpu")
@@ -82,3 +85,27 @@ def test_a_positions_logits_do_not_depend_on_how_its_history_was_chunked(form: s
     torch.set_num_threads(1)
     streamed = logits_by_steps(model, tokens, PIECES, scattered, neighbour=True)
     assert torch.equal(whole, streamed)
+
+
+@pytest.mark.slow
+def test_smollm2_under_auto_is_int4_and_streams_as_it_answers_whole() -> None:
+    """The reason `auto` may pick int4 (docs/benchmarks.md, "Weight forms"), on the real file."""
+    try:
+        path = smollm2_gguf_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    with Engine.load("smollm2-135m", kv_tokens=1024, host_kv_tokens=0) as engine:
+        # Served quantised (int4 reads ~91 MiB a step, float ~513 MiB).
+        assert engine.weight_bytes_per_step < 2 * sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+        tokenizer = engine.tokenizer
+        assert tokenizer is not None
+        prompt = tokenizer.encode(tokenizer.chat_prompt("Name three rivers in Europe."))
+        streamed = engine.open_session(stop_token_ids=())
+        history: list[int] = []
+        for start in range(0, len(prompt), 8):
+            chunk = prompt[start : start + 8]
+            tokens = engine.run_turn(streamed, tokens=chunk, max_output_tokens=4, timeout=300).tokens
+            whole = engine.open_session(stop_token_ids=(), history=history)
+            assert engine.run_turn(whole, tokens=chunk, max_output_tokens=4, timeout=300).tokens == tokens
+            engine.close_session(whole)
+            history += [*chunk, *tokens]
