@@ -15,10 +15,11 @@ streamed in micro-turns = sent whole, alone = batched, bit for bit):
   one matmul (GQA never repeats K/V); a score is one dot product of `head_dim` values, whose order
   BLAS does not vary with the matrix sizes (worker/numerics.py makes MKL hold to that);
 - the softmax's max is exact in any order; its sum and the weighted sum of values are taken in
-  fixed tiles of KV_TILE positions aligned to position 0 (one matmul per tile, of one shape), and
-  the tiles are added in position order by a cumulative sum. A query sees the same tiles with the
-  same values whether the keys after it are absent (a chunk) or masked (the whole history): a
-  masked key's weight is exactly 0, and so is a padded one's.
+  fixed tiles of KV_TILE positions aligned to position 0 (one matmul per tile, of one shape); the
+  tiles' weighted values are summed in one fixed tree over tile indices (`_attend`), their softmax
+  sums by one cumulative sum. A query sees the same tiles with the same values whether the keys
+  after it are absent (a chunk) or masked (the whole history): a masked key's weight is exactly 0,
+  and so is a padded one's.
 Long rows (re-prefills, restores) run in blocks of QUERY_BLOCK queries, which bounds the scores'
 memory; each block reads the keys up to its last query only.
 """
@@ -34,7 +35,7 @@ from worker.attention.base import AttentionBackend, AttentionMetadata
 
 # Queries of a row computed together: the scores of a block are [kv_heads, group * block, kv_len].
 QUERY_BLOCK = 64
-# The positions whose softmax terms and weighted values one matmul sums; tiles are added in order.
+# The positions whose softmax terms and weighted values one matmul sums; tiles are summed in a fixed tree.
 KV_TILE = 64
 # A row of at least VIEW_RUNS_MIN_KV positions whose pages form at most MAX_VIEW_RUNS runs of
 # consecutive pages reads them as views (when every run but the last is whole tiles). Shorter rows
@@ -187,9 +188,11 @@ class TorchAttention(AttentionBackend):
         total = terms.sum(dim=-1).cumsum(dim=-1).narrow(-1, tiles - 1, 1)  # [kv_heads, rows, 1]
 
         # Every tile's weighted values, one matmul of one shape per tile (the last partial tile
-        # against its values padded with zeros), then added in position order, one tile at a time:
-        # a query's sum runs over the same sequence of tiles however many masked, all-zero tiles
-        # follow it (torch's cumulative sum would do the same but runs strided and scalar here).
+        # against its values padded with zeros), then summed by folding the tiles at and above the
+        # largest power of two below their count onto those below, in place, until one is left. A
+        # query's tiles come first and every tile after them is all zeros (masked or absent), so
+        # a longer history's first folds add exactly 0 to them and its later folds are the ones
+        # a shorter history makes: the sum is the same whichever way the history was chunked.
         # Views by method calls, not indexing: this runs per layer and row, and indexing costs
         # more Python time than the small matmuls themselves.
         weighted = torch.empty(kv_heads, tiles, rows, dim, dtype=query.dtype, device=query.device)
@@ -215,10 +218,12 @@ class TorchAttention(AttentionBackend):
                 last.narrow(1, last.shape[1] - rest, rest), (0, 0, 0, KV_TILE - rest)
             )
             weighted.select(1, tile).copy_(torch.bmm(terms.select(2, tile), padded))
-        by_tile = weighted.unbind(1)
-        attended = by_tile[0].clone()
-        for tile_values in by_tile[1:]:
-            attended.add_(tile_values)
+        count = tiles
+        while count > 1:
+            half = 1 << (count - 1).bit_length() - 1
+            weighted.narrow(1, 0, count - half).add_(weighted.narrow(1, half, count - half))
+            count = half
+        attended = weighted.select(1, 0)
         attended = attended.div_(total)
         attended = attended.view(kv_heads, group, q_len, dim).permute(2, 0, 1, 3)
         return attended.reshape(q_len, self.num_heads, dim)
