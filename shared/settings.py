@@ -100,8 +100,8 @@ class EngineSettings:
         default="auto",
         metadata={
             "help": "how weights are held: auto (the fastest form that keeps the engine's promises: "
-            "float today), float (dequantised, exact), int8 (per-row int8), int4 (GGUF Q4_0/Q4_1 "
-            "as stored, CPU)",
+            "int4 for a Q4 GGUF on the CPU, else float), float (dequantised, exact), int8 (per-row "
+            "int8), int4 (GGUF Q4_0/Q4_1 as stored, CPU)",
             "choices": WEIGHT_FORMS,
         },
     )

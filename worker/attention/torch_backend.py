@@ -5,13 +5,23 @@ consecutive reads its keys as a view of the pool, one contiguous matrix per head
 the page allocator keeps sessions contiguous where it can, and decode attention then costs one
 read of the session's KV. A long row of few query tokens whose pages form a few runs (a shared
 prefix's pages, then the session's own: worker/engine/memory/prefix_cache.py) reads each run as a
-view too: its scores are computed run by run into one row, and its output is the sum of each run's
-share. Other rows on scattered pages gather their slots first (correct, slower).
+view too, when every run but the last holds whole KV tiles (below). Other rows gather their slots
+first (correct, slower).
 
-Short rows (decode, micro-turn appends) run as two matmuls with the query heads of a KV head
-folded into the query axis, so GQA never repeats K/V and strided views are read in place; long
-appends (restores, re-prefills) run SDPA, whose kernels bound the score memory. Both apply the
-bottom-right-aligned causal mask.
+Every row, whatever its length, takes one path, built so that a query's output does not depend on
+how its session's tokens were split into steps nor on the rows beside it (the engine's promise:
+streamed in micro-turns = sent whole, alone = batched, bit for bit):
+- scores: the query heads of a KV head are folded into the query axis and multiplied by the keys in
+  one matmul (GQA never repeats K/V); a score is one dot product of `head_dim` values, whose order
+  BLAS does not vary with the matrix sizes (worker/numerics.py makes MKL hold to that);
+- the softmax's max is exact in any order; its sum and the weighted sum of values are taken in
+  fixed tiles of KV_TILE positions aligned to position 0 (one matmul per tile, of one shape); the
+  tiles' weighted values are summed in one fixed tree over tile indices (`_attend`), their softmax
+  sums by one cumulative sum. A query sees the same tiles with the same values whether the keys
+  after it are absent (a chunk) or masked (the whole history): a masked key's weight is exactly 0,
+  and so is a padded one's.
+Long rows (re-prefills, restores) run in blocks of QUERY_BLOCK queries, which bounds the scores'
+memory; each block reads the keys up to its last query only.
 """
 
 from __future__ import annotations
@@ -20,29 +30,35 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
 
-# Rows with at most this many query tokens take the folded-matmul path; its scores are
-# [kv_heads, group * q_len, kv_len], small for micro-turns at any context length.
-FOLDED_MAX_QUERY = 64
-# A folded row of at least VIEW_RUNS_MIN_KV positions whose pages form at most MAX_VIEW_RUNS runs
-# of consecutive pages reads them as views. Shorter rows gather: a short gather costs little, and
-# a gathered row computes bit for bit what a contiguous one does (summing run by run does not).
+# Queries of a row computed together: the scores of a block are [kv_heads, group * block, kv_len].
+QUERY_BLOCK = 64
+# The positions whose softmax terms and weighted values one matmul sums; tiles are summed in a fixed tree.
+KV_TILE = 64
+# A row of at least VIEW_RUNS_MIN_KV positions whose pages form at most MAX_VIEW_RUNS runs of
+# consecutive pages reads them as views (when every run but the last is whole tiles). Shorter rows
+# gather: a short gather costs little.
 MAX_VIEW_RUNS = 4
 VIEW_RUNS_MIN_KV = 512
 
 
 @dataclass(frozen=True)
-class _Row:
-    first_token: int  # index of the row's first query token in the step
+class _Block:
+    first_token: int  # index of the block's first query token in the step
     q_len: int
-    # The row's KV slots: contiguous slices of the pool in position order, or gathered slot ids.
+    kv_len: int  # the keys the block's last query sees
+    # [group * q_len, kv_len] True where a key is hidden (None for one query token).
+    hidden: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Row:
+    # The row's KV slots: contiguous slices of the pool in position order (every one but the last
+    # a whole number of tiles), or gathered slot ids.
     kv: tuple[slice, ...] | torch.Tensor
-    # Folded rows: [group * q_len, kv_len] True where a key is hidden (None for one query token).
-    # SDPA rows: [q_len, kv_len] True where a key is visible (None when plain causal, q == kv).
-    mask: torch.Tensor | None
+    blocks: tuple[_Block, ...]
 
 
 @dataclass(frozen=True)
@@ -75,15 +91,15 @@ class TorchAttention(AttentionBackend):
         slot_ids = [token_pages * page_size + meta.positions % page_size]  # the write slots first
         slot_count = len(meta.positions)
 
-        # Per row: slices of the pool when its pages are consecutive (or, for a folded row, a few
+        # Per row: slices of the pool when its pages are consecutive (or, for a long row, a few
         # runs of consecutive pages), else where its gathered slot ids sit in the one device copy
         # (start, length).
         row_kv: list[tuple[slice, ...] | tuple[int, int]] = []
-        for i, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True)):
+        for i, kv_len in enumerate(meta.kv_lens):
             pages = all_pages[page_bounds[i] : page_bounds[i + 1]]
-            viewed = q_len <= FOLDED_MAX_QUERY and kv_len >= VIEW_RUNS_MIN_KV
-            runs = _runs(pages, kv_len, page_size, MAX_VIEW_RUNS if viewed else 1)
-            if runs is not None:
+            most = MAX_VIEW_RUNS if kv_len >= VIEW_RUNS_MIN_KV else 1
+            runs = _runs(pages, kv_len, page_size, most)
+            if runs is not None and all((run.stop - run.start) % KV_TILE == 0 for run in runs[:-1]):
                 row_kv.append(runs)
             else:
                 kv_positions = torch.arange(kv_len)
@@ -100,18 +116,22 @@ class TorchAttention(AttentionBackend):
         row_starts = meta.qo_indptr[:-1].tolist()
         for first_token, q_len, kv_len, kv in zip(row_starts, meta.q_lens, meta.kv_lens, row_kv, strict=True):
             slots = kv if isinstance(kv[0], slice) else on_device[kv[0] : kv[0] + kv[1]]
-            rows.append(_Row(first_token, q_len, slots, self._mask(q_len, kv_len, device)))
+            blocks = []
+            for offset in range(0, q_len, QUERY_BLOCK):
+                block_len = min(QUERY_BLOCK, q_len - offset)
+                block_kv = kv_len - q_len + offset + block_len
+                hidden = self._hidden(block_len, block_kv, device)
+                blocks.append(_Block(first_token + offset, block_len, block_kv, hidden))
+            rows.append(_Row(slots, tuple(blocks)))
         self._plan = _Plan(on_device[: len(meta.positions)], tuple(rows))
 
-    def _mask(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
-        """The row's bottom-right-aligned causal mask, built on the device (see `_Row.mask`)."""
+    def _hidden(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
+        """A block's bottom-right-aligned causal mask over its folded rows (see `_Block.hidden`)."""
         if q_len == 1:
             return None
         queries = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
-        visible = torch.arange(kv_len, device=device).unsqueeze(0) <= queries
-        if q_len <= FOLDED_MAX_QUERY:
-            return ~visible.repeat(self.num_heads // self.num_kv_heads, 1)
-        return visible if q_len < kv_len else None
+        hidden = torch.arange(kv_len, device=device).unsqueeze(0) > queries
+        return hidden.repeat(self.num_heads // self.num_kv_heads, 1)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self._plan
@@ -123,66 +143,101 @@ class TorchAttention(AttentionBackend):
 
         out = torch.empty_like(q)
         for row in plan.rows:
-            tokens = slice(row.first_token, row.first_token + row.q_len)
-            if isinstance(row.kv, tuple) and len(row.kv) > 1:
-                runs = [(keys[:, run], values[:, run]) for run in row.kv]
-                out[tokens] = self._folded_runs(q[tokens], runs, row.mask)
-                continue
             if isinstance(row.kv, tuple):
-                key, value = keys[:, row.kv[0]], values[:, row.kv[0]]
+                row_keys = [keys[:, run] for run in row.kv]
+                row_values = [values[:, run] for run in row.kv]
             else:
-                key, value = keys.index_select(1, row.kv), values.index_select(1, row.kv)
-            if row.q_len <= FOLDED_MAX_QUERY:
-                out[tokens] = self._folded(q[tokens], key, value, row.mask)
-            else:
-                attended = F.scaled_dot_product_attention(
-                    q[tokens].transpose(0, 1),
-                    key,
-                    value,
-                    attn_mask=row.mask,
-                    is_causal=row.mask is None,
-                    enable_gqa=True,
+                row_keys = [keys.index_select(1, row.kv)]
+                row_values = [values.index_select(1, row.kv)]
+            for block in row.blocks:
+                tokens = slice(block.first_token, block.first_token + block.q_len)
+                out[tokens] = self._attend(
+                    q[tokens],
+                    _prefix(row_keys, block.kv_len),
+                    _prefix(row_values, block.kv_len),
+                    block.hidden,
                 )
-                out[tokens] = attended.transpose(0, 1)
         return out
 
-    def _folded(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None
-    ) -> torch.Tensor:
-        """query [q, heads, dim] against key/value [kv_heads, kv, dim] -> [q, heads, dim]."""
-        return self._folded_runs(query, [(key, value)], hidden)
-
-    def _folded_runs(
+    def _attend(
         self,
         query: torch.Tensor,
-        runs: list[tuple[torch.Tensor, torch.Tensor]],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
         hidden: torch.Tensor | None,
     ) -> torch.Tensor:
         """query [q, heads, dim] against the keys/values [kv_heads, run, dim] of consecutive runs of
-        positions -> [q, heads, dim]. One softmax over all the runs' scores; no K/V is copied."""
+        positions (every run but the last whole tiles) -> [q, heads, dim]. No K/V is copied but the
+        last partial tile."""
         q_len = query.shape[0]
-        group = self.num_heads // self.num_kv_heads
+        kv_heads, dim = self.num_kv_heads, self.head_dim
+        group = self.num_heads // kv_heads
+        rows = group * q_len
         # [q, kv_heads, group, dim] -> [kv_heads, group * q, dim]: rows ordered (group, query).
-        folded = query.view(q_len, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
-        folded = folded.reshape(self.num_kv_heads, group * q_len, self.head_dim)
-        parts = [torch.matmul(folded, key.transpose(1, 2)) for key, _ in runs]
-        scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).mul_(
-            1.0 / math.sqrt(self.head_dim)
-        )
+        folded = query.view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, rows, dim)
+        parts = [torch.matmul(folded, key.transpose(1, 2)) for key in keys]
+        scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).mul_(1.0 / math.sqrt(dim))
         if hidden is not None:
             scores.masked_fill_(hidden, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)
-        if len(runs) == 1:
-            attended = torch.matmul(weights, runs[0][1])
-        else:
-            bounds = [0]
-            for _, value in runs:
-                bounds.append(bounds[-1] + value.shape[1])
-            attended = torch.matmul(weights[..., bounds[0] : bounds[1]], runs[0][1])
-            for i, (_, value) in enumerate(runs[1:], start=1):
-                attended.add_(torch.matmul(weights[..., bounds[i] : bounds[i + 1]], value))
-        attended = attended.view(self.num_kv_heads, group, q_len, self.head_dim).permute(2, 0, 1, 3)
-        return attended.reshape(q_len, self.num_heads, self.head_dim)
+        kv_len = scores.shape[-1]
+        tiles = -(-kv_len // KV_TILE)
+        terms = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+        if kv_len % KV_TILE:
+            terms = torch.constant_pad_nd(terms, (0, tiles * KV_TILE - kv_len))
+        terms = terms.view(kv_heads, rows, tiles, KV_TILE)
+        total = terms.sum(dim=-1).cumsum(dim=-1).narrow(-1, tiles - 1, 1)  # [kv_heads, rows, 1]
+
+        # Every tile's weighted values, one matmul of one shape per tile (the last partial tile
+        # against its values padded with zeros), then summed by folding the tiles at and above the
+        # largest power of two below their count onto those below, in place, until one is left. A
+        # query's tiles come first and every tile after them is all zeros (masked or absent), so
+        # a longer history's first folds add exactly 0 to them and its later folds are the ones
+        # a shorter history makes: the sum is the same whichever way the history was chunked.
+        # Views by method calls, not indexing: this runs per layer and row, and indexing costs
+        # more Python time than the small matmuls themselves.
+        weighted = torch.empty(kv_heads, tiles, rows, dim, dtype=query.dtype, device=query.device)
+        terms_by_head = terms.unbind(0)
+        weighted_by_head = weighted.unbind(0)
+        tile = 0
+        for value in values:
+            count = value.shape[1] // KV_TILE
+            if count:
+                for head_terms, head_value, head_weighted in zip(
+                    terms_by_head, value.unbind(0), weighted_by_head, strict=True
+                ):
+                    torch.bmm(
+                        head_terms.narrow(1, tile, count).transpose(0, 1),
+                        head_value.narrow(0, 0, count * KV_TILE).view(count, KV_TILE, dim),
+                        out=head_weighted.narrow(0, tile, count),
+                    )
+            tile += count
+        rest = kv_len - tile * KV_TILE
+        if rest:
+            last = values[-1]
+            padded = torch.constant_pad_nd(
+                last.narrow(1, last.shape[1] - rest, rest), (0, 0, 0, KV_TILE - rest)
+            )
+            weighted.select(1, tile).copy_(torch.bmm(terms.select(2, tile), padded))
+        count = tiles
+        while count > 1:
+            half = 1 << (count - 1).bit_length() - 1
+            weighted.narrow(1, 0, count - half).add_(weighted.narrow(1, half, count - half))
+            count = half
+        attended = weighted.select(1, 0)
+        attended = attended.div_(total)
+        attended = attended.view(kv_heads, group, q_len, dim).permute(2, 0, 1, 3)
+        return attended.reshape(q_len, self.num_heads, dim)
+
+
+def _prefix(runs: list[torch.Tensor], length: int) -> list[torch.Tensor]:
+    """The first `length` positions of consecutive runs [kv_heads, run, dim]."""
+    taken: list[torch.Tensor] = []
+    for run in runs:
+        if length <= 0:
+            break
+        taken.append(run[:, :length])
+        length -= run.shape[1]
+    return taken
 
 
 def _runs(pages: list[int], kv_len: int, page_size: int, most: int) -> tuple[slice, ...] | None:

@@ -19,6 +19,7 @@ from worker.attention.kv_pool import KVPool
 from worker.engine.sampling import SamplingParams, sample
 from worker.model.llama import LlamaModel
 from worker.model.loader import LoadedModel
+from worker.numerics import MKL_CBWR, blas_is_row_invariant
 
 if TYPE_CHECKING:  # annotations only: worker/engine/grammar.py imports xgrammar at the first grammar
     import xgrammar as xgr
@@ -87,6 +88,12 @@ class ModelRunner:
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
         )
+        if device.type == "cpu" and not blas_is_row_invariant():
+            logger.warning(
+                "MKL sums a row differently by the step's shape (%s was not in force when it first ran): "
+                "a session streamed in micro-turns may differ in the last bits from its history sent whole",
+                MKL_CBWR,
+            )
         logger.info(
             "KV pool: %d pages x %d tokens (%.1f MiB), attention backend %s",
             num_pages,

@@ -6,14 +6,16 @@
   float matrices (Q8_0, F16, a safetensors checkpoint's) as int8; any other stored type is refused,
   since no kernel here takes it and requantising it to 4 bits would lose what the file kept.
 - `int8`: every matrix requantised to int8 per row (linear_int8.py).
-- `auto`: the fastest form that keeps the engine's promises on this device. Today that is `float`
-  everywhere: a quantised form must (1) give a session streamed in micro-turns the same tokens as
-  its history sent whole, and (2) agree with the float path's greedy tokens at least as often as
-  llama.cpp does. On this project's CPU `int4` is ~2x faster per micro-turn but fails the first
-  (docs/benchmarks.md, "Weight forms"): its bfloat16 activations turn the attention's float noise
-  between a chunked and a whole prefill into a different rounding (1 turn in 10 differed on a
-  probe; `int8`, whose activations are quantised per row, 4 in 10). `_auto` is where a form that
-  passes is switched on.
+- `auto`: the fastest form that keeps the engine's promises on this device: `int4` on the CPU for a
+  GGUF file whose matrices are Q4_0/Q4_1 (the rest at 8 bits or more), else `float`. A quantised
+  form must (1) give a session streamed in micro-turns the same tokens as its history sent whole,
+  and (2) agree with the float path's greedy tokens at least as often as llama.cpp does. `int4`
+  holds both (docs/benchmarks.md, "Weight forms"): (1) bit for bit, since every step computes a
+  row the same way whatever the step's shape (the int4 kernel's rows are independent, the torch
+  attention backend takes one path for every row count, and worker/numerics.py makes MKL's sums
+  shape-independent); (2) 83 of 240 tokens against llama.cpp's 66 on the peer workload. A float
+  checkpoint stays `float` (requantising it is a choice `--weights int4` makes explicitly); CUDA has
+  no quantised kernel yet.
 
 The embedding lookup stays exact in every form (embedding.py); a tied output projection gets the
 form's matrix like any other.
@@ -116,6 +118,6 @@ def resolve_weight_form(
 
 
 def _auto(device: torch.device, stored_types: frozenset[StoredType]) -> str:
-    """`float` until a quantised form passes both gates of the module doc on `device`."""
-    del device, stored_types  # what a passing form will be chosen by
-    return FLOAT_FORM_NAME
+    """`int4` where the file's own 4-bit blocks can be served as stored on the CPU, else `float`."""
+    servable = stored_types & INT4_STORED_TYPES and not stored_types - INT4_STORED_TYPES - _WIDE_TYPES
+    return "int4" if device.type == "cpu" and servable else FLOAT_FORM_NAME

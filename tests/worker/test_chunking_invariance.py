@@ -1,0 +1,111 @@
+"""A position's logits are the same bits however its session's tokens were split into steps, whatever
+rows share the step, on whatever pages its KV sits, and on 1 or 2 threads: the engine's promise
+(streamed in micro-turns = sent whole, alone = batched) held at the step, for every weight form."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import gguf
+import pytest
+import torch
+
+from worker.attention import TorchAttention
+from worker.attention.base import paged_metadata
+from worker.attention.kv_pool import KVPool
+from worker.engine import Engine
+from worker.model.llama import LlamaModel
+from worker.model.loader import load_model
+from worker.model.presets import smollm2_gguf_path
+from worker.numerics import blas_is_row_invariant
+
+CPU = torch.device("cpu")
+PAGE = 16
+POOL_PAGES = 64
+# Crosses the torch backend's query blocks and KV tiles (64 each) and a page boundary mid-chunk.
+LENGTH = 150
+# The same tokens as micro-turns, decode steps and a long append, each step beside another session.
+PIECES = (1, 5, 64, 13, 1, 1, 65)
+
+
+@pytest.fixture
+def threads() -> Iterator[int]:
+    before = torch.get_num_threads()
+    yield min(2, before)
+    torch.set_num_threads(before)
+
+
+def logits_by_steps(
+    model: LlamaModel, tokens: torch.Tensor, pieces: Sequence[int], pages: list[int], neighbour: bool
+) -> torch.Tensor:
+    """Every position's logits, the session fed in `pieces`; with `neighbour`, each step also feeds
+    3 tokens of another session on scattered pages."""
+    config = model.config
+    pool = KVPool(
+        num_layers=config.num_layers,
+        num_pages=POOL_PAGES,
+        page_size=PAGE,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=torch.float32,
+        device=CPU,
+        layout=TorchAttention.kv_layout,
+    )
+    attention = TorchAttention(
+        pool, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
+    )
+    other_pages = list(range(POOL_PAGES - 1, POOL_PAGES - 1 - 3 * len(pieces), -3))
+    logits, start = [], 0
+    for step, n in enumerate(pieces):
+        starts, q_lens, tables = [start], [n], [pages]
+        ids, positions = [tokens[start : start + n]], [torch.arange(start, start + n)]
+        if neighbour:
+            starts.append(3 * step)
+            q_lens.append(3)
+            tables.append(other_pages)
+            ids.append(tokens[:3].flip(0))
+            positions.append(torch.arange(3 * step, 3 * step + 3))
+        attention.plan(paged_metadata(starts, q_lens, tables, PAGE))
+        hidden = model.forward(torch.cat(ids), torch.cat(positions), attention)
+        logits.append(model.logits(hidden[:n]))
+        start += n
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("form", ["float", "int4", "int8"])
+def test_a_positions_logits_do_not_depend_on_how_its_history_was_chunked(form: str, threads: int) -> None:
+    assert blas_is_row_invariant(), "MKL ran before worker/numerics.py set its reproducible mode"
+    loaded = load_model("tiny", device=CPU, dtype=torch.float32, weights=form)
+    model = LlamaModel(loaded.config, loaded.weights, device=CPU, dtype=torch.float32)
+    tokens = torch.randint(0, loaded.config.vocab_size, (LENGTH,), generator=torch.Generator().manual_seed(0))
+    contiguous = list(range(POOL_PAGES // 2))
+    scattered = [3 * i + 1 for i in range(POOL_PAGES // 3)]
+    torch.set_num_threads(threads)
+    whole = logits_by_steps(model, tokens, (LENGTH,), contiguous, neighbour=False)
+    torch.set_num_threads(1)
+    streamed = logits_by_steps(model, tokens, PIECES, scattered, neighbour=True)
+    assert torch.equal(whole, streamed)
+
+
+@pytest.mark.slow
+def test_smollm2_under_auto_is_int4_and_streams_as_it_answers_whole() -> None:
+    """The reason `auto` may pick int4 (docs/benchmarks.md, "Weight forms"), on the real file."""
+    try:
+        path = smollm2_gguf_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    with Engine.load("smollm2-135m", kv_tokens=1024, host_kv_tokens=0) as engine:
+        # Served quantised (int4 reads ~91 MiB a step, float ~513 MiB).
+        assert engine.weight_bytes_per_step < 2 * sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+        tokenizer = engine.tokenizer
+        assert tokenizer is not None
+        prompt = tokenizer.encode(tokenizer.chat_prompt("Name three rivers in Europe."))
+        streamed = engine.open_session(stop_token_ids=())
+        history: list[int] = []
+        for start in range(0, len(prompt), 8):
+            chunk = prompt[start : start + 8]
+            tokens = engine.run_turn(streamed, tokens=chunk, max_output_tokens=4, timeout=300).tokens
+            whole = engine.open_session(stop_token_ids=(), history=history)
+            assert engine.run_turn(whole, tokens=chunk, max_output_tokens=4, timeout=300).tokens == tokens
+            engine.close_session(whole)
+            history += [*chunk, *tokens]
