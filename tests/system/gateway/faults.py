@@ -163,6 +163,12 @@ class Streamer:
                 await self.client.send_chunk(self.sent, tokens=chunks[self.sent - 1])
             await asyncio.sleep(self.period_s)
 
+    async def answered(self, last: int) -> None:
+        """Wait until every chunk up to seq `last` has its answer (a done, or an error naming it)."""
+        while any(seq not in self.dones for seq in range(1, last + 1)):
+            self._answered.clear()
+            await asyncio.wait_for(self._answered.wait(), 60)
+
     async def receive(self) -> None:
         """Record messages until every chunk up to `turns` is answered or the session ends."""
         while len(self.dones) < self.turns:
