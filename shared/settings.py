@@ -48,6 +48,9 @@ DEFAULT_MODEL: Final = "smollm2-135m"
 # The benchmarks' default (`microturn bench`, `--capacity`, `--gateway-overhead`): random weights of a
 # small shape, so a run measures the serving path on any machine.
 BENCH_MODEL: Final = "tiny"
+# The token log's records a compaction keeps whole by default (`log_keep_records`); a session's engine
+# remembers as many turn ends (worker/engine/turn_ends.py), so a restored one knows what its first did.
+LOG_KEEP_RECORDS: Final = 64
 # The weight and KV dtypes an engine runs in, by torch's names (worker/engine/engine.py maps them).
 DTYPE_NAMES: Final = ("float32", "bfloat16", "float16")
 # Seconds a stopping server (gateway, or worker after its drain) waits for open connections before
@@ -192,7 +195,8 @@ class WorkerSettings(CommonSettings, EngineSettings):
     # gateways' `chunk_burst` (32 by default, then 20 chunks/s: over 1.6 s of a saturated stream
     # whose link delivered nothing).
     log_keep_records: int = field(
-        default=64, metadata={"help": "token-log records kept whole after a compaction (>= 2 x chunk_burst)"}
+        default=LOG_KEEP_RECORDS,
+        metadata={"help": "token-log records kept whole after a compaction (>= 2 x chunk_burst)"},
     )
 
     def __post_init__(self) -> None:

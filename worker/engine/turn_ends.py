@@ -14,12 +14,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Final
 
+from shared.settings import LOG_KEEP_RECORDS
 from shared.store.log_format import Cut
 from worker.tokenizer.incremental import EMPTY_TAIL, TextTail
 
 # Turns whose ends a session remembers: the log's default `--log-keep-records`, the turns a
 # compacted log still holds as records, so a restored session knows as many as its first worker.
-MAX_TURN_ENDS: Final = 64
+MAX_TURN_ENDS: Final = LOG_KEEP_RECORDS
 
 
 class TurnEnds:
