@@ -50,8 +50,8 @@ def test_sessions_parked_on_the_host_answer_as_in_a_roomy_pool_on_cuda() -> None
         return [engine.run_turn(sid, tokens=[1, 2, 3], max_output_tokens=4).tokens for sid in sids]
 
     options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16}
-    with Engine.load("smollm2-135m", kv_tokens=16 * 16, host_kv_tokens=64 * 16, **options) as pressed:
+    with Engine.load("smollm2-135m-shape", kv_tokens=16 * 16, host_kv_tokens=64 * 16, **options) as pressed:
         parked = converse(pressed)
         assert pressed.stats().memory.restores.count >= 4
-    with Engine.load("smollm2-135m", kv_tokens=64 * 16, host_kv_tokens=0, **options) as roomy:
+    with Engine.load("smollm2-135m-shape", kv_tokens=64 * 16, host_kv_tokens=0, **options) as roomy:
         assert converse(roomy) == parked

@@ -36,6 +36,22 @@ TINY = ModelConfig(
 # Random-weight stand-ins with real model shapes, for GPU benchmarks where only the numbers matter.
 SHAPES: dict[str, ModelConfig] = {
     "tiny": TINY,
+    # SmolLM2-135M's own shape (the real model is the GGUF preset below), for the GPU machine,
+    # which cannot carry the 98 MB file.
+    "smollm2-135m-shape": replace(
+        TINY,
+        name="smollm2-135m-shape",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
     "llama-3.2-1b-shape": replace(
         TINY,
         name="llama-3.2-1b-shape",
