@@ -98,7 +98,9 @@ class PendingInput:
     def put(self, entry: Queued) -> None:
         self._queue.append(entry)
         if isinstance(entry, QueuedEdit):
-            return  # joins nothing: the last item is whatever it was
+            if len(self._queue) == 1:  # joins nothing: the last item is the conversation's (or the reply's)
+                self.last_item_id = None
+            return
         if isinstance(entry, QueuedItem):
             assert entry.item.item_id is not None
             self.last_item_id = entry.item.item_id
