@@ -44,7 +44,13 @@ def delete(
     """The requests that delete `item_id`, with seqs from `first_seq` (None: the next ones); the
     caller sends them only when the session is idle. Raises `RealtimeProblem` having changed
     nothing."""
+    item, mark = conversation.find(item_id), conversation.marks.get(item_id)
+    if item is not None and mark is not None:  # a tool item is refused as such, before its chunk is looked up
+        refuse_tool_items(
+            [item, *conversation.items[mark.items + 1 :]], "conversation.item.delete", "item_id"
+        )
     before = before_item(flight, conversation, item_id, "item_id")
+    assert item is not None and mark is not None  # before_item checked both
     if before is None and kept_prefix:  # the session did not open with its marker chunk
         raise RealtimeProblem(
             "conversation.item.delete: the first item shares its chunk with the instructions, which "
@@ -52,9 +58,6 @@ def delete(
             param="item_id",
             code="unsupported_value",
         )
-    item, mark = conversation.find(item_id), conversation.marks[item_id]
-    assert item is not None
-    refuse_tool_items([item, *conversation.items[mark.items + 1 :]], "conversation.item.delete", "item_id")
     checkpoint = conversation.checkpoint()
     later = conversation.back_to(mark)
     first = flight.seq + 1 if first_seq is None else first_seq

@@ -94,10 +94,10 @@ def start(
         restore, after = None, checkpoint
         if kept < len(conversation.items):
             out = conversation.items[kept]
-            before = before_item(flight, conversation, out.item_id, "response.input")
             refuse_tool_items(
                 conversation.items[kept:], "response.input leaves conversation items out", "response.input"
             )
+            before = before_item(flight, conversation, out.item_id, "response.input")
             later = conversation.back_to(conversation.marks[out.item_id])
             at_divergence = conversation.checkpoint()
             restore = Resend(before, render_again(conversation, later))
