@@ -105,6 +105,9 @@ class Conversation:
     # Each item's `Mark` (a reply's is taken when its response begins, in `_reply_mark`).
     marks: dict[str, Mark] = field(default_factory=dict)
     _reply_mark: Mark | None = None
+    # Set once the session keeps the system message as its prefix (`pin_instructions`): going back
+    # to before the first item keeps it, as the session's KV does.
+    _floor: Mark | None = None
 
     @property
     def started(self) -> bool:
@@ -140,9 +143,18 @@ class Conversation:
     def mark(self) -> Mark:
         return Mark(len(self.items), len(self._messages), len(self._rendered), self._owed)
 
+    def pin_instructions(self, prefix: str) -> None:
+        """The session keeps `prefix` (the system message alone, `instructions_prefix`) as its first
+        tokens across everything (truncation on): going back to before the first item keeps it."""
+        assert self._messages, "pinned before the first append"
+        self._floor = Mark(0, 1, len(prefix), "")
+
     def back_to(self, mark: Mark) -> list[Item]:
         """The conversation as it was at `mark` (an item's, which is deleted with all after it);
-        returns the items after it, which the caller appends again."""
+        returns the items after it, which the caller appends again. A pinned system message stays:
+        the items appended next render after it, as the session's KV holds it."""
+        if self._floor is not None and mark.rendered < self._floor.rendered:
+            mark = Mark(mark.items, self._floor.messages, self._floor.rendered, self._floor.owed)
         later = self.items[mark.items :]
         self.items, self._messages = self.items[: mark.items], self._messages[: mark.messages]
         self._rendered, self._owed, self._prompt = self._rendered[: mark.rendered], mark.owed, None

@@ -10,11 +10,17 @@ How events map (docs/protocol.md "OpenAI Realtime dialect"):
   its deltas -> `response.output_text.delta`, its done -> the closing events and `response.done`;
 - `response.cancel` -> `output.cancel`;
 - `conversation.item.delete` -> `session.rewind` to the item, then what followed again
-  (item_delete.py); `response.create` with `conversation: "none"` -> a flush, the response's
-  chunks, then `session.rewind` back to the flush (out_of_band.py);
+  (item_delete.py, resend.py); `response.create` with `conversation: "none"` -> a flush, the
+  response's chunks, then `session.rewind` back to the flush; or, over other items than the
+  conversation's, a rewind, the response, a rewind and the conversation's items again
+  (out_of_band.py);
 - an item or a response asked for while a response runs is admitted at once and queued
   (pending.py); it joins when the running response ends, and its chunks are then handed to the
-  session through `take_released`. What is in flight, and the queue, is flight.py's.
+  session through `take_released`. A delete or an out-of-band response that must rewind waits, in
+  the same queue, until the session is idle (`_advance`). What is in flight, and the queue, is
+  flight.py's;
+- a session whose instructions are its kept prefix opens with an empty chunk of its own (seq
+  `MARKER_SEQ`) that ends where they end: what deleting the first item goes back to (resend.py).
 
 Every event is validated, and admitted whole (admission.py, under the session's one admission
 rule), before the conversation changes; a refusal is an `error` event naming the client's
@@ -32,7 +38,7 @@ from dataclasses import replace
 from typing import Any, Final
 
 from gateway.dialect import Decoded, Frame, frame_size
-from gateway.limits import LimitValues, SessionLimits
+from gateway.limits import ChunkCost, LimitValues, SessionLimits
 from gateway.metric_families import Metric
 from gateway.metrics import GatewayMetrics
 from gateway.openai import item_delete, out_of_band
@@ -43,6 +49,7 @@ from gateway.openai.client_events import (
     ClientEvent,
     ItemCreate,
     ItemDelete,
+    ItemReference,
     ItemRetrieve,
     ItemTruncate,
     ResponseCancel,
@@ -53,6 +60,7 @@ from gateway.openai.conversation import Conversation, Item
 from gateway.openai.errors import BadEvent, RealtimeProblem, problem_from_close, problem_from_native
 from gateway.openai.flight import Flight
 from gateway.openai.ids import conversation_id, session_id
+from gateway.openai.pending import QueuedEdit
 from gateway.openai.responses import ActiveResponse
 from gateway.openai.session_config import SessionUpdate, merge_echoed
 from gateway.openai.tools import ToolChoice, check_choice, constraint, parse_tool_choice, parse_tools
@@ -80,6 +88,9 @@ logger = logging.getLogger(__name__)
 
 DIALECT_NAME: Final = "openai"
 _GREETING: Final = "openai.session.created"
+# The seq of the empty chunk a session with a kept prefix opens with: below every seq the flight
+# gives out (from 1), so it always goes first.
+MARKER_SEQ: Final = 0
 
 
 class OpenAIDialect:
@@ -125,9 +136,7 @@ class OpenAIDialect:
         self._broken: str | None = None
         self._out_of_band: out_of_band.OutOfBandRun | None = None  # an out-of-band response under way
         self._deleting: item_delete.Deleting | None = None  # a conversation.item.delete under way
-        # Rewinds sent (a delete's, an out-of-band response's) and not answered `session.rewound`:
-        # a refusal of one leaves the KV and the conversation apart.
-        self._rewinds = 0
+        self._marker = False  # MARKER_SEQ is admitted for the open (a kept prefix is due)
         self._eos_ids = frozenset(card.eos_token_ids)
 
     # ---- the Dialect protocol -----------------------------------------------------------------
@@ -230,6 +239,7 @@ class OpenAIDialect:
         return Decoded(replies=(ev.frame(ev.session_updated(self._session_view())),))
 
     def _item_create(self, event: ItemCreate) -> Decoded:
+        self._admit_marker()
         messages, replies = self._flight.add_item(event)
         return self._sending(messages, replies)
 
@@ -246,15 +256,17 @@ class OpenAIDialect:
                     code="unsupported_value",
                 )
             conversation, oob = self._usable(), event.out_of_band
-            sent, self._out_of_band = out_of_band.start(
-                self._flight,
-                conversation,
-                oob,
-                limit=limit,
-                metadata=event.metadata,
-                conversation_id=self._conversation_id,
-            )
-            return self._sending(*sent)
+            # Over the whole conversation it only appends (then rewinds), so it starts as soon as
+            # no response runs; over other items it rewinds first, so it waits for the session to
+            # be idle (`_advance`), as a delete does.
+            if self._flight.busy or (not self._flight.idle and not out_of_band.appends(conversation, oob)):
+                for index, entry in enumerate(oob.input or ()):
+                    if isinstance(entry, ItemReference):
+                        self._will_exist(entry.item_id, f"response.input[{index}].id")
+                self._flight.queue_edit(event, self._values.chunk_burst)
+                return Decoded()
+            return self._sending(*self._start_out_of_band(event, None))
+        self._admit_marker()
         choice = self._tool_choice if event.tool_choice is None else event.tool_choice
         check_choice(choice, self._tools, "response.tool_choice")
         grammar = constraint(self._tools, choice)
@@ -266,6 +278,22 @@ class OpenAIDialect:
 
         messages, replies = self._flight.add_response(event, make)
         return self._sending(messages, replies)
+
+    def _start_out_of_band(
+        self, event: ResponseCreate, first_seq: int | None
+    ) -> tuple[list[ClientMessage], list[ev.Event]]:
+        assert event.out_of_band is not None
+        limit = event.max_output_tokens or self._max_output_tokens or self._limits.max_output_tokens
+        sent, self._out_of_band = out_of_band.start(
+            self._flight,
+            self._usable(),
+            event.out_of_band,
+            limit=limit,
+            metadata=event.metadata,
+            conversation_id=self._conversation_id,
+            first_seq=first_seq,
+        )
+        return sent
 
     def _sending(self, messages: list[ClientMessage], replies: list[ev.Event]) -> Decoded:
         opening: tuple[ClientMessage, ...] = ()
@@ -282,18 +310,65 @@ class OpenAIDialect:
         return Decoded(messages=(OutputCancel(response.seq),))
 
     def _item_delete(self, event: ItemDelete) -> Decoded:
+        if self._flight.busy or not self._flight.idle:
+            # It waits for what is in flight (its rewind must cancel no turn), in order with the
+            # input around it; an item that will not be there by then is refused now.
+            self._will_exist(event.item_id, "item_id")
+            self._usable()
+            self._flight.queue_edit(event, self._values.chunk_burst)
+            return Decoded()
         self._known(event.item_id)
-        if self._deleting is not None or self._out_of_band is not None:
-            raise RealtimeProblem(
-                "conversation.item.delete waits for the delete or response under way",
-                code="conversation_already_has_active_response",
-            )
-        kept_prefix = self._truncation.policy == "truncate" and bool(self._instructions)
-        messages, self._deleting = item_delete.delete(
-            self._flight, self._usable(), event.item_id, kept_prefix=kept_prefix
-        )
-        self._rewinds += 1
+        messages, _replies = self._delete(event, None)
         return Decoded(messages=tuple(messages))
+
+    def _delete(self, event: ItemDelete, first_seq: int | None) -> tuple[list[ClientMessage], list[ev.Event]]:
+        kept_prefix = self._truncation.policy == "truncate" and bool(self._instructions) and not self._marker
+        messages, self._deleting = item_delete.delete(
+            self._flight, self._usable(), event.item_id, kept_prefix=kept_prefix, first_seq=first_seq
+        )
+        return messages, []
+
+    def _will_exist(self, wanted: str, param: str) -> None:
+        """Refuse an item that is neither in the conversation nor joining it before a queued event
+        runs (an item queued, the running or a queued response's reply)."""
+        conversation = self._need_conversation()
+        joining = {self._flight.response.item_id} if self._flight.response is not None else set()
+        joining |= self._flight.pending.item_ids | self._flight.pending.reply_ids
+        if conversation.find(wanted) is None and wanted not in joining:
+            raise RealtimeProblem(
+                f"no item {wanted[:64]!r} in the conversation", param=param, code="item_not_found"
+            )
+
+    def _advance(self) -> list[ev.Event]:
+        """Queued input joins up to the next response; an edit at the head of the queue runs once
+        the session is idle (every chunk and rewind before it answered), as if it arrived then, under
+        the seqs reserved for it. A refusal then is an `error` naming its event, and changes nothing."""
+        events = self._flight.join()
+        while isinstance(edit := self._flight.pending.head, QueuedEdit) and self._flight.idle:
+            self._flight.pending.pop()
+            try:
+                if isinstance(edit.event, ItemDelete):
+                    messages, replies = self._delete(edit.event, edit.first_seq)
+                else:
+                    messages, replies = self._start_out_of_band(edit.event, edit.first_seq)
+            except RealtimeProblem as exc:
+                events.append(ev.error(exc, edit.event_id))
+            else:
+                self._flight.release(*messages)
+                events += replies
+            events += self._flight.join()
+        return events
+
+    def _admit_marker(self) -> None:
+        """Before the first item or response of a session whose instructions will be its kept
+        prefix: the open's marker chunk is admitted first, with nothing in flight (never refused)."""
+        if self._opened or self._marker or self._conversation is None:
+            return
+        if self._truncation.policy != "truncate" or self._conversation.instructions_prefix() is None:
+            return
+        self._flight.admit([ChunkCost(MARKER_SEQ, 0, False)], "item")
+        self._marker = True
+        self._flight.conversation_seq = MARKER_SEQ
 
     def _item_truncate(self, event: ItemTruncate) -> Decoded:
         self._known(event.item_id)
@@ -338,7 +413,8 @@ class OpenAIDialect:
     def _open(self, messages: list[ClientMessage]) -> tuple[tuple[ClientMessage, ...], list[ClientMessage]]:
         """The native open for the first messages, and those messages. With truncation on, the
         instructions leave the first chunk for the open's `keep_prefix_text`: the session starts with
-        them and keeps them across every cut (truncation.py)."""
+        them and keeps them across every cut (truncation.py); the marker chunk (`_admit_marker`)
+        goes first, ending where they end."""
         self._opened = True
         prefix = None
         if self._truncation.policy == "truncate" and self._conversation is not None:
@@ -349,8 +425,11 @@ class OpenAIDialect:
             text = "".join(m.text or "" for m in lead if isinstance(m, InputChunk))
             if prefix and len(text) > len(prefix) and text.startswith(prefix):
                 messages = _strip_leading(messages, len(prefix))
+                self._conversation.pin_instructions(prefix)
             else:
                 prefix = None
+        if self._marker:  # flushing: a rewind to it leaves no text held back
+            messages = [InputChunk(MARKER_SEQ, text="", max_output_tokens=0, flush=True), *messages]
         config = OpenConfig(
             context_policy=self._truncation.policy,
             retention_ratio=self._truncation.retention_ratio,
@@ -380,21 +459,24 @@ class OpenAIDialect:
         if isinstance(message, OutputDelta):
             return self._delta(message)
         if isinstance(message, OutputDone):
-            return self._done(message)
+            return self._done(message) + self._advance()
         if isinstance(message, Error):
-            return self._error(message)
+            return self._error(message) + self._advance()
         if isinstance(message, SessionRewound):  # a delete's or an out-of-band response's
-            self._rewinds = max(self._rewinds - 1, 0)
-            self._context = self._cached = message.length
-            deleting = self._deleting
-            if deleting is not None and deleting.last_seq is None:
-                self._deleting = None
-                return [ev.item_deleted(deleting.item_id)]
-            return []
+            return self._rewound(message) + self._advance()
         if isinstance(message, SessionClosed):
             problem = problem_from_close(message.reason)
             return [] if problem is None else [ev.error(problem)]
         return []  # restored, resumed, expiring, closed: nothing an OpenAI client has a name for
+
+    def _rewound(self, message: SessionRewound) -> list[ev.Event]:
+        self._flight.rewinds = max(self._flight.rewinds - 1, 0)
+        self._context = self._cached = message.length
+        deleting = self._deleting
+        if deleting is not None and deleting.last_seq is None:
+            self._deleting = None
+            return [ev.item_deleted(deleting.item_id)]
+        return []
 
     def _delta(self, delta: OutputDelta) -> list[ev.Event]:
         response = self._flight.response
@@ -446,47 +528,45 @@ class OpenAIDialect:
         self._cached = self._context
         if self._metrics is not None:
             self._metrics.count(Metric.DIALECT_TURNS, label=DIALECT_NAME)
-        return (
-            events + response.closing(self._conversation_id, outcome, usage, previous) + self._flight.join()
-        )
+        return events + response.closing(self._conversation_id, outcome, usage, previous)
 
     def _out_of_band_done(self, done: OutputDone, run: out_of_band.OutOfBandRun) -> list[ev.Event]:
-        """An out-of-band response's chunk is done; at its last, the conversation goes back to
-        where it was and the session is rewound there, ahead of any input that waited."""
+        """An out-of-band response's chunk is done; at its last, the session is put back under the
+        conversation (a rewind, and the items it left out sent again), ahead of any input that
+        waited. Usage: the session's length when it began (the conversation, or the part of it its
+        input kept) is its cached input."""
         run.inputs += done.committed_tokens or 0
         if done.seq != run.response.seq:
             return []
         self._out_of_band, self._flight.response = None, None
         assert self._conversation is not None
-        self._conversation.rollback(run.checkpoint)
-        self._flight.release(run.rewind())
-        self._rewinds += 1
+        self._conversation.rollback(run.after)
+        self._flight.release(*run.ending(self._flight))
         outcome = run.response.outcome(done, self._eos_ids)
         usage = ev.Usage(self._context + run.inputs, self._context, len(done.tokens))
         closing = run.response.closing(self._conversation_id, outcome, usage, None)
-        return out_of_band.without_conversation(closing) + self._flight.join()
+        return out_of_band.without_conversation(closing)
 
     def _out_of_band_refused(self, error: Error, run: out_of_band.OutOfBandRun) -> list[ev.Event]:
         """A chunk of an out-of-band response was refused (the ones behind it will be too): the
         response fails, and what of it reached the session is rewound."""
         self._out_of_band, self._flight.response = None, None
         assert self._conversation is not None
-        self._conversation.rollback(run.checkpoint)
-        if error.seq != run.flush_seq:
-            self._flight.release(run.rewind())
-            self._rewinds += 1
+        self._conversation.rollback(run.after)
+        if error.seq != run.flush_seq:  # something of it may be in the KV (or the rewind before it)
+            self._flight.release(*run.ending(self._flight))
         assert error.seq is not None
         self._dropped.update(s for s in run.chunks if s > error.seq)  # refused behind it: told here
         problem = problem_from_native(error, "the out-of-band response was refused")
         failed = run.response.failed(self._conversation_id, problem)
-        return out_of_band.without_conversation(failed) + self._flight.join()
+        return out_of_band.without_conversation(failed)
 
     def _error(self, error: Error) -> list[ev.Event]:
-        if error.seq is None and self._rewinds and not error.fatal:
+        if error.seq is None and self._flight.rewinds and not error.fatal:
             # The session refused a rewind (a delete's item is gone from the window or too old;
             # the session was moving): the conversation here was already edited, so it no longer
             # matches the KV. Said once; further items and responses are refused.
-            self._rewinds -= 1
+            self._flight.rewinds -= 1
             self._deleting = None
             problem = problem_from_native(error, "the conversation could not be edited")
             self._broken = problem.message
@@ -512,17 +592,22 @@ class OpenAIDialect:
                 self._conversation.abandon_response()  # nothing of it reached the KV
             else:
                 self._broken = problem.message
-            return response.failed(self._conversation_id, problem) + self._flight.join()
+            return response.failed(self._conversation_id, problem)
+        # Any other chunk is the conversation's (an item's piece, one sent again by an edit, the
+        # open's marker): without it the KV no longer holds the conversation.
         piece = self._flight.item_chunks.pop(error.seq, None)
         problem = problem_from_native(error, "a piece of an item was refused" if piece else None)
-        if piece is not None:
-            self._broken = problem.message
+        self._broken = problem.message
+        self._deleting = None
         events.append(ev.error(problem))
         return events
 
     def _open_failed(self, problem: RealtimeProblem) -> RealtimeProblem:
         """The lazy open was refused: the chunks sent behind it will be refused too; start afresh."""
         self._opened = False
+        if self._marker:
+            self._dropped.add(MARKER_SEQ)
+            self._marker, self._flight.conversation_seq = False, None
         self._dropped.update(self._flight.item_chunks)
         self._flight.item_chunks.clear()
         if self._flight.response is not None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from gateway.limits import ChunkCost, SessionLimits
 from gateway.openai import server_events as ev
 from gateway.openai.admission import admit_event
-from gateway.openai.client_events import ItemCreate, NewItem, ResponseCreate
+from gateway.openai.client_events import ItemCreate, ItemDelete, NewItem, ResponseCreate
 from gateway.openai.conversation import Conversation, Item
 from gateway.openai.errors import RealtimeProblem
 from gateway.openai.ids import item_id as new_item_id
@@ -26,13 +26,15 @@ from gateway.openai.pending import (
     PIECE_CHARS,
     TEMPLATE_CHARS,
     PendingInput,
+    Queued,
+    QueuedEdit,
     QueuedItem,
     QueuedResponse,
     item_costs,
     split,
 )
 from gateway.openai.responses import ActiveResponse
-from shared.protocol.messages import ClientMessage, InputChunk
+from shared.protocol.messages import ClientMessage, InputChunk, SessionRewind
 
 # What an event sends: native requests for the session, and events for the client.
 Sent = tuple[list[ClientMessage], list[ev.Event]]
@@ -45,40 +47,52 @@ class Flight:
         self.rule: SessionLimits | None = None  # the session's admission rule, once attached
         self.seq = 0  # the last seq given out (sent, or reserved for queued input)
         self.sent_seq = 0  # the last seq handed to the session
+        self.unanswered: set[int] = set()  # chunks handed to the session and not answered yet
+        self.rewinds = 0  # rewinds handed to the session and not answered yet (the dialect answers)
         # seq -> (item id, is the item's last piece) for item chunks in flight.
         self.item_chunks: dict[int, tuple[str, bool]] = {}
         self.response: ActiveResponse | None = None
         self.pending = PendingInput()  # input that arrived while a response runs
         self._released: list[ClientMessage] = []  # its requests, once it may run
         # The last chunk that is part of the conversation (an item's, a response's, an out-of-band
-        # response's flush), and for each item the last such chunk before it: where deleting the
-        # item rewinds the session to (item_delete.py). 0: none.
-        self.conversation_seq = 0
-        self.before_seq: dict[str, int] = {}
+        # response's flush, the open's marker), and for each item the last such chunk before it:
+        # where deleting the item rewinds the session to (resend.py). None: the session's start.
+        self.conversation_seq: int | None = None
+        self.before_seq: dict[str, int | None] = {}
 
     @property
     def busy(self) -> bool:
-        """A response runs (or input waits behind one): new input queues."""
+        """A response runs (or input waits behind one, or an edit waits): new input queues."""
         return self.response is not None or bool(self.pending)
+
+    @property
+    def idle(self) -> bool:
+        """No response runs, and every chunk and rewind handed to the session is answered: a rewind
+        now cancels no turn (what an edit waits for)."""
+        return self.response is None and not self.unanswered and not self.rewinds and not self._released
 
     def admit(self, chunks: Sequence[ChunkCost], param: str) -> None:
         assert self.rule is not None, "attach() comes before the first frame"
         admit_event(self.rule, chunks, param)
 
     def settle(self, seqs: Sequence[int]) -> None:
-        if self.rule is not None:
-            for seq in seqs:
+        for seq in seqs:
+            self.unanswered.discard(seq)
+            if self.rule is not None:
                 self.rule.settle(seq)
 
     def note_sent(self, messages: Sequence[ClientMessage]) -> None:
         for message in messages:
             if isinstance(message, InputChunk):
                 self.sent_seq = message.seq
+                self.unanswered.add(message.seq)
+            elif isinstance(message, SessionRewind):
+                self.rewinds += 1
 
-    def release(self, message: ClientMessage) -> None:
-        """A request for the session ahead of the input `join` releases next (the rewind that
-        ends an out-of-band response, out_of_band.py)."""
-        self._released.append(message)
+    def release(self, *messages: ClientMessage) -> None:
+        """Requests for the session ahead of the input `join` releases next (the rewind and the
+        items sent again that end an out-of-band response, out_of_band.py; a queued edit's)."""
+        self._released += messages
 
     def take_released(self) -> tuple[ClientMessage, ...]:
         released, self._released = tuple(self._released), []
@@ -132,6 +146,11 @@ class Flight:
         opening = response.opening(self._conversation_id, conversation.last_item_id)
         return [_chunk(response, header)], opening
 
+    def queue_edit(self, event: ItemDelete | ResponseCreate, block: int) -> None:
+        """An edit that waits (pending.py `QueuedEdit`), with `block` seqs reserved for it."""
+        self.pending.put(QueuedEdit(event.event_id, event, self.seq + 1))
+        self.seq += block
+
     def _queue_item(self, event: ItemCreate) -> None:
         """Checked and admitted now, joined when the running response ends."""
         conversation = self._usable()
@@ -167,12 +186,14 @@ class Flight:
     # ---- when the running response ends ---------------------------------------------------------
 
     def join(self) -> list[ev.Event]:
-        """Queued input joins, in order, up to the next response; its requests wait in
-        `take_released`. An entry that can no longer join is an `error` naming its event."""
+        """Queued input joins, in order, up to the next response or edit (the dialect runs an edit,
+        dialect.py `_advance`); its requests wait in `take_released`. An entry that can no longer
+        join is an `error` naming its event."""
         events: list[ev.Event] = []
-        while self.pending and self.response is None:
+        while self.pending and self.response is None and not isinstance(self.pending.head, QueuedEdit):
             entry = self.pending.pop()
-            seqs = entry.seqs if isinstance(entry, QueuedItem) else (entry.response.seq,)
+            assert not isinstance(entry, QueuedEdit)
+            seqs = _seqs(entry)
             try:
                 conversation = self._usable()
                 if isinstance(entry, QueuedItem):
@@ -195,7 +216,12 @@ class Flight:
     def drop_queued(self) -> None:
         """The session underneath is gone (a failed open): the queue goes as if never sent."""
         for entry in self.pending.clear():
-            self.settle(entry.seqs if isinstance(entry, QueuedItem) else (entry.response.seq,))
+            self.settle(_seqs(entry))
+
+
+def _seqs(entry: Queued) -> tuple[int, ...]:
+    """The seqs admitted for a queued entry (an edit's are admitted only when it runs)."""
+    return (entry.response.seq,) if isinstance(entry, QueuedResponse) else entry.seqs
 
 
 def _chunk(response: ActiveResponse, header: str) -> InputChunk:

@@ -1,20 +1,27 @@
 """Out-of-band responses (`response.create` with `conversation: "none"`, issue #35): an answer over the
-conversation (and, with `input`, items of its own) that adds nothing to the conversation.
+conversation, or over exactly the items of its `input`, that adds nothing to the conversation.
 
-How, with one KV sequence per session: an empty chunk that flushes first commits any text the
-session held back, so the conversation ends on a token boundary there; the response's own input
-and its generation prompt follow, rendered on a checkpoint of the conversation as a response would
-be; once its `done` arrives the conversation goes back to the checkpoint and the session is rewound
-to the flush chunk's end (`session.rewind {to_seq}`: its pages past it are freed, no forward pass).
-So the response costs its own input and outputs, never a prefill of the conversation, and the next
-item appends exactly as if it had never run. The rewind goes to the session before any input that
-waited behind the response.
+How, with one KV sequence per session, by what `input` begins with:
+- **the whole conversation** (no `input`, or `input` starting with every conversation item in order
+  as `item_reference`s: the usual "the conversation so far, plus a question"): an empty chunk that
+  flushes first commits any text the session held back, so the conversation ends on a token
+  boundary there; the response's own items and its generation prompt follow, rendered after the
+  conversation as a response would be; once its `done` arrives the session is rewound to the flush
+  chunk's end (`session.rewind {to_seq}`: the pages past it are freed, no forward pass). It costs
+  its own input and outputs, never a prefill of the conversation.
+- **the conversation's first k items only** (k may be 0: an `input` of other items, or of items
+  picked out of the conversation): the session is rewound to right before item k+1 (resend.py), the
+  response's own items are rendered after the first k and answered, then the session is rewound
+  there again and the conversation's items from k+1 on are sent again (resend.py) before any input
+  that waited. It costs its own input and outputs plus a prefill of the conversation after its
+  first k items (docs/design.md says why this and not a fork of the session).
 
-`input` is served when it begins with every conversation item, in order, as `item_reference`s (the
-usual "the conversation so far, plus a question"): those items' KV is reused and only the rest is
-rendered after them. Later references are copies of the items they name. An input that leaves
-conversation items out is refused (`unsupported_value`): it would need the conversation's KV
-rewound before those items and prefilled again after the response.
+Either way the conversation afterwards is the one the client built, in the KV exactly as the
+template renders it; every step is a native rewind or chunk, so the token log holds it and a
+restored session continues from it. The items it sends again are admitted with the response (one
+event, one admission): an out-of-band response whose input and resend exceed what one event may
+carry is refused, having changed nothing. References after the first k are copies of the message
+items they name.
 
 Assumption, stated: the flush before the response's input splits the text where the chat template
 starts a message (ChatML's `<|im_start|>` is a special token, which a tokenizer splits on first), so
@@ -33,8 +40,9 @@ from gateway.openai.conversation import Checkpoint, Conversation
 from gateway.openai.errors import RealtimeProblem
 from gateway.openai.flight import Flight, Sent
 from gateway.openai.pending import PIECE_CHARS
+from gateway.openai.resend import Resend, before_item, refuse_tool_items, render_again
 from gateway.openai.responses import ActiveResponse
-from shared.protocol.messages import InputChunk, SessionRewind
+from shared.protocol.messages import ClientMessage, InputChunk, SessionRewind
 
 # Client events an out-of-band response does not send: nothing joins the conversation.
 _CONVERSATION_EVENTS = frozenset({"conversation.item.added", "conversation.item.done"})
@@ -45,13 +53,19 @@ class OutOfBandRun:
     """An out-of-band response under way."""
 
     response: ActiveResponse
-    checkpoint: Checkpoint  # the conversation as it was: restored when the response ends
-    flush_seq: int  # the empty flushing chunk: the conversation's end, where the rewind goes back
-    chunks: frozenset[int]  # the response's own chunks (its input pieces and its prompt)
+    after: Checkpoint  # the conversation once it ends (as it was, or as sent again)
+    chunks: frozenset[int]  # the response's own chunks (its flush, its input pieces, its prompt)
+    flush_seq: int | None  # over the whole conversation: the flush chunk, where the rewind goes back
+    restore: Resend | None  # over its first k items: the items sent again once it ends ...
+    restore_seq: int  # ... from this seq on (admitted with it)
     inputs: int = 0  # the tokens its chunks committed so far (its usage's own input)
 
-    def rewind(self) -> SessionRewind:
-        return SessionRewind(to_seq=self.flush_seq)
+    def ending(self, flight: Flight) -> list[ClientMessage]:
+        """What puts the session back under the conversation once the response ended or failed."""
+        if self.restore is None:
+            assert self.flush_seq is not None
+            return [SessionRewind(to_seq=self.flush_seq)]
+        return self.restore.messages(flight, self.restore_seq)
 
 
 def start(
@@ -62,42 +76,69 @@ def start(
     limit: int,
     metadata: Mapping[str, str] | None,
     conversation_id: str,
+    first_seq: int | None = None,
 ) -> tuple[Sent, OutOfBandRun]:
-    """The chunks and opening events of an out-of-band response; raises `RealtimeProblem` having
-    changed nothing."""
-    if flight.busy:
-        raise RealtimeProblem(
-            "an out-of-band response starts when no response runs: send it after response.done",
-            code="conversation_already_has_active_response",
-        )
+    """The requests and opening events of an out-of-band response, with seqs from `first_seq`
+    (None: the next ones). Over the conversation's first k items only, it begins with a rewind: the
+    caller sends it only when the session is idle. Raises `RealtimeProblem` having changed nothing."""
     if not conversation.started:
         raise RealtimeProblem(
             "an out-of-band response needs the conversation to have started: add an item first",
             param="response.conversation",
             code="unsupported_value",
         )
+    kept, own = _plan(conversation, oob)
     checkpoint = conversation.checkpoint()
+    first = flight.seq + 1 if first_seq is None else first_seq
     try:
-        text = _render(conversation, oob)
+        restore, after = None, checkpoint
+        if kept < len(conversation.items):
+            out = conversation.items[kept]
+            refuse_tool_items(
+                conversation.items[kept:], "response.input leaves conversation items out", "response.input"
+            )
+            before = before_item(flight, conversation, out.item_id, "response.input")
+            later = conversation.back_to(conversation.marks[out.item_id])
+            at_divergence = conversation.checkpoint()
+            restore = Resend(before, render_again(conversation, later))
+            after = conversation.checkpoint()
+            conversation.rollback(at_divergence)
+        text = _render(conversation, own)
         pieces = [text[i : i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS)] or [""]
-        flush_seq = flight.seq + 1
-        seqs = list(range(flush_seq + 1, flush_seq + 1 + len(pieces)))
-        costs = [ChunkCost(flush_seq, 0, False)]
+        flush_seq = first if restore is None else None
+        own_first = first if flush_seq is None else flush_seq + 1
+        seqs = list(range(own_first, own_first + len(pieces)))
+        costs = [] if flush_seq is None else [ChunkCost(flush_seq, 0, False)]
         costs += [ChunkCost(s, len(p), s == seqs[-1]) for s, p in zip(seqs, pieces, strict=True)]
+        restore_seq = seqs[-1] + 1
+        if restore is not None:
+            costs += restore.costs(restore_seq)
         flight.admit(costs, "response")
-    except RealtimeProblem:
-        conversation.rollback(checkpoint)
-        raise
-    flight.seq = seqs[-1]
-    flight.conversation_seq = flush_seq  # the flush is the conversation's; what follows is not
+    finally:
+        conversation.rollback(checkpoint)  # the client's conversation meanwhile, and on a refusal
+    if first_seq is None:
+        flight.seq = seqs[-1] + (restore.count if restore is not None else 0)
     response = ActiveResponse(seqs[-1], limit, metadata)
     flight.response = response
-    messages: list[InputChunk] = [InputChunk(flush_seq, text="", max_output_tokens=0, flush=True)]
+    messages: list[ClientMessage] = []
+    if restore is None:
+        assert flush_seq is not None
+        flight.conversation_seq = flush_seq  # the flush is the conversation's; what follows is not
+        messages.append(InputChunk(flush_seq, text="", max_output_tokens=0, flush=True))
+    else:
+        flight.conversation_seq = restore.before  # what follows the rewind is not the conversation's
+        messages.append(restore.rewind)
     messages += [InputChunk(s, text=p, max_output_tokens=0) for s, p in zip(seqs[:-1], pieces, strict=False)]
     messages.append(InputChunk(seqs[-1], text=pieces[-1], max_output_tokens=limit))
     opening = without_conversation(response.opening(conversation_id, None))
-    run = OutOfBandRun(response, checkpoint, flush_seq, frozenset(seqs))
-    return (list(messages), opening), run
+    run = OutOfBandRun(response, after, frozenset(seqs), flush_seq, restore, restore_seq)
+    return (messages, opening), run
+
+
+def appends(conversation: Conversation, oob: OutOfBand) -> bool:
+    """True when the response is over the whole conversation (it only appends, then rewinds);
+    raises `RealtimeProblem` for an input it cannot serve."""
+    return _plan(conversation, oob)[0] == len(conversation.items)
 
 
 def without_conversation(events: list[ev.Event]) -> list[ev.Event]:
@@ -110,21 +151,22 @@ def without_conversation(events: list[ev.Event]) -> list[ev.Event]:
     return kept
 
 
-def _render(conversation: Conversation, oob: OutOfBand) -> str:
-    """The response's input rendered after the conversation, then its generation prompt (on the
-    conversation itself: the caller rolls it back to its checkpoint)."""
+def _render(conversation: Conversation, own: list[NewItem]) -> str:
+    """The response's own items rendered after the conversation as it stands, then its generation
+    prompt (on the conversation itself: the caller rolls it back)."""
     text = ""
-    for item in _own_items(conversation, oob):
+    for item in own:
         _added, piece = conversation.append(item, None)
         text += piece
     return text + conversation.begin_response()
 
 
-def _own_items(conversation: Conversation, oob: OutOfBand) -> list[NewItem]:
-    """The input's items after the conversation it begins with (none without `input`)."""
-    if oob.input is None:
-        return []
+def _plan(conversation: Conversation, oob: OutOfBand) -> tuple[int, list[NewItem]]:
+    """How many conversation items the input begins with (in order, as references), and its items
+    after them (copies of the messages referenced); changes nothing."""
     items = conversation.items
+    if oob.input is None:
+        return len(items), []
     given = list(oob.input)
     for index, entry in enumerate(given):
         if isinstance(entry, ItemReference) and conversation.find(entry.item_id) is None:
@@ -133,27 +175,26 @@ def _own_items(conversation: Conversation, oob: OutOfBand) -> list[NewItem]:
                 param=f"response.input[{index}].id",
                 code="item_not_found",
             )
-    for index, item in enumerate(items):
-        named = given[index] if index < len(given) else None
-        if not isinstance(named, ItemReference) or named.item_id != item.item_id:
-            raise RealtimeProblem(
-                "response.input must begin with every conversation item, in order, as item_reference "
-                "(then items of its own): an input that leaves conversation items out is not served",
-                param=f"response.input[{index}]",
-                code="unsupported_value",
-            )
+    kept = 0
+    while (
+        kept < min(len(items), len(given))
+        and isinstance(given[kept], ItemReference)
+        and given[kept].item_id == items[kept].item_id
+    ):
+        kept += 1
     own: list[NewItem] = []
-    for index, entry in enumerate(given[len(items) :], start=len(items)):
+    for index, entry in enumerate(given[kept:], start=kept):
         if isinstance(entry, ItemReference):
             found = conversation.find(entry.item_id)
             assert found is not None  # checked above
             if found.type != "message":  # a tool call or its output is no message to copy
                 raise RealtimeProblem(
-                    "response.input: a reference after the conversation's own items must name a message item",
+                    "response.input: a reference after the conversation items it begins with must "
+                    "name a message item",
                     param=f"response.input[{index}].id",
                     code="unsupported_value",
                 )
             own.append(NewItem(None, found.role, found.text))
         else:
             own.append(NewItem(None, entry.role, entry.text))  # its id names nothing here
-    return own
+    return kept, own

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Final, TypeAlias
 
 from gateway.limits import ChunkCost
-from gateway.openai.client_events import NewItem
+from gateway.openai.client_events import ItemDelete, NewItem, ResponseCreate
 from gateway.openai.responses import ActiveResponse
 
 # Characters per native text chunk: well under the worker's 512-token chunk limit for any text.
@@ -46,7 +46,21 @@ class QueuedResponse:
     response: ActiveResponse  # its ids are fixed when queued
 
 
-Queued: TypeAlias = QueuedItem | QueuedResponse
+@dataclass(frozen=True, slots=True)
+class QueuedEdit:
+    """A `conversation.item.delete` or an out-of-band `response.create` that arrived while something
+    was in flight (issue #35): it runs once everything before it is done and the session is idle
+    (its rewind must cancel no turn), under seqs from `first_seq` (a block of the session's chunk
+    burst reserved when it queued, so input queued behind it keeps increasing seqs). It is admitted
+    when it runs: what it sends depends on the conversation then."""
+
+    event_id: str | None
+    event: ItemDelete | ResponseCreate
+    first_seq: int
+    seqs: tuple[int, ...] = ()  # nothing admitted while it waits
+
+
+Queued: TypeAlias = QueuedItem | QueuedResponse | QueuedEdit
 
 
 def split(text: str, count: int) -> list[str]:
@@ -77,14 +91,27 @@ class PendingInput:
     def __len__(self) -> int:
         return len(self._queue)
 
+    @property
+    def head(self) -> Queued | None:
+        return self._queue[0] if self._queue else None
+
     def put(self, entry: Queued) -> None:
         self._queue.append(entry)
+        if isinstance(entry, QueuedEdit):
+            if len(self._queue) == 1:  # joins nothing: the last item is the conversation's (or the reply's)
+                self.last_item_id = None
+            return
         if isinstance(entry, QueuedItem):
             assert entry.item.item_id is not None
             self.last_item_id = entry.item.item_id
             self.item_ids.add(entry.item.item_id)
         else:
             self.last_item_id = entry.response.item_id
+
+    @property
+    def reply_ids(self) -> set[str]:
+        """The item ids of the queued responses' replies."""
+        return {entry.response.item_id for entry in self._queue if isinstance(entry, QueuedResponse)}
 
     def pop(self) -> Queued:
         entry = self._queue.popleft()

@@ -149,7 +149,11 @@ def test_long_instructions_spanning_several_chunks_are_the_opens_kept_prefix(car
     assert len(system) > 256 and first.messages[0].config.keep_prefix_text == system
     conversation = [{"role": "system", "content": instructions}, {"role": "user", "content": "Hi!"}]
     assert texts(first.messages) == template.render(conversation)
-    seqs = [m.seq for m in first.messages[1:]]  # type: ignore[union-attr]
+    # First the marker: an empty chunk ending where the kept prefix ends (what deleting the first
+    # item goes back to, #35); then every seq of the item, in order.
+    marker = first.messages[1]
+    assert isinstance(marker, InputChunk) and (marker.seq, marker.text, marker.flush) == (0, "", True)
+    seqs = [m.seq for m in first.messages[2:]]  # type: ignore[union-attr]
     assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) > 1
 
 
@@ -284,14 +288,25 @@ def test_bad_events_get_an_error_naming_them_and_change_nothing(
     assert isinstance(h.send(user("ok")).messages[0], SessionOpen)
 
 
-def test_a_delete_waits_for_what_is_in_flight_and_changes_nothing(card: ModelCard) -> None:
+def test_a_delete_waits_for_what_is_in_flight(card: ModelCard) -> None:
+    """#35: a delete sent while the item's chunk is unanswered waits for it (its rewind must cancel
+    no turn), then runs; an unknown item is refused at once, changing nothing."""
     h = Harness(card)
-    added = events(h.send(user("keep me")).replies)
-    item_id = added[0]["item"]["id"]
-    (error,) = h.reply({"type": "conversation.item.delete", "item_id": item_id, "event_id": "d"})
-    assert error["error"]["code"] == "conversation_already_has_active_response"
+    decoded = h.send(user("keep me"))
+    item_id = events(decoded.replies)[0]["item"]["id"]
+    (refused,) = h.reply({"type": "conversation.item.delete", "item_id": "nope", "event_id": "x"})
+    assert refused["error"]["code"] == "item_not_found" and refused["error"]["event_id"] == "x"
+    waiting = h.send({"type": "conversation.item.delete", "item_id": item_id, "event_id": "d"})
+    assert waiting.messages == () and waiting.replies == ()
     (retrieved,) = h.reply({"type": "conversation.item.retrieve", "item_id": item_id})
     assert retrieved["item"]["content"][0]["text"] == "keep me"
+    chunk = decoded.messages[-1]
+    assert isinstance(chunk, InputChunk)
+    assert types(h.encode(done(chunk.seq, committed=5))) == ["conversation.item.done"]
+    assert h.dialect.take_released() == (SessionRewind(keep_tokens=0),)
+    assert types(h.encode(SessionRewound(0))) == ["conversation.item.deleted"]
+    (gone,) = h.reply({"type": "conversation.item.retrieve", "item_id": item_id})
+    assert gone["error"]["code"] == "item_not_found"
 
 
 def test_an_item_too_long_for_one_event_is_refused_whole(card: ModelCard) -> None:
@@ -554,7 +569,7 @@ def test_an_out_of_band_response_answers_then_rewinds_and_adds_nothing(card: Mod
     assert texts(released[1:]) == want.text
 
 
-def test_an_out_of_band_input_reuses_the_conversation_and_refuses_what_it_cannot_serve(
+def test_an_out_of_band_input_reuses_the_conversation_and_refuses_unknown_items(
     card: ModelCard,
 ) -> None:
     h, _last = _talked(card)
@@ -575,7 +590,7 @@ def test_an_out_of_band_input_reuses_the_conversation_and_refuses_what_it_cannot
     assert h.dialect.take_released() == (SessionRewind(to_seq=_flush.seq),)
     for bad, code in [
         ([{"type": "item_reference", "id": "item_nope"}], "item_not_found"),
-        ([refs[1], question], "unsupported_value"),  # leaves the first item out
+        ([refs[1], {"type": "item_reference", "id": "item_nope"}], "item_not_found"),
     ]:
         reply = h.reply(
             {"type": "response.create", "event_id": "o", "response": {"conversation": "none", "input": bad}}

@@ -310,8 +310,10 @@ def test_an_output_sent_while_its_response_runs_queues_and_joins_after_it(smollm
 
 
 def test_edits_that_would_resend_tool_items_are_refused_and_change_nothing(smollm2_card: ModelCard) -> None:
-    """#35's edits beside #36's tools: deleting an item that tool items follow, or an out-of-band
-    response with a tool_choice of its own, gets a typed error and leaves the conversation as it was."""
+    """#35's edits beside #36's tools: deleting an item that tool items follow, an out-of-band
+    response with a tool_choice of its own, or one over other items than a conversation with tool
+    items (they would be sent again after it), gets a typed error and leaves the conversation as it
+    was."""
     h = tool_session(smollm2_card)
     first = h.send(user("Weather in Paris?"))
     item_seq = first.messages[-1].seq  # type: ignore[union-attr]
@@ -338,6 +340,8 @@ def test_edits_that_would_resend_tool_items_are_refused_and_change_nothing(smoll
             {"type": "response.create", "response": {"conversation": "none", "tool_choice": "required"}},
             "unsupported_value",
         ),
+        # out of band over none of the conversation: its items would have to be sent again after it
+        ({"type": "response.create", "response": {"conversation": "none", "input": []}}, "unsupported_value"),
     ]:
         decoded = h.send(event)
         assert decoded.messages == ()

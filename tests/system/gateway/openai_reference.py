@@ -56,16 +56,25 @@ WEATHER_TOOL: Final[dict[str, Any]] = {
         "additionalProperties": False,
     },
 }
+# An out-of-band response over a question of its own only (test_openai_edits.py, #35): answered
+# after the instructions, as if no conversation were there.
+SIDE_QUESTION: Final = "In one word: is this a greeting?"
+SIDE_TOKENS: Final = 4
 WEATHER_QUESTION: Final = "What is the weather in Paris?"
 WEATHER_OUTPUT: Final = '{"temperature_c": 21, "sky": "clear"}'
 # The conversations of the OpenAI tests, by name, on the engine (one process for the run, the
 # `openai_references` fixture): test_openai.py's two turns and its story, the same two turns with
-# the shorter replies test_openai_sdks.py asks for, and test_openai_tools.py's call (`required`),
-# its output and the reply after it (`auto`).
+# the shorter replies test_openai_sdks.py asks for, test_openai_edits.py's out-of-band question
+# alone, and test_openai_tools.py's call (`required`), its output and the reply after it (`auto`).
 PLANS: Final[dict[str, dict[str, Any]]] = {
     "turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 24},
     "story": {"instructions": None, "turns": [STORY], "max_output_tokens": 48},
     "sdk_turns": {"instructions": INSTRUCTIONS, "turns": TURNS, "max_output_tokens": 12},
+    "side_question": {
+        "instructions": INSTRUCTIONS,
+        "turns": [SIDE_QUESTION],
+        "max_output_tokens": SIDE_TOKENS,
+    },
     "tool_turns": {
         "instructions": INSTRUCTIONS,
         "tools": [WEATHER_TOOL],

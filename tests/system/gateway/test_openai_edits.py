@@ -3,7 +3,9 @@ point 2): SmolLM2 workers and an auth-on gateway (conftest's `openai_stack`).
 
 - `response.create` with `conversation: "none"` answers over the conversation plus a question of
   its own, echoes its `metadata`, adds nothing to the conversation;
-- `conversation.item.delete` of a turn the user takes back (the reply, then the question);
+- the same over a question of its own only, `conversation.item.delete` of the first item (the
+  instructions are the kept prefix) and of a turn the user takes back while its reply streams,
+  then a worker killed;
 
 and after each, the conversation's next response is exactly the one the model gives the
 conversation without them (the engine fed the whole conversation rendered by the chat template:
@@ -12,12 +14,23 @@ openai_reference.py's `sdk_turns`).
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from typing import Any
 
 from openai import AsyncOpenAI
+from redis.asyncio import Redis
 
-from tests.system.gateway.openai_reference import INSTRUCTIONS, TURNS, PendingReferences
+from shared.store.schema import KeySchema
+from tests.system.gateway.openai_reference import (
+    INSTRUCTIONS,
+    SIDE_QUESTION,
+    SIDE_TOKENS,
+    TURNS,
+    PendingReferences,
+)
 from tests.system.gateway.stack import Stack
+from tests.system.gateway.test_openai import newest_session_worker, until
 from tests.system.gateway.test_openai_sdks import MAX_TOKENS, MODEL, expected, run, user
 
 
@@ -77,43 +90,68 @@ def test_an_out_of_band_answer_leaves_the_conversation_exact(
     assert texts == expected(openai_references)
 
 
-def test_deleted_items_leave_the_conversation_as_if_never_sent(
+def test_edits_then_a_worker_kill_leave_the_conversation_exact(
     openai_stack: Stack, openai_references: PendingReferences
 ) -> None:
-    """Point 2 (delete): a turn the user takes back (their item and the reply to it) is deleted;
-    the next turn answers exactly as the conversation without them (the same `sdk_turns` reference:
-    TURNS[0], its reply, TURNS[1])."""
+    """Points 1 to 4 in the dialect, one conversation (instructions kept as the session's prefix):
+    - the first item, deleted before its chunk is answered (the delete waits for it, then goes
+      back to where the instructions end);
+    - TURNS[0] and its reply;
+    - an out-of-band response over a question of its own only: answered exactly as the
+      instructions and that question alone (`side_question`), then the conversation put back;
+    - a turn the user takes back: both its items deleted while its reply still streams (the
+      deletes wait for it);
+    - the session's worker killed (SIGKILL): TURNS[1] is answered on another worker, restored from
+      the log, exactly as the conversation TURNS[0], its reply, TURNS[1] (`sdk_turns`)."""
 
-    async def body(api_key: str) -> tuple[list[str], list[str]]:
+    async def body(api_key: str) -> tuple[list[str], str, list[str], list[Any]]:
+        # The stack may be down to one worker (test_openai.py drains one): another boots meanwhile.
+        replacement = asyncio.create_task(asyncio.to_thread(openai_stack.start_worker, "w-edits"))
         client = AsyncOpenAI(base_url=f"{openai_stack.gateways[0].http}/v1", api_key=api_key)
         seen: list[Any] = []
+        texts: list[str] = []
         async with client.realtime.connect(model=MODEL) as conn:
             await conn.session.update(
                 session={"type": "realtime", "instructions": INSTRUCTIONS, "output_modalities": ["text"]}
             )
+            await conn.conversation.item.create(item=user("Hello there."))  # type: ignore[arg-type]
+            added = await until(conn, "conversation.item.added", seen)
+            await conn.conversation.item.delete(item_id=added.item.id)
+            deleted = [(await until(conn, "conversation.item.deleted", seen)).item_id]
+
             await conn.conversation.item.create(item=user(TURNS[0]))  # type: ignore[arg-type]
             await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
-            await _until_done(conn, seen)
+            texts.append((await _until_done(conn, seen)).response.output[0].content[0].text)
+
+            side = {"conversation": "none", "max_output_tokens": SIDE_TOKENS, "input": [user(SIDE_QUESTION)]}
+            await conn.response.create(response=side)  # type: ignore[arg-type]
+            side_text = (await _until_done(conn, seen)).response.output[0].content[0].text
+
             await conn.conversation.item.create(item=user("Never mind that, tell me a joke."))  # type: ignore[arg-type]
+            asked = (await until(conn, "conversation.item.added", seen)).item.id
             await conn.response.create(response={"max_output_tokens": 6})
-            taken_back = await _until_done(conn, seen)
-            asked = [e.item.id for e in seen if e.type == "conversation.item.added" and e.item.role == "user"]
-            deleted: list[str] = []
-            for item_id in (taken_back.response.output[0].id, asked[1]):  # the reply, then the question
+            reply = (await until(conn, "response.output_item.added", seen)).item.id
+            for item_id in (reply, asked):  # while the reply streams: they wait for it
                 await conn.conversation.item.delete(item_id=item_id)
-                while (event := await conn.recv()).type != "conversation.item.deleted":
-                    assert event.type != "error", event
-                deleted.append(event.item_id)
+            for _ in range(2):
+                deleted.append((await until(conn, "conversation.item.deleted", seen)).item_id)
+
+            await replacement
+            redis = Redis.from_url(openai_stack.redis_url)
+            try:
+                victim = await newest_session_worker(redis, KeySchema(openai_stack.prefix))
+            finally:
+                await redis.aclose()
+            openai_stack.workers[victim].popen.send_signal(signal.SIGKILL)
             await conn.conversation.item.create(item=user(TURNS[1]))  # type: ignore[arg-type]
             await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
-            await _until_done(conn, seen)
-        texts = [
-            e.text
-            for e in seen
-            if e.type == "response.output_text.done" and e.response_id != taken_back.response.id
-        ]
-        return texts, deleted
+            texts.append((await _until_done(conn, seen)).response.output[0].content[0].text)
+        return texts, side_text, [added.item.id, reply, asked, *deleted], seen
 
-    texts, deleted = run(openai_stack, body)
-    assert len(deleted) == 2
+    texts, side_text, ids, seen = run(openai_stack, body)
+    print(f"[openai edits] side answer {side_text!r}, replies {texts!r}")
+    assert [e for e in seen if e.type == "error"] == []
+    first, reply, asked, *deleted = ids
+    assert deleted == [first, reply, asked]
+    assert side_text == openai_references.result("side_question")["texts"][0]
     assert texts == expected(openai_references)
