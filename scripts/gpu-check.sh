@@ -5,7 +5,9 @@
 #   3. run `microturn bench` (streaming, reprefill, hf; 16 in, 8 out) on random bf16 weights shaped
 #      like Llama-3.2-1B and Llama-3.1-8B, at 4 x 300 and at SGLang's CI shape 8 x 150,
 #   4. run the capacity benchmark (`microturn bench --capacity`) on the first model,
-#   5. measure the host KV tier's copies (`python -m loadtest.kv_copy`: offload and restore GB/s).
+#   5. measure the host KV tier's copies (`python -m loadtest.kv_copy`: offload and restore GB/s),
+#   6. time the weight-only kernels of `--weights int4|int8` against bf16 F.linear per model step
+#      (`python -m loadtest.weight_kernels`: SmolLM2, Llama-3.2-1B and Llama-3.1-8B shapes, M=1..512).
 # Every report, log, JSON and plot goes into one archive, $OUT/gpu-check.tar.gz (the device tool
 # brings back at most 8 files), beside $OUT/summary.txt (each bench's table and floor lines).
 # Wheels, fetched here beforehand:
@@ -16,7 +18,8 @@
 # then run this script through the device tool with carry [".whl"].
 # A smoke run of the harness on a CPU (tiny model, small shapes, a short capacity step):
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_DTYPE=float32 GPU_CHECK_MODELS=tiny GPU_CHECK_SHAPES=2x6 \
-#     GPU_CHECK_CAPACITY_S=2 PYTHON=.venv/bin/python OUT=/tmp/gpu-check scripts/gpu-check.sh
+#     GPU_CHECK_CAPACITY_S=2 GPU_CHECK_KERNEL_ARGS="--models smoke --rows 1 --repeats 1 --rounds 1" \
+#     PYTHON=.venv/bin/python OUT=/tmp/gpu-check scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -26,6 +29,7 @@ read -r -a MODELS <<<"${GPU_CHECK_MODELS:-llama-3.2-1b-shape llama-3.1-8b-shape}
 read -r -a SHAPES <<<"${GPU_CHECK_SHAPES-4x300 8x150}"  # sessions x turns; empty: no bench step
 CAPACITY_S=${GPU_CHECK_CAPACITY_S:-20}                  # seconds per capacity step; 0: skip it
 PYTHON=${PYTHON:-python3}
+read -r -a KERNEL_ARGS <<<"${GPU_CHECK_KERNEL_ARGS:---repeats 10}"  # loadtest.weight_kernels' options
 [ "${#MODELS[@]}" -gt 0 ] || { echo "GPU_CHECK_MODELS names no model" >&2; exit 2; }
 RESULTS=$(mktemp -d)
 mkdir -p "$OUT"
@@ -71,5 +75,9 @@ fi
     2>&1 | tee "$RESULTS/kv-copy.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 cat "$RESULTS/kv-copy.log" >>"$OUT/summary.txt"
+"$PYTHON" -m loadtest.weight_kernels --device "$DEVICE" "${KERNEL_ARGS[@]}" --json "$RESULTS/weight-kernels.json" \
+    2>&1 | tee "$RESULTS/weight-kernels.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+cat "$RESULTS/weight-kernels.log" >>"$OUT/summary.txt"
 tar -czf "$OUT/gpu-check.tar.gz" -C "$RESULTS" .
 exit "$status"
