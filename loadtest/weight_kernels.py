@@ -6,11 +6,12 @@ For each model shape, the matrices one forward step multiplies (fused qkv, o_pro
 down, times the layers, and the lm_head once) are timed at M rows each: bf16 `F.linear` on dense
 weights (the `float` form), and the kernel of worker/model/weight_only_kernel.py on random Q4_1
 groups (`int4`, as a float checkpoint is quantised at load; Q4_0 is the same kernel without the
-minimum) and Q8_0 groups (`int8`). A row of the table is the step's matrices in milliseconds,
-summed from each distinct matrix's time times how often a step multiplies it, and the weights'
-GB/s at that time. Each time is a loop of back-to-back calls between two synchronisations, Python
-launch cost included, as the engine pays it. SmolLM2-135M's shape is written out here (its file
-is not carried to a GPU machine).
+minimum) and Q8_0 groups (`int8`), both by the engine's method (ROWSUM), and Q4_1 by the other
+(DOT, `int4_q4_1_dot`): which of the two the engine should use is one of the table's questions.
+A row of the table is the step's matrices in milliseconds, summed from each distinct matrix's time
+times how often a step multiplies it, and the weights' GB/s at that time. Each time is a loop of
+back-to-back calls between two synchronisations, Python launch cost included, as the engine pays
+it. SmolLM2-135M's shape is written out here (its file is not carried to a GPU machine).
 
 On the CPU (`--device cpu`) the kernel runs under Triton's interpreter: only a smoke test of the
 harness, `--models smoke --rows 1,2 --repeats 1 --rounds 1`; its times mean nothing.
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from worker.model.config import ModelConfig
 from worker.model.linear_blocks import BlockLinear
 from worker.model.presets import SHAPES, TINY
+from worker.model.weight_only_kernel import Method
 
 SMOLLM2_SHAPE = replace(
     TINY,
@@ -58,7 +60,8 @@ SMOKE_SHAPE = replace(
 )
 MODELS = {SMOLLM2_SHAPE.name: SMOLLM2_SHAPE, SMOKE_SHAPE.name: SMOKE_SHAPE, **SHAPES}
 DEFAULT_MODELS = ("smollm2-135m-shape", "llama-3.2-1b-shape", "llama-3.1-8b-shape")
-FORMS = ("bf16", "int4_q4_1", "int8_q8_0")
+# bf16 F.linear; Q4_1 and Q8_0 through the engine's method (ROWSUM); Q4_1 through the other (DOT).
+FORMS = ("bf16", "int4_q4_1", "int8_q8_0", "int4_q4_1_dot")
 
 
 @dataclass(frozen=True)
@@ -128,12 +131,11 @@ def measure_model(
         forms: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {
             "bf16": (_dense(dense), dense.numel() * dense.element_size())
         }
-        for form, make in (
-            ("int4_q4_1", BlockLinear.q4_1_from_float),
-            ("int8_q8_0", BlockLinear.q8_0_from_float),
-        ):
-            held = make(weight, None)
-            forms[form] = (held, held.num_bytes)
+        q4_1 = BlockLinear.q4_1_from_float(weight, None)
+        q8_0 = BlockLinear.q8_0_from_float(weight, None)
+        forms["int4_q4_1"] = (q4_1, q4_1.num_bytes)
+        forms["int8_q8_0"] = (q8_0, q8_0.num_bytes)
+        forms["int4_q4_1_dot"] = (replace(q4_1, method=Method.DOT), q4_1.num_bytes)
         del weight
         for m in rows:
             x = torch.randn(m, width, generator=generator, device=device).to(torch.bfloat16)
@@ -177,7 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"weight-only kernels against bf16 F.linear on {device} (ms per step's matrices; GB/s of weights)"
     ]
     header = f"{'model':<20} {'M':>4} " + " ".join(f"{form + ' ms':>14} {'GB/s':>7}" for form in FORMS)
-    header += f" {'int4/bf16':>9} {'int8/bf16':>9}"
+    header += "".join(
+        f" {form.split('_')[0] + ('_dot' if form.endswith('dot') else '') + '/bf16':>13}"
+        for form in FORMS[1:]
+    )
     lines.append(header)
     everything: dict[str, object] = {"device": str(device), "rows": rows}
     for model in args.models.split(","):
@@ -186,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         everything[model] = {"steps": table, "matrices": [asdict(t) for t in timings]}
         for line in table:
             cells = " ".join(f"{line[form + '_ms']:>14.3f} {line[form + '_gb_s']:>7.0f}" for form in FORMS)
-            ratios = " ".join(f"{line[form + '_ms'] / line['bf16_ms']:>9.2f}" for form in FORMS[1:])
+            ratios = "".join(f" {line[form + '_ms'] / line['bf16_ms']:>13.2f}" for form in FORMS[1:])
             lines.append(f"{model:<20} {int(line['rows']):>4} {cells} {ratios}")
     sys.stdout.write("\n".join(lines) + "\n")
     if args.json:

@@ -10,7 +10,9 @@ random float weights, which `int4` quantises at load into Q4_1 groups (and `int8
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
@@ -19,6 +21,9 @@ import torch
 
 from worker.engine import Engine
 from worker.model.stored import StoredTensor
+
+if TYPE_CHECKING:
+    from worker.model.linear_blocks import BlockLinear
 
 pytestmark = [
     pytest.mark.cuda,
@@ -38,15 +43,24 @@ def _stored(kind: gguf.GGMLQuantizationType, seed: int) -> StoredTensor:
     return StoredTensor(kind, gguf.quants.quantize(values, kind), WIDTH)
 
 
+METHODS = ["ROWSUM", "DOT"]  # worker/model/weight_only_kernel.py's Method names
+
+
+def _held(stored: StoredTensor, bias: torch.Tensor | None, method: str) -> BlockLinear:
+    from worker.model.linear_blocks import BlockLinear
+    from worker.model.weight_only_kernel import Method
+
+    return dataclasses.replace(BlockLinear.from_stored(stored, bias, CUDA), method=Method[method])
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 def test_stored_blocks_multiply_as_their_dequantised_values_on_the_gpu(
-    kind: gguf.GGMLQuantizationType,
+    kind: gguf.GGMLQuantizationType, method: str
 ) -> None:
-    from worker.model.linear_blocks import BlockLinear
-
     stored = _stored(kind, seed=kind.value)
     reference = stored.dequantize().to(CUDA)
-    linear = BlockLinear.from_stored(stored, None, CUDA)
+    linear = _held(stored, None, method)
     # One-hot rows read each column back: the dequantised weights are gguf's, bit for bit.
     assert torch.equal(linear(torch.eye(WIDTH, device=CUDA)), reference.T)
     x = torch.randn(37, WIDTH, generator=torch.Generator(CUDA).manual_seed(1), device=CUDA)
@@ -63,14 +77,15 @@ def test_stored_blocks_multiply_as_their_dequantised_values_on_the_gpu(
         assert bool(((got.double() - want_h).abs() <= bound).all()), (got.double() - want_h).abs().max()
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q8_0])
-def test_a_row_gets_the_same_bits_alone_or_in_a_batch_on_the_gpu(kind: gguf.GGMLQuantizationType) -> None:
+def test_a_row_gets_the_same_bits_alone_or_in_a_batch_on_the_gpu(
+    kind: gguf.GGMLQuantizationType, method: str
+) -> None:
     """The engine's promise (streamed in micro-turns = sent whole) needs a row's result independent
     of its step's row count: the kernel uses one tile shape and one order over K for every M."""
-    from worker.model.linear_blocks import BlockLinear
-
     bias = torch.randn(ROWS, device=CUDA).to(torch.bfloat16)
-    linear = BlockLinear.from_stored(_stored(kind, seed=7), bias, CUDA)
+    linear = _held(_stored(kind, seed=7), bias, method)
     x = torch.randn(300, WIDTH, generator=torch.Generator(CUDA).manual_seed(2), device=CUDA)
     x = (x * torch.linspace(0.1, 30, 300, device=CUDA)[:, None]).to(torch.bfloat16)
     batched = linear(x)

@@ -8,6 +8,7 @@ The interpreter runs every program instance in Python, so the shapes are small (
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import gguf
@@ -48,20 +49,31 @@ def _within_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
     assert bool(((got.double() - want).abs() <= bound).all()), (got.double() - want).abs().max()
 
 
+def _method(name: str) -> object:
+    from worker.model.weight_only_kernel import Method
+
+    return Method[name]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_stored_blocks_multiply_as_their_dequantised_values(kind: gguf.GGMLQuantizationType) -> None:
     from worker.model.linear_blocks import BlockLinear
+    from worker.model.weight_only_kernel import Method
 
-    stored = _stored(kind, 48, 128, seed=kind.value)
+    stored = _stored(kind, 32, 128, seed=kind.value)
     reference = stored.dequantize()
     linear = BlockLinear.from_stored(stored, None, CPU)
-    # One-hot rows read each column back: the kernel's dequantised weights are gguf's, bit for bit.
-    assert torch.equal(linear(torch.eye(128)), reference.T)
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
-    _within_float32_sums(linear(x), x, reference)
-    for dtype in (torch.bfloat16, torch.float16):
-        _within_rounding(linear(x.to(dtype)), x.to(dtype), reference)
     assert linear.num_bytes == stored.num_bytes  # the stored bytes, split into aligned arrays
+    # One-hot rows read each column back: the kernel's dequantised weights are gguf's, bit for bit
+    # (through DOT's larger tiles: the interpreter's time grows with the tiles; both methods share
+    # the dequantisation).
+    assert torch.equal(dataclasses.replace(linear, method=Method.DOT)(torch.eye(128)), reference.T)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    for method in Method:
+        held = dataclasses.replace(linear, method=method)
+        _within_float32_sums(held(x), x, reference)
+        for dtype in (torch.bfloat16, torch.float16):
+            _within_rounding(held(x.to(dtype)), x.to(dtype), reference)
 
 
 def test_smollm2_shaped_matrices_with_a_bias() -> None:
@@ -79,12 +91,15 @@ def test_smollm2_shaped_matrices_with_a_bias() -> None:
         assert bool(((got.double() - want).abs() <= 2.0**-8 * want.abs() + 1e-3).all())
 
 
-def test_a_row_gets_the_same_bits_alone_or_in_a_batch() -> None:
+@pytest.mark.parametrize("method", ["ROWSUM", "DOT"])
+def test_a_row_gets_the_same_bits_alone_or_in_a_batch(method: str) -> None:
     """The engine's promise (streamed in micro-turns = sent whole) needs a row's result to be
     independent of its step's row count: one tile shape and one order over K for every M."""
     from worker.model.linear_blocks import BlockLinear
 
-    linear = BlockLinear.from_stored(_stored(Q.Q4_1, 64, 192, seed=4), None, CPU)
+    linear = dataclasses.replace(
+        BlockLinear.from_stored(_stored(Q.Q4_1, 64, 192, seed=4), None, CPU), method=_method(method)
+    )
     x = torch.randn(19, 192, generator=torch.Generator().manual_seed(5))
     x = (x * torch.linspace(0.1, 30, 19)[:, None]).to(torch.bfloat16)  # rows of very different ranges
     batched = linear(x)
@@ -99,8 +114,9 @@ def test_float_matrices_are_quantised_into_gguf_groups_at_load() -> None:
 
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
     eye = torch.eye(64)
-    q41 = BlockLinear.q4_1_from_float(weight, None)
-    q80 = BlockLinear.q8_0_from_float(weight, None)
+    # Read back through DOT's larger tiles: fewer programs for the interpreter to run.
+    q41 = dataclasses.replace(BlockLinear.q4_1_from_float(weight, None), method=_method("DOT"))
+    q80 = dataclasses.replace(BlockLinear.q8_0_from_float(weight, None), method=_method("DOT"))
     assert (q41.kind, q80.kind) == (BlockKind.Q4_1, BlockKind.Q8_0)
     groups = weight.reshape(32, 2, 32)
     spread = (groups.amax(-1) - groups.amin(-1)).repeat_interleave(32, dim=1)
@@ -113,7 +129,7 @@ def test_float_matrices_are_quantised_into_gguf_groups_at_load() -> None:
     for mine, kind in ((q41, Q.Q4_1), (q80, Q.Q8_0)):
         theirs = StoredTensor(kind, gguf.quants.quantize(weight.numpy(), kind), 64).dequantize()
         assert (mine(eye).T - weight).norm() <= 1.05 * (theirs - weight).norm()
-    zero = BlockLinear.q4_1_from_float(torch.zeros(32, 64), None)
+    zero = dataclasses.replace(BlockLinear.q4_1_from_float(torch.zeros(32, 64), None), method=_method("DOT"))
     assert torch.equal(zero(eye), torch.zeros(64, 32))
 
 

@@ -19,7 +19,7 @@ import torch
 
 from worker.model.linear import Linear
 from worker.model.stored import StoredTensor
-from worker.model.weight_only_kernel import GROUP, BlockKind, weight_only_linear
+from worker.model.weight_only_kernel import DEFAULT_METHOD, GROUP, BlockKind, Method, weight_only_linear
 
 Q = gguf.GGMLQuantizationType
 # The stored types held as stored, and their float16 fields' byte offsets within a block.
@@ -36,9 +36,10 @@ class BlockLinear(Linear):
     scales: torch.Tensor  # [out, in / 32] float16: d
     mins: torch.Tensor | None  # [out, in / 32] float16: Q4_1's m
     bias: torch.Tensor | None  # [out] in the model's dtype
+    method: Method = DEFAULT_METHOD  # how the kernel multiplies a tile (the same for every call)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_only_linear(x, self.kind, self.values, self.scales, self.mins, self.bias)
+        return weight_only_linear(x, self.kind, self.values, self.scales, self.mins, self.bias, self.method)
 
     @property
     def num_bytes(self) -> int:

@@ -11,17 +11,23 @@ The nibbles keep GGUF's order: byte j of a group holds value j in its low nibble
 in its high one. The kernel dequantises each tile in float32 from the stored float16 scales, which
 gives exactly the values gguf's reference dequantiser gives (d * q is exact in float32: an 11-bit
 by at most 8-bit product; so is `+ m` rounded once, as numpy rounds it), and multiplies them with
-the activations (bfloat16, float16 or float32, widened exactly) in float32 FMA arithmetic
-(`input_precision="ieee"`: no tensor-core rounding of the weights to bf16/tf32), accumulating in
-float32, and writes the activations' dtype.
+the activations (bfloat16, float16 or float32, widened exactly) in float32 arithmetic, no
+tensor-core rounding of the weights to bf16/tf32, accumulating in float32, and writes the
+activations' dtype. Two ways to multiply a tile, one per process (`Method`):
+- `ROWSUM` (the default): 4 rows a program; each K tile's products summed by `tl.sum` on CUDA
+  cores. A decode step of one row does 4 rows of arithmetic, not 16.
+- `DOT`: 16 rows a program (tl.dot's least), `tl.dot(..., input_precision="ieee")`, which Triton
+  lowers to an FMA chain over K. Its dequantised tile serves 16 rows (prefill); a one-row step pays
+  for 16.
+`python -m loadtest.weight_kernels` times both; the engine uses `DEFAULT_METHOD`.
 
 Row invariance (the engine's promise: a session streamed in micro-turns gives the same tokens as
 its history sent whole, so a row's result must not depend on how many rows share its step): every
-launch uses the same tile shape whatever M is (BLOCK_M fixed, BLOCK_N and BLOCK_K fixed too), runs
-over K in one fixed order of BLOCK_K tiles from 0 up, and never splits K. So an output element is
-computed by the same instructions in the same order whether its row is alone or one of 300; rows
-past M are masked loads of zero that touch no other row. (A decode step of one row pays for 16 rows
-of FMA work for this; the weights' bytes, which bound a decode step, are read once either way.)
+launch of a method uses the same tile shape whatever M is, runs over K in one fixed order of tiles
+from 0 up, never splits K, and is not specialised on the row count. So an output element is
+computed by the same instructions in the same order whether its row is alone or one of 300, and
+rows past M are masked loads of zero that touch no other row. (Split-K chosen by M, or a tile
+shape picked per M, would change the order of the float32 sums, and with it the bits, by batch.)
 
 The same function runs on CUDA tensors compiled by Triton and on CPU tensors under Triton's
 interpreter (`InterpretedFunction`, chosen per call by the tensors' device, so no environment
@@ -30,6 +36,7 @@ variable has to be set before import): the CPU tests check it against the dequan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
@@ -38,11 +45,27 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 GROUP = 32
-# One tile shape for every M (see the module docstring); BLOCK_K is a multiple of GROUP.
-BLOCK_M = 16
-BLOCK_N = 32
-BLOCK_K = 64
 NUM_WARPS = 4
+
+
+class Method(IntEnum):
+    """How a tile is multiplied (module docstring); the values are the kernel's `use_dot` constant."""
+
+    ROWSUM = 0
+    DOT = 1
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One method's tile: the same for every M. `block_k` is a multiple of GROUP."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+
+
+TILES = {Method.ROWSUM: Tile(4, 16, 64), Method.DOT: Tile(16, 32, 64)}
+DEFAULT_METHOD = Method.ROWSUM
 
 
 class BlockKind(IntEnum):
@@ -67,6 +90,7 @@ def _weight_only_body(  # noqa: PLR0917 (a Triton kernel takes its arguments by 
     stride_ym,
     kind: tl.constexpr,  # a BlockKind's value: 0 Q4_0, 1 Q4_1, 2 Q8_0
     has_bias: tl.constexpr,
+    use_dot: tl.constexpr,
     block_m: tl.constexpr,
     block_n: tl.constexpr,
     block_k: tl.constexpr,
@@ -78,7 +102,7 @@ def _weight_only_body(  # noqa: PLR0917 (a Triton kernel takes its arguments by 
     row_ok = rows < rows_in
     col_ok = cols < cols_out
     groups = width // 32
-    acc = tl.full((block_m, block_n), 0.0, tl.float32)  # tl.full, not tl.zeros: see _interpreted
+    acc = tl.full((block_m, block_n), 0.0, tl.float32)  # tl.full: tl.zeros is a jitted helper
     for k0 in range(0, width, block_k):  # one fixed order over K, never split
         k = k0 + tl.arange(0, block_k)
         k_ok = k < width
@@ -102,7 +126,12 @@ def _weight_only_body(  # noqa: PLR0917 (a Triton kernel takes its arguments by 
             else:
                 m = tl.load(m_ptr + cols[None, :] * groups + group[:, None], mask=w_ok, other=0.0)
                 w = d * q4 + m.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision="ieee")
+        if use_dot:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:  # [block_m, block_k, block_n] products, each (row, column) summed over its K tile
+            # tl.reduce with tl.sum's own combine function, which is what tl.sum runs on the GPU:
+            # tl.sum itself is a jitted helper that only an interpreter-wide TRITON_INTERPRET runs.
+            acc += tl.reduce(x[:, :, None] * w[None, :, :], 1, tl.standard._sum_combine)
     if has_bias:
         acc = acc + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -125,6 +154,7 @@ def weight_only_linear(  # noqa: PLR0917 (the held form's fields, in order)
     scales: torch.Tensor,
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
+    method: Method = DEFAULT_METHOD,
 ) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype. `values`: [N, K/2] uint8 nibbles (Q4_*) or [N, K] int8 (Q8_0);
     `scales` (and Q4_1's `mins`): [N, K/32] float16; `bias`: [N] or None. All on x's device."""
@@ -142,7 +172,8 @@ def weight_only_linear(  # noqa: PLR0917 (the held form's fields, in order)
     if rows == 0:
         return y.to(x.dtype)
     kernel = _compiled if compiled else _interpreted
-    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(out, BLOCK_N))
+    tile = TILES[method]
+    grid = (triton.cdiv(rows, tile.block_m), triton.cdiv(out, tile.block_n))
     kernel[grid](
         x,
         values,
@@ -157,9 +188,10 @@ def weight_only_linear(  # noqa: PLR0917 (the held form's fields, in order)
         y.stride(0),
         kind=int(kind),
         has_bias=bias is not None,
-        block_m=BLOCK_M,
-        block_n=BLOCK_N,
-        block_k=BLOCK_K,
+        use_dot=int(method),
+        block_m=tile.block_m,
+        block_n=tile.block_n,
+        block_k=tile.block_k,
         num_warps=NUM_WARPS,
     )
     return y.to(x.dtype)
