@@ -168,3 +168,38 @@ def test_cuda_resolves_the_quantised_forms_for_half_precision_and_keeps_the_refu
         resolve_weight_form("int4", device=CPU, dtype=torch.bfloat16, stored_types=frozenset({Q.Q4_1}))
     auto = resolve_weight_form("auto", device=cuda, dtype=torch.bfloat16, stored_types=frozenset({Q.Q4_1}))
     assert auto.name == "float"
+
+
+def test_both_methods_compile_for_hopper_without_tensor_cores() -> None:
+    """Triton's own compiler, here on the CPU, builds the kernel for an H100/H200 (sm_90) down to
+    PTX and a cubin: what the GPU run compiles, minus the launch. The PTX multiplies on CUDA cores
+    (FMA, no `mma`), which is what keeps the weights' float32 values unrounded."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from worker.model import weight_only_kernel as kernel
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton has no NVIDIA backend")
+    signature = {
+        **dict.fromkeys(("x_ptr", "y_ptr", "bias_ptr"), "*bf16"),
+        **dict.fromkeys(("d_ptr", "m_ptr"), "*fp16"),
+        "q_ptr": "*u8",
+        **dict.fromkeys(("rows_in", "cols_out", "width", "stride_xm", "stride_ym"), "i32"),
+        **dict.fromkeys(("kind", "has_bias", "use_dot", "block_m", "block_n", "block_k"), "constexpr"),
+    }
+    for method in kernel.Method:
+        tile = kernel.TILES[method]
+        constants = {"kind": int(kernel.BlockKind.Q4_1), "has_bias": True, "use_dot": int(method)}
+        constants |= {"block_m": tile.block_m, "block_n": tile.block_n, "block_k": tile.block_k}
+        source = ASTSource(kernel._compiled, signature, constants)
+        try:
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        except RuntimeError as error:  # no ptxas in this wheel: nothing to learn here
+            if "ptxas" not in str(error):
+                raise
+            pytest.skip(str(error))
+        ptx = compiled.asm["ptx"]
+        assert "fma.rn.f32" in ptx and "mma" not in ptx, method
+        assert "ld.local" not in ptx, method  # no register spills
