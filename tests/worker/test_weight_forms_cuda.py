@@ -167,3 +167,16 @@ def test_quantised_weights_agree_with_the_float_path_and_read_fewer_bytes(form: 
     assert num_bytes < BYTES_AGAINST_BF16[form] * float_bytes
     agreed = int((greedy == float_greedy).sum())
     assert agreed >= AGREEMENT[form] * len(tokens), (agreed, len(tokens))
+
+
+def test_a_stored_embedding_is_a_dense_table_on_the_gpu() -> None:
+    """A lookup in stored rows is dequantised on the host, which would make every GPU step wait for
+    its token ids: on CUDA the quantised forms keep the embedding as a dense device table."""
+    from worker.model.embedding import FloatEmbedding
+    from worker.model.weight_form import WeightForm
+
+    stored = _stored(Q.Q8_0, seed=9)
+    embedding = WeightForm("int4", torch.bfloat16, CUDA).embedding(stored)
+    assert isinstance(embedding, FloatEmbedding)
+    ids = torch.tensor([3, 0, 511, 3], device=CUDA)
+    assert torch.equal(embedding(ids), stored.dequantize().to(CUDA, torch.bfloat16)[ids])

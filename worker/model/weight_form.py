@@ -100,7 +100,9 @@ class WeightForm:
         return Int8Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
 
     def embedding(self, source: Source) -> Embedding:
-        if isinstance(source, StoredTensor) and self.name != "float":
+        # Stored rows are dequantised on the host as they are looked up: on CUDA that would make
+        # every step wait for its token ids to reach the host, so there the table is dense.
+        if isinstance(source, StoredTensor) and self.name != "float" and self.device.type == "cpu":
             return StoredEmbedding(source, self.dtype)
         return FloatEmbedding(as_float(source).to(device=self.device, dtype=self.dtype).contiguous())
 
