@@ -27,8 +27,9 @@ Triton kernel that dequantises exactly and computes in float32 (worker/model/wei
 with the model's bfloat16, float16 or float32 activations unquantised. On the CPU the quantised
 forms compute around float32 activations (`--dtype float32`).
 
-The embedding lookup stays exact in every form (embedding.py); a tied output projection gets the
-form's matrix like any other.
+The embedding lookup stays exact in every form on the CPU (embedding.py: the stored rows it looks
+up, dequantised); on CUDA it is a dense table in the model's dtype, as under `float`. A tied output
+projection gets the form's matrix like any other.
 """
 
 from __future__ import annotations
