@@ -7,8 +7,9 @@
 #      62 MB as a wheel, over what the tool carries beside the rest, and 16 MB repacked with xz);
 #   2. compile flashinfer's kernels in the background (its JIT: minutes) while step 3 runs, checking
 #      each head dim against the torch backend as a worker's start-up does (self_check.py);
-#   3. meanwhile the weight-only kernels against bf16 `F.linear` (`python -m loadtest.weight_kernels`),
-#      and the host KV tier's copies (`python -m loadtest.kv_copy`: offload and restore GB/s);
+#   3. meanwhile the weight-only kernels of `--weights int4|int8` against bf16 `F.linear` per model
+#      step (`python -m loadtest.weight_kernels`: SmolLM2, Llama-3.2-1B and Llama-3.1-8B shapes,
+#      M=1..512), and the host KV tier's copies (`python -m loadtest.kv_copy`: offload and restore GB/s);
 #   4. the CUDA tests, every `tests/**/test_*_cuda.py` (`pytest -m cuda`; only those files, so the
 #      machine needs none of the dialect's SDKs to collect them);
 #   5. `microturn bench` (16 in, 8 out) on random bf16 weights shaped like real models (SHAPES);
@@ -26,7 +27,8 @@
 # then run this script through the device tool with carry [".whl"] and a timeout_s above the budget.
 # A smoke run of the harness on a CPU (tiny model, small shapes, a short capacity step):
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_DTYPE=float32 GPU_CHECK_RUNS="tiny:2x6:streaming" \
-#     GPU_CHECK_CAPACITY_S=2 GPU_CHECK_WHEELS=none PYTHON=.venv/bin/python OUT=/tmp/gpu-check scripts/gpu-check.sh
+#     GPU_CHECK_CAPACITY_S=2 GPU_CHECK_KERNEL_ARGS="--models smoke --rows 1 --repeats 1 --rounds 1" \
+#     GPU_CHECK_WHEELS=none PYTHON=.venv/bin/python OUT=/tmp/gpu-check scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -41,6 +43,7 @@ llama-3.2-1b-shape:8x150:streaming,reprefill smollm2-135m-shape:4x300:streaming,
 CAPACITY_MODEL=${GPU_CHECK_CAPACITY_MODEL:-llama-3.2-1b-shape}
 CAPACITY_S=${GPU_CHECK_CAPACITY_S:-10}                 # seconds per capacity step; 0: skip it
 PYTHON=${PYTHON:-python3}
+read -r -a KERNEL_ARGS <<<"${GPU_CHECK_KERNEL_ARGS:---repeats 10}"  # loadtest.weight_kernels' options
 BEGAN=$SECONDS
 RESULTS=$(mktemp -d)
 mkdir -p "$OUT"
@@ -122,9 +125,8 @@ EOF
 fi
 
 # 3. Kernel and copy figures, which need no attention backend, while the JIT compiles.
-if "$PYTHON" -c "import loadtest.weight_kernels" 2>/dev/null; then
-    phase weight-kernels 30 90 "$PYTHON" -m loadtest.weight_kernels --device "$DEVICE" --json "$RESULTS/weight-kernels.json"
-fi
+phase weight-kernels 30 120 "$PYTHON" -m loadtest.weight_kernels --device "$DEVICE" "${KERNEL_ARGS[@]}" \
+    --json "$RESULTS/weight-kernels.json"
 phase kv-copy 20 60 "$PYTHON" -m loadtest.kv_copy --device "$DEVICE" --dtype "$DTYPE" --json "$RESULTS/kv-copy.json"
 
 # 4. The CUDA tests, every `tests/**/test_*_cuda.py`. When flashinfer did not compile or disagreed with

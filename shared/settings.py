@@ -104,7 +104,7 @@ class EngineSettings:
         metadata={
             "help": "how weights are held: auto (the fastest form that keeps the engine's promises: "
             "int4 for a Q4 GGUF on the CPU, else float), float (dequantised, exact), int8 (per-row "
-            "int8), int4 (GGUF Q4_0/Q4_1 as stored, CPU)",
+            "int8), int4 (GGUF Q4_0/Q4_1 as stored; on CUDA both are weight-only Triton kernels)",
             "choices": WEIGHT_FORMS,
         },
     )

@@ -14,15 +14,27 @@
   row the same way whatever the step's shape (the int4 kernel's rows are independent, the torch
   attention backend takes one path for every row count, and worker/numerics.py makes MKL's sums
   shape-independent); (2) 83 of 240 tokens against llama.cpp's 66 on the peer workload. A float
-  checkpoint stays `float` (requantising it is a choice `--weights int4` makes explicitly); CUDA has
-  no quantised kernel yet.
+  checkpoint stays `float` (requantising it is a choice `--weights int4` makes explicitly).
+  On CUDA `auto` stays `float` (bf16 `F.linear` on tensor cores) until the GPU run has measured the
+  weight-only kernels against it: they read 4.5-5 bits a weight (Q4_0/Q4_1; Q8_0 8.5) instead of
+  16, but compute in float32 on CUDA cores (not tensor cores) to stay exact and row-invariant, so
+  where they win (decode, small M) and lose (prefill) is a measurement, not an argument
+  (docs/benchmarks.md, "Weight forms on CUDA").
 
-The embedding lookup stays exact in every form (embedding.py); a tied output projection gets the
-form's matrix like any other.
+On CUDA, `int4` and `int8` are weight-only: the GGUF's Q4_0/Q4_1/Q8_0 blocks as stored (others
+quantised at load into the same groups of 32, worker/model/weight_form_cuda.py), multiplied by a
+Triton kernel that dequantises exactly and computes in float32 (worker/model/weight_only_kernel.py),
+with the model's bfloat16, float16 or float32 activations unquantised. On the CPU the quantised
+forms compute around float32 activations (`--dtype float32`).
+
+The embedding lookup stays exact in every form on the CPU (embedding.py: the stored rows it looks
+up, dequantised); on CUDA it is a dense table in the model's dtype, as under `float`. A tied output
+projection gets the form's matrix like any other.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,6 +81,10 @@ class WeightForm:
         if self.name == "float":
             weight = torch.cat([as_float(p).to(device=self.device, dtype=self.dtype) for p in parts])
             return FloatLinear(weight.contiguous(), bias)
+        if self.device.type == "cuda":
+            from worker.model.weight_form_cuda import block_linear  # imports triton: CUDA only
+
+            return block_linear(self.name, parts, bias, self.device)
         stored = [p for p in parts if isinstance(p, StoredTensor)]
         if self.name == "int4":
             kinds = {p.kind for p in stored}
@@ -85,7 +101,9 @@ class WeightForm:
         return Int8Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
 
     def embedding(self, source: Source) -> Embedding:
-        if isinstance(source, StoredTensor) and self.name != "float":
+        # Stored rows are dequantised on the host as they are looked up: on CUDA that would make
+        # every step wait for its token ids to reach the host, so there the table is dense.
+        if isinstance(source, StoredTensor) and self.name != "float" and self.device.type == "cpu":
             return StoredEmbedding(source, self.dtype)
         return FloatEmbedding(as_float(source).to(device=self.device, dtype=self.dtype).contiguous())
 
@@ -103,9 +121,11 @@ def resolve_weight_form(
     if requested not in WEIGHT_FORMS:
         raise ValueError(f"--weights {requested!r}: expected one of {', '.join(WEIGHT_FORMS)}")
     name = _auto(device, stored_types) if requested == "auto" else requested
-    if name != FLOAT_FORM_NAME and device.type != "cpu":
+    if name != FLOAT_FORM_NAME and device.type not in ("cpu", "cuda"):
         raise ValueError(f"--weights {name}: no {device.type} kernel yet; use --weights float or auto")
-    if name != FLOAT_FORM_NAME and dtype != torch.float32:
+    if name != FLOAT_FORM_NAME and device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ValueError(f"--weights {name} on cuda needs triton (installed with torch's CUDA wheels)")
+    if name != FLOAT_FORM_NAME and device.type == "cpu" and dtype != torch.float32:
         raise ValueError(f"--weights {name} computes around float32 activations; use --dtype float32")
     if name == "int4":
         refused = sorted(k.name for k in stored_types - INT4_STORED_TYPES - _WIDE_TYPES)
