@@ -85,7 +85,7 @@ class WorkerRuntime:
                 copy_pages=self.settings.drain_handover == "warm",
             )
         await migrate_all(self.service, self.last_switch.targets if self.last_switch else None)
-        await self.service.token_log.flush()
+        await self.service.sessions.flush()
         await deregister(self.redis, self.schema, self.worker_id)
         self.registered = False
 
@@ -108,7 +108,7 @@ class WorkerRuntime:
         self.registered = True
         logger.info("worker %s registered at %s", self.worker_id, self.url)
         tasks = [
-            asyncio.create_task(self.service.token_log.run()),
+            asyncio.create_task(self.service.sessions.log_writer.run()),
             asyncio.create_task(
                 heartbeat_loop(
                     client,
