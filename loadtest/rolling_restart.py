@@ -63,6 +63,12 @@ MODES: Final = ("steady", "warm", "rebuild", "log")
 # copy rebuilt from the log (worker/server/warm.py).
 COPY_LINE: Final = re.compile(r"(\d+) KV copied, ([\d.]+) MB, ([\d.]+) ms a session")
 REBUILD_LINE: Final = re.compile(r"ready: (\d+) tokens, .*rebuilt from the log, in (\d+) ms")
+# The drained worker's summary: sessions switched to warm copies, placed, KV copies that fell back
+# to a rebuild from the log, and sessions left for the classic (break-before-make) handover.
+DRAIN_LINE: Final = re.compile(
+    r"drain: (\d+) session\(s\) switched to warm copies \((\d+) placed;.*?(\d+) rebuilt from the log"
+    r".*\); (\d+) left for the classic handover"
+)
 ONE_WORKER: Final = "one-worker"  # a reference mode, not in the default set
 NO_RESTART: Final = ("steady", ONE_WORKER)
 # What a drain plus a worker's restart take here, so the steady run streams as long as the others.
@@ -91,6 +97,12 @@ class Run:
     rebuilds: int = 0
     rebuilt_tokens: int = 0
     rebuild_s: float = 0.0
+    # From the drained workers' summaries: sessions placed, switched to their copy, whose KV copy
+    # fell back to a rebuild from the log, and left for the classic handover (the ones that stall).
+    placed: int = 0
+    switched: int = 0
+    fell_back_to_rebuild: int = 0
+    classic: int = 0
     # Each session's outputs by seq, for the comparison with the steady run (not in `--json`).
     outputs: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
     # (seconds since the load began, what happened): SIGTERMs, exits, workers ready again.
@@ -171,6 +183,11 @@ class _Stack:
                 run.copies += int(count)
                 run.copy_mb += float(mb)
                 run.copy_s += float(ms) * int(count) / 1000
+            for switched, placed, rebuilt, classic in DRAIN_LINE.findall(text):
+                run.switched += int(switched)
+                run.placed += int(placed)
+                run.fell_back_to_rebuild += int(rebuilt)
+                run.classic += int(classic)
             for tokens, ms in REBUILD_LINE.findall(text):
                 run.rebuilds += 1
                 run.rebuilt_tokens += int(tokens)
@@ -381,6 +398,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r.p99_ms:>8.1f} {r.max_ms:>8.1f} {r.lost:>4} {r.ended:>5} {r.differ:>6} {drains}"
         )
     for r in runs:
+        if r.placed or r.classic:
+            lines.append(
+                f"{r.mode}: {r.placed} sessions placed, {r.switched} switched to their copy, "
+                f"{r.fell_back_to_rebuild} KV copies fell back to a rebuild, {r.classic} left for the "
+                "classic handover"
+            )
         if r.copies:
             lines.append(
                 f"{r.mode}: {r.copies} KV copies, {r.copy_mb / r.copies:.1f} MB and "
