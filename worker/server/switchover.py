@@ -43,6 +43,7 @@ from shared.protocol.link import LinkWarm, LinkWarmed
 from shared.protocol.link_client import LinkClient
 from shared.store.placement import Placement, place_session
 from shared.store.schema import KeySchema
+from worker.server.heartbeat import HEARTBEATS_PER_TTL
 from worker.server.kv_sender import KVSender
 from worker.server.lifecycle import Phase
 from worker.server.service import WorkerService
@@ -61,10 +62,12 @@ FLUSH_RETRY_S: Final = 0.05
 CONNECT_TIMEOUT_S: Final = 2.0
 # While no worker has room for the next session, placement is asked again this often (`_place`).
 PLACE_RETRY_S: Final = 0.2
-# KV copy streams to each target, each taking the next placed session: a copy mostly waits (for the
-# engine threads between steps, for the target's log read), so a few overlap those waits; each
-# holds one session's pages in memory at a time.
-COPY_STREAMS: Final = 4
+# KV copy streams to each target, each taking the next placed session: one copy's waits (for the
+# engine threads between steps, for the target's log read) overlap the other's transfer. Not more:
+# where the bytes are what limits (a draining worker under load), concurrent copies share the rate,
+# so each ends later and none switches early; one at a time, sessions switch one after the other and
+# each switch takes load off the draining worker. Each holds one session's pages in memory at a time.
+COPY_STREAMS: Final = 2
 
 
 @dataclass
@@ -113,8 +116,12 @@ async def switch_over(
     rebuilds the copy from the log."""
     switcher = _Switcher(service, time.monotonic() + budget_s, copy_pages=copy_pages)
     bindings = [b for b in service.sessions.live() if b.phase is Phase.READY and b.link is not None]
+    # How long placement is asked again while no worker has room: a registry entry that lapsed
+    # (a busy worker's late beat) is back within its TTL if the worker lives.
+    patience_s = service.settings.heartbeat_s * HEARTBEATS_PER_TTL
     for binding in bindings:
-        placement = await _place(redis, schema, worker_id, model, switcher.deadline)
+        until = min(switcher.deadline, time.monotonic() + patience_s)
+        placement = await _place(redis, schema, worker_id, model, until)
         if placement is None:
             break  # nobody has room: these go break-before-make, and end only if no one ever has
         await switcher.warm(binding, placement.worker_id, placement.url)
@@ -139,8 +146,8 @@ async def _place(
     redis: Redis, schema: KeySchema, worker_id: str, model: str, deadline: float
 ) -> Placement | None:
     """The session's next worker, asked again every `PLACE_RETRY_S` while none has room, until
-    the deadline (None then). Room comes back within a heartbeat when a worker's registry entry
-    lapsed (a busy worker's late beat; a worker just restarted, the other half of a rolling
+    `deadline` (None then). Room comes back within a heartbeat when a worker's registry entry
+    lapsed (a busy worker's late beat; under load, the worker just restarted in a rolling
     restart): given up at once, the rest of the drain would go break-before-make."""
     while True:
         try:
