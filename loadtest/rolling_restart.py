@@ -63,12 +63,13 @@ MODES: Final = ("steady", "warm", "rebuild", "log")
 # copy rebuilt from the log (worker/server/warm.py).
 COPY_LINE: Final = re.compile(r"(\d+) KV copied, ([\d.]+) MB, ([\d.]+) ms a session")
 REBUILD_LINE: Final = re.compile(r"ready: (\d+) tokens, .*rebuilt from the log, in (\d+) ms")
-# The drained worker's summary: sessions switched to warm copies, placed, KV copies that fell back
-# to a rebuild from the log, and sessions left for the classic (break-before-make) handover.
+# The drained worker's summary: sessions switched to warm copies, placed, and KV copies that fell
+# back to a rebuild from the log; then its classic handover's: every session handed over
+# break-before-make (those left after the switches, and those no worker had room for).
 DRAIN_LINE: Final = re.compile(
     r"drain: (\d+) session\(s\) switched to warm copies \((\d+) placed;.*?(\d+) rebuilt from the log"
-    r".*\); (\d+) left for the classic handover"
 )
+HANDOVER_LINE: Final = re.compile(r"drained: (\d+) session\(s\) handed to their gateways")
 ONE_WORKER: Final = "one-worker"  # a reference mode, not in the default set
 NO_RESTART: Final = ("steady", ONE_WORKER)
 # What a drain plus a worker's restart take here, so the steady run streams as long as the others.
@@ -98,7 +99,7 @@ class Run:
     rebuilt_tokens: int = 0
     rebuild_s: float = 0.0
     # From the drained workers' summaries: sessions placed, switched to their copy, whose KV copy
-    # fell back to a rebuild from the log, and left for the classic handover (the ones that stall).
+    # fell back to a rebuild from the log, and handed over break-before-make (the ones that stall).
     placed: int = 0
     switched: int = 0
     fell_back_to_rebuild: int = 0
@@ -183,11 +184,11 @@ class _Stack:
                 run.copies += int(count)
                 run.copy_mb += float(mb)
                 run.copy_s += float(ms) * int(count) / 1000
-            for switched, placed, rebuilt, classic in DRAIN_LINE.findall(text):
+            for switched, placed, rebuilt in DRAIN_LINE.findall(text):
                 run.switched += int(switched)
                 run.placed += int(placed)
                 run.fell_back_to_rebuild += int(rebuilt)
-                run.classic += int(classic)
+            run.classic += sum(int(count) for count in HANDOVER_LINE.findall(text))
             for tokens, ms in REBUILD_LINE.findall(text):
                 run.rebuilds += 1
                 run.rebuilt_tokens += int(tokens)
@@ -421,8 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if r.placed or r.classic:
             lines.append(
                 f"{r.mode}: {r.placed} sessions placed, {r.switched} switched to their copy, "
-                f"{r.fell_back_to_rebuild} KV copies fell back to a rebuild, {r.classic} left for the "
-                "classic handover"
+                f"{r.fell_back_to_rebuild} KV copies fell back to a rebuild, {r.classic} handed over "
+                "break-before-make"
             )
         if r.copies:
             lines.append(
