@@ -15,7 +15,7 @@ from shared.errors import CapacityExhausted
 from tests.worker.smollm2 import engine_on
 from worker.attention.kv_pool import KVPool
 from worker.engine import Engine, TurnResult
-from worker.engine.memory.page_copy import HostKVPool, PageCopier, page_runs
+from worker.engine.memory.page_copy import HostKVPool, PageCopier, page_blocks, page_runs
 from worker.model.loader import LoadedModel
 
 PAGE = 16
@@ -119,6 +119,31 @@ def test_pages_round_trip_through_the_host_in_runs(layout: str) -> None:
     for source, target in [(2, 1), (3, 2), (4, 3), (7, 6)]:
         assert torch.equal(paged.select(pool.page_axis, target), original.select(pool.page_axis, source))
     assert copier.restored.bytes == 4 * pool.page_bytes
+
+
+@pytest.mark.parametrize("layout", ["nhd", "head_major"])
+def test_a_run_of_pages_is_one_contiguous_range_in_each_block_cuda_copies(layout: str) -> None:
+    """On CUDA the tier copies a run block by block (one async transfer each; a strided run would be
+    staged through pageable memory, synchronously): the blocks must be contiguous and cover the run."""
+    pool = KVPool(
+        num_layers=2,
+        num_pages=8,
+        page_size=4,
+        num_kv_heads=2,
+        head_dim=3,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        layout=layout,  # type: ignore[arg-type]
+    )
+    pool.buffer.copy_(torch.randn_like(pool.buffer))
+    host = HostKVPool(pool, 6)
+    source, target = page_blocks(pool.paged(), pool.page_axis), page_blocks(host.paged, pool.page_axis)
+    assert len(source) == len(target) == 2 * 2 * (1 if layout == "nhd" else 2)  # layers, K/V (, heads)
+    for source_block, target_block in zip(source, target, strict=True):
+        run = source_block.narrow(0, 2, 3)
+        assert run.is_contiguous() and target_block.narrow(0, 1, 3).is_contiguous()
+        target_block.narrow(0, 1, 3).copy_(run)
+    assert torch.equal(host.paged.narrow(pool.page_axis, 1, 3), pool.paged().narrow(pool.page_axis, 2, 3))
 
 
 def test_page_runs_join_consecutive_pages_on_both_sides() -> None:

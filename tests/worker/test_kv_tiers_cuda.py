@@ -1,5 +1,8 @@
-"""The host tier on a real GPU: pinned pages, copies on a side stream ordered by events. Run first
-by scripts/gpu-check.sh; without CUDA these skip and say so."""
+"""The host tier on a real GPU: pinned pages, copies on a side stream ordered by events, which the
+host never waits for. Run by scripts/gpu-check.sh; without CUDA these skip and say so. The pool test
+uses `nhd` pages (flashinfer's); the engines choose their backend as a worker does (`auto`:
+flashinfer where installed, which scripts/gpu-check.sh compiles before the tests run), on random
+weights of SmolLM2's shape (the GPU machine cannot carry the GGUF)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none"),
 ]
 CUDA = torch.device("cuda")
+# GPU cycles a queued `torch.cuda._sleep` spins (about half a second): work still running on the
+# compute stream when a copy is asked for, which the host must not wait for.
+BUSY_CYCLES = 1_000_000_000
 
 
 def test_pages_round_trip_through_pinned_memory_in_stream_order() -> None:
@@ -32,7 +38,12 @@ def test_pages_round_trip_through_pinned_memory_in_stream_order() -> None:
     copier = PageCopier(pool, host)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, device=CUDA).to(torch.bfloat16))
     original = pool.paged().clone()
+    torch.cuda._sleep(BUSY_CYCLES)  # type: ignore[no-untyped-call]  # a step still running on the compute stream
     copier.to_host(list(range(8, 40)), list(range(32)))
+    assert copier.stream is not None
+    # The host went on at once: the copy is queued behind the step, not done (a strided copy staged
+    # through pageable memory would have waited for both before returning).
+    assert not copier.stream.query()
     pool.buffer.zero_()  # queued on the compute stream after the copy: must not reach the host copy
     copier.to_device(list(range(32)), list(range(20, 52)))
     restored = pool.paged().narrow(pool.page_axis, 20, 32)  # read on the compute stream, after the copy

@@ -61,6 +61,7 @@ class WorkerRuntime:
         self.draining = asyncio.Event()
         self.registered = False
         self.last_switch: SwitchReport | None = None
+        self.heartbeat: asyncio.Task[None] | None = None
 
     async def drain(self) -> None:
         """SIGTERM: leave placement, hand every session to another worker (make before break where
@@ -85,7 +86,12 @@ class WorkerRuntime:
                 copy_pages=self.settings.drain_handover == "warm",
             )
         await migrate_all(self.service, self.last_switch.targets if self.last_switch else None)
-        await self.service.token_log.flush()
+        await self.service.sessions.flush()
+        # The heartbeat stops first: a beat on its way would otherwise write the worker back into
+        # the registry after it left (its hash expires, its score stays until a placement sweeps it).
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
+            await asyncio.gather(self.heartbeat, return_exceptions=True)
         await deregister(self.redis, self.schema, self.worker_id)
         self.registered = False
 
@@ -107,20 +113,18 @@ class WorkerRuntime:
         await register_worker(client, self.schema, info, period * HEARTBEATS_PER_TTL)
         self.registered = True
         logger.info("worker %s registered at %s", self.worker_id, self.url)
-        tasks = [
-            asyncio.create_task(self.service.token_log.run()),
-            asyncio.create_task(
-                heartbeat_loop(
-                    client,
-                    self.schema,
-                    self.identity,
-                    self.service,
-                    period_s=period,
-                    grace_s=self.settings.session_grace_s,
-                    draining=self.draining,
-                )
-            ),
-        ]
+        self.heartbeat = asyncio.create_task(
+            heartbeat_loop(
+                client,
+                self.schema,
+                self.identity,
+                self.service,
+                period_s=period,
+                grace_s=self.settings.session_grace_s,
+                draining=self.draining,
+            )
+        )
+        tasks = [asyncio.create_task(self.service.sessions.log_writer.run()), self.heartbeat]
         try:
             yield
         finally:

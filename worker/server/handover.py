@@ -25,7 +25,7 @@ from typing import Final
 
 from shared.errors import WorkerUnavailable
 from shared.protocol.codec import config_to_map
-from shared.protocol.link import LinkMigrate, link_error_from
+from shared.protocol.link import link_error_from
 from shared.store.held import HeldSession
 from shared.store.registry import SessionRecord
 from worker.server.lifecycle import Phase
@@ -39,14 +39,12 @@ SEND_WAIT_S: Final = 5.0
 
 def held_sessions(service: WorkerService) -> list[HeldSession]:
     """The record and whole log of every session held here, as Redis should hold them."""
-    logs = service.token_log.held_logs()
     held: list[HeldSession] = []
-    for binding in service.sessions.live():
-        sid = binding.sid
-        if binding.token_sha256 is None or sid not in logs:
+    for binding, log in service.sessions.held():
+        if binding.token_sha256 is None:
             continue  # opened by a gateway that sent no record: nothing to re-write it from
         record = SessionRecord(
-            worker=service.token_log.worker_id,
+            worker=service.worker_id,
             token_sha256=binding.token_sha256,
             model=service.engine.model_config.name,
             created_ms=binding.created_ms,
@@ -54,7 +52,7 @@ def held_sessions(service: WorkerService) -> list[HeldSession]:
             auth=binding.auth,
         )
         ttl_s = binding.idle_timeout_s + service.settings.session_grace_s
-        held.append(HeldSession(sid, record, logs[sid], ttl_s))
+        held.append(HeldSession(binding.sid, record, log, ttl_s))
     return held
 
 
@@ -77,14 +75,13 @@ async def migrate_all(service: WorkerService, targets: Mapping[str, str] | None 
     await asyncio.gather(
         *(asyncio.wrap_future(service.engine.close_session_async(b.sid, "closed")) for b in bindings)
     )
-    while not await service.token_log.flush():
+    while not await service.sessions.flush():
         await asyncio.sleep(FLUSH_RETRY_S)  # Redis is down: nothing can be handed over before it is back
     for binding in bindings:
+        migrate = service.sessions.release(binding, (targets or {}).get(binding.sid))
         link = links.get(binding.sid)
         if link is not None:
-            target = (targets or {}).get(binding.sid)
-            link.send(LinkMigrate(binding.sid, service.token_log.durable_seq(binding.sid), target))
-        service.token_log.drop(binding.sid)
+            link.send(migrate)
     deadline = time.monotonic() + SEND_WAIT_S
     while any(getattr(link, "pending_frames", lambda: 0)() for link in links.values()):
         if time.monotonic() > deadline:

@@ -65,7 +65,7 @@ def model_card(engine: Engine) -> ModelCard:
 
 async def rewrite_held(client: redis.Redis, schema: KeySchema, service: WorkerService) -> int:
     """Re-write every held session's record and log (no flush interleaves: same lock)."""
-    async with service.token_log.redis_turn:
+    async with service.sessions.log_writer.redis_turn:
         return await rewrite_sessions(client, schema, held_sessions(service))
 
 
@@ -97,7 +97,7 @@ class Beat:
         by_timeout: dict[float, list[str]] = {}
         for sid, idle in touched.items():
             by_timeout.setdefault(idle, []).append(sid)
-        token_log = self.service.token_log
+        token_log = self.service.sessions.log_writer
         for idle, sids in by_timeout.items():
             token_log.damaged.update(
                 await touch_sessions(self.client, self.schema, sids, idle + self.grace_s)
@@ -110,7 +110,7 @@ class Beat:
 
     async def repair(self) -> None:
         """Re-write the held sessions Redis lost part of (a failover on their shard)."""
-        token_log = self.service.token_log
+        token_log = self.service.sessions.log_writer
         async with token_log.redis_turn:  # no flush interleaves: the mirror is what Redis must hold
             damaged, token_log.damaged = token_log.damaged, set()
             held = [h for h in held_sessions(self.service) if h.sid in damaged]

@@ -9,7 +9,9 @@ session in a phase no code expects.
 
 The phases say what a chunk that arrives meets (worker/server/service.py `_chunk`): it waits while
 the session OPENS, runs while it is READY or MOVING, and is left unanswered (the gateway holds it
-in its undurable tail for the session's next worker) once it is SWITCHING or HANDED_OVER. A COPY
+in its undurable tail for the session's next worker) once it is SWITCHING or HANDED_OVER. A turn
+that ends is answered and logged while the session is SERVED (READY, MOVING, or SWITCHING for the
+turns in flight when the switch began); once HANDED_OVER it re-runs on the next worker. A COPY
 answers no chunk at all: it is another worker's session, built here before its drain switches it.
 """
 
@@ -26,7 +28,7 @@ class Phase(enum.Enum):
     OPENING = "opening"  # the engine opens it (fresh, restored, or a copy taken over); chunks wait
     READY = "ready"  # served here
     MOVING = "moving"  # a drain is making its copy on another worker; still served here
-    SWITCHING = "switching"  # its copy is warm: chunks in flight finish here, later ones wait elsewhere
+    SWITCHING = "switching"  # its copy is warm: chunks in flight end here (briefly), later ones elsewhere
     HANDED_OVER = "handed_over"  # `migrate` is sent or on its way: nothing more is answered here
     COPY = "copy"  # another worker's session, warmed here for its drain: no link, no chunk, no log
     CLOSED = "closed"  # over here: closed, expired, failed to open, or a copy discarded
@@ -51,6 +53,9 @@ TRANSITIONS: Final[Mapping[Phase, frozenset[Phase]]] = {
 LIVE: Final = frozenset({Phase.OPENING, Phase.READY, Phase.MOVING, Phase.SWITCHING})
 # The phases in which a chunk is left unanswered: it is in the gateway's tail for the next worker.
 HELD_ELSEWHERE: Final = frozenset({Phase.SWITCHING, Phase.HANDED_OVER})
+# The phases in which a turn that ends is answered here and logged (sessions.py `log_turn`):
+# SWITCHING's are the turns already in flight when the switch began.
+SERVED: Final = frozenset({Phase.READY, Phase.MOVING, Phase.SWITCHING})
 
 
 class IllegalTransition(InternalError):

@@ -81,14 +81,17 @@ class WorkerService:
         self.redis = client
         self.schema = schema
         self.loop = loop
-        # The one owner of every session here: live ones, copies, those handed over (sessions.py).
-        self.sessions = WorkerSessions()
-        self.token_log = TokenLogWriter(
-            client,
-            schema,
-            grace_s=settings.session_grace_s,
-            worker_id=worker_id,
-            keep_records=settings.log_keep_records,
+        self.worker_id = worker_id
+        # The one owner of every session here (live ones, copies, those handed over) and of their
+        # token logs (sessions.py).
+        self.sessions = WorkerSessions(
+            TokenLogWriter(
+                client,
+                schema,
+                grace_s=settings.session_grace_s,
+                worker_id=worker_id,
+                keep_records=settings.log_keep_records,
+            )
         )
         self.metrics = WorkerMetrics()
         self.draining = False
@@ -115,8 +118,8 @@ class WorkerService:
             self._rewind(frame.sid, _rewind_target(frame.rewind), link)
         elif isinstance(frame, LinkDetach):
             session = self.sessions.get(frame.sid)
-            if session is not None and session.link is link:
-                session.link = None
+            if session is not None:
+                self.sessions.detach(session, link)
         elif isinstance(frame, LinkClose):
             self._close(link, frame.sid)
         elif isinstance(frame, LinkWarm):
@@ -156,8 +159,9 @@ class WorkerService:
         if self.sessions.get(sid) is not None:
             self._send_error(link, sid, InvalidMessage(f"session {sid} is already open here"), fatal=True)
             return
+        durable = None if plan is None else plan.durable_seq
         # A restore takes over the copy warmed here for the old worker's drain (warm.py), if any.
-        adopted = self.sessions.adopt(sid) if plan is not None else None
+        adopted = self.sessions.adopt(sid, log=log, durable_seq=durable) if plan is not None else None
         if adopted is not None:
             self.warm.adopted(sid)
         session = adopted or WorkerSession(sid)
@@ -173,8 +177,7 @@ class WorkerService:
         if plan is not None:
             session.waiting = list(plan.rerun)  # run first, in seq order, once the session is open
         if adopted is None:
-            self.sessions.open(session)
-        self.token_log.start(sid, log, None if plan is None else plan.durable_seq)
+            self.sessions.open(session, log=log, durable_seq=durable)
         try:
             _sid, future = self.engine.open_session_async(
                 session_id=sid,
@@ -187,7 +190,6 @@ class WorkerService:
             )
         except MicroturnError as error:
             self.sessions.close(sid)
-            self.token_log.drop(sid)
             self._send_error(link, sid, error, fatal=True)
             return
         if config.keep_prefix_text is not None and rules.prefix:
@@ -199,7 +201,6 @@ class WorkerService:
         error = future.exception()
         if error is not None:
             self.sessions.close(binding.sid)
-            self.token_log.drop(binding.sid)
             self._send_error(binding.link, binding.sid, error, fatal=True)
             for chunk in binding.waiting:
                 self._send_error(
@@ -212,13 +213,12 @@ class WorkerService:
         plan, binding.restore = binding.restore, None
         if binding.prefix:  # a fresh session's system prompt: logged as tokens of no turn
             prefix, binding.prefix = tuple(binding.prefix), []
-            self.token_log.append(binding.sid, NO_SEQ, prefix, (), binding.idle_timeout_s, tail=EMPTY_TAIL)
+            self.sessions.log_turn(binding, NO_SEQ, prefix, (), tail=EMPTY_TAIL)
         if plan is not None:
             for turn in plan.forced:  # delivered turns the log lacked: now in the history
-                sid, idle = binding.sid, binding.idle_timeout_s
                 inputs, outputs = tuple(turn.tokens[: turn.inputs]), tuple(turn.tokens[turn.inputs :])
-                self.token_log.append(sid, turn.seq, inputs, outputs, idle, tail=turn.tail, cut=turn.cut)
-        durable = self.token_log.durable_seq(binding.sid)
+                self.sessions.log_turn(binding, turn.seq, inputs, outputs, tail=turn.tail, cut=turn.cut)
+        durable = self.sessions.durable_seq(binding)
         binding.send(LinkOpened(binding.sid, binding.length, binding.finished_seq, durable))
         if plan is not None:
             for answer in plan.answers:  # turns the log holds whose done the client never got
@@ -240,17 +240,15 @@ class WorkerService:
             return
         self._bind(binding, link)
         if binding.phase is not Phase.OPENING:  # else `opened` goes to this link once it is open
-            durable = self.token_log.durable_seq(binding.sid)
+            durable = self.sessions.durable_seq(binding)
             link.send(LinkOpened(binding.sid, binding.length, binding.finished_seq, durable))
             for done in binding.missed(frame.seen_seq):
                 link.send(done)
 
     def _bind(self, binding: WorkerSession, link: LinkPeer) -> None:
-        previous = binding.link
+        previous = self.sessions.bind(binding, link)
         if previous is not None and previous is not link:
             previous.send(LinkClosed(binding.sid, "taken_over"))
-        binding.link = link
-        self.sessions.touched.add(binding.sid)
 
     def _restore(self, link: LinkPeer, frame: LinkRestore) -> None:
         existing = self.sessions.get(frame.sid)
@@ -309,7 +307,7 @@ class WorkerService:
 
     async def _forget_then_tell(self, link: LinkPeer | None, sid: str, reason: CloseReason) -> None:
         """`closed` goes out only once the session's keys are gone: it means cleaned up."""
-        await self.token_log.forget(sid)
+        await self.sessions.forget(sid)
         if link is not None:
             link.send(LinkClosed(sid, reason))
 
@@ -389,26 +387,17 @@ class WorkerService:
                 committed_tokens=len(result.inputs),
             ),
             length=result.length,
-            durable_seq=self.token_log.durable_seq(binding.sid),
+            durable_seq=self.sessions.durable_seq(binding),
         )
         binding.record(done)
         binding.send(done)
         binding.turns_answered += 1
         self.metrics.turns += 1
         self.metrics.turn_latency.observe((result.queue_ms + result.compute_ms) / 1000.0)
-        if self.sessions.get(binding.sid) is not binding:
-            return  # a turn the session's end cancelled: the session and its log are gone
-        self.sessions.touched.add(binding.sid)
         # Only once the reply is out: the log is for rebuilding, never on the client's critical path.
-        self.token_log.append(
-            binding.sid,
-            result.seq,
-            result.inputs,
-            result.tokens,
-            binding.idle_timeout_s,
-            tail=result.tail,
-            cut=result.cut,
-        )
+        # Not logged for a session that ended or was handed over meanwhile (it re-runs elsewhere).
+        inputs, outputs = result.inputs, result.tokens
+        self.sessions.log_turn(binding, result.seq, inputs, outputs, tail=result.tail, cut=result.cut)
 
     # ---- rewinds (issue #35) --------------------------------------------------------------------
 
@@ -436,18 +425,18 @@ class WorkerService:
             return  # the session ended meanwhile
         rewound = future.result()
         binding.length = rewound.length
-        self.token_log.append_rewind(binding.sid, rewound.length, rewound.tail, binding.idle_timeout_s)
-        self.loop.create_task(self._answer_rewind(binding, rewound.length))
+        if self.sessions.log_rewind(binding, rewound.length, rewound.tail):
+            self.loop.create_task(self._answer_rewind(binding, rewound.length))
 
     async def _answer_rewind(self, binding: WorkerSession, length: int) -> None:
         """`rewound` goes out once the log in Redis holds the rewind (retried while Redis refuses)."""
         delay = REWIND_RETRY_MS / 1000
-        while not await self.token_log.flush():
+        while not await self.sessions.flush():
             if self.sessions.get(binding.sid) is not binding:
                 return
             await asyncio.sleep(delay)
         self.sessions.touched.add(binding.sid)
-        durable = self.token_log.durable_seq(binding.sid)
+        durable = self.sessions.durable_seq(binding)
         binding.send(LinkRewound(binding.sid, SessionRewound(length), durable))
 
     # ---- errors -------------------------------------------------------------------------------

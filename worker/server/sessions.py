@@ -5,7 +5,14 @@ moving to another worker in a drain, switching, handed over, or a copy of anothe
 warmed here for that worker's drain. Its phase (worker/server/lifecycle.py) changes only through
 the owner's methods, each a checked move of the table, so a drain (switchover.py, handover.py), a
 copy (warm.py, kv_receiver.py) and the link's frames (service.py) all read and change one state.
-The engine's `Session` holds the tokens and the KV; the token log (token_log.py) what Redis holds.
+The engine's `Session` holds the tokens and the KV.
+
+Its token log (token_log.py: what Redis holds, and this worker's mirror of it) is the owner's too:
+a log starts when the session opens, takes a turn only while the session is served here, and is
+dropped when it ends or is handed over, each in the same method as that move, so no caller can log
+a turn for a session handed over or forget a log it still writes. Nothing else calls the writer's
+per-session methods (tests/worker/server/test_lifecycle.py checks the source); what is not one
+session's (the flush task, the heartbeat's repair of a Redis that lost data) uses `log_writer`.
 
 Binding invariant: a live session is bound to at most one link, the last one that opened, attached
 or restored it. Its outputs go there and nowhere else; with no link bound (the client went away)
@@ -20,10 +27,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.protocol.key_limits import AuthLimits
-from shared.protocol.link import LinkDone, ToGateway
+from shared.protocol.link import LinkDone, LinkMigrate, ToGateway
 from shared.protocol.messages import InputChunk, OpenConfig
-from worker.server.lifecycle import Phase, SessionLifecycle
+from shared.store.log_format import Cut
+from worker.server.lifecycle import SERVED, IllegalTransition, Phase, SessionLifecycle
 from worker.server.restore import REPLAY_DONES, RestorePlan
+from worker.server.token_log import TokenLogWriter
+from worker.tokenizer.incremental import TextTail
 
 
 class LinkPeer(Protocol):
@@ -83,12 +93,20 @@ class WorkerSession:
 
 
 class WorkerSessions:
-    """Every worker-side session by id, and every change of phase (a checked lifecycle move)."""
+    """Every worker-side session by id, every change of phase (a checked lifecycle move), and
+    every session's token log."""
 
-    def __init__(self) -> None:
+    def __init__(self, log: TokenLogWriter) -> None:
         self._sessions: dict[str, WorkerSession] = {}
+        self._log = log
         # Sessions with traffic since the last heartbeat: their Redis TTLs get refreshed then.
         self.touched: set[str] = set()
+
+    @property
+    def log_writer(self) -> TokenLogWriter:
+        """The writer itself, for what is no one session's: its flush task, the final flush, the
+        heartbeat's re-write of what Redis lost (its lock, its damaged set)."""
+        return self._log
 
     # ---- reading --------------------------------------------------------------------------------
 
@@ -111,34 +129,99 @@ class WorkerSessions:
     def copies(self) -> Iterator[WorkerSession]:
         return (s for s in list(self._sessions.values()) if s.phase is Phase.COPY)
 
+    def durable_seq(self, session: WorkerSession) -> int | None:
+        """The last seq of the session whose turn Redis is known to hold (None: none yet)."""
+        return self._log.durable_seq(session.sid)
+
+    def held(self) -> list[tuple[WorkerSession, bytes]]:
+        """Each live session with its log as Redis should hold it (confirmed flushes only)."""
+        logs = self._log.held_logs()
+        return [(s, logs[s.sid]) for s in self.live() if s.sid in logs]
+
     # ---- a client's session ---------------------------------------------------------------------
 
-    def open(self, session: WorkerSession) -> None:
-        """A new session, OPENING (a fresh open or a restore with no copy here to take over)."""
+    def open(self, session: WorkerSession, *, log: bytes = b"", durable_seq: int | None = None) -> None:
+        """A new session, OPENING (a fresh open or a restore with no copy here to take over); its
+        log starts from `log`, what Redis holds for it (a restore's; up to `durable_seq`)."""
         assert session.phase is Phase.OPENING
         self._replace(session)
         self.touched.add(session.sid)
+        self._log.start(session.sid, log, durable_seq)
 
-    def adopt(self, sid: str) -> WorkerSession | None:
-        """A restore of `sid` takes over the copy warmed here: COPY -> OPENING; None: no copy."""
+    def adopt(self, sid: str, *, log: bytes, durable_seq: int | None) -> WorkerSession | None:
+        """A restore of `sid` takes over the copy warmed here: COPY -> OPENING, its log started
+        as `open` starts one; None: no copy."""
         copy = self.copy(sid)
         if copy is None:
             return None
         copy.lifecycle.move(Phase.OPENING)
         copy.asked_by = None
         self.touched.add(sid)
+        self._log.start(sid, log, durable_seq)
         return copy
 
     def opened(self, session: WorkerSession) -> None:
         session.lifecycle.move(Phase.READY)
 
+    def bind(self, session: WorkerSession, link: LinkPeer) -> LinkPeer | None:
+        """`link` opened, attached or restored the live session: its outputs go there from now on;
+        the link it was bound to before (None: none)."""
+        previous, session.link = session.link, link
+        self.touched.add(session.sid)
+        return previous
+
+    def detach(self, session: WorkerSession, link: LinkPeer) -> None:
+        """`link` lets the session go (its client went away): outputs wait in the replay buffer."""
+        if session.link is link:
+            session.link = None
+
+    def log_turn(
+        self,
+        session: WorkerSession,
+        seq: int,
+        inputs: tuple[int, ...],
+        outputs: tuple[int, ...],
+        *,
+        tail: TextTail,
+        cut: Cut | None = None,
+    ) -> bool:
+        """A turn answered here (or tokens of no turn, `NO_SEQ`) joins the session's log, queued for
+        the next flush, and its keys' TTLs are refreshed at the next beat. False, logging nothing:
+        the session is no longer served here (it ended, or was handed over: a turn ending after
+        that re-runs on its next worker)."""
+        if self._sessions.get(session.sid) is not session or session.phase not in SERVED:
+            return False
+        self._log.append(session.sid, seq, inputs, outputs, session.idle_timeout_s, tail=tail, cut=cut)
+        self.touched.add(session.sid)
+        return True
+
+    def log_rewind(self, session: WorkerSession, length: int, tail: TextTail) -> bool:
+        """The session's history was taken back to its first `length` tokens (`tail` held back):
+        logged after every turn so far, queued for the next flush; False as `log_turn`."""
+        if self._sessions.get(session.sid) is not session or session.phase not in SERVED:
+            return False
+        self._log.append_rewind(session.sid, length, tail, session.idle_timeout_s)
+        return True
+
+    async def flush(self) -> bool:
+        """Make every log's queued turns durable; False when Redis refused (they stay queued).
+        True means every turn logged before the call is durable (token_log.py `flush`)."""
+        return await self._log.flush()
+
     def close(self, sid: str) -> WorkerSession | None:
-        """The live session `sid` is over here (closed, expired, failed to open): CLOSED."""
+        """The live session `sid` is over here (closed, expired, failed to open): CLOSED; its
+        queued turns are dropped with its log here (`forget` deletes its keys)."""
         session = self.get(sid)
         if session is None:
             return None
         self._end(session)
+        self._log.drop(sid)
         return session
+
+    async def forget(self, sid: str) -> None:
+        """A session closed here: its Redis keys go, when its record still names this worker (one
+        this worker lost track of may live on elsewhere by now)."""
+        await self._log.forget(sid)
 
     # ---- a drain --------------------------------------------------------------------------------
 
@@ -151,11 +234,22 @@ class WorkerSessions:
         session.lifecycle.move(Phase.SWITCHING)
 
     def hand_over(self, session: WorkerSession) -> LinkPeer | None:
-        """`migrate` goes out for it: it answers nothing more here; its link (None: detached)."""
+        """`migrate` goes out for it: it answers and logs nothing more here (a turn that ends after
+        this re-runs on its next worker); its link (None: detached)."""
         session.lifecycle.move(Phase.HANDED_OVER)
         self.touched.discard(session.sid)
         link, session.link = session.link, None
         return link
+
+    def release(self, session: WorkerSession, target: str | None) -> LinkMigrate:
+        """A session handed over whose log a flush has made durable since: the `migrate` that sends
+        its gateway on from the log's durable seq (to `target`, where its copy is; None: anywhere);
+        its log is forgotten here, the next worker writes it from now on."""
+        if session.phase is not Phase.HANDED_OVER:
+            raise IllegalTransition(f"worker session: {session.phase.value} is released before its handover")
+        frame = LinkMigrate(session.sid, self._log.durable_seq(session.sid), target)
+        self._log.drop(session.sid)
+        return frame
 
     # ---- copies of other workers' sessions ------------------------------------------------------
 

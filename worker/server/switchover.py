@@ -39,10 +39,11 @@ import websockets
 from redis.asyncio import Redis
 
 from shared.errors import CapacityExhausted, MicroturnError
-from shared.protocol.link import LinkMigrate, LinkWarm, LinkWarmed
+from shared.protocol.link import LinkWarm, LinkWarmed
 from shared.protocol.link_client import LinkClient
-from shared.store.placement import place_session
+from shared.store.placement import Placement, place_session
 from shared.store.schema import KeySchema
+from worker.server.heartbeat import HEARTBEATS_PER_TTL
 from worker.server.kv_sender import KVSender
 from worker.server.lifecycle import Phase
 from worker.server.service import WorkerService
@@ -50,14 +51,23 @@ from worker.server.sessions import WorkerSession
 
 logger = logging.getLogger(__name__)
 
-# A switch polls for the session's chunks in flight to finish: a turn lasts milliseconds.
+# A switch lets the session's chunks in flight end here for at most `SWITCH_WAIT_S` (about one
+# step of a served worker: a turn about to end is answered here, not recomputed), polling this often;
+# the rest are cancelled by the handover and re-run on the copy from the gateway's tail, as after a
+# crash. Waiting for all of them would hold the switch (and every chunk the gateway holds meanwhile)
+# behind this worker's queue, which a drain under load makes seconds long: the target has room.
 IN_FLIGHT_POLL_S: Final = 0.002
+SWITCH_WAIT_S: Final = 0.1
 FLUSH_RETRY_S: Final = 0.05
 CONNECT_TIMEOUT_S: Final = 2.0
-# KV copy streams to each target, each taking the next placed session: a copy mostly waits (for the
-# engine threads between steps, for the target's log read), so a few overlap those waits; each
-# holds one session's pages in memory at a time.
-COPY_STREAMS: Final = 4
+# While no worker has room for the next session, placement is asked again this often (`_place`).
+PLACE_RETRY_S: Final = 0.2
+# KV copy streams to each target, each taking the next placed session: one copy's waits (for the
+# engine threads between steps, for the target's log read) overlap the other's transfer. Not more:
+# where the bytes are what limits (a draining worker under load), concurrent copies share the rate,
+# so each ends later and none switches early; one at a time, sessions switch one after the other and
+# each switch takes load off the draining worker. Each holds one session's pages in memory at a time.
+COPY_STREAMS: Final = 2
 
 
 @dataclass
@@ -106,10 +116,13 @@ async def switch_over(
     rebuilds the copy from the log."""
     switcher = _Switcher(service, time.monotonic() + budget_s, copy_pages=copy_pages)
     bindings = [b for b in service.sessions.live() if b.phase is Phase.READY and b.link is not None]
+    # How long placement is asked again while no worker has room: a registry entry that lapsed
+    # (a busy worker's late beat) is back within its TTL if the worker lives.
+    patience_s = service.settings.heartbeat_s * HEARTBEATS_PER_TTL
     for binding in bindings:
-        try:
-            placement = await place_session(redis, schema, exclude=(worker_id,), model=model or None)
-        except CapacityExhausted:
+        until = min(switcher.deadline, time.monotonic() + patience_s)
+        placement = await _place(redis, schema, worker_id, model, until)
+        if placement is None:
             break  # nobody has room: these go break-before-make, and end only if no one ever has
         await switcher.warm(binding, placement.worker_id, placement.url)
     await switcher.wait()
@@ -127,6 +140,22 @@ async def switch_over(
         len(report.fell_back),
     )
     return report
+
+
+async def _place(
+    redis: Redis, schema: KeySchema, worker_id: str, model: str, deadline: float
+) -> Placement | None:
+    """The session's next worker, asked again every `PLACE_RETRY_S` while none has room, until
+    `deadline` (None then). Room comes back within a heartbeat when a worker's registry entry
+    lapsed (a busy worker's late beat; under load, the worker just restarted in a rolling
+    restart): given up at once, the rest of the drain would go break-before-make."""
+    while True:
+        try:
+            return await place_session(redis, schema, exclude=(worker_id,), model=model or None)
+        except CapacityExhausted:
+            if time.monotonic() + PLACE_RETRY_S >= deadline:
+                return None
+            await asyncio.sleep(PLACE_RETRY_S)
 
 
 class _Switcher:
@@ -264,25 +293,38 @@ class _Switcher:
 
 
 async def _switch(service: WorkerService, binding: WorkerSession, target: str, deadline: float) -> bool:
-    """Finish the chunks in flight here, make the log durable, and send the gateway over; False
-    when they did not finish by the deadline (the classic handover then cancels them: they re-run
-    on the next worker, with the chunks held since the switch began)."""
+    """Send the session over to its warm copy on `target`: chunks arriving from now on wait in the
+    gateway's tail; those in flight end here within `SWITCH_WAIT_S`, else the close cancels them
+    (unanswered, unlogged: they re-run on the target with the held ones); the log is made durable,
+    then `migrate`. False: the client closed it (or it expired) meanwhile, nothing left to move."""
     sid = binding.sid
     if service.sessions.get(sid) is not binding:
-        return False  # the client closed it (or it expired) meanwhile: nothing left to move
+        return False
+    began = time.monotonic()
     service.sessions.switch(binding)
-    while binding.in_flight and time.monotonic() < deadline:
+    waited_until = min(deadline, began + SWITCH_WAIT_S)
+    while binding.in_flight and time.monotonic() < waited_until:
         await asyncio.sleep(IN_FLIGHT_POLL_S)
     if service.sessions.get(sid) is not binding:
-        return False  # the client closed it (or it expired) meanwhile: nothing left to move
-    if binding.in_flight:
         return False
+    rerun = binding.in_flight
+    # Handed over first: a turn still in flight, or one that ends from now on, is neither answered
+    # nor logged here (sessions.py `log_turn`), so it re-runs on the target. The engine's close
+    # comes after `migrate`: it waits for this worker's step, which the client need not.
     link = service.sessions.hand_over(binding)
+    while not await service.sessions.flush():
+        await asyncio.sleep(FLUSH_RETRY_S)  # Redis is down: the switch waits for the log to be durable
+    migrate = service.sessions.release(binding, target)
+    if link is not None:
+        link.send(migrate)
+    switched_ms = (time.monotonic() - began) * 1000
     with contextlib.suppress(MicroturnError):  # gone from the engine already: nothing to close
         await asyncio.wrap_future(service.engine.close_session_async(sid, "closed"))
-    while not await service.token_log.flush():
-        await asyncio.sleep(FLUSH_RETRY_S)  # Redis is down: the switch waits for the log to be durable
-    if link is not None:
-        link.send(LinkMigrate(sid, service.token_log.durable_seq(sid), target=target))
-    service.token_log.drop(sid)
+    logger.info(
+        "drain: session %s switched to %s in %.0f ms (%d chunk(s) in flight re-run there)",
+        sid,
+        target,
+        switched_ms,
+        rerun,
+    )
     return True

@@ -1,7 +1,7 @@
 """Warm copies: the receiving end of a make-before-break drain (docs/failover.md, "Drain").
 
 A draining worker that hands a session here first sends `warm(sid, config)` over a link it dials
-itself (worker/server/handover.py). This worker reads the session's token log, rebuilds its window
+itself (worker/server/switchover.py). This worker reads the session's token log, rebuilds its window
 exactly as a restore would (worker/server/restore.py, no tail yet), and opens a copy whose history
 is prefilled in the engine's background class (`Engine.warm_async`: after every client row, a
 small share a step), so its own sessions do not wait for it. The draining worker keeps serving the
@@ -12,11 +12,12 @@ was built (`extend`; up to `CATCH_UP_ROUNDS`, until it is within `CATCH_UP_TOKEN
 then the chunks held in the gateway's tail run.
 
 A copy is a session in the COPY phase (worker/server/lifecycle.py): it answers no chunk, writes no
-log and deletes no key. When the draining worker sent its KV pages first (worker/server/kv_receiver.py)
-the copy already holds the KV up to the copy's point, and the first build only prefills the turns
-logged after it; otherwise (a fallback, counted by the draining worker) the first build is the
-whole rebuild from the log. It ends when it is adopted, when the engine discards it (a restore it
-does not match), or `WARM_GRACE_S` after the link that asked for it closed without a restore taking it over.
+log and deletes no key. When the draining worker sent its KV pages first
+(worker/server/kv_receiver.py) the copy already holds the KV up to the copy's point and answers
+`warmed` at once (the switch's restore prefills the turns logged after that point); otherwise (a
+fallback, counted by the draining worker) it is rebuilt from the log first, as above. It ends when
+it is adopted, when the engine discards it (a restore it does not match), or `WARM_GRACE_S` after
+the link that asked for it closed without a restore taking it over.
 """
 
 from __future__ import annotations
@@ -118,14 +119,15 @@ class WarmCopies:
             idle = rules.config.idle_timeout_s or service.settings.idle_timeout_s
             copy_config = replace(rules.config, idle_timeout_s=idle)
             plan = await self._plan(sid, rules)
-            # A copy whose KV came over (`length`: its tokens with KV) is behind by the turns
-            # logged during one transfer: within a piece, the switch's own prefill takes them.
+            # A copy whose KV came over (`length`: its tokens with KV) answers at once: it is behind
+            # only by the turns logged during its transfer, which the switch's restore prefills
+            # with the held chunks. Built here first, they would wait in the background share
+            # behind this worker's own clients, which under load leave it next to nothing: the
+            # copy would miss the drain's deadline and its session go break-before-make.
             length = copy.length
             result: TurnResult | None = None
-            if not copy.kv_imported or len(plan.history) - length > CATCH_UP_TOKENS:
-                # Only the turns logged after the copy's point are prefilled (all of them for a
-                # copy rebuilt from nothing), in the background share.
-                result = await self._build(sid, copy_config, plan, extend=copy.kv_imported)
+            if not copy.kv_imported:  # rebuilt from the log, in the background share
+                result = await self._build(sid, copy_config, plan, extend=False)
                 length = result.length
             # A rebuilt copy took long: the old worker streamed the session on meanwhile. Catch up
             # on what it logged while the copy was built, so the switch prefills only the last

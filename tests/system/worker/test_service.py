@@ -105,9 +105,10 @@ def test_open_then_chunks_are_answered_in_order_and_logged(engine: Engine, redis
             assert isinstance(done, LinkDone) and done.done.seq == seq and len(done.done.tokens) == 2
             sequence += [seq, seq + 1, *done.done.tokens]
             assert done.length == len(sequence)
-            assert await service.token_log.flush()  # one flush per turn: a first append, then more
+            assert await service.sessions.flush()  # one flush per turn: a first append, then more
         assert await read_log(service.redis, service.schema, "s1") == sequence[3:]
-        assert service.token_log.durable_seq("s1") == 2
+        session = service.sessions.get("s1")
+        assert session is not None and service.sessions.durable_seq(session) == 2
         # The first append gave the log its TTL (later ones leave it to the heartbeat's refresh).
         assert await service.redis.pttl(service.schema.log("s1")) > 0
 
@@ -180,7 +181,7 @@ def test_close_ends_the_session_and_deletes_its_keys(engine: Engine, redis_url: 
         await link.next(LinkOpened)
         service.dispatch(link, chunk("s4", 1, (9,)))
         await link.next(LinkDone)
-        assert await service.token_log.flush()
+        assert await service.sessions.flush()
         assert await service.redis.exists(service.schema.log("s4")) == 1
         service.dispatch(link, LinkClose("s4"))
         assert await link.next(LinkClosed) == LinkClosed("s4", "closed")

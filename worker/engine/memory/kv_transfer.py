@@ -10,7 +10,8 @@ scattered into the target's pages the same way.
 On CUDA the gather runs on the host tier's side stream into pinned memory, ordered by events both
 ways as the tier's own copies are (worker/engine/memory/page_copy.py): it waits for the work queued
 on the compute stream, and the compute stream waits for it before it can overwrite those pages, so
-the engine thread never blocks; the sender reads the buffer once `KVExport.ready` has fired. With
+the engine thread never blocks; each run is made page-major on the device, then leaves in one
+contiguous asynchronous copy; the sender reads the buffer once `KVExport.ready` has fired. With
 no host tier (no side stream) the gather is a synchronous copy. On the CPU it is a plain copy.
 """
 
@@ -86,9 +87,13 @@ def gather(
     ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
     with torch.cuda.stream(stream):
         for start, at, length in runs:
-            out.narrow(0, at, length).movedim(0, axis).copy_(
-                source.narrow(axis, start, length), non_blocking=True
-            )
+            # The run made page-major on the device first, so the copy out is one contiguous
+            # device-to-pinned transfer, asynchronous. Copied strided as it lies, torch would stage it
+            # through pageable host memory: a synchronous copy that waits for every queued step.
+            # The staged run is the side stream's (the caching allocator reuses it only after the
+            # copies queued behind it on this stream).
+            run = source.narrow(axis, start, length).movedim(axis, 0).contiguous()
+            out.narrow(0, at, length).copy_(run, non_blocking=True)
         ready.record(stream)
     compute.wait_event(ready)  # a step that reuses these pages waits for the copy out
     return ready

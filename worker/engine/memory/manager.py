@@ -549,8 +549,7 @@ class KVManager:
         ready = gather(paged, axis, on_device, data, stream=stream)
         if on_host:
             assert self.copier is not None
-            if stream is not None:  # an offload to these pages may still be running
-                stream.synchronize()
+            self.copier.wait_for_host()  # CUDA: an offload to these pages may still be running
             gather(
                 self.copier.host_paged,
                 axis,
@@ -574,6 +573,7 @@ class KVManager:
             raise ValueError(f"{tokens} tokens need {count} pages, the copy has {data.shape[0]}")
         if self.host is not None and self.copier is not None and self.host.num_free >= count:
             session.host_pages = self.host.allocate(count)
+            self.copier.wait_for_host()  # CUDA: a restore may still be reading pages just freed
             scatter(data, self.copier.host_paged, self.copier.axis, session.host_pages)
         elif self.device.num_free >= count:
             session.pages = self.device.allocate(count)

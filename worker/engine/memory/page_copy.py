@@ -123,7 +123,10 @@ class PageCopier:
         counter.bytes += len(source_pages) * self.page_bytes
         if self.stream is None:
             started = time.perf_counter()
-            self._copy_runs(source, target, runs, non_blocking=False)
+            for source_start, target_start, length in runs:
+                target.narrow(self.axis, target_start, length).copy_(
+                    source.narrow(self.axis, source_start, length)
+                )
             counter.seconds += time.perf_counter() - started
             return
         compute = torch.cuda.current_stream(self.stream.device)
@@ -132,20 +135,28 @@ class PageCopier:
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
-            self._copy_runs(source, target, runs, non_blocking=True)
+            blocks = zip(page_blocks(source, self.axis), page_blocks(target, self.axis), strict=True)
+            for source_block, target_block in blocks:
+                for source_start, target_start, length in runs:
+                    target_block.narrow(0, target_start, length).copy_(
+                        source_block.narrow(0, source_start, length), non_blocking=True
+                    )
             end.record(self.stream)
         compute.wait_event(end)
         self._timing.append((counter, start, end))
 
-    def _copy_runs(
-        self,
-        source: torch.Tensor,
-        target: torch.Tensor,
-        runs: list[tuple[int, int, int]],
-        *,
-        non_blocking: bool,
-    ) -> None:
-        for source_start, target_start, length in runs:
-            target.narrow(self.axis, target_start, length).copy_(
-                source.narrow(self.axis, source_start, length), non_blocking=non_blocking
-            )
+    def wait_for_host(self) -> None:
+        """Wait until no queued copy still reads or writes the host tier: before the host itself
+        reads or writes its pages (a drain's KV copy, leaving or arriving). A page freed by a
+        restore is free at once for the GPU's copies (stream order), not for the host's."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def page_blocks(paged: torch.Tensor, axis: int) -> list[torch.Tensor]:
+    """`paged` as the blocks that are contiguous from its page axis on, one per index of the axes
+    before it (a layer's keys, its values; with `nhd` on CUDA 2 per layer): a run of pages in a
+    block is one contiguous range on either side, so its copy between the device and pinned memory
+    is a single asynchronous transfer. The whole run at once is strided, and torch would stage it
+    through pageable host memory: synchronous, waiting for every queued step."""
+    return list(paged.flatten(0, axis - 1).unbind(0)) if axis > 0 else [paged]
