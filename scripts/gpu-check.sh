@@ -27,7 +27,7 @@
 # then run this script through the device tool with carry [".whl"] and a timeout_s above the budget.
 # A smoke run of the harness on a CPU (tiny model, small shapes, a short capacity step):
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_DTYPE=float32 GPU_CHECK_RUNS="tiny:2x6:streaming" \
-#     GPU_CHECK_CAPACITY_S=2 GPU_CHECK_KERNEL_ARGS="--models smoke --rows 1 --repeats 1 --rounds 1" \
+#     GPU_CHECK_CAPACITY_MODEL=tiny GPU_CHECK_CAPACITY_S=2 GPU_CHECK_KERNEL_ARGS="--models smoke --rows 1 --repeats 1 --rounds 1" \
 #     GPU_CHECK_WHEELS=none PYTHON=.venv/bin/python OUT=/tmp/gpu-check scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

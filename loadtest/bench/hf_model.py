@@ -113,7 +113,10 @@ def to_hf_llama(loaded: LoadedModel) -> LlamaForCausalLM:
     from transformers import LlamaForCausalLM
 
     reference = loaded.weights.final_norm
-    model = LlamaForCausalLM(hf_config(loaded.config))
+    # Built on the weights' device: its random initialisation, which load_state_dict overwrites, takes
+    # seconds there and minutes on the host for an 8B shape (seen on the H200: the hf run never started).
+    with torch.device(reference.device):
+        model = LlamaForCausalLM(hf_config(loaded.config))
     # strict: a name the converter forgot (or one transformers renamed) fails here, not as noise. With
     # tied embeddings lm_head and embed are one parameter and both names carry the same tensor.
     model.load_state_dict(hf_state_dict(loaded), strict=True)

@@ -15,11 +15,11 @@
   attention backend takes one path for every row count, and worker/numerics.py makes MKL's sums
   shape-independent); (2) 83 of 240 tokens against llama.cpp's 66 on the peer workload. A float
   checkpoint stays `float` (requantising it is a choice `--weights int4` makes explicitly).
-  On CUDA `auto` stays `float` (bf16 `F.linear` on tensor cores) until the GPU run has measured the
-  weight-only kernels against it: they read 4.5-5 bits a weight (Q4_0/Q4_1; Q8_0 8.5) instead of
-  16, but compute in float32 on CUDA cores (not tensor cores) to stay exact and row-invariant, so
-  where they win (decode, small M) and lose (prefill) is a measurement, not an argument
-  (docs/benchmarks.md, "Weight forms on CUDA").
+  On CUDA `auto` stays `float` (bf16 `F.linear` on tensor cores): the weight-only kernels read
+  4.5-5 bits a weight (Q4_0/Q4_1; Q8_0 8.5) instead of 16, but compute in float32 on CUDA cores
+  (not tensor cores) with no split over K, to stay exact and row-invariant, and on the H200 they
+  were slower than bf16 at every shape measured: 2.2x (SmolLM2, one row) to 5.7x (Llama-3.1-8B,
+  one row), far more at prefill (docs/benchmarks.md, "Weight forms on CUDA").
 
 On CUDA, `int4` and `int8` are weight-only: the GGUF's Q4_0/Q4_1/Q8_0 blocks as stored (others
 quantised at load into the same groups of 32, worker/model/weight_form_cuda.py), multiplied by a
