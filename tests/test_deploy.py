@@ -38,9 +38,12 @@ def test_the_gpu_overlay_gives_the_worker_a_gpu() -> None:
 
 def test_the_gpu_overlay_serves_the_model_directory_the_user_mounts() -> None:
     worker = compose_config("compose.yaml", "compose.gpu.yaml", env=USER_MODEL)["services"]["worker-0"]
-    [volume] = worker["volumes"]
-    assert (volume["source"], volume["target"], volume["read_only"]) == ("/srv/models", "/models", True)
+    models, kernels = worker["volumes"]
+    assert (models["source"], models["target"], models["read_only"]) == ("/srv/models", "/models", True)
     assert flags(worker)["model"] == "/models/Llama-3.1-8B-Instruct"
+    # flashinfer's compiled kernels outlive a restart (minutes to build on a first start).
+    assert (kernels["type"], kernels["target"]) == ("volume", "/home/microturn/.cache/flashinfer")
+    assert worker["healthcheck"]["start_period"] == "10m0s"
 
 
 @pytest.mark.parametrize("unset", sorted(USER_MODEL))
