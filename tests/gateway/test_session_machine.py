@@ -200,7 +200,7 @@ def test_a_rewind_goes_to_the_worker_and_holds_what_follows_until_it_is_answered
     m.worker_frame(LinkRewound(SID, SessionRewound(3), durable_seq=1), 0.0)
     actions = m.actions()
     assert [a.message for a in actions if isinstance(a, SendClient)] == [SessionRewound(3)]
-    assert [a.frame for a in actions if isinstance(a, SendWorker)] == [LinkCancel(SID, 1, keep_output_tokens=0)]
+    assert of(actions, SendWorker) == [SendWorker(LinkCancel(SID, 1, keep_output_tokens=0), W1)]
     assert len(m.turns.undurable) == 1  # chunk 2; turn 1 is in the log, the rewind after it
     m.worker_frame(LinkError(SID, Error(ErrorCode.INVALID_MESSAGE, "k is too large", False)), 0.0)
     actions = m.actions()  # a refusal with no seq answers the rewind at the worker, too
@@ -271,7 +271,7 @@ def test_a_draining_worker_that_leaves_a_rewind_unanswered_moves_it_with_the_ses
     m.worker_frame(LinkOpened(SID, 3, finished_seq=1, durable_seq=1), 0.0)
     actions = m.actions()  # nothing before it is in flight: it goes at once, after `restored`
     assert [type(a.message) for a in actions if isinstance(a, SendClient)] == [SessionRestored]
-    assert [a.frame for a in actions if isinstance(a, SendWorker)] == [LinkRewind(SID, SessionRewind(to_seq=1))]
+    assert of(actions, SendWorker) == [SendWorker(LinkRewind(SID, SessionRewind(to_seq=1)), W2)]
 
 
 def test_a_restore_retries_on_another_worker_then_ends_the_socket_not_the_session() -> None:
