@@ -19,7 +19,8 @@ The rules, per session (machine.py applies them):
   outputs) must be there when the rewind applies. The history it leaves is the same.
 - While the session moves, edits wait here as chunks do, and go right after the restore.
 
-Cost: nothing on the chunk path while no edit is pending (an empty deque's truth test).
+Cost: nothing on the chunk path while no edit is pending: the machine reads `count`, a plain
+attribute (no call into this module: tests/system/test_chunk_path.py measures the files a chunk runs).
 """
 
 from __future__ import annotations
@@ -51,12 +52,11 @@ class PendingEdits:
 
     def __init__(self) -> None:
         self._queue: deque[_Pending] = deque()
-
-    def __bool__(self) -> bool:
-        return bool(self._queue)
+        self.count = 0  # the edits pending (kept equal to the queue's length; read, never written, outside)
 
     def add(self, frame: Edit, after: int) -> None:
         self._queue.append(_Pending(frame, after))
+        self.count = len(self._queue)
 
     @property
     def boundary(self) -> int | None:
@@ -83,12 +83,14 @@ class PendingEdits:
             head.sent = True
         else:
             self._queue.popleft()
+            self.count = len(self._queue)
         return head.frame
 
     def answered(self) -> None:
         """The worker answered the first edit (`rewound`, or its refusal)."""
         if self._queue and self._queue[0].sent:
             self._queue.popleft()
+            self.count = len(self._queue)
 
     def moved(self) -> None:
         """The session left its worker: every edit goes again to the next one (a rewind after the

@@ -229,7 +229,7 @@ class SessionMachine:
         # Held while RESTORING: it goes to the new worker with the tail, or right after its restore.
         # Held while an edit is pending too: it goes once the edit is through (a rewind: answered,
         # so durable), never on the history before it, on this worker or the next (edits.py).
-        held = phase is Phase.RESTORING or bool(self.edits)
+        held = phase is Phase.RESTORING or self.edits.count > 0
         self.turns.admit(msg, wants_output=limit > 0, received=received, frame=frame, sent=not held)
         if not held:
             self._out += (SendWorker(frame, worker), _CHUNK_FORWARDED)
@@ -461,7 +461,7 @@ class SessionMachine:
             error = frame.error
             if error.seq is not None:
                 self.turns.refused(error.seq)
-                if self.edits:
+                if self.edits.count:
                     self._release()  # a rewind sent again after a move may wait for this turn
             elif not error.fatal and self.edits.awaited:  # a worker's refusal with no seq answers it
                 self._to_client(error)
@@ -480,7 +480,7 @@ class SessionMachine:
             return
         started, grown = counted
         self._out.append(SendClient(frame.done, started))
-        if self.edits:
+        if self.edits.count:
             self._release()  # a rewind sent again after a move may wait for this turn
         if self.guard is not None:
             self._judge(self.guard.on_done(grown))
