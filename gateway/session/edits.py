@@ -16,7 +16,11 @@ The rules, per session (machine.py applies them):
 - After a move, a rewind waits for the turns before it to be answered on the new worker before it
   goes again: on the old worker it cancelled them where they stood, the new worker re-runs them to
   their end (the restore, exactly once), and a length counted in their outputs (`keep_tokens`, k
-  outputs) must be there when the rewind applies. The history it leaves is the same.
+  outputs) must be there when the rewind applies. The history it leaves is the same. A cancel
+  keeping k outputs of a turn that was still running goes as what it meant there, once that turn
+  is answered: `keep_tokens` up to its k-th output (its outputs start at its `done`'s length less
+  its outputs), which also cancels the turns queued behind it, as it did on the old worker (sent
+  as itself, it would be refused: the re-run turn is no longer the session's last).
 - While the session moves, edits wait here as chunks do, and go right after the restore.
 
 Cost: nothing on the chunk path while no edit is pending: the machine reads `count`, a plain
@@ -26,10 +30,12 @@ attribute (no call into this module: tests/system/test_chunk_path.py measures th
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TypeAlias
 
 from shared.protocol.link import LinkCancel, LinkRewind
+from shared.protocol.messages import SessionRewind
 
 Edit: TypeAlias = LinkRewind | LinkCancel
 
@@ -45,6 +51,9 @@ class _Pending:
     after: int  # the last chunk seq admitted before it (turns.py `NO_CHUNK`: none); later ones wait
     sent: bool = False  # at the worker, its answer awaited
     settle_first: bool = False  # sent again after a move: the turns before it are answered first
+    # A cancel keeping k outputs of a turn the move caught running: sent once that turn is
+    # answered, as `keep_tokens` (`turn_done`).
+    until_done: int | None = None
 
 
 class PendingEdits:
@@ -75,7 +84,7 @@ class PendingEdits:
         if not self._queue:
             return None
         head = self._queue[0]
-        if head.sent:
+        if head.sent or head.until_done is not None:
             return None
         if head.settle_first and first_in_flight is not None and first_in_flight <= head.after:
             return None
@@ -92,9 +101,26 @@ class PendingEdits:
             self._queue.popleft()
             self.count = len(self._queue)
 
-    def moved(self) -> None:
-        """The session left its worker: every edit goes again to the next one (a rewind after the
-        turns before it are answered there)."""
+    def moved(self, in_flight: Container[int]) -> None:
+        """The session left its worker with the chunks `in_flight` unanswered: every edit goes again
+        to the next one (a rewind after the turns before it are answered there)."""
         for pending in self._queue:
+            frame = pending.frame
             pending.sent = False
-            pending.settle_first = awaits_answer(pending.frame)
+            pending.settle_first = awaits_answer(frame)
+            if isinstance(frame, LinkCancel) and awaits_answer(frame) and frame.seq in in_flight:
+                pending.until_done = frame.seq
+
+    def turn_done(self, seq: int, length: int, outputs: int) -> None:
+        """Turn `seq` is answered (the session's `length` after it, `outputs` of it): a cancel that
+        waited for it becomes the rewind it meant (`moved`)."""
+        for pending in self._queue:
+            frame = pending.frame
+            if pending.until_done != seq or not isinstance(frame, LinkCancel):
+                continue
+            pending.until_done, pending.settle_first = None, False
+            kept = frame.keep_output_tokens
+            if kept is not None and outputs > 0 and kept <= outputs:
+                pending.frame = LinkRewind(frame.sid, SessionRewind(keep_tokens=length - outputs + kept))
+            # Else it goes as itself, and the worker judges it: with no outputs (a chunk folded into
+            # a later append has that append's length) k must be 0; k above the outputs is refused.

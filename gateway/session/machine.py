@@ -480,8 +480,9 @@ class SessionMachine:
             return
         started, grown = counted
         self._out.append(SendClient(frame.done, started))
-        if self.edits.count:
-            self._release()  # a rewind sent again after a move may wait for this turn
+        if self.edits.count:  # a rewind sent again after a move may wait for this turn
+            self.edits.turn_done(frame.done.seq, frame.length, len(frame.done.tokens))
+            self._release()
         if self.guard is not None:
             self._judge(self.guard.on_done(grown))
 
@@ -504,7 +505,7 @@ class SessionMachine:
         self.life.move(Phase.RESTORING)
         # Applied and logged there, or not: every edit goes again to the next worker (a rewind is
         # idempotent), and the chunks behind it still wait for it (edits.py).
-        self.edits.moved()
+        self.edits.moved(self.turns.in_flight)
         # Every done up to the finished seq has been queued for the client: it is what it saw.
         self.run(RestoreFlow(Origin.MOVE, self.turns.finished_seq, target))
 

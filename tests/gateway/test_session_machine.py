@@ -257,6 +257,27 @@ def test_a_rewind_in_flight_when_the_worker_is_lost_goes_again_after_the_restore
     assert sent(m) == [LinkChunk(SID, chunk(5))]
 
 
+def test_a_cancel_keeping_outputs_of_a_turn_the_move_caught_running_goes_as_the_length_it_meant() -> None:
+    """The new worker runs the turn again to its end, and another behind it: sent as itself the
+    cancel would be refused (the turn is no longer the session's last), so once the turn is
+    answered it goes as `keep_tokens` up to its k-th output, which also cancels the turn behind."""
+    m = opened(machine())
+    m.receive(chunk(1), 0.0)
+    m.receive(chunk(2), 0.0)
+    m.receive(OutputCancel(1, keep_output_tokens=1), 0.0)
+    m.actions()
+    m.link_lost()
+    m.placed(record(W2), W2.url)
+    [restore] = sent(m)
+    assert isinstance(restore, LinkRestore) and [t.chunk.seq for t in restore.tail] == [1, 2]
+    m.worker_frame(LinkOpened(SID, 0, finished_seq=None, durable_seq=None), 0.0)
+    assert sent(m) == []  # the cancel waits for turn 1
+    m.worker_frame(done(1, (5, 6, 7), 10), 0.0)  # 7 in, 3 out
+    assert sent(m) == [LinkRewind(SID, SessionRewind(keep_tokens=10 - 3 + 1))]
+    m.worker_frame(LinkRewound(SID, SessionRewound(8), durable_seq=None), 0.0)
+    assert [x for x in client(m) if isinstance(x, SessionRewound)] == [SessionRewound(8)]
+
+
 def test_a_draining_worker_that_leaves_a_rewind_unanswered_moves_it_with_the_session() -> None:
     m = opened(machine())
     m.receive(chunk(1), 0.0)
