@@ -124,3 +124,8 @@ class PendingEdits:
                 pending.frame = LinkRewind(frame.sid, SessionRewind(keep_tokens=length - outputs + kept))
             # Else it goes as itself, and the worker judges it: with no outputs (a chunk folded into
             # a later append has that append's length) k must be 0; k above the outputs is refused.
+
+    def turn_refused(self, seq: int) -> None:
+        """Turn `seq` was refused (it never entered the session): a cancel that waited for it goes
+        as itself, for the worker to judge."""
+        self.turn_done(seq, 0, 0)

@@ -461,8 +461,9 @@ class SessionMachine:
             error = frame.error
             if error.seq is not None:
                 self.turns.refused(error.seq)
-                if self.edits.count:
-                    self._release()  # a rewind sent again after a move may wait for this turn
+                if self.edits.count:  # a rewind sent again after a move may wait for this turn
+                    self.edits.turn_refused(error.seq)
+                    self._release()
             elif not error.fatal and self.edits.awaited:  # a worker's refusal with no seq answers it
                 self._to_client(error)
                 self._edit_answered()

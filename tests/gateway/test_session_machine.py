@@ -276,6 +276,16 @@ def test_a_cancel_keeping_outputs_of_a_turn_the_move_caught_running_goes_as_the_
     assert sent(m) == [LinkRewind(SID, SessionRewind(keep_tokens=10 - 3 + 1))]
     m.worker_frame(LinkRewound(SID, SessionRewound(8), durable_seq=None), 0.0)
     assert [x for x in client(m) if isinstance(x, SessionRewound)] == [SessionRewound(8)]
+    # The same, with the turn refused by the new worker: the cancel goes as itself, to be judged.
+    m.receive(chunk(3), 0.0)
+    m.receive(OutputCancel(3, keep_output_tokens=1), 0.0)
+    m.actions()
+    m.link_lost()
+    m.placed(record(W1), W1.url)
+    m.worker_frame(LinkOpened(SID, 8, finished_seq=2, durable_seq=None), 0.0)
+    m.actions()
+    m.worker_frame(LinkError(SID, Error(ErrorCode.BACKPRESSURE, "full", False, seq=3)), 0.0)
+    assert sent(m) == [LinkCancel(SID, 3, keep_output_tokens=1)]
 
 
 def test_a_draining_worker_that_leaves_a_rewind_unanswered_moves_it_with_the_session() -> None:
