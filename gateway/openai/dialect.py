@@ -563,9 +563,10 @@ class OpenAIDialect:
 
     def _error(self, error: Error) -> list[ev.Event]:
         if error.seq is None and self._flight.rewinds and not error.fatal:
-            # The session refused a rewind (a delete's item is gone from the window or too old;
-            # the session was moving): the conversation here was already edited, so it no longer
-            # matches the KV. Said once; further items and responses are refused.
+            # The session refused a rewind (a delete's item is gone from the window or too old):
+            # the conversation here was already edited, so it no longer matches the KV. Said once;
+            # further items and responses are refused. (A worker lost meanwhile is no refusal: the
+            # gateway sends the rewind again where the session is restored, gateway/session/edits.py.)
             self._flight.rewinds -= 1
             self._deleting = None
             problem = problem_from_native(error, "the conversation could not be edited")

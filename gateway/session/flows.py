@@ -20,9 +20,10 @@ The flows (docs/design.md section 5):
   place again, up to `PLACEMENT_ATTEMPTS` workers;
 - resume: look up -> [admit] -> find its worker -> `attach` -> `opened`; its worker gone, or without
   the session: a restore;
-- restore: (pause) -> move -> `restore` with the undurable turns -> `opened`, up to
-  `RESTORE_BACKOFF_S` attempts; for a resume (its failure is the resume's), or for a session whose
-  worker was lost or drains (its failure ends this socket, not the session);
+- restore: (pause) -> move -> `restore` with the undurable turns (those before a pending edit) ->
+  `opened`, then the held chunks and edits, in order; up to `RESTORE_BACKOFF_S` attempts; for a
+  resume (its failure is the resume's), or for a session whose worker was lost or drains (its
+  failure ends this socket, not the session);
 - close: `close` -> `closed`, or, unconfirmed, delete the session's keys.
 
 Invariants:
@@ -58,6 +59,7 @@ from gateway.session.actions import (
     Timer,
     WorkerRef,
 )
+from gateway.session.edits import PendingEdits
 from gateway.session.guard import SessionGuard
 from gateway.session.lifecycle import IllegalTransition, Phase, SessionLifecycle
 from gateway.session.turns import Turns
@@ -155,6 +157,9 @@ class Host(Protocol):
 
     @property
     def turns(self) -> Turns: ...
+
+    @property
+    def edits(self) -> PendingEdits: ...
 
     @property
     def guard(self) -> SessionGuard | None: ...
@@ -418,7 +423,7 @@ class RestoreFlow(Flow[RestoreStep]):
             return
         host.record = record
         self._enter(host, RestoreStep.RESTORE)
-        tail = host.turns.undurable.snapshot()
+        tail = host.turns.undurable.snapshot(host.edits.boundary)  # what waits behind an edit goes after
         self.replayed = len(tail)
         frame = LinkRestore(
             _sid(host),
@@ -438,10 +443,8 @@ class RestoreFlow(Flow[RestoreStep]):
         if self.origin is Origin.RESUME:
             host.emit(SendClient(SessionResumed(sid, frame.length, frame.finished_seq)))
         host.emit(SendClient(SessionRestored(sid, frame.length)))
-        undurable = host.turns.undurable
-        undurable.durable(frame.durable_seq)
-        # The chunks held while the session moved, before any chunk that arrives after this.
-        host.emit(*(SendWorker(held, worker) for held in undurable.take_unsent()))
+        host.turns.undurable.durable(frame.durable_seq)
+        # The chunks and edits held while the session moved go next (the machine's `_release`).
         host.emit(Count(Metric.SESSIONS_RESTORED), Count(Metric.CHUNKS_REPLAYED, self.replayed))
         logger.info("session %s restored on %s (length %d)", sid, worker.worker_id, frame.length)
         if self.origin is Origin.RESUME:

@@ -18,11 +18,7 @@ import enum
 from collections.abc import Mapping
 from typing import Final
 
-from shared.errors import InternalError, InvalidMessage, MicroturnError, WorkerUnavailable
-
-# What a client is told to wait before resending an `output.cancel` refused while its session moves
-# (chunks are held then, not refused).
-MOVING_RETRY_MS: Final = 250
+from shared.errors import InternalError, InvalidMessage, MicroturnError
 
 
 class Phase(enum.Enum):
@@ -61,13 +57,14 @@ class Request(enum.Enum):
     CLOSE = "session.close"
 
 
-# The phases in which each request is served (a chunk while RESTORING is held; a close while
-# RESTORING waits for the restore; a close while IDLE is answered `closed`). Elsewhere: `refusal`.
+# The phases in which each request is served (a chunk, a cancel or a rewind while RESTORING is held
+# and goes right after the restore, in order; a close while RESTORING waits for the restore; a close
+# while IDLE is answered `closed`). Elsewhere: `refusal`.
 SERVED: Final[Mapping[Request, frozenset[Phase]]] = {
     Request.OPEN: frozenset({Phase.IDLE}),
     Request.CHUNK: frozenset({Phase.ACTIVE, Phase.RESTORING}),
-    Request.CANCEL: frozenset({Phase.ACTIVE}),
-    Request.REWIND: frozenset({Phase.ACTIVE}),
+    Request.CANCEL: frozenset({Phase.ACTIVE, Phase.RESTORING}),
+    Request.REWIND: frozenset({Phase.ACTIVE, Phase.RESTORING}),
     Request.CLOSE: frozenset({Phase.IDLE, Phase.ACTIVE, Phase.RESTORING}),
 }
 
@@ -127,9 +124,6 @@ class SessionLifecycle:
             return None
         if request is Request.OPEN:
             return InvalidMessage(f"this socket already has a session ({phase.value})")
-        if request in (Request.CANCEL, Request.REWIND) and phase is Phase.RESTORING:
-            moving = "the session is moving to another worker"
-            return WorkerUnavailable(moving, retry_after_ms=MOVING_RETRY_MS)
         if request is Request.CHUNK:
             first = "send session.open or session.resume first"
             return InvalidMessage(f"no active session ({phase.value}): {first}")

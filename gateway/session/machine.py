@@ -30,6 +30,9 @@ Invariants:
   and in the undurable turns until its turn is durable (turns.py): a restore re-runs it, so every
   chunk gets exactly one `output.done` (docs/failover.md). Held chunks are queued to the new worker
   right after its `opened`, before any later chunk.
+- A rewind or a cancel goes to the worker in order with the chunks around it, and a rewind holds
+  the chunks (and edits) sent after it until it is answered; one in flight when the session moves
+  goes again to the next worker, so it too gets exactly one answer (edits.py).
 - `busy` is True while a flow the client asked for (open, resume, close) runs: the shell reads no
   further client message until it is False, so a client's messages are served in order.
 - The session is bound to a worker's link (`Bind`) before a request is sent there, so its answer
@@ -61,6 +64,7 @@ from gateway.session.actions import (
     Unbind,
     WorkerRef,
 )
+from gateway.session.edits import Edit, PendingEdits, awaits_answer
 from gateway.session.flows import (
     AnyFlow,
     CloseFlow,
@@ -72,7 +76,7 @@ from gateway.session.flows import (
     Step,
 )
 from gateway.session.guard import Expire, SessionGuard, Verdict
-from gateway.session.lifecycle import MOVING_RETRY_MS, IllegalTransition, Phase, Request, SessionLifecycle
+from gateway.session.lifecycle import IllegalTransition, Phase, Request, SessionLifecycle
 from gateway.session.turns import Turns
 from shared.errors import MicroturnError, SessionExpired, WorkerUnavailable
 from shared.protocol.close_codes import CLOSE_NORMAL, close_code_for, error_message_from
@@ -157,9 +161,8 @@ class SessionMachine:
         self._close_deferred = False  # `session.close` while restoring: served once the restore ends
         self._warning: SessionExpiring | None = None  # the credential's deadline, once armed
         self._expiry: Expire | None = None
-        # Rewinds (and cancels keeping k outputs) sent to the worker and not answered yet: told
-        # `worker_unavailable` if the session moves first (the client sends them again).
-        self._rewinds = 0
+        # Rewinds and cancels not through to the worker yet, in order with the chunks (edits.py).
+        self.edits = PendingEdits()
 
     # ---- the caller's side -----------------------------------------------------------------------
 
@@ -224,27 +227,45 @@ class SessionMachine:
         limit = msg.max_output_tokens if msg.max_output_tokens is not None else self.config.max_output_tokens
         frame = LinkChunk(sid, msg)
         # Held while RESTORING: it goes to the new worker with the tail, or right after its restore.
-        # Held while a rewind is unanswered too: it goes once the rewind is durable, so a worker
-        # lost in between cannot run it on the history before the rewind (refused then, `_move`).
-        held = phase is Phase.RESTORING or self._rewinds > 0
+        # Held while an edit is pending too: it goes once the edit is through (a rewind: answered,
+        # so durable), never on the history before it, on this worker or the next (edits.py).
+        held = phase is Phase.RESTORING or self.edits.count > 0
         self.turns.admit(msg, wants_output=limit > 0, received=received, frame=frame, sent=not held)
         if not held:
             self._out += (SendWorker(frame, worker), _CHUNK_FORWARDED)
 
     def _cancel(self, msg: OutputCancel) -> None:
-        self.life.check(Request.CANCEL)
-        assert self.sid is not None and self.worker is not None, "an active session has a worker"
-        self._out.append(SendWorker(LinkCancel(self.sid, msg.seq, msg.keep_output_tokens), self.worker))
-        if msg.keep_output_tokens is not None:
-            self._rewinds += 1
+        self.life.check(Request.CANCEL)  # served while ACTIVE, and held while RESTORING
+        assert self.sid is not None, "an active session has a sid"
+        self._edit(LinkCancel(self.sid, msg.seq, msg.keep_output_tokens))
 
     def _rewind(self, msg: SessionRewind) -> None:
         """`session.rewind`: the worker cancels the session's turns, edits its history, logs the
-        edit and answers `rewound`; the gateway keeps nothing of it but the count in flight."""
-        self.life.check(Request.REWIND)
-        assert self.sid is not None and self.worker is not None, "an active session has a worker"
-        self._out.append(SendWorker(LinkRewind(self.sid, msg), self.worker))
-        self._rewinds += 1
+        edit and answers `rewound`; the gateway keeps it until then (edits.py)."""
+        self.life.check(Request.REWIND)  # served while ACTIVE, and held while RESTORING
+        assert self.sid is not None, "an active session has a sid"
+        self._edit(LinkRewind(self.sid, msg))
+
+    def _edit(self, frame: Edit) -> None:
+        """A rewind or a cancel: after the chunks admitted so far, before any admitted later."""
+        self.edits.add(frame, self.turns.last_seq)
+        self._release()
+
+    def _release(self) -> None:
+        """Send what waits and may go now, in order: the held chunks up to the first pending edit,
+        then that edit (a plain cancel, and on to the next; a rewind, and wait for its answer)."""
+        worker = self.worker
+        if self.life.phase is not Phase.ACTIVE or worker is None:
+            return  # held until the restore's `opened`
+        undurable = self.turns.undurable
+        while True:
+            self._out += [SendWorker(held, worker) for held in undurable.take_unsent(self.edits.boundary)]
+            frame = self.edits.next_to_send(self.turns.first_in_flight)
+            if frame is None:
+                return
+            self._out.append(SendWorker(frame, worker))
+            if awaits_answer(frame):
+                return
 
     def _open(self, config: OpenConfig) -> None:
         self.life.check(Request.OPEN)
@@ -306,12 +327,13 @@ class SessionMachine:
             self._flow.effect_failed(self, exc, store=store)
 
     def send_failed(self, frame: ToWorker, exc: MicroturnError) -> None:
-        """A `SendWorker` could not be sent. A chunk is left to the restore the link loss starts (the
-        new worker gets it with the tail); a request or a close fails; a cancel is refused."""
+        """A `SendWorker` could not be sent. A chunk or a rewind is left to the restore the link loss
+        starts (the new worker gets the chunk with the tail, the rewind right after); a request or a
+        close fails; a plain cancel is refused."""
         flow = self._flow
-        if isinstance(frame, LinkCancel | LinkRewind):
-            self._rewind_answered(frame)
-            self.error(exc, frame.seq if isinstance(frame, LinkCancel) else None)
+        if isinstance(frame, LinkRewind | LinkCancel):
+            if isinstance(frame, LinkCancel) and not awaits_answer(frame):
+                self.error(exc, frame.seq)
         elif flow is not None and flow.awaits_opened:
             if frame is flow.frame:
                 self._request_failed(exc)
@@ -391,6 +413,7 @@ class SessionMachine:
         flow.opened(self, frame)  # the client's answer, queued before any frame that follows `opened`
         was = self.life.phase
         self.life.move(Phase.ACTIVE)
+        self._release()  # what waited while it moved: the held chunks, then the edits, in order
         if was is Phase.OPENING:
             self._start_guard()
         else:
@@ -433,14 +456,17 @@ class SessionMachine:
         elif isinstance(frame, LinkRewound):
             self.turns.undurable.durable(frame.durable_seq)
             self._to_client(frame.rewound)
-            self._rewind_settled()
+            self._edit_answered()
         elif isinstance(frame, LinkError):
             error = frame.error
             if error.seq is not None:
                 self.turns.refused(error.seq)
-            elif not error.fatal and self._rewinds:  # a worker's refusals with no seq answer rewinds
+                if self.edits.count:  # a rewind sent again after a move may wait for this turn
+                    self.edits.turn_refused(error.seq)
+                    self._release()
+            elif not error.fatal and self.edits.awaited:  # a worker's refusal with no seq answers it
                 self._to_client(error)
-                self._rewind_settled()
+                self._edit_answered()
                 return
             self._to_client(error)
             if error.fatal:
@@ -455,19 +481,16 @@ class SessionMachine:
             return
         started, grown = counted
         self._out.append(SendClient(frame.done, started))
+        if self.edits.count:  # a rewind sent again after a move may wait for this turn
+            self.edits.turn_done(frame.done.seq, frame.length, len(frame.done.tokens))
+            self._release()
         if self.guard is not None:
             self._judge(self.guard.on_done(grown))
 
-    def _rewind_answered(self, frame: LinkCancel | LinkRewind) -> None:
-        if isinstance(frame, LinkRewind) or frame.keep_output_tokens is not None:
-            self._rewind_settled()
-
-    def _rewind_settled(self) -> None:
-        """A rewind was answered: once none is, the chunks held behind them go, in seq order."""
-        self._rewinds = max(self._rewinds - 1, 0)
-        if self._rewinds == 0 and self.life.phase is Phase.ACTIVE and self.worker is not None:
-            worker = self.worker
-            self._out += [SendWorker(held, worker) for held in self.turns.undurable.take_unsent()]
+    def _edit_answered(self) -> None:
+        """The rewind at the worker was answered: what waited behind it goes, in order."""
+        self.edits.answered()
+        self._release()
 
     def _move(self, why: str, *, target: str | None = None) -> None:
         """The session leaves its worker (lost or draining): restore it elsewhere with its tail."""
@@ -481,17 +504,9 @@ class SessionMachine:
         )
         self.unbind()  # the old worker's late frames are not ours any more
         self.life.move(Phase.RESTORING)
-        if self._rewinds:
-            # Applied and logged, or not: the client sends the rewind again (it is idempotent), and
-            # the chunks it sent after it, which must not run on the history before it.
-            moved = "the session moved while rewinding: send the rewind again (it is idempotent)"
-            for _ in range(self._rewinds):
-                self.error(WorkerUnavailable(moved, retry_after_ms=MOVING_RETRY_MS))
-            for held in self.turns.undurable.take_unsent():
-                self.turns.refused(held.chunk.seq)
-                after = "sent after a rewind the session lost: send it again after the rewind"
-                self.error(WorkerUnavailable(after, retry_after_ms=MOVING_RETRY_MS), held.chunk.seq)
-        self._rewinds = 0
+        # Applied and logged there, or not: every edit goes again to the next worker (a rewind is
+        # idempotent), and the chunks behind it still wait for it (edits.py).
+        self.edits.moved(self.turns.in_flight)
         # Every done up to the finished seq has been queued for the client: it is what it saw.
         self.run(RestoreFlow(Origin.MOVE, self.turns.finished_seq, target))
 

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 from gateway.limits import LimitValues, SessionLimits
 from shared.errors import BadSequence
 from shared.protocol.link import LinkChunk, LinkDelta, LinkDone, LinkOpened, UndurableTurn
 from shared.protocol.messages import InputChunk
+
+# `Turns.last_seq` before any chunk: below every seq.
+NO_CHUNK: Final = -1
 
 
 class Turns:
@@ -26,6 +30,7 @@ class Turns:
         self.in_flight: dict[int, float] = {}  # seq -> arrival time, for every chunk not yet answered
         self.undurable = UndurableTurns()
         self.finished_seq: int | None = None
+        self.last_seq = NO_CHUNK  # the highest seq admitted: where an edit sent now stands among the chunks
         self._length = 0  # the session's length after its last done: a turn's tokens are its growth
 
     def check_seq(self, msg: InputChunk) -> None:
@@ -50,7 +55,13 @@ class Turns:
         )
         # In flight before the send: the done can arrive while the send is still draining.
         self.in_flight[msg.seq] = received
+        self.last_seq = max(self.last_seq, msg.seq)
         self.undurable.add(frame, sent=sent)
+
+    @property
+    def first_in_flight(self) -> int | None:
+        """The lowest seq not answered yet (seqs are admitted in increasing order), or None."""
+        return next(iter(self.in_flight), None)
 
     def opened(self, frame: LinkOpened) -> None:
         self.finished_seq, self._length = frame.finished_seq, frame.length
@@ -146,15 +157,18 @@ class UndurableTurns:
                 return
             del self._entries[first_seq]
 
-    def snapshot(self) -> tuple[UndurableTurn, ...]:
-        """The whole tail, for a `restore` frame; every entry counts as sent from now on."""
-        for entry in self._entries.values():
+    def snapshot(self, upto: int | None) -> tuple[UndurableTurn, ...]:
+        """The tail up to seq `upto` (None: all of it), for a `restore` frame; those entries count
+        as sent from now on. Chunks above `upto` wait behind an edit (edits.py): they go after it."""
+        kept = [e for seq, e in self._entries.items() if upto is None or seq <= upto]
+        for entry in kept:
             entry.sent = True
-        return tuple(UndurableTurn(e.chunk.chunk, e.output) for e in self._entries.values())
+        return tuple(UndurableTurn(e.chunk.chunk, e.output) for e in kept)
 
-    def take_unsent(self) -> list[LinkChunk]:
-        """Chunks held since the restore frame was built, in seq order; marked sent."""
-        unsent = [e for e in self._entries.values() if not e.sent]
+    def take_unsent(self, upto: int | None) -> list[LinkChunk]:
+        """Chunks held (while the session moved, or behind an edit) up to seq `upto` (None: all),
+        in seq order; marked sent."""
+        unsent = [e for seq, e in self._entries.items() if not e.sent and (upto is None or seq <= upto)]
         for entry in unsent:
             entry.sent = True
         return [e.chunk for e in unsent]

@@ -19,7 +19,7 @@ def test_entries_leave_once_delivered_and_durable_and_duplicates_are_refused() -
     assert tail.delivered(done(1, (9,), None)) and len(tail) == 3
     assert not tail.delivered(done(1, (9,), None))  # a second done for seq 1
     assert tail.delivered(done(2, (8,), 1)) and len(tail) == 2  # 1 is durable now
-    turns = tail.snapshot()
+    turns = tail.snapshot(None)
     assert [(t.chunk.seq, t.output) for t in turns] == [(2, (8,)), (3, None)]
     tail.durable(3)  # 3 has no answer yet: it stays
     assert len(tail) == 1
@@ -32,7 +32,9 @@ def test_held_chunks_are_sent_once_and_repeated_deltas_are_dropped() -> None:
     tail.add(LinkChunk("s", InputChunk(1, (1,))), sent=True)
     tail.add(LinkChunk("s", InputChunk(2, (2,))), sent=False)
     tail.add(LinkChunk("s", InputChunk(3, (3,))), sent=False)
-    assert [c.chunk.seq for c in tail.take_unsent()] == [2, 3] and tail.take_unsent() == []
+    assert [t.chunk.seq for t in tail.snapshot(2)] == [1, 2]  # 3 waits behind an edit: not in a restore
+    assert [c.chunk.seq for c in tail.take_unsent(2)] == []  # 2 went with the restore frame
+    assert [c.chunk.seq for c in tail.take_unsent(None)] == [3] and tail.take_unsent(None) == []
     first = LinkDelta("s", OutputDelta(1, 0, 5))
     assert tail.delta_is_new(first) and not tail.delta_is_new(first)  # a re-run repeats it
     assert tail.delta_is_new(LinkDelta("s", OutputDelta(1, 1, 6)))

@@ -651,7 +651,7 @@ def test_a_refused_rewind_leaves_the_conversation_refusing_more(card: ModelCard)
     _flush, header = decoded.messages
     h.encode(done(header.seq, (30,), "length", committed=4))
     assert isinstance(h.dialect.take_released()[0], SessionRewind)
-    moving = Error(ErrorCode.WORKER_UNAVAILABLE, "the session moved while rewinding", False)
-    assert types(h.encode(moving)) == ["error"]
+    refusal = Error(ErrorCode.INVALID_MESSAGE, "session.rewind: no finished turn 3 in the history", False)
+    assert types(h.encode(refusal)) == ["error"]
     (refused,) = h.reply(user("More"))
     assert refused["error"]["code"] == "session_inconsistent"

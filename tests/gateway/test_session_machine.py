@@ -183,34 +183,126 @@ def test_a_lost_worker_is_replaced_and_every_chunk_gets_exactly_one_done() -> No
     assert [d.seq for d in client(m) if isinstance(d, OutputDone)] == [2]
 
 
-def test_a_rewind_goes_to_the_worker_and_its_answer_makes_the_turns_before_it_durable() -> None:
+def sent(m: SessionMachine) -> list[object]:
+    """The frames for the worker among the queued actions (the rest are dropped)."""
+    return [a.frame for a in m.actions() if isinstance(a, SendWorker)]
+
+
+def test_a_rewind_goes_to_the_worker_and_holds_what_follows_until_it_is_answered() -> None:
     m = opened(machine())
     m.receive(chunk(1), 0.0)
     m.worker_frame(done(1, (5,), 3), 0.0)
     m.actions()
     m.receive(SessionRewind(to_seq=1), 0.0)
-    m.receive(OutputCancel(1, keep_output_tokens=0), 0.0)
-    assert [a.frame for a in of(m.actions(), SendWorker)] == [  # type: ignore[attr-defined]
-        LinkRewind(SID, SessionRewind(to_seq=1)),
-        LinkCancel(SID, 1, keep_output_tokens=0),
-    ]
-    m.receive(chunk(2), 0.0)  # sent behind the rewinds: held until they are durable
-    assert not of(m.actions(), SendWorker)
+    m.receive(OutputCancel(1, keep_output_tokens=0), 0.0)  # behind the rewind: one at the worker at a time
+    m.receive(chunk(2), 0.0)  # behind both: held until they are durable
+    assert sent(m) == [LinkRewind(SID, SessionRewind(to_seq=1))]
     m.worker_frame(LinkRewound(SID, SessionRewound(3), durable_seq=1), 0.0)
-    assert client(m) == [SessionRewound(3)]
+    actions = m.actions()
+    assert [a.message for a in actions if isinstance(a, SendClient)] == [SessionRewound(3)]
+    assert of(actions, SendWorker) == [SendWorker(LinkCancel(SID, 1, keep_output_tokens=0), W1)]
     assert len(m.turns.undurable) == 1  # chunk 2; turn 1 is in the log, the rewind after it
-    m.worker_frame(LinkRewound(SID, SessionRewound(3), durable_seq=1), 0.0)
-    assert [a.frame for a in of(m.actions(), SendWorker)] == [LinkChunk(SID, chunk(2))]  # type: ignore[attr-defined]
-    # A rewind in flight when the worker goes: it and the chunk behind it are to be sent again.
-    m.receive(SessionRewind(keep_tokens=2), 0.0)
-    m.receive(chunk(3), 0.0)
+    m.worker_frame(LinkError(SID, Error(ErrorCode.INVALID_MESSAGE, "k is too large", False)), 0.0)
+    actions = m.actions()  # a refusal with no seq answers the rewind at the worker, too
+    assert [type(a.message) for a in actions if isinstance(a, SendClient)] == [Error]
+    assert [a.frame for a in actions if isinstance(a, SendWorker)] == [LinkChunk(SID, chunk(2))]
+    m.receive(OutputCancel(2), 0.0)  # a plain cancel with nothing pending goes at once
+    assert sent(m) == [LinkCancel(SID, 2)]
+
+
+def test_a_rewind_in_flight_when_the_worker_is_lost_goes_again_after_the_restore() -> None:
+    """Applied and logged on the lost worker, or not: it goes again to the next worker (a rewind
+    names a length: applying it twice changes nothing), after the turns before it are answered
+    there, and the client gets exactly one `session.rewound`; the chunks sent behind it never run
+    before it, and edits sent while the session moves wait for the restore, in order."""
+    m = opened(machine())
+    m.receive(chunk(1), 0.0)
+    m.worker_frame(done(1, (5,), 3), 0.0)  # answered, not durable yet
+    m.receive(chunk(2), 0.0)  # in flight
+    m.receive(SessionRewind(keep_tokens=4), 0.0)
+    m.receive(chunk(3), 0.0)  # behind the rewind
+    m.actions()
+    rewind = LinkRewind(SID, SessionRewind(keep_tokens=4))
+    m.send_failed(rewind, WorkerUnavailable("link broke"))  # left to the restore, as a chunk is
+    assert client(m) == []
+    m.link_lost()
+    assert m.actions() == [Move(SID, record(W1), OpenConfig())]  # nothing refused
+    m.receive(chunk(4), 0.0)  # held while the session moves
+    m.receive(OutputCancel(4), 0.0)  # held too, in its place
+    m.receive(SessionRewind(to_seq=1), 0.0)  # and a rewind
+    assert m.actions() == []
+    m.placed(record(W2), W2.url)
+    restore = next(a.frame for a in m.actions() if isinstance(a, SendWorker))
+    assert isinstance(restore, LinkRestore)
+    assert [(t.chunk.seq, t.output) for t in restore.tail] == [(1, (5,)), (2, None)]  # not 3 and 4
+    m.worker_frame(LinkOpened(SID, 3, finished_seq=1, durable_seq=None), 0.0)
+    assert sent(m) == []  # the rewind waits for turn 2, which the new worker runs again
+    m.worker_frame(done(2, (6, 7), 5), 0.0)
+    assert sent(m) == [rewind]
+    m.worker_frame(LinkRewound(SID, SessionRewound(4), durable_seq=2), 0.0)
+    actions = m.actions()
+    assert [a.message for a in actions if isinstance(a, SendClient)] == [SessionRewound(4)]
+    assert [a.frame for a in actions if isinstance(a, SendWorker)] == [
+        LinkChunk(SID, chunk(3)),
+        LinkChunk(SID, chunk(4)),
+        LinkCancel(SID, 4),
+        LinkRewind(SID, SessionRewind(to_seq=1)),
+    ]
+    m.worker_frame(done(3, (8,), 6), 0.0)
+    m.worker_frame(done(4, (), 7), 0.0)
+    assert [d.seq for d in client(m) if isinstance(d, OutputDone)] == [3, 4]
+    m.receive(chunk(5), 0.0)  # behind the second rewind, which is at the worker
+    assert sent(m) == []
+    m.worker_frame(LinkRewound(SID, SessionRewound(3), durable_seq=4), 0.0)
+    assert sent(m) == [LinkChunk(SID, chunk(5))]
+
+
+def test_a_cancel_keeping_outputs_of_a_turn_the_move_caught_running_goes_as_the_length_it_meant() -> None:
+    """The new worker runs the turn again to its end, and another behind it: sent as itself the
+    cancel would be refused (the turn is no longer the session's last), so once the turn is
+    answered it goes as `keep_tokens` up to its k-th output, which also cancels the turn behind."""
+    m = opened(machine())
+    m.receive(chunk(1), 0.0)
+    m.receive(chunk(2), 0.0)
+    m.receive(OutputCancel(1, keep_output_tokens=1), 0.0)
     m.actions()
     m.link_lost()
-    errors = [x for x in client(m) if isinstance(x, Error)]
-    assert [(e.code, e.fatal, e.seq) for e in errors] == [
-        (ErrorCode.WORKER_UNAVAILABLE, False, None),
-        (ErrorCode.WORKER_UNAVAILABLE, False, 3),
-    ]
+    m.placed(record(W2), W2.url)
+    [restore] = sent(m)
+    assert isinstance(restore, LinkRestore) and [t.chunk.seq for t in restore.tail] == [1, 2]
+    m.worker_frame(LinkOpened(SID, 0, finished_seq=None, durable_seq=None), 0.0)
+    assert sent(m) == []  # the cancel waits for turn 1
+    m.worker_frame(done(1, (5, 6, 7), 10), 0.0)  # 7 in, 3 out
+    assert sent(m) == [LinkRewind(SID, SessionRewind(keep_tokens=10 - 3 + 1))]
+    m.worker_frame(LinkRewound(SID, SessionRewound(8), durable_seq=None), 0.0)
+    assert [x for x in client(m) if isinstance(x, SessionRewound)] == [SessionRewound(8)]
+    # The same, with the turn refused by the new worker: the cancel goes as itself, to be judged.
+    m.receive(chunk(3), 0.0)
+    m.receive(OutputCancel(3, keep_output_tokens=1), 0.0)
+    m.actions()
+    m.link_lost()
+    m.placed(record(W1), W1.url)
+    m.worker_frame(LinkOpened(SID, 8, finished_seq=2, durable_seq=None), 0.0)
+    m.actions()
+    m.worker_frame(LinkError(SID, Error(ErrorCode.BACKPRESSURE, "full", False, seq=3)), 0.0)
+    assert sent(m) == [LinkCancel(SID, 3, keep_output_tokens=1)]
+
+
+def test_a_draining_worker_that_leaves_a_rewind_unanswered_moves_it_with_the_session() -> None:
+    m = opened(machine())
+    m.receive(chunk(1), 0.0)
+    m.worker_frame(done(1, (5,), 3, durable=1), 0.0)
+    m.receive(SessionRewind(to_seq=1), 0.0)
+    m.actions()
+    m.worker_frame(LinkMigrate(SID, durable_seq=1), 0.0)  # the rewind came after its switch point
+    assert not client(m)
+    m.placed(record(W2), W2.url)
+    restore = next(a.frame for a in m.actions() if isinstance(a, SendWorker))
+    assert isinstance(restore, LinkRestore) and restore.tail == ()
+    m.worker_frame(LinkOpened(SID, 3, finished_seq=1, durable_seq=1), 0.0)
+    actions = m.actions()  # nothing before it is in flight: it goes at once, after `restored`
+    assert [type(a.message) for a in actions if isinstance(a, SendClient)] == [SessionRestored]
+    assert of(actions, SendWorker) == [SendWorker(LinkRewind(SID, SessionRewind(to_seq=1)), W2)]
 
 
 def test_a_restore_retries_on_another_worker_then_ends_the_socket_not_the_session() -> None:

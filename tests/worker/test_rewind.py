@@ -13,10 +13,13 @@ from typing import Any
 import pytest
 
 from shared.errors import InvalidMessage
+from shared.protocol.messages import OpenConfig
+from shared.store.log_format import DIRECTIVE_REWIND, Cut, encode_directive, encode_log_record
 from tests.worker.smollm2 import engine_on
 from worker.engine import Engine, TokenDelta, TurnResult
 from worker.engine.rewind import KeepOutputs, KeepTokens, RewindTarget, ToTurn
 from worker.model.loader import LoadedModel
+from worker.server.restore import plan_restore
 
 PAGE = 16
 PROMPT = [(5 * j) % 200 + 1 for j in range(40)]
@@ -212,6 +215,36 @@ def test_a_parked_session_rewinds_on_the_host() -> None:
             engine.run_turn(first, seq=1, timeout=60, **turn),
             _as_whole(engine, list(range(1, 21)), **turn),
         )
+
+
+def test_a_rewind_sent_again_to_the_worker_that_restored_it_from_the_log_changes_nothing() -> None:
+    """A rewind the lost worker logged but never answered goes again to the session's next worker
+    (gateway/session/edits.py): restored from a log that holds it, the session already is where
+    the rewind goes, so each way of naming that length changes nothing, and the next turn answers
+    as the rewound history sent whole."""
+    with _engine() as engine:
+        sid = _open(engine)
+        engine.run_turn(sid, tokens=PROMPT, max_output_tokens=0, seq=0, timeout=60)
+        reply = engine.run_turn(sid, tokens=[3, 4], max_output_tokens=6, seq=1, timeout=60)
+        later = engine.run_turn(sid, tokens=[5, 6], max_output_tokens=4, seq=2, timeout=60)
+        length = _rewind(engine, sid, ToTurn(1))
+        # The log as the worker wrote it: the three turns, then the rewind after turn 2's record.
+        log = (
+            encode_log_record(0, PROMPT)
+            + encode_log_record(1, [3, 4, *reply.tokens], inputs=2)
+            + encode_log_record(2, [5, 6, *later.tokens], inputs=2)
+            + encode_directive(DIRECTIVE_REWIND, Cut(length, 0))
+            + encode_log_record(2, [])
+        )
+        plan = plan_restore(sid, log, [], 2, rules=engine.session_rules(OpenConfig()))
+        restored = engine.open_session(
+            history=plan.history, turn_ends=plan.turn_ends, stop_token_ids=(), logprobs=True
+        )
+        for target in (ToTurn(1), KeepTokens(length), KeepOutputs(1, len(reply.tokens))):
+            assert _rewind(engine, restored, target) == length
+        turn = {"tokens": [9, 10], "max_output_tokens": 4}
+        want = _as_whole(engine, [*PROMPT, 3, 4, *reply.tokens], **turn)
+        _same(engine.run_turn(restored, seq=3, timeout=60, **turn), want)
 
 
 def _history(engine: Engine, sid: str) -> list[int]:

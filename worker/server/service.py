@@ -404,6 +404,11 @@ class WorkerService:
     def _rewind(self, sid: str, target: RewindTarget, link: LinkPeer, *, seq: int | None = None) -> None:
         """Apply a rewind in the engine, write it to the token log, and answer `rewound` once Redis
         holds it: a session restored elsewhere from then on continues from the edited history."""
+        entry = self.sessions.entry(sid)
+        if entry is not None and entry.phase in HELD_ELSEWHERE:
+            # Left unanswered, as a chunk is: the session moves, and its gateway sends the rewind
+            # again to the next worker once it is restored there (gateway/session/edits.py).
+            return
         binding = self.sessions.get(sid)
         if binding is None:
             self._send_error(link, sid, SessionNotFound(f"no session {sid} on this worker"), seq=seq)

@@ -5,7 +5,7 @@ point 2): SmolLM2 workers and an auth-on gateway (conftest's `openai_stack`).
   its own, echoes its `metadata`, adds nothing to the conversation;
 - the same over a question of its own only, `conversation.item.delete` of the first item (the
   instructions are the kept prefix) and of a turn the user takes back while its reply streams,
-  then a worker killed;
+  then a delete whose worker is killed before it answers;
 
 and after each, the conversation's next response is exactly the one the model gives the
 conversation without them (the engine fed the whole conversation rendered by the chat template:
@@ -32,6 +32,12 @@ from tests.system.gateway.openai_reference import (
 from tests.system.gateway.stack import Stack
 from tests.system.gateway.test_openai import newest_session_worker, until
 from tests.system.gateway.test_openai_sdks import MAX_TOKENS, MODEL, expected, run, user
+
+
+async def _added(conn: Any, text: str, seen: list[Any]) -> str:
+    """A user item created and in the session (its `conversation.item.done`): its id."""
+    await conn.conversation.item.create(item=user(text))
+    return str((await until(conn, "conversation.item.done", seen)).item.id)
 
 
 async def _until_done(conn: Any, seen: list[Any]) -> Any:
@@ -101,8 +107,11 @@ def test_edits_then_a_worker_kill_leave_the_conversation_exact(
       instructions and that question alone (`side_question`), then the conversation put back;
     - a turn the user takes back: both its items deleted while its reply still streams (the
       deletes wait for it);
-    - the session's worker killed (SIGKILL): TURNS[1] is answered on another worker, restored from
-      the log, exactly as the conversation TURNS[0], its reply, TURNS[1] (`sdk_turns`)."""
+    - an aside, then TURNS[1]; the session's worker stopped, the aside deleted (its rewind sent to
+      the stopped worker, TURNS[1] to be sent again behind it), the worker killed (SIGKILL): the
+      session is restored on another worker from the log, the rewind and TURNS[1] go again there,
+      `conversation.item.deleted` comes once, and TURNS[1] is answered exactly as the conversation
+      TURNS[0], its reply, TURNS[1] (`sdk_turns`), with no error."""
 
     async def body(api_key: str) -> tuple[list[str], str, list[str], list[Any]]:
         # The stack may be down to one worker (test_openai.py drains one): another boots meanwhile.
@@ -136,22 +145,33 @@ def test_edits_then_a_worker_kill_leave_the_conversation_exact(
             for _ in range(2):
                 deleted.append((await until(conn, "conversation.item.deleted", seen)).item_id)
 
+            aside = await _added(conn, "Wait, one more thing.", seen)
+            turn = await _added(conn, TURNS[1], seen)
             await replacement
             redis = Redis.from_url(openai_stack.redis_url)
             try:
-                victim = await newest_session_worker(redis, KeySchema(openai_stack.prefix))
+                victim = openai_stack.workers[
+                    await newest_session_worker(redis, KeySchema(openai_stack.prefix))
+                ]
             finally:
                 await redis.aclose()
-            openai_stack.workers[victim].popen.send_signal(signal.SIGKILL)
-            await conn.conversation.item.create(item=user(TURNS[1]))  # type: ignore[arg-type]
+            victim.popen.send_signal(signal.SIGSTOP)
+            try:
+                await conn.conversation.item.delete(item_id=aside)
+                await conn.conversation.item.retrieve(item_id=turn)  # answered once the delete went out
+                await until(conn, "conversation.item.retrieved", seen)
+            finally:
+                victim.popen.send_signal(signal.SIGKILL)
+            deleted.append((await until(conn, "conversation.item.deleted", seen)).item_id)
             await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
             texts.append((await _until_done(conn, seen)).response.output[0].content[0].text)
-        return texts, side_text, [added.item.id, reply, asked, *deleted], seen
+        return texts, side_text, [added.item.id, reply, asked, aside, *deleted], seen
 
     texts, side_text, ids, seen = run(openai_stack, body)
     print(f"[openai edits] side answer {side_text!r}, replies {texts!r}")
     assert [e for e in seen if e.type == "error"] == []
-    first, reply, asked, *deleted = ids
-    assert deleted == [first, reply, asked]
+    first, reply, asked, aside, *deleted = ids
+    assert deleted == [first, reply, asked, aside]
+    assert sum(e.type == "conversation.item.deleted" for e in seen) == len(deleted)  # each once
     assert side_text == openai_references.result("side_question")["texts"][0]
     assert texts == expected(openai_references)

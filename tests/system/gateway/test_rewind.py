@@ -15,7 +15,7 @@ import pytest
 
 from shared.client.clients import RealtimeClient
 from shared.errors import InvalidMessage
-from shared.protocol.messages import OutputDone, SessionRestored
+from shared.protocol.messages import OutputDone, SessionRestored, SessionRewind, SessionRewound
 from shared.store.connection import resilient_redis
 from shared.store.registry import read_session
 from shared.store.schema import KeySchema
@@ -102,10 +102,12 @@ def test_a_rewind_cancels_the_running_turn_first(rewind_stack: Stack) -> None:
     asyncio.run(asyncio.wait_for(body(), 120))
 
 
-def test_a_worker_killed_after_a_rewind_leaves_the_edited_history(rewind_stack: Stack) -> None:
-    """Point 3 and 4: the rewind is in the log before it is answered, so the session restored on
-    the other worker continues from the rewound history (and still knows where its turns end).
-    Last in the module: it leaves the stack one worker."""
+def test_a_worker_killed_after_a_rewind_and_during_one_leaves_the_edited_history(rewind_stack: Stack) -> None:
+    """Points 3 and 4: a rewind is in the log before it is answered, so the session restored on the
+    other worker continues from the rewound history; and a rewind the worker never answered (it is
+    stopped, the rewind and a chunk behind it sent, then it is killed) goes again to the next
+    worker, answered once, from the history the log gave it (it still knows where turn 1 ends),
+    with the chunk run after it. Last in the module: it leaves the stack one worker."""
     url = rewind_stack.realtime_url(0)
 
     async def body() -> None:
@@ -116,15 +118,22 @@ def test_a_worker_killed_after_a_rewind_leaves_the_edited_history(rewind_stack: 
                 history = await _history(client, [(PROMPT, 0), ([5, 6, 7, 8], 6), ([9, 10, 11, 12], 6)])
                 rewound = await client.rewind(to_seq=1)
                 history = history[: rewound.length]
+                got = await client.turn(3, [40, 41], max_output_tokens=4)
                 assert client.session_id is not None
                 record = await read_session(redis, KeySchema(rewind_stack.prefix), client.session_id)
                 assert record is not None
-                stop(rewind_stack.workers[record.worker], signal.SIGKILL)
-                got = await client.turn(3, [40, 41], max_output_tokens=4)
+                worker = rewind_stack.workers[record.worker]
+                worker.popen.send_signal(signal.SIGSTOP)
+                try:
+                    await client.send(SessionRewind(to_seq=1))  # turn 3 goes again
+                    await client.send_chunk(4, [40, 41], max_output_tokens=4)
+                    await client.ping()  # the gateway has both: the rewind sent, the chunk held behind it
+                finally:
+                    stop(worker, signal.SIGKILL)
+                again = await client.wait_done(4)
+                await client.ping()
                 assert any(isinstance(m, SessionRestored) for m in client.buffered)
-                # Restored from the log: turn 1's end is known there too, and leads to the same answer.
-                assert (await client.rewind(to_seq=1)).length == rewound.length
-                again = await client.turn(4, [40, 41], max_output_tokens=4)
+                assert [m for m in client.buffered if isinstance(m, SessionRewound)] == [rewound]
                 assert again.tokens == got.tokens
         finally:
             await redis.aclose()

@@ -25,9 +25,10 @@ from shared.protocol.link import (
     LinkOpen,
     LinkOpened,
     LinkRestore,
+    LinkRewind,
     ToGateway,
 )
-from shared.protocol.messages import InputChunk, OpenConfig
+from shared.protocol.messages import InputChunk, OpenConfig, SessionRewind
 from shared.settings import WorkerSettings
 from shared.store.connection import resilient_redis
 from shared.store.schema import KeySchema
@@ -212,8 +213,14 @@ def test_a_drain_hands_each_attached_session_over_with_its_durable_seq(
         assert (migrated, detached) == (2, 0)
         migrates = [f for f in link.frames if isinstance(f, LinkMigrate)]
         assert sorted(migrates, key=lambda m: m.sid) == [LinkMigrate("d1", 1), LinkMigrate("d2", 1)]
+        # Sent before the gateway had the migrate: left unanswered, for the session's next worker
+        # (the gateway holds the chunk in its tail and sends the rewind again there).
+        link.frames.clear()
+        service.dispatch(link, LinkRewind("d1", SessionRewind(to_seq=1)))
+        service.dispatch(link, chunk("d1", 2, (5,)))
         service.dispatch(link, LinkOpen("late", CONFIG))  # a draining worker takes no new session
         refused = await link.next(LinkError)
         assert isinstance(refused, LinkError) and refused.error.code == ErrorCode.WORKER_UNAVAILABLE
+        assert refused.sid == "late" and link.frames == []  # nothing for d1
 
     run(engine, redis_url, body)
