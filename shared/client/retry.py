@@ -1,10 +1,10 @@
 """The Python client's retries of refused chunks (`retry_after_ms`), Sans-I/O.
 
 Why in the client: every refusal that carries `retry_after_ms` (`rate_limited`, `backpressure`,
-`capacity_exhausted`, `worker_unavailable` while a session moves) leaves the session exactly as it
-was, its seq included, so the right reaction is always the same: wait that long and send the same
-chunk again with the same seq. Doing it here means neither users of the client nor the load tests
-handle it by hand. Bounded (`attempts` resends per chunk, each wait capped) and off with
+`capacity_exhausted`, `worker_unavailable` when no worker or store can take it) leaves the session
+exactly as it was, its seq included, so the right reaction is always the same: wait that long and
+send the same chunk again with the same seq. Doing it here means neither users of the client nor
+the load tests handle it by hand. Bounded (`attempts` resends per chunk, each wait capped) and off with
 `RetryPolicy(attempts=0)`.
 
 Order: a chunk is resent when its own turn is awaited (`turn`, `wait_done`). A client that
