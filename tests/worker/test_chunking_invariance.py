@@ -74,7 +74,7 @@ def logits_by_steps(
 
 @pytest.mark.parametrize("form", ["float", "int4", "int8"])
 def test_a_positions_logits_do_not_depend_on_how_its_history_was_chunked(form: str, threads: int) -> None:
-    assert blas_is_row_invariant(), "MKL ran before worker/numerics.py set its reproducible mode"
+    assert blas_is_row_invariant(), "MKL sums a row by the product's shape (worker/numerics.py)"
     loaded = load_model("tiny", device=CPU, dtype=torch.float32, weights=form)
     model = LlamaModel(loaded.config, loaded.weights, device=CPU, dtype=torch.float32)
     tokens = torch.randint(0, loaded.config.vocab_size, (LENGTH,), generator=torch.Generator().manual_seed(0))

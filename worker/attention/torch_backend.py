@@ -12,14 +12,17 @@ Every row, whatever its length, takes one path, built so that a query's output d
 how its session's tokens were split into steps nor on the rows beside it (the engine's promise:
 streamed in micro-turns = sent whole, alone = batched, bit for bit):
 - scores: the query heads of a KV head are folded into the query axis and multiplied by the keys in
-  one matmul (GQA never repeats K/V); a score is one dot product of `head_dim` values, whose order
-  BLAS does not vary with the matrix sizes (worker/numerics.py makes MKL hold to that);
+  one matmul (GQA never repeats K/V); a score is one dot product of `head_dim` values, which BLAS
+  sums in one order whatever the matrix sizes as long as the product has at least MIN_ROWS rows and
+  MIN_COLUMNS columns (worker/numerics.py): fewer folded queries are padded with zero queries, and
+  a session's first keys with zero keys, whose scores are then set to -inf;
 - the softmax's max is exact in any order; its sum and the weighted sum of values are taken in
-  fixed tiles of KV_TILE positions aligned to position 0 (one matmul per tile, of one shape); the
-  tiles' weighted values are summed in one fixed tree over tile indices (`_attend`), their softmax
-  sums by one cumulative sum. A query sees the same tiles with the same values whether the keys
-  after it are absent (a chunk) or masked (the whole history): a masked key's weight is exactly 0,
-  and so is a padded one's.
+  fixed tiles of KV_TILE positions aligned to position 0 (one batched matmul, of one shape per tile,
+  over every tile and KV head, against the values padded with zeros to whole tiles); the tiles'
+  weighted values are summed in one fixed tree over tile indices (`_attend`), their softmax sums by
+  one cumulative sum. A query sees the same tiles with the same values whether the keys after it
+  are absent (a chunk) or masked (the whole history): a masked key's weight is exactly 0, and so
+  is a padded one's.
 Long rows (re-prefills, restores) run in blocks of QUERY_BLOCK queries, which bounds the scores'
 memory; each block reads the keys up to its last query only.
 """
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
+from worker.numerics import MIN_COLUMNS, MIN_ROWS
 
 # Queries of a row computed together: the scores of a block are [kv_heads, group * block, kv_len].
 QUERY_BLOCK = 64
@@ -167,64 +171,54 @@ class TorchAttention(AttentionBackend):
         hidden: torch.Tensor | None,
     ) -> torch.Tensor:
         """query [q, heads, dim] against the keys/values [kv_heads, run, dim] of consecutive runs of
-        positions (every run but the last whole tiles) -> [q, heads, dim]. No K/V is copied but the
-        last partial tile."""
+        positions (every run but the last whole tiles) -> [q, heads, dim]."""
         q_len = query.shape[0]
         kv_heads, dim = self.num_kv_heads, self.head_dim
         group = self.num_heads // kv_heads
         rows = group * q_len
-        # [q, kv_heads, group, dim] -> [kv_heads, group * q, dim]: rows ordered (group, query).
+        # [q, kv_heads, group, dim] -> [kv_heads, group * q, dim]: rows ordered (group, query), padded
+        # with zero queries to MIN_ROWS (worker/numerics.py: fewer rows take other BLAS kernels).
         folded = query.view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, rows, dim)
-        parts = [torch.matmul(folded, key.transpose(1, 2)) for key in keys]
-        scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).mul_(1.0 / math.sqrt(dim))
-        if hidden is not None:
-            scores.masked_fill_(hidden, float("-inf"))
-        kv_len = scores.shape[-1]
+        if rows < MIN_ROWS:
+            folded = torch.constant_pad_nd(folded, (0, 0, 0, MIN_ROWS - rows))
+        products = folded.shape[1]
+        key = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)
+        kv_len = key.shape[1]
         tiles = -(-kv_len // KV_TILE)
-        terms = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
-        if kv_len % KV_TILE:
-            terms = torch.constant_pad_nd(terms, (0, tiles * KV_TILE - kv_len))
-        terms = terms.view(kv_heads, rows, tiles, KV_TILE)
-        total = terms.sum(dim=-1).cumsum(dim=-1).narrow(-1, tiles - 1, 1)  # [kv_heads, rows, 1]
+        width = tiles * KV_TILE
+        if kv_len < MIN_COLUMNS:  # a session's first positions: padded keys, so the same kernels run
+            key = torch.constant_pad_nd(key, (0, 0, 0, MIN_COLUMNS - kv_len))
+        # Scores [kv_heads, products, width]: one dot product of `dim` values each, -inf past the keys.
+        scores = torch.matmul(folded, key.transpose(1, 2)).mul_(1.0 / math.sqrt(dim))
+        if scores.shape[-1] < width:
+            scores = torch.constant_pad_nd(scores, (0, width - scores.shape[-1]), float("-inf"))
+        elif kv_len < width:
+            scores.narrow(-1, kv_len, width - kv_len).fill_(float("-inf"))
+        if hidden is not None:
+            scores.narrow(1, 0, rows).narrow(-1, 0, kv_len).masked_fill_(hidden, float("-inf"))
+        # The softmax's terms: a masked or absent key's is exactly 0.
+        terms = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_().view(kv_heads, products, tiles, KV_TILE)
+        total = terms.sum(dim=-1).cumsum(dim=-1).narrow(-1, tiles - 1, 1)  # [kv_heads, products, 1]
 
-        # Every tile's weighted values, one matmul of one shape per tile (the last partial tile
-        # against its values padded with zeros), then summed by folding the tiles at and above the
-        # largest power of two below their count onto those below, in place, until one is left. A
-        # query's tiles come first and every tile after them is all zeros (masked or absent), so
-        # a longer history's first folds add exactly 0 to them and its later folds are the ones
-        # a shorter history makes: the sum is the same whichever way the history was chunked.
-        # Views by method calls, not indexing: this runs per layer and row, and indexing costs
-        # more Python time than the small matmuls themselves.
-        weighted = torch.empty(kv_heads, tiles, rows, dim, dtype=query.dtype, device=query.device)
-        terms_by_head = terms.unbind(0)
-        weighted_by_head = weighted.unbind(0)
-        tile = 0
-        for value in values:
-            count = value.shape[1] // KV_TILE
-            if count:
-                for head_terms, head_value, head_weighted in zip(
-                    terms_by_head, value.unbind(0), weighted_by_head, strict=True
-                ):
-                    torch.bmm(
-                        head_terms.narrow(1, tile, count).transpose(0, 1),
-                        head_value.narrow(0, 0, count * KV_TILE).view(count, KV_TILE, dim),
-                        out=head_weighted.narrow(0, tile, count),
-                    )
-            tile += count
-        rest = kv_len - tile * KV_TILE
-        if rest:
-            last = values[-1]
-            padded = torch.constant_pad_nd(
-                last.narrow(1, last.shape[1] - rest, rest), (0, 0, 0, KV_TILE - rest)
-            )
-            weighted.select(1, tile).copy_(torch.bmm(terms.select(2, tile), padded))
+        # Every tile's weighted values in one batched product of one shape per tile, against the
+        # values padded with zeros to whole tiles: [kv_heads, tiles, products, dim]. Then the tiles
+        # are summed by folding the tiles at and above the largest power of two below their count
+        # onto those below, in place, until one is left. A query's tiles come first and every tile
+        # after them is all zeros (masked or absent), so a longer history's first folds add exactly
+        # 0 to them and its later folds are the ones a shorter history makes: the sum is the same
+        # whichever way the history was chunked.
+        value = values[0] if len(values) == 1 else torch.cat(values, dim=1)
+        value = torch.constant_pad_nd(value, (0, 0, 0, width - kv_len))
+        weighted = torch.bmm(
+            terms.transpose(1, 2).reshape(kv_heads * tiles, products, KV_TILE),
+            value.reshape(kv_heads * tiles, KV_TILE, dim),
+        ).view(kv_heads, tiles, products, dim)
         count = tiles
         while count > 1:
             half = 1 << (count - 1).bit_length() - 1
             weighted.narrow(1, 0, count - half).add_(weighted.narrow(1, half, count - half))
             count = half
-        attended = weighted.select(1, 0)
-        attended = attended.div_(total)
+        attended = weighted.select(1, 0).div_(total).narrow(1, 0, rows)
         attended = attended.view(kv_heads, group, q_len, dim).permute(2, 0, 1, 3)
         return attended.reshape(q_len, self.num_heads, dim)
 
