@@ -4,7 +4,8 @@
   the exactness tests against transformers run).
 - `int4`: GGUF Q4_0/Q4_1 matrices served from their stored nibbles (linear_int4.py); 8-bit and
   float matrices (Q8_0, F16, a safetensors checkpoint's) as int8; any other stored type is refused,
-  since no kernel here takes it and requantising it to 4 bits would lose what the file kept.
+  since no kernel here takes it and requantising it to 4 bits would lose what the file kept. The
+  output projection is int8 rows with bfloat16 activations (`output_projection`).
 - `int8`: every matrix requantised to int8 per row (linear_int8.py).
 - `auto`: the fastest form that keeps the engine's promises on this device: `int4` on the CPU for a
   GGUF file whose matrices are Q4_0/Q4_1 (the rest at 8 bits or more), else `float`. A quantised
@@ -34,7 +35,7 @@ from shared.settings import WEIGHT_FORMS
 from worker.model.embedding import Embedding, FloatEmbedding, StoredEmbedding
 from worker.model.linear import FloatLinear, Linear
 from worker.model.linear_int4 import INT4_STORED_TYPES, Int4Linear
-from worker.model.linear_int8 import Int8Linear
+from worker.model.linear_int8 import Int8Linear, Int8WeightOnlyLinear
 from worker.model.stored import StoredTensor
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,14 @@ class WeightForm:
             if not stored:  # a float checkpoint: quantised at load into Q4_1-like groups
                 return Int4Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
         return Int8Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
+
+    def output_projection(self, source: Source) -> Linear:
+        """The output projection (logits of the sampled rows only). Under `int4` its weights are
+        8-bit rows with bfloat16 activations (Int8WeightOnlyLinear): as fast at one row as the
+        layers' int8 form, and nearer the float path (docs/benchmarks.md, "Weight forms")."""
+        if self.name != "int4":
+            return self.linear([source], None, what="the output projection")
+        return Int8WeightOnlyLinear.from_float(as_float(source).float(), None)
 
     def embedding(self, source: Source) -> Embedding:
         if isinstance(source, StoredTensor) and self.name != "float":
