@@ -8,7 +8,8 @@ forward, logits of the row, argmax), as the engine runs a decode step. Printed, 
 
 - `step_1_thread` and `step_2_threads`: the whole step on 1 and on 2 intra-op threads, thread CPU
   time of the calling thread and wall time, the two thread counts alternating (the engine's
-  single-thread rule, worker/engine/model_runner.py, picks between them by the step's size);
+  single-thread rule, worker/engine/model_runner.py, picks between them by the step's size); then
+  the same for an append of `--append` tokens (a micro-turn's chunk) after the context;
 - the parts on 1 thread, each timed alone on the same weights and KV: the layer matrices (every
   layer's linears at one row), the output projection, attention (plan and every layer's KV write
   and attend), the elementwise ops (embedding, norms, RoPE, SiLU, residual adds), and what is left
@@ -21,6 +22,7 @@ Thread CPU time is what to compare under load (other processes take wall time, n
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -49,7 +51,7 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": round(ordered[len(ordered) // 2], 2), "p10": round(ordered[len(ordered) // 10], 2)}
 
 
-def run(model_name: str, weights: str, context: int, repeats: int) -> dict[str, Any]:
+def run(model_name: str, weights: str, context: int, append: int, repeats: int) -> dict[str, Any]:
     from worker.attention import TorchAttention
     from worker.attention.base import paged_metadata
     from worker.attention.kv_pool import KVPool
@@ -60,7 +62,7 @@ def run(model_name: str, weights: str, context: int, repeats: int) -> dict[str, 
     loaded = load_model(model_name, device=_CPU, dtype=torch.float32, weights=weights)
     config = loaded.config
     model = LlamaModel(config, loaded.weights, device=_CPU, dtype=torch.float32)
-    pages = list(range(-(-(context + 1) // _PAGE)))
+    pages = list(range(-(-(context + append) // _PAGE)))
     pool = KVPool(
         num_layers=config.num_layers,
         num_pages=len(pages),
@@ -74,27 +76,31 @@ def run(model_name: str, weights: str, context: int, repeats: int) -> dict[str, 
     attention = TorchAttention(
         pool, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
     )
-    ids = torch.randint(100, 5000, (context + 1,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, min(5000, config.vocab_size), (context + append,), generator=torch.Generator().manual_seed(0)
+    )
     attention.plan(paged_metadata([0], [context], [pages], _PAGE))
     model.forward(ids[:context], torch.arange(context), attention)
     position = torch.tensor([context])
 
-    def step() -> int:
-        attention.plan(paged_metadata([context], [1], [pages], _PAGE))
-        hidden = model.forward(ids[context:], position, attention)
-        return int(model.logits(hidden).argmax(dim=-1)[0])
+    def step(tokens: int = 1) -> int:
+        attention.plan(paged_metadata([context], [tokens], [pages], _PAGE))
+        positions = torch.arange(context, context + tokens)
+        hidden = model.forward(ids[context : context + tokens], positions, attention)
+        return int(model.logits(hidden[-1:]).argmax(dim=-1)[0])
 
     result: dict[str, Any] = {"model": model_name, "weights": loaded.weights.form, "context": context}
-    by_threads: dict[int, tuple[list[float], list[float]]] = {1: ([], []), 2: ([], [])}
-    for turn in range(repeats):
-        for threads in (1, 2) if turn % 2 == 0 else (2, 1):
-            torch.set_num_threads(threads)
-            cpu, wall = _times(step, 1)
-            by_threads[threads][0].extend(cpu)
-            by_threads[threads][1].extend(wall)
-    for threads, (cpu, wall) in by_threads.items():
-        name = "step_1_thread" if threads == 1 else "step_2_threads"
-        result[name] = {"thread_cpu": _summary(cpu), "wall": _summary(wall)}
+    for tokens, label in ((1, "step"), (append, f"append_{append}")):
+        by_threads: dict[int, tuple[list[float], list[float]]] = {1: ([], []), 2: ([], [])}
+        for turn in range(repeats):
+            for threads in (1, 2) if turn % 2 == 0 else (2, 1):
+                torch.set_num_threads(threads)
+                cpu, wall = _times(functools.partial(step, tokens), 1)
+                by_threads[threads][0].extend(cpu)
+                by_threads[threads][1].extend(wall)
+        for threads, (cpu, wall) in by_threads.items():
+            name = f"{label}_{threads}_thread{'s' if threads > 1 else ''}"
+            result[name] = {"thread_cpu": _summary(cpu), "wall": _summary(wall)}
 
     torch.set_num_threads(1)
     row = torch.randn(1, config.hidden_size)
@@ -123,7 +129,7 @@ def run(model_name: str, weights: str, context: int, repeats: int) -> dict[str, 
     def elementwise() -> None:
         from worker.model.rope import apply_rotary
 
-        x = loaded.weights.embed(ids[context:])
+        x = loaded.weights.embed(ids[context : context + 1])
         for layer in layers:
             F.rms_norm(x, (config.hidden_size,), layer.input_norm, config.rms_norm_eps)
             apply_rotary(qk, cos, sin)
@@ -155,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--context", type=int, default=560)
+    parser.add_argument("--append", type=int, default=33, help="tokens of the append step timed")
     parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.model, args.weights, args.context, args.repeats), indent=2))
+    print(json.dumps(run(args.model, args.weights, args.context, args.append, args.repeats), indent=2))
     return 0
 
 

@@ -250,7 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--forms", default="int4,int8", help="comma-separated forms to hold to float")
     parser.add_argument("--peer", choices=("llamacpp", "none"), default="llamacpp")
     parser.add_argument("--chat-tokens", type=int, default=40)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (the tokens do not depend on them)"
+    )
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     llamacpp = args.peer == "llamacpp"
     if llamacpp:
