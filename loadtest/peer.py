@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from shared.settings import WEIGHT_FORMS
+from shared.settings import WEIGHT_FORMS, EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,8 @@ class PeerWorkload:
     chunk: int = 32
     outputs: int = 8
     threads: int = 2
+    # The engine's single-thread rule (the worker's `--cpu-single-thread-max-tokens`).
+    single_thread_max_tokens: int = EngineSettings.cpu_single_thread_max_tokens
 
 
 def run(workload: PeerWorkload) -> dict[str, Any]:
@@ -126,7 +128,9 @@ def run(workload: PeerWorkload) -> dict[str, Any]:
     prompt_ms: dict[str, float] = {}
     agree = total = 0
     kv_tokens = prompt_tokens + turns * (chunk + outputs) + 64
-    with Engine.load(model, weights=weights, kv_tokens=kv_tokens) as engine:
+    with Engine.load(
+        model, weights=weights, kv_tokens=kv_tokens, cpu_single_thread_max_tokens=w.single_thread_max_tokens
+    ) as engine:
         sid = engine.open_session(stop_token_ids=())
         started = time.perf_counter()
         engine.run_turn(sid, tokens=prompt, max_output_tokens=0, timeout=600)
@@ -153,6 +157,7 @@ def run(workload: PeerWorkload) -> dict[str, Any]:
         "model": model,
         "weights": weight_form,
         "threads": threads,
+        "cpu_single_thread_max_tokens": w.single_thread_max_tokens,
         "prompt_tokens": prompt_tokens,
         "turns": turns,
         "turn_in_out": [chunk, outputs],
@@ -174,6 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--cpu-single-thread-max-tokens",
+        type=int,
+        default=EngineSettings.cpu_single_thread_max_tokens,
+        help="microturn's steps of at most this many tokens run on one thread (0: every step on all)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -189,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.chunk_tokens,
         args.output_tokens,
         args.threads,
+        args.cpu_single_thread_max_tokens,
     )
     result = run(workload)
     print(json.dumps(result, indent=2))
