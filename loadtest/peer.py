@@ -21,9 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
-from shared.settings import WEIGHT_FORMS
+from shared.settings import WEIGHT_FORMS, EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -32,41 +34,64 @@ INSTALL_HINT = "pip install 'microturn[peer]' (or: pip install llama-cpp-python;
 _VOCAB_SPAN = 5000  # token ids drawn from [100, 5100): ordinary tokens of SmolLM2's vocabulary
 
 
-def _ids(count: int, salt: int) -> list[int]:
+def workload_ids(count: int, salt: int) -> list[int]:
     """Deterministic token ids, the same for both engines."""
     return [(97 * (i + salt) * (salt + 1) + 13 * i) % _VOCAB_SPAN + 100 for i in range(count)]
 
 
-class _LlamaCpp:
+class LlamaCppPeer:
     """llama.cpp with kept state: each call evaluates only the tokens it is given."""
 
-    def __init__(self, path: str, threads: int) -> None:
+    def __init__(self, path: str, threads: int, *, logits_all: bool = False) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(
+        # `logits_all` keeps every position's logits (loadtest/weight_quality.py); off, as here, only
+        # the last position's are computed, as a serving engine does.
+        self.runner = Llama(
             model_path=path,
             n_ctx=4096,
             n_threads=threads,
             n_threads_batch=threads,
             n_batch=512,
+            logits_all=logits_all,
             verbose=False,
         )
         # The last sampled token gets its KV at the start of the next turn, as in a microturn session.
         self._pending: list[int] = []
 
+    def restart(self) -> None:
+        """Forget the kept history: the next call starts a new sequence."""
+        self.runner.reset()  # type: ignore[no-untyped-call]
+        self._pending = []
+
+    def logits_of(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+        """float32 logits of every position of a new sequence (needs `logits_all`)."""
+        self.restart()
+        self.runner.eval(list(tokens))
+        return np.array(self.runner.scores[: len(tokens)], dtype=np.float32)
+
     def turn(self, tokens: Sequence[int], outputs: int) -> list[int]:
-        self.llm.eval(list(tokens))
+        self.runner.eval(list(tokens))
         produced: list[int] = []
         for _ in range(outputs):
-            token = int(self.llm.sample(top_k=1, temp=0.0, repeat_penalty=1.0))  # greedy
+            token = int(self.runner.sample(top_k=1, temp=0.0, repeat_penalty=1.0))  # greedy
             produced.append(token)
             if len(produced) < outputs:
-                self.llm.eval([token])
+                self.runner.eval([token])
         self._pending = produced[-1:]
         return produced
 
     def feed(self, tokens: Sequence[int], outputs: int) -> list[int]:
         return self.turn([*self._pending, *tokens], outputs)
+
+
+def peer_llama(model: str, threads: int, *, logits_all: bool = False) -> LlamaCppPeer:
+    """llama.cpp on the GGUF file `model` names (a preset or a path)."""
+    from worker.model.loader import SMOLLM2_PRESET
+    from worker.model.presets import smollm2_gguf_path
+
+    path = str(smollm2_gguf_path()) if model == SMOLLM2_PRESET else model
+    return LlamaCppPeer(path, threads, logits_all=logits_all)
 
 
 @dataclass(frozen=True)
@@ -78,12 +103,12 @@ class PeerWorkload:
     chunk: int = 32
     outputs: int = 8
     threads: int = 2
+    # The engine's single-thread rule (the worker's `--cpu-single-thread-max-tokens`).
+    single_thread_max_tokens: int = EngineSettings.cpu_single_thread_max_tokens
 
 
 def run(workload: PeerWorkload) -> dict[str, Any]:
     from worker.engine import Engine
-    from worker.model.loader import SMOLLM2_PRESET
-    from worker.model.presets import smollm2_gguf_path
 
     w = workload
     model, weights, turns, chunk, outputs, threads = (
@@ -95,16 +120,17 @@ def run(workload: PeerWorkload) -> dict[str, Any]:
         w.threads,
     )
     prompt_tokens = w.prompt_tokens
-    path = str(smollm2_gguf_path()) if model == SMOLLM2_PRESET else model
     torch.set_num_threads(threads)
-    peer = _LlamaCpp(path, threads)
-    prompt = _ids(prompt_tokens, 0)
-    chunks = [_ids(chunk, turn + 1) for turn in range(turns)]
+    peer = peer_llama(model, threads)
+    prompt = workload_ids(prompt_tokens, 0)
+    chunks = [workload_ids(chunk, turn + 1) for turn in range(turns)]
     times: dict[str, list[float]] = {"microturn": [], "llamacpp": []}
     prompt_ms: dict[str, float] = {}
     agree = total = 0
     kv_tokens = prompt_tokens + turns * (chunk + outputs) + 64
-    with Engine.load(model, weights=weights, kv_tokens=kv_tokens) as engine:
+    with Engine.load(
+        model, weights=weights, kv_tokens=kv_tokens, cpu_single_thread_max_tokens=w.single_thread_max_tokens
+    ) as engine:
         sid = engine.open_session(stop_token_ids=())
         started = time.perf_counter()
         engine.run_turn(sid, tokens=prompt, max_output_tokens=0, timeout=600)
@@ -131,6 +157,7 @@ def run(workload: PeerWorkload) -> dict[str, Any]:
         "model": model,
         "weights": weight_form,
         "threads": threads,
+        "cpu_single_thread_max_tokens": w.single_thread_max_tokens,
         "prompt_tokens": prompt_tokens,
         "turns": turns,
         "turn_in_out": [chunk, outputs],
@@ -152,6 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--cpu-single-thread-max-tokens",
+        type=int,
+        default=EngineSettings.cpu_single_thread_max_tokens,
+        help="microturn's steps of at most this many tokens run on one thread (0: every step on all)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -167,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.chunk_tokens,
         args.output_tokens,
         args.threads,
+        args.cpu_single_thread_max_tokens,
     )
     result = run(workload)
     print(json.dumps(result, indent=2))

@@ -136,6 +136,14 @@ class EngineSettings:
             "where a step's cost hardly grows with its tokens)"
         },
     )
+    cpu_single_thread_max_tokens: int = field(
+        default=256,
+        metadata={
+            "help": "on the CPU, a step of at most this many tokens (over at most 4,096 positions) runs "
+            "on one intra-op thread: on a shared machine a second thread mostly waits for a core; 0 "
+            'gives every step every thread (docs/benchmarks.md, "The single-thread rule")'
+        },
+    )
     max_sessions: int = 256
     max_chunk_tokens: int = 512
     # A session's pending turns (the chunks queued behind its running turn) are bounded by what they

@@ -74,7 +74,7 @@ def logits_by_steps(
 
 @pytest.mark.parametrize("form", ["float", "int4", "int8"])
 def test_a_positions_logits_do_not_depend_on_how_its_history_was_chunked(form: str, threads: int) -> None:
-    assert blas_is_row_invariant(), "MKL ran before worker/numerics.py set its reproducible mode"
+    assert blas_is_row_invariant(), "MKL sums a row by the product's shape (worker/numerics.py)"
     loaded = load_model("tiny", device=CPU, dtype=torch.float32, weights=form)
     model = LlamaModel(loaded.config, loaded.weights, device=CPU, dtype=torch.float32)
     tokens = torch.randint(0, loaded.config.vocab_size, (LENGTH,), generator=torch.Generator().manual_seed(0))
@@ -85,6 +85,45 @@ def test_a_positions_logits_do_not_depend_on_how_its_history_was_chunked(form: s
     torch.set_num_threads(1)
     streamed = logits_by_steps(model, tokens, PIECES, scattered, neighbour=True)
     assert torch.equal(whole, streamed)
+
+
+def test_one_token_rows_sharing_a_steps_buffers_are_the_same_as_alone() -> None:
+    """Decode rows of as many KV tiles share the step's attention buffers (worker/attention/
+    torch_backend.py): a longer row's keys and values past a shorter one's end must not leak."""
+    loaded = load_model("tiny", device=CPU, dtype=torch.float32, weights="float")
+    model = LlamaModel(loaded.config, loaded.weights, device=CPU, dtype=torch.float32)
+    config = loaded.config
+    pool = KVPool(
+        num_layers=config.num_layers,
+        num_pages=POOL_PAGES,
+        page_size=PAGE,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=torch.float32,
+        device=CPU,
+        layout=TorchAttention.kv_layout,
+    )
+    attention = TorchAttention(
+        pool, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
+    )
+    # Lengths before the decode token: two tiles (three rows, the longest in the middle), one tile, three.
+    lengths = [70, 127, 65, 30, 150]
+    tables = [list(range(12 * i, 12 * i + 12)) for i in range(len(lengths))]
+    generator = torch.Generator().manual_seed(1)
+    histories = [torch.randint(0, config.vocab_size, (n + 1,), generator=generator) for n in lengths]
+    for table, tokens, n in zip(tables, histories, lengths, strict=True):
+        attention.plan(paged_metadata([0], [n], [table], PAGE))
+        model.forward(tokens[:n], torch.arange(n), attention)
+
+    def decode(rows: list[int]) -> torch.Tensor:
+        starts = [lengths[i] for i in rows]
+        attention.plan(paged_metadata(starts, [1] * len(rows), [tables[i] for i in rows], PAGE))
+        ids = torch.stack([histories[i][-1] for i in rows])
+        return model.logits(model.forward(ids, torch.tensor(starts), attention))
+
+    together = decode(list(range(len(lengths))))
+    for i in range(len(lengths)):
+        assert torch.equal(decode([i])[0], together[i])
 
 
 @pytest.mark.slow

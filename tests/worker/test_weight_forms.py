@@ -16,7 +16,7 @@ from worker.engine.config import EngineConfig
 from worker.model.embedding import StoredEmbedding
 from worker.model.linear import FloatLinear
 from worker.model.linear_int4 import INT4_STORED_TYPES, Int4Linear
-from worker.model.linear_int8 import Int8Linear
+from worker.model.linear_int8 import Int8Linear, Int8WeightOnlyLinear
 from worker.model.loader import load_model
 from worker.model.loader_gguf import unpermute_qk
 from worker.model.presets import smollm2_gguf_path
@@ -67,9 +67,13 @@ def test_int8_serves_any_stored_type_close_to_its_dequantised_values(kind: gguf.
     reference = stored.dequantize()
     x = torch.randn(12, 256, generator=torch.Generator().manual_seed(4))
     assert _relative_error(Int8Linear.from_float(reference, None)(x), x @ reference.T) < 2e-2
+    # Weights only (the output projection under int4): bfloat16 activations and output.
+    assert _relative_error(Int8WeightOnlyLinear.from_float(reference, None)(x), x @ reference.T) < 1e-2
 
 
-@pytest.mark.parametrize("make", [Int8Linear.from_float, Int4Linear.from_float])
+@pytest.mark.parametrize(
+    "make", [Int8Linear.from_float, Int8WeightOnlyLinear.from_float, Int4Linear.from_float]
+)
 def test_a_row_gets_the_same_result_alone_or_in_a_batch(make: object) -> None:
     """The engine's promise (streamed = sent whole, alone = batched) needs row-independent products."""
     assert callable(make)

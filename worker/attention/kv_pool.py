@@ -45,12 +45,16 @@ class KVPool:
         # the process's memory does not creep up as sessions first touch their pages.
         self.buffer = torch.empty((num_layers, 2, *per_layer), dtype=dtype, device=device)
         _zero(self.buffer)
+        # Every layer's views, made once: a step asks for them once per layer, and indexing the
+        # buffer costs more host time than the small ops of a decode step's attention.
+        self._keys = tuple(self.buffer[layer, 0] for layer in range(num_layers))
+        self._values = tuple(self.buffer[layer, 1] for layer in range(num_layers))
 
     def keys(self, layer: int) -> torch.Tensor:
-        return self.buffer[layer, 0]
+        return self._keys[layer]
 
     def values(self, layer: int) -> torch.Tensor:
-        return self.buffer[layer, 1]
+        return self._values[layer]
 
     @property
     def page_axis(self) -> int:

@@ -40,6 +40,8 @@ class EngineConfig(EngineSettings):
             )
         if self.kv_tokens < 0 or 0 < self.kv_tokens < self.page_size:
             raise ValueError(f"kv_tokens {self.kv_tokens} is below one page of {self.page_size}")
+        if self.cpu_single_thread_max_tokens < 0:
+            raise ValueError("cpu_single_thread_max_tokens must be 0 or more")
         if self.max_pending_tokens < 1 or self.max_pending_outputs < 1:
             raise ValueError("max_pending_tokens and max_pending_outputs must be positive")
         if self.host_kv_tokens < -1 or 0 < self.host_kv_tokens < self.page_size:

@@ -74,6 +74,7 @@ class Engine:
             num_pages=device_pages(config, loaded.config, device, dtype),
             page_size=config.page_size,
             attention=config.attention,
+            single_thread_max_tokens=config.cpu_single_thread_max_tokens,
         )
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer and loaded.tokenizer.eos_token_ids else ()
         self._core = EngineCore(

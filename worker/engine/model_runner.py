@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shared.settings import EngineSettings
 from worker.attention import AttentionShape, choose_backend
 from worker.attention.base import AttentionMetadata, paged_metadata
 from worker.attention.kv_pool import KVPool
@@ -27,9 +28,11 @@ if TYPE_CHECKING:  # annotations only: worker/engine/grammar.py imports xgrammar
 logger = logging.getLogger(__name__)
 
 # On CPU a small step (few tokens, short contexts) is faster on one intra-op thread: waking the
-# OpenMP team costs more than splitting a few small matmuls saves. Long appends, and decode over
-# long contexts (bound by reading the KV), use every core. Measured on 2 cores with `tiny`.
-CPU_SINGLE_THREAD_MAX_TOKENS = 256
+# OpenMP team costs more than splitting a few small matmuls saves, and on a machine shared with
+# other processes (the gateway, other workers) a second thread mostly spins waiting for a core.
+# Long appends, and decode over long contexts (bound by reading the KV), use every core. The token
+# bound is the `cpu_single_thread_max_tokens` setting (256: measured on 2 cores with `tiny`;
+# SmolLM2 re-measured in docs/benchmarks.md, "The single-thread rule").
 CPU_SINGLE_THREAD_MAX_CONTEXT = 4096
 
 
@@ -60,8 +63,10 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         attention: str,
+        single_thread_max_tokens: int = EngineSettings.cpu_single_thread_max_tokens,
     ) -> None:
         config = loaded.config
+        self.single_thread_max_tokens = single_thread_max_tokens
         self.config = config
         self.device = device
         self.page_size = page_size
@@ -119,7 +124,7 @@ class ModelRunner:
         meta = self.metadata(rows)
         num_tokens = len(meta.positions)
         if self.device.type == "cpu":
-            small = num_tokens <= CPU_SINGLE_THREAD_MAX_TOKENS
+            small = num_tokens <= self.single_thread_max_tokens
             small = small and sum(meta.kv_lens) <= CPU_SINGLE_THREAD_MAX_CONTEXT
             wanted = 1 if small else self.cpu_threads
             if torch.get_num_threads() != wanted:

@@ -2,8 +2,9 @@
 
 A weight form (worker/model/weight_form.py) turns each of the model's matrices into a `Linear`
 once, at load; the forward pass only calls them, so it never knows how a matrix is held.
-`FloatLinear` is the float path, `F.linear` on a dense tensor, unchanged from before weight forms
-existed; the quantised kinds live in their own files (linear_int8.py, linear_int4.py).
+`FloatLinear` is the float path, `F.linear` on a dense tensor (on the CPU at least
+worker/numerics.py's MIN_ROWS rows, so that a row's sums do not depend on the step's size); the
+quantised kinds live in their own files (linear_int8.py, linear_int4.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from worker.numerics import at_least_rows
 
 
 class Linear(ABC):
@@ -38,7 +41,10 @@ class FloatLinear(Linear):
     bias: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        # MKL sums a row of a product of fewer than MIN_ROWS rows in another order (numerics.py).
+        return F.linear(at_least_rows(x), self.weight, self.bias)[: x.shape[0]]
 
     @property
     def num_bytes(self) -> int:

@@ -27,7 +27,8 @@ class LlamaModel:
         self.dtype = dtype
         self.rope = RotaryEmbedding(config, dtype=dtype, device=device)
         c = config
-        self._qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        # q and k are rotated together: the first (heads + kv_heads) * head_dim columns of qkv.
+        self._rotated = (c.num_heads + c.num_kv_heads) * c.head_dim
 
     @torch.inference_mode()
     def forward(
@@ -41,10 +42,13 @@ class LlamaModel:
         x = self.weights.embed(input_ids)
         for index, layer in enumerate(self.weights.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, eps)
-            q, k, v = torch.split(layer.qkv(h), self._qkv_split, dim=-1)
-            q = apply_rotary(q.view(tokens, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rotary(k.view(tokens, c.num_kv_heads, c.head_dim), cos, sin)
-            attended = attention.forward(index, q, k, v.view(tokens, c.num_kv_heads, c.head_dim))
+            qkv = layer.qkv(h)
+            qk = qkv.narrow(1, 0, self._rotated).view(tokens, c.num_heads + c.num_kv_heads, c.head_dim)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk.narrow(1, 0, c.num_heads), qk.narrow(1, c.num_heads, c.num_kv_heads)
+            v = qkv.narrow(1, self._rotated, c.num_kv_heads * c.head_dim)
+            v = v.view(tokens, c.num_kv_heads, c.head_dim)
+            attended = attention.forward(index, q, k, v)
             x = x + layer.o_proj(attended.view(tokens, -1))
             h = F.rms_norm(x, (c.hidden_size,), layer.post_attention_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)

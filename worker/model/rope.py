@@ -36,14 +36,20 @@ class RotaryEmbedding:
         angles = torch.outer(positions, inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         self.cos = angles.cos().to(device=device, dtype=dtype)
-        self.sin = angles.sin().to(device=device, dtype=dtype)
+        # sin with its first half negated: rotate-half's sign, folded into the table (exact).
+        half = config.head_dim // 2
+        self.signed_sin = torch.cat([-angles[:, :half].sin(), angles[:, half:].sin()], dim=-1).to(
+            device=device, dtype=dtype
+        )
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for these positions, shaped [tokens, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and signed sin for these positions, [tokens, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1]: the swapped halves times the
+    signed sin give the same products bit for bit (a sign flip is exact), in fewer operations."""
+    out = x * cos
+    out += x.roll(x.shape[-1] // 2, -1) * signed_sin
+    return out

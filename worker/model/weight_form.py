@@ -4,7 +4,8 @@
   the exactness tests against transformers run).
 - `int4`: GGUF Q4_0/Q4_1 matrices served from their stored nibbles (linear_int4.py); 8-bit and
   float matrices (Q8_0, F16, a safetensors checkpoint's) as int8; any other stored type is refused,
-  since no kernel here takes it and requantising it to 4 bits would lose what the file kept.
+  since no kernel here takes it and requantising it to 4 bits would lose what the file kept. The
+  output projection is int8 rows with bfloat16 activations (`output_projection`).
 - `int8`: every matrix requantised to int8 per row (linear_int8.py).
 - `auto`: the fastest form that keeps the engine's promises on this device: `int4` on the CPU for a
   GGUF file whose matrices are Q4_0/Q4_1 (the rest at 8 bits or more), else `float`. A quantised
@@ -12,9 +13,13 @@
   and (2) agree with the float path's greedy tokens at least as often as llama.cpp does. `int4`
   holds both (docs/benchmarks.md, "Weight forms"): (1) bit for bit, since every step computes a
   row the same way whatever the step's shape (the int4 kernel's rows are independent, the torch
-  attention backend takes one path for every row count, and worker/numerics.py makes MKL's sums
-  shape-independent); (2) 83 of 240 tokens against llama.cpp's 66 on the peer workload. A float
-  checkpoint stays `float` (requantising it is a choice `--weights int4` makes explicitly).
+  attention backend takes one path for every row count, and worker/numerics.py keeps MKL's sums
+  shape-independent); (2) measured 2026-11-27 (`python -m loadtest.weight_quality`, load 3-6):
+  greedy 226/240 on the peer workload and 165/240 on six chat prompts, against llama.cpp's 66/240
+  and 214/240 (391 against 280 of 480 in all, behind on the chat prompts alone), and per token as
+  near the float path as llama.cpp (mean |logprob difference| 0.031 against 0.029, at worst 0.26
+  against 0.25). A float checkpoint stays `float` (requantising it is a choice `--weights int4`
+  makes explicitly).
   On CUDA `auto` stays `float` (bf16 `F.linear` on tensor cores): the weight-only kernels read
   4.5-5 bits a weight (Q4_0/Q4_1; Q8_0 8.5) instead of 16, but compute in float32 on CUDA cores
   (not tensor cores) with no split over K, to stay exact and row-invariant, and on the H200 they
@@ -29,7 +34,8 @@ forms compute around float32 activations (`--dtype float32`).
 
 The embedding lookup stays exact in every form on the CPU (embedding.py: the stored rows it looks
 up, dequantised); on CUDA it is a dense table in the model's dtype, as under `float`. A tied output
-projection gets the form's matrix like any other.
+projection gets the form's matrix like any other, but for `int4` on the CPU: 8-bit rows with
+bfloat16 activations (`output_projection`).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from shared.settings import WEIGHT_FORMS
 from worker.model.embedding import Embedding, FloatEmbedding, StoredEmbedding
 from worker.model.linear import FloatLinear, Linear
 from worker.model.linear_int4 import INT4_STORED_TYPES, Int4Linear
-from worker.model.linear_int8 import Int8Linear
+from worker.model.linear_int8 import Int8Linear, Int8WeightOnlyLinear
 from worker.model.stored import StoredTensor
 
 logger = logging.getLogger(__name__)
@@ -99,6 +105,14 @@ class WeightForm:
             if not stored:  # a float checkpoint: quantised at load into Q4_1-like groups
                 return Int4Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
         return Int8Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
+
+    def output_projection(self, source: Source) -> Linear:
+        """The output projection (logits of the sampled rows only). Under `int4` on the CPU its
+        weights are 8-bit rows with bfloat16 activations (Int8WeightOnlyLinear): as fast at one row as the
+        layers' int8 form, and nearer the float path (docs/benchmarks.md, "Weight forms")."""
+        if self.name != "int4" or self.device.type != "cpu":
+            return self.linear([source], None, what="the output projection")
+        return Int8WeightOnlyLinear.from_float(as_float(source).float(), None)
 
     def embedding(self, source: Source) -> Embedding:
         # Stored rows are dequantised on the host as they are looked up: on CUDA that would make

@@ -105,7 +105,7 @@ class ModelWeights:
             lm_head = FloatLinear(embed.table)  # one table: the lookup and the projection share it
         else:
             head_source = embed_source if tied else source("lm_head.weight")
-            lm_head = form.linear([head_source], None, what="lm_head")
+            lm_head = form.output_projection(head_source)
         return cls(
             embed=embed,
             layers=tuple(layers),
