@@ -280,6 +280,8 @@ class Sent:
 
 @dataclass(frozen=True)
 class Options:
+    """What the bench types and where: the model, the typist's speed and seed, the script's size."""
+
     model: str = "smollm2-135m"
     wpm: float = 60.0
     messages: int = len(MESSAGES)
