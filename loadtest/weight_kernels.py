@@ -35,17 +35,6 @@ from worker.model.linear_blocks import BlockLinear
 from worker.model.presets import SHAPES, TINY
 from worker.model.weight_only_kernel import Method
 
-SMOLLM2_SHAPE = replace(
-    TINY,
-    name="smollm2-135m-shape",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-)
 # Small enough for Triton's interpreter on a CPU: the harness's smoke test.
 SMOKE_SHAPE = replace(
     TINY,
@@ -58,7 +47,7 @@ SMOKE_SHAPE = replace(
     num_kv_heads=1,
     head_dim=32,
 )
-MODELS = {SMOLLM2_SHAPE.name: SMOLLM2_SHAPE, SMOKE_SHAPE.name: SMOKE_SHAPE, **SHAPES}
+MODELS = {SMOKE_SHAPE.name: SMOKE_SHAPE, **SHAPES}
 DEFAULT_MODELS = ("smollm2-135m-shape", "llama-3.2-1b-shape", "llama-3.1-8b-shape")
 # bf16 F.linear; Q4_1 and Q8_0 through the engine's method (ROWSUM); Q4_1 through the other (DOT).
 FORMS = ("bf16", "int4_q4_1", "int8_q8_0", "int4_q4_1_dot")
