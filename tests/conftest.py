@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import transformers_smollm2
 from tests.shared.redis_cluster import Cluster, running_cluster
 from tests.shared.redis_servers import ServerUnavailable, running_server
 from tests.system.gateway.stack import Stack, running_stack
@@ -104,3 +105,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     with open_servers(tmp_path_factory) as started:
         yield started
 
+
+@pytest.fixture(scope="session")
+def smollm2_transformers_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where this run keeps transformers' conversion of the SmolLM2 GGUF (tests/transformers_smollm2.py):
+    made by its first user, in this process or in a reference's subprocess, and read by the others."""
+    return transformers_smollm2.checkpoint_dir(tmp_path_factory.getbasetemp())
