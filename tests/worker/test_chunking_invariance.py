@@ -4,6 +4,7 @@ rows share the step, on whatever pages its KV sits, and on 1 or 2 threads: the e
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 
 import gguf
@@ -30,8 +31,9 @@ PIECES = (1, 5, 64, 13, 1, 1, 65)
 
 @pytest.fixture
 def threads() -> Iterator[int]:
+    """2 where the machine has them (the test process runs torch on 1 by default, tests/conftest.py)."""
     before = torch.get_num_threads()
-    yield min(2, before)
+    yield min(2, os.cpu_count() or 1)
     torch.set_num_threads(before)
 
 

@@ -239,13 +239,19 @@ def test_text_chunks_are_tokenized_and_outputs_decoded(tiny: Engine) -> None:
 
 def test_a_worker_that_never_meets_a_response_format_never_imports_the_grammar_library() -> None:
     """xgrammar imports transformers, about a second of CPU at every start (worker/engine/grammar.py):
-    a worker of a model without a tokenizer starts, serves a turn and closes without either."""
+    a worker of a small vocabulary (`tiny`'s byte-level tokenizer) starts as `microturn worker` does
+    (the grammars prepared), serves a turn and closes without either, its grammar thread included."""
     code = (
-        "import sys, worker.server.main\n"
+        "import sys, threading, worker.server.main\n"
         "from worker.engine import Engine\n"
         "with Engine.load('tiny', kv_tokens=1024) as engine:\n"
+        "    assert engine.tokenizer is not None\n"
+        "    engine.grammars.prepare()\n"
         "    sid = engine.open_session(stop_token_ids=())\n"
         "    engine.run_turn(sid, tokens=[1, 2, 3], max_output_tokens=2, timeout=60)\n"
+        "for thread in threading.enumerate():\n"
+        "    if thread.name.startswith('microturn-grammar'):\n"
+        "        thread.join()\n"
         "print(sorted({'xgrammar', 'transformers'} & set(sys.modules)))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

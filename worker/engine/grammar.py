@@ -34,8 +34,8 @@ from worker.tokenizer.tokenizer import Tokenizer
 
 # xgrammar is imported where a grammar is first built or used, never at the module's import: it
 # imports transformers (about a second of CPU), which a worker that never meets a response_format
-# (a model without a tokenizer, such as `tiny`) would pay at every start. A worker with a tokenizer
-# imports it at start all the same, on the grammar thread (`Grammars.prepare`).
+# would pay at every start. A worker whose vocabulary is large imports it at start all the same, on
+# the grammar thread (`Grammars.prepare`); a small one (`tiny`'s) at its first grammar.
 if TYPE_CHECKING:
     import xgrammar as xgr
 
@@ -43,6 +43,12 @@ logger = logging.getLogger(__name__)
 
 # Distinct formats kept compiled per worker; the least recently used beyond it is dropped.
 GRAMMAR_CACHE_SIZE = 64
+# The smallest vocabulary whose compiler `prepare` builds ahead. The tokenizer info costs about 3 us
+# a token with the GIL held (0.15 s for SmolLM2's 49 152 tokens): worth building before the first
+# constrained chunk waits on it. Below this (a byte-level tokenizer of a few hundred tokens) it is
+# instant on demand, and building it ahead would only import xgrammar and transformers, about a
+# second of CPU at every start, for a grammar that may never come.
+PREPARE_MIN_VOCAB = 4096
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
@@ -123,8 +129,9 @@ class Grammars:
     def prepare(self) -> None:
         """Build the compiler now, on the grammar thread (a worker calls it at start): xgrammar's
         tokenizer info holds the GIL while it is built (~0.15 s for SmolLM2's 49 152 tokens), which
-        would otherwise stall the asyncio loop and the engine thread at the first constrained chunk."""
-        if self._tokenizer is None:
+        would otherwise stall the asyncio loop and the engine thread at the first constrained chunk.
+        A vocabulary under `PREPARE_MIN_VOCAB` is left to its first grammar."""
+        if self._tokenizer is None or self._tokenizer.vocab_size < PREPARE_MIN_VOCAB:
             return
         with self._lock:
             self._pool_started().submit(self._ensure_compiler)

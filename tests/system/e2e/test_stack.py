@@ -15,7 +15,7 @@ import pytest
 
 from shared.client.clients import SyncRealtimeClient
 from tests.shared.redis_servers import running_server
-from tests.system.e2e.up import STOP_TIMEOUT_S, gone, kill_leftovers, launch, running_up
+from tests.system.e2e.up import STOP_TIMEOUT_S, Up, gone, kill_leftovers, launch, running_up
 
 pytestmark = pytest.mark.slow
 
@@ -30,33 +30,49 @@ def pieces(text: str, words: int = 2) -> list[str]:
     return ["".join(tokens[i : i + words]) for i in range(0, len(tokens), words)]
 
 
-def test_up_chat_then_ctrl_c(tmp_path: Path) -> None:
-    with running_up(tmp_path) as up:
+def test_a_chat_through_up(smollm2_up: Up) -> None:
+    """The stack `up` starts by default (the package's shared one, as a user starts it): Valkey, a
+    SmolLM2 worker and a gateway, and a real chat through it."""
+    up = smollm2_up
+    names = sorted(" ".join(p.cmdline()) for p in up.children)
+    assert len(up.children) == 3, names
+    for needle in ("valkey-server", "microturn worker", "microturn gateway"):
+        up.child(needle)
+
+    with SyncRealtimeClient.connect(up.ws) as client:
+        opened = client.open(stream=True, max_output_tokens=0)
+        assert opened.model == "smollm2-135m"
+        # SmolLM2's ChatML template, typed a couple of words at a time.
+        chunks = ["<|im_start|>system\n", *pieces(SYSTEM_PROMPT), "<|im_end|>\n"]
+        chunks += ["<|im_start|>user\n", *pieces(QUESTION)]
+        seq = 0
+        for text in chunks:
+            seq += 1
+            done = client.turn(seq, text=text, max_output_tokens=0)
+            assert (done.seq, done.tokens, done.finish) == (seq, (), "length")
+        seq += 1
+        reply = client.turn(seq, text="<|im_end|>\n<|im_start|>assistant\n", max_output_tokens=64)
+        streamed = "".join(delta.text or "" for delta in client.last_deltas)
+        assert reply.text is not None
+        assert "Paris" in reply.text, reply.text
+        assert streamed == reply.text
+        assert reply.finish == "stop"
+        seq += 1
+        assert client.turn(seq, text="\n", max_output_tokens=0).tokens == ()
+        client.close()
+
+
+def test_ctrl_c_after_a_chat_stops_everything_valkey_last(tmp_path: Path) -> None:
+    """Ctrl-C is the supervisor's, whatever the model: `tiny` here, so the stack is up in seconds
+    (the SmolLM2 chat is test_a_chat_through_up's, on the package's shared `up`)."""
+    with running_up(tmp_path, "--model", "tiny", "--kv-tokens", "4096") as up:
         names = sorted(" ".join(p.cmdline()) for p in up.children)
         assert len(up.children) == 3, names
         for needle in ("valkey-server", "microturn worker", "microturn gateway"):
             up.child(needle)
-
         with SyncRealtimeClient.connect(up.ws) as client:
-            opened = client.open(stream=True, max_output_tokens=0)
-            assert opened.model == "smollm2-135m"
-            # SmolLM2's ChatML template, typed a couple of words at a time.
-            chunks = ["<|im_start|>system\n", *pieces(SYSTEM_PROMPT), "<|im_end|>\n"]
-            chunks += ["<|im_start|>user\n", *pieces(QUESTION)]
-            seq = 0
-            for text in chunks:
-                seq += 1
-                done = client.turn(seq, text=text, max_output_tokens=0)
-                assert (done.seq, done.tokens, done.finish) == (seq, (), "length")
-            seq += 1
-            reply = client.turn(seq, text="<|im_end|>\n<|im_start|>assistant\n", max_output_tokens=64)
-            streamed = "".join(delta.text or "" for delta in client.last_deltas)
-            assert reply.text is not None
-            assert "Paris" in reply.text, reply.text
-            assert streamed == reply.text
-            assert reply.finish == "stop"
-            seq += 1
-            assert client.turn(seq, text="\n", max_output_tokens=0).tokens == ()
+            client.open(stop_token_ids=[], max_output_tokens=2)
+            assert len(client.turn(1, tokens=[5, 6, 7, 8]).tokens) == 2
             client.close()
 
         up.proc.send_signal(signal.SIGINT)

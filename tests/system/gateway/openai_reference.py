@@ -8,8 +8,9 @@ conversation in a fresh session (`"engine"`, the default).
 Why a subprocess: it loads SmolLM2 with its own torch settings, away from the pytest process, and
 runs while the stack starts. Why one for the run: every conversation the OpenAI tests hold is
 computed on one load of the model (`PLANS`; the load costs far more than the few turns), once per
-test run (the `openai_references` fixture). Run as `python -m tests.system.gateway.openai_reference`
-with JSON plans on stdin, {name: {"instructions": str | null, "turns": [str, ...],
+test run (the `openai_references` fixture). Run as `python -m tests.system.gateway.openai_reference
+[TRANSFORMERS_DIR]` (the run's conversion of SmolLM2, tests/transformers_smollm2.py, which plans
+held to transformers load) with JSON plans on stdin, {name: {"instructions": str | null, "turns": [str, ...],
 "max_output_tokens": int, "reference": "engine" | "transformers" (optional)}}; prints
 {name: {"replies": [[token ids], ...], "texts": [str, ...]}}.
 A plan with tools (issue #36) adds "tools" (OpenAI function tools) and "choices" (each response's
@@ -25,6 +26,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from tests.processes import REPO
@@ -96,11 +98,14 @@ PREFIX_PLANS: Final[dict[str, dict[str, Any]]] = {
 }
 
 
-def compute_all(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every plan's reference, on one load of the model their `reference` names (one per process)."""
+def compute_all(plans: dict[str, dict[str, Any]], transformers_dir: Path | None) -> dict[str, dict[str, Any]]:
+    """Every plan's reference, on one load of the model their `reference` names (one per process);
+    transformers' model is the run's conversion in `transformers_dir` (tests/transformers_smollm2.py)."""
     (reference,) = {plan.get("reference", "engine") for plan in plans.values()}
-    compute_with = {"engine": _by_engine, "transformers": _by_transformers}[reference]
-    return compute_with(plans)
+    if reference == "transformers":
+        assert transformers_dir is not None, "a transformers plan needs the run's conversion directory"
+        return _by_transformers(plans, transformers_dir)
+    return _by_engine(plans)
 
 
 def _by_engine(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -122,21 +127,18 @@ def _by_engine(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         return {name: compute(generate, tokenizer, plan) for name, plan in plans.items()}
 
 
-def _by_transformers(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _by_transformers(plans: dict[str, dict[str, Any]], transformers_dir: Path) -> dict[str, dict[str, Any]]:
     """transformers' own model of the GGUF (its weights converted by transformers, not by the
     engine's loader); the prompt's tokens and the template are the GGUF's, as the worker reads them."""
     import gguf
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from tests import transformers_smollm2
     from worker.model.presets import smollm2_gguf_path
     from worker.tokenizer.gguf import tokenizer_from_gguf
 
-    path = smollm2_gguf_path()
-    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(path))
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(smollm2_gguf_path()))
+    model = transformers_smollm2.model(transformers_dir)
 
     def generate(history: list[int], limit: int, grammar: dict[str, Any] | None) -> list[int]:
         assert grammar is None, "a plan with tools is held to the engine's reference"
@@ -192,9 +194,12 @@ def compute(generate: Generate, tokenizer: Tokenizer, plan: dict[str, Any]) -> d
 class PendingReferences:
     """The references of some plans, computing in a subprocess while the tests' stacks start."""
 
-    def __init__(self, plans: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, plans: dict[str, dict[str, Any]], transformers_dir: Path | None = None) -> None:
+        """`transformers_dir`: the run's conversion of SmolLM2 (tests/transformers_smollm2.py), for
+        plans held to transformers."""
+        where = [] if transformers_dir is None else [str(transformers_dir)]
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "tests.system.gateway.openai_reference"],
+            [sys.executable, "-m", "tests.system.gateway.openai_reference", *where],
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -222,4 +227,4 @@ class PendingReferences:
 
 
 if __name__ == "__main__":
-    json.dump(compute_all(json.load(sys.stdin)), sys.stdout)
+    json.dump(compute_all(json.load(sys.stdin), Path(sys.argv[1]) if len(sys.argv) > 1 else None), sys.stdout)

@@ -305,7 +305,15 @@ def test_a_session_past_its_duration_is_warned_then_expires_and_frees_its_slot(s
             assert isinstance(expired, Error) and expired.code == ErrorCode.SESSION_EXPIRED and expired.fatal
             await asyncio.wait_for(client.ws.wait_closed(), 10)
             assert client.close_code == 4010
-        # The expired session is gone (not resumable) and its slot is free.
+        # The expired session is gone (not resumable) and its slot is free. The gateway ends it after
+        # the socket's close: until its record is gone, a resume is refused as expired (seen on a
+        # loaded machine), so the resume waits for that, and an end that never came fails the wait.
+        record = keys.schema.session(opened.session_id)
+
+        async def ended() -> bool:
+            return not await keys.redis.exists(record)
+
+        await await_until(ended, 30, "the expired session to be ended")
         async with await RealtimeClient.connect(stack.realtime_url(1), api_key=secret) as again:
             # Ended on its worker, not merely dropped here: nothing is left to resume.
             with pytest.raises(SessionNotFound):

@@ -13,6 +13,7 @@ there (that worker's /metrics).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,10 +48,10 @@ def stack(openai_stack: Stack) -> Stack:
 
 
 @pytest.fixture(scope="module")
-def transformers_reference(stack: Stack) -> Iterator[PendingReferences]:
+def transformers_reference(stack: Stack, smollm2_transformers_dir: Path) -> Iterator[PendingReferences]:
     """The conversation's reference by transformers, computing once the stack is up (it runs
     beside the conversations, not beside the workers' boot)."""
-    pending = PendingReferences(PREFIX_PLANS)
+    pending = PendingReferences(PREFIX_PLANS, smollm2_transformers_dir)
     try:
         yield pending
     finally:
