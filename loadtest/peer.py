@@ -47,7 +47,8 @@ class LlamaCppPeer:
 
         # `logits_all` keeps every position's logits (loadtest/weight_quality.py); off, as here, only
         # the last position's are computed, as a serving engine does.
-        self.runner = Llama(
+        # Typed as Any: llama-cpp-python is an optional extra, so mypy sees it typed or missing.
+        self.runner: Any = Llama(
             model_path=path,
             n_ctx=4096,
             n_threads=threads,
@@ -61,7 +62,7 @@ class LlamaCppPeer:
 
     def restart(self) -> None:
         """Forget the kept history: the next call starts a new sequence."""
-        self.runner.reset()  # type: ignore[no-untyped-call]
+        self.runner.reset()
         self._pending = []
 
     def logits_of(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
