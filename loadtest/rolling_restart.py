@@ -347,6 +347,25 @@ def _differing(run: Run, reference: Run) -> int:
     )
 
 
+def longest_by_window(run: Run) -> dict[str, float]:
+    """The longest wait (ms) of the chunks whose wait overlaps a drain (SIGTERM to the worker's
+    exit), else a restart (exit to ready again: the restarted worker boots on the same cores as the
+    one serving everything meanwhile), else neither: where the longest wait of a run comes from."""
+    starts = {"SIGTERM": "drain", "exited": "restart"}
+    windows: list[tuple[str, float, float]] = []
+    for (at, what), (until, _) in zip(run.events, run.events[1:], strict=False):
+        kind = next((name for word, name in starts.items() if word in what), None)
+        if kind is not None:
+            windows.append((kind, at, until))
+    longest = {"drain": 0.0, "restart": 0.0, "serving": 0.0}
+    for sent, wait_ms, _ in run.waits:
+        answered = sent + wait_ms / 1000
+        overlapping = [kind for kind, at, until in windows if sent < until and answered > at]
+        window = "drain" if "drain" in overlapping else overlapping[0] if overlapping else "serving"
+        longest[window] = max(longest[window], wait_ms)
+    return longest
+
+
 def _verdicts(warm: Run, steady: Run) -> list[str]:
     """Issue #34's targets, one line each: the longest wait under 1 s (every scenario), within 2x
     the steady run's p99 (the 8 x 1k, 32 x 1k and 8 x 4k runs), nothing lost, ended or different
@@ -435,6 +454,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{r.mode}: {r.rebuilds} copies rebuilt from the log, {r.rebuilt_tokens // r.rebuilds} "
                 f"tokens and {1000 * r.rebuild_s / r.rebuilds:.0f} ms a session "
                 f"({r.rebuilt_tokens / max(r.rebuild_s, 1e-9):.0f} tokens/s)"
+            )
+    for r in runs:
+        if r.events:
+            by_window = longest_by_window(r)
+            lines.append(
+                f"{r.mode}: longest wait overlapping a drain {by_window['drain']:.0f} ms, a restart "
+                f"{by_window['restart']:.0f} ms, neither {by_window['serving']:.0f} ms"
             )
     if "warm" in by_mode and "steady" in by_mode:
         lines += _verdicts(by_mode["warm"], by_mode["steady"])
