@@ -63,6 +63,11 @@ RETRY_MAX_S: Final = 1.0
 # Records a compacted log keeps whole after its snapshot, unless the worker's `log_keep_records`
 # says otherwise (shared/settings.py says why this many).
 KEEP_RECORDS: Final = WorkerSettings.log_keep_records
+# How many of the confirmed log's last bytes an append checks (log_append.lua), at least: the whole
+# of the last confirmed append when it is longer. Its records name their seqs, so a log that lost a
+# record and gained another of the same length is told apart from the one this worker wrote.
+CONFIRMED_TAIL_BYTES: Final = 64
+_APPEND_SCRIPT: Final = lua_script("log_append")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +129,7 @@ class TokenLogWriter:
         self.worker_id = worker_id
         self._delete_if_owned = client.register_script(lua_script("delete_session_if_owned"))
         self._compact = client.register_script(lua_script("log_compact"))
+        self._rewrite = client.register_script(lua_script("log_rewrite"))
         # Held while a flush, a rewrite or a delete talks to Redis: a delete never lands before an
         # append already on its way (which would re-create a closed session's log), and a rewrite
         # never interleaves with an append.
@@ -139,6 +145,7 @@ class TokenLogWriter:
         self._mirror: dict[str, bytearray] = {}
         self._records: dict[str, int] = {}  # sid -> records its mirror holds past its last snapshot
         self._durable: dict[str, int] = {}
+        self._last_append: dict[str, int] = {}  # sid -> bytes of its last confirmed append
         # sid -> the seq of the last turn appended (queued or flushed): what a rewind's record names.
         self._last_seq: dict[str, int] = {}
         # Sessions whose log in Redis came back shorter than written (a failover lost writes): the
@@ -229,6 +236,7 @@ class TokenLogWriter:
         self._mirror.pop(sid, None)
         self._records.pop(sid, None)
         self._durable.pop(sid, None)
+        self._last_append.pop(sid, None)
         self._last_seq.pop(sid, None)
 
     async def flush(self) -> bool:
@@ -247,26 +255,39 @@ class TokenLogWriter:
             sid: log for sid, queued in batch.items() if (log := self._compacted(sid, len(queued.turns)))
         }
         pipe = self.client.pipeline(transaction=False)
-        appends: dict[str, int] = {}  # sid -> the index of its APPEND's reply
+        appends: dict[str, int] = {}  # sid -> the index of its append's reply
         for sid, queued in batch.items():
             if sid in compacted:
                 continue
-            key = self.schema.log(sid)
+            mirror = self._mirror.get(sid, b"")
             appends[sid] = len(pipe)
-            pipe.append(key, records[sid])
-            # The append that creates the key gives it its TTL; after that the heartbeat refreshes
-            # it with the session's record (`touch_sessions`, every session active since the last
-            # beat), so a chunk costs Redis one command, not two (docs/scaling.md).
-            if not self._mirror.get(sid):
-                pipe.pexpire(key, self._ttl_ms(queued))
+            # Appended only onto the log this worker confirmed (log_append.lua): a retried flush
+            # whose first try landed, or a failover that lost acknowledged writes, is refused and
+            # re-written whole below, never appended twice or after a gap. The append that creates
+            # the key gives it its TTL; after that the heartbeat refreshes it with the session's
+            # record (`touch_sessions`), so a chunk costs Redis one command (docs/scaling.md). EVAL,
+            # not EVALSHA: a cluster pipeline cannot load a script on a node that lacks it.
+            pipe.eval(
+                _APPEND_SCRIPT,
+                1,
+                self.schema.log(sid),
+                len(mirror),
+                bytes(mirror[-max(CONFIRMED_TAIL_BYTES, self._last_append.get(sid, 0)) :]),
+                records[sid],
+                self._ttl_ms(queued),
+            )
         confirmed: set[str] = set()
         try:
             async with self._redis_turn:
                 if appends:
                     replies = await pipe.execute()
                     for sid, index in appends.items():
-                        self._confirm(sid, batch[sid], records[sid], int(replies[index]), None)
-                        confirmed.add(sid)
+                        appended, length = (int(value) for value in replies[index])
+                        if appended:
+                            self._confirm(sid, batch[sid], records[sid], length, None)
+                            confirmed.add(sid)
+                        elif await self._rewrite_whole(sid, batch[sid], records[sid], length):
+                            confirmed.add(sid)
                 # Not in the pipeline: a script there would not be loaded on a cluster node that
                 # lacks it. A compaction comes once per `keep_records` turns of a session.
                 for sid, log in compacted.items():
@@ -291,6 +312,33 @@ class TokenLogWriter:
             return False
         self._outage.succeeded()
         self.flushes += 1
+        return True
+
+    async def _rewrite_whole(self, sid: str, queued: _Queued, records: bytes, found: int) -> bool:
+        """The log in Redis is not what this worker confirmed (`found` bytes): write it whole, the
+        mirror and `records`, and confirm them; False when the session is another worker's now (its
+        records are then not logged here: its log is that worker's)."""
+        mirror = self._mirror.get(sid)
+        if mirror is None:  # the session ended meanwhile: its log must not come back
+            return True
+        whole = bytes(mirror) + records
+        keys = [self.schema.session(sid), self.schema.log(sid)]
+        written, length = await self._rewrite(keys=keys, args=[self.worker_id, self._ttl_ms(queued), whole])
+        if not int(written):
+            logger.warning(
+                "the token log of session %s is another worker's now: %d turn(s) not logged here",
+                sid,
+                len(queued.turns),
+            )
+            return False
+        logger.warning(
+            "the token log of session %s held %d bytes, not the %d confirmed: re-written whole",
+            sid,
+            found,
+            len(mirror),
+        )
+        self._confirm(sid, queued, records, int(length), None)
+        self.damaged.add(sid)  # the heartbeat re-writes its record too, should the failover have lost it
         return True
 
     def _ttl_ms(self, queued: _Queued) -> int:
@@ -323,6 +371,7 @@ class TokenLogWriter:
             self._records[sid] = self.keep_records
             self.compactions += 1
         mirror.extend(records)
+        self._last_append[sid] = len(records)
         self._records[sid] = self._records.get(sid, 0) + len(queued.turns)
         if queued.last_seq is not None:
             self._durable[sid] = queued.last_seq

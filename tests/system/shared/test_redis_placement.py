@@ -298,9 +298,10 @@ def test_register_heartbeat_deregister(server_url: str, schema: KeySchema) -> No
 async def append_turn(
     r: Redis, schema: KeySchema, sid: str, tokens: list[int], ttl_s: float, *, seq: int = NO_SEQ
 ) -> None:
-    """Append one turn's record the way the worker does: its batched log writer, flushed at once."""
+    """Append one turn's record the way the worker does: its batched log writer, flushed at once,
+    started from the log Redis holds (as a worker restoring the session)."""
     writer = TokenLogWriter(r, schema, grace_s=0.0, worker_id="w")
-    writer.start(sid, b"", None)
+    writer.start(sid, await r.get(schema.log(sid)) or b"", None)
     writer.append(sid, seq, tuple(tokens), (), ttl_s, tail=EMPTY_TAIL)
     assert await writer.flush()
 
