@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
 from shared.client.clients import RealtimeClient
 from shared.protocol.messages import SessionClosed
@@ -62,11 +63,13 @@ def test_sessions_open_stream_and_resume_across_gateways_on_a_cluster(
         return sids
 
     sids = asyncio.run(asyncio.wait_for(body(), 180))
-    masters = {cluster.master_of(schema.session(sid)) for sid in sids}
     for sid in sids:
         assert cluster.master_of(schema.log(sid)) == cluster.master_of(schema.session(sid))
-    # Four sessions on one master of three: (1/3)**3 by chance, and it would mean no hash tag.
-    assert len(masters) > 1, masters
+    # Each session's keys share a slot of their own: the hash tag is the session, not the prefix
+    # (one slot for all four would be 1 in 16,384**3 by chance). Not their masters: four sessions
+    # land on one master of three once in 27 runs.
+    slots = {key_slot(schema.session(sid).encode()) for sid in sids}
+    assert {key_slot(schema.log(sid).encode()) for sid in sids} == slots and len(slots) > 1, slots
 
     async def records() -> list[bool]:
         client = RedisCluster.from_url(cluster.url)
