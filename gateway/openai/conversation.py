@@ -10,6 +10,13 @@ the reply's content (its end marker, e.g. `<|im_end|>\n`) is owed to the next ap
 token the model itself sampled (which is already in the KV). A reply cut by `max_output_tokens` or
 a cancel thus gets the whole end marker. Turn N costs only its own new tokens.
 
+A reply that called a tool is one assistant message to the model (its text as generated, the call's
+`<tool_call>` markup included, tools.py) and several items to the client (its text, its call,
+calling_response.py): each of those items keeps its reply's id (`Item.reply_id`), and the items of
+one reply spell its text in order (`Item.written`). So what is left of a reply once some of its
+items are deleted is the assistant message its remaining items spell (`message_of`): all of them,
+the reply as generated; its text alone, without the call; its call alone, without the text.
+
 Sans-I/O: no native messages here; the dialect turns the appends into chunks. Every method
 validates before it changes anything, raising `RealtimeProblem`.
 """
@@ -17,7 +24,7 @@ validates before it changes anything, raising `RealtimeProblem`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal, cast
 
 import jinja2
@@ -26,7 +33,15 @@ from gateway.openai import server_events as ev
 from gateway.openai.client_events import NewItem, Role
 from gateway.openai.errors import RealtimeProblem
 from gateway.openai.ids import item_id as new_item_id
-from gateway.openai.tools import FunctionTool, as_template, output_message, system_content
+from gateway.openai.tools import (
+    ARGUMENTS_PREFIX,
+    CALL_END,
+    CALL_PREFIX,
+    FunctionTool,
+    as_template,
+    output_message,
+    system_content,
+)
 from shared.chat_template import ChatTemplate, Message
 
 # An item's id, as OpenAI's: at most 64 characters (also the client's own ids).
@@ -47,6 +62,19 @@ class Item:
     call_id: str | None = None
     name: str | None = None  # a call's function
     arguments: str | None = None  # a call's arguments, JSON text as generated
+    # A model's reply: the id its response gave its first item, shared by all the reply's items
+    # (one assistant message to the model; None: a client's item, its own message).
+    reply_id: str | None = None
+
+    @property
+    def written(self) -> str:
+        """Its part of its reply's text as the model wrote it: a message's text; a call's markup,
+        with its end only when the call was completed (calling_response.py closes a call cut short
+        `incomplete`). In order, a reply's items spell the reply (call_parser.py splits all of it)."""
+        if self.type != "function_call":
+            return self.text
+        end = CALL_END if self.status == "completed" else ""
+        return CALL_PREFIX + (self.name or "") + ARGUMENTS_PREFIX + (self.arguments or "") + end
 
     def as_event(self, status: str | None = None) -> ev.Event:
         shown = cast(ev.ItemStatus, status or self.status)
@@ -57,6 +85,19 @@ class Item:
         if self.type == "function_call_output":
             return ev.function_call_output_item(self.item_id, self.call_id or "", self.text)
         return ev.message_item(self.item_id, self.role, self.text, shown)
+
+
+def message_of(items: Sequence[Item], *, template_tools: bool) -> Message:
+    """The one message `items` are to the model: what is left of one reply (the assistant message
+    its items spell), or one client item (a call's output as tools.py's `output_message`)."""
+    first = items[0]
+    if first.reply_id is not None:
+        assert all(item.reply_id == first.reply_id for item in items), "one reply's items"
+        return {"role": "assistant", "content": "".join(item.written for item in items)}
+    assert len(items) == 1, "a client's item is a message of its own"
+    if first.type == "function_call_output":
+        return output_message(first.text, template_tools=template_tools)
+    return {"role": first.role, "content": first.text}
 
 
 @dataclass(slots=True)
@@ -246,31 +287,49 @@ class Conversation:
 
     def append(self, new: NewItem, previous_item_id: str | None) -> tuple[Item, str]:
         """Add a message item; returns it and the text to append to the session."""
+        self._no_response()
+        self.check(new, previous_item_id, self.last_item_id)
+        item = Item(new.item_id or new_item_id(), new.role, new.text)
+        if new.call_id is not None:
+            item = Item(item.item_id, "user", new.text, type="function_call_output", call_id=new.call_id)
+        return item, self._join([item])
+
+    def rejoin(self, items: Sequence[Item]) -> str:
+        """Items that left with `back_to` (or copies of them) join again as they were (ids, call ids,
+        statuses): one client item, or what is left of one reply, as the one message they are to
+        the model (`message_of`). A call's output joins even when its call was deleted: it is the
+        same tool message either way. Returns the text to append to the session."""
+        self._no_response()
+        taken = next((item.item_id for item in items if item.item_id in self._ids), None)
+        if taken is not None:
+            raise RealtimeProblem(
+                f"item.id {taken!r} already exists", param="item.id", code="duplicate_item_id"
+            )
+        if len(self.items) + len(items) > MAX_ITEMS:
+            raise RealtimeProblem(f"at most {MAX_ITEMS} items per conversation", code="too_many_items")
+        return self._join(items)
+
+    def _no_response(self) -> None:
         if self._prompt is not None:
             raise RealtimeProblem(
                 "an item cannot be added while a response is being generated: it waits for the response",
                 code="conversation_already_has_active_response",
             )
-        self.check(new, previous_item_id, self.last_item_id)
+
+    def _join(self, items: Sequence[Item]) -> str:
+        """`items` (one message's, checked) join after the last item; the text they append."""
         mark = self.mark()
-        # A call's output reaches the model as its template's tool message, or a user message in
-        # tools.py's format.
-        message: Message = (
-            {"role": new.role, "content": new.text}
-            if new.call_id is None
-            else output_message(new.text, template_tools=self.template.has_tools_section)
-        )
-        messages = [*self._head(), message]
+        messages = [*self._head(), message_of(items, template_tools=self.template.has_tools_section)]
         rendered = self._render(messages, generation_prompt=False)
         text = self._owed + rendered[len(self._rendered) :]
-        item = Item(new.item_id or new_item_id(), new.role, new.text)
-        if new.call_id is not None:
-            item = Item(item.item_id, "user", new.text, type="function_call_output", call_id=new.call_id)
         self._messages, self._rendered, self._owed = messages, rendered, ""
-        self.items.append(item)
-        self._ids.add(item.item_id)
-        self.marks[item.item_id] = mark
-        return item, text
+        for item in items:
+            self.items.append(item)
+            self._ids.add(item.item_id)
+            if item.type == "function_call" and item.call_id is not None:
+                self._calls.add(item.call_id)
+            self.marks[item.item_id] = mark
+        return text
 
     def begin_response(self) -> str:
         """The text that starts the assistant's reply (the owed text and the generation prompt)."""
@@ -325,8 +384,8 @@ class Conversation:
         if stop_text and tail.startswith(stop_text):
             tail = tail[len(stop_text) :]
         self._messages, self._rendered, self._owed = messages, rendered, tail
-        item = Item(item_id, "assistant", reply, status)
-        for recorded in [item] if shown is None else shown:
+        item = Item(item_id, "assistant", reply, status, reply_id=item_id)
+        for recorded in [item] if shown is None else [replace(i, reply_id=item_id) for i in shown]:
             self.items.append(recorded)
             self._ids.add(recorded.item_id)
             if recorded.call_id is not None:

@@ -514,6 +514,15 @@ class OpenAIDialect:
         assert conversation is not None
         outcome = response.outcome(done, self._eos_ids)
         previous = conversation.last_item_id
+        # Input: the whole context the reply was sampled after; cached: what the previous
+        # response left in the KV (the tokens this turn did not have to prefill again).
+        usage = ev.Usage(self._context - len(done.tokens), self._cached, len(done.tokens))
+        self._cached = self._context
+        if self._metrics is not None:
+            self._metrics.count(Metric.DIALECT_TURNS, label=DIALECT_NAME)
+        # Closing first: it settles a calling response's last item (the text its parser held
+        # back, a call cut short as `incomplete`), so the conversation records the items as shown.
+        closing = response.closing(self._conversation_id, outcome, usage, previous)
         events: list[ev.Event] = []
         try:
             conversation.finish_response(
@@ -522,13 +531,7 @@ class OpenAIDialect:
         except RealtimeProblem as exc:
             self._broken = exc.message
             events.append(ev.error(exc))
-        # Input: the whole context the reply was sampled after; cached: what the previous
-        # response left in the KV (the tokens this turn did not have to prefill again).
-        usage = ev.Usage(self._context - len(done.tokens), self._cached, len(done.tokens))
-        self._cached = self._context
-        if self._metrics is not None:
-            self._metrics.count(Metric.DIALECT_TURNS, label=DIALECT_NAME)
-        return events + response.closing(self._conversation_id, outcome, usage, previous)
+        return events + closing
 
     def _out_of_band_done(self, done: OutputDone, run: out_of_band.OutOfBandRun) -> list[ev.Event]:
         """An out-of-band response's chunk is done; at its last, the session is put back under the

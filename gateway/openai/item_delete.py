@@ -9,8 +9,15 @@ prefix goes back to the chunk the session opened with, which ends where the inst
 It runs when the session is idle (no response, no chunk unanswered, no rewind unanswered): a rewind
 cancels the session's turns, and a delete must cancel none. A delete that arrives while anything
 is in flight waits for it, in order with the input around it (pending.py `QueuedEdit`; the dialect
-runs it). Deleting a tool call, or an item followed by tool calls or their outputs, is refused
-(#36's items: sending them again is not built yet).
+runs it).
+
+Tool items (#36) are deleted as any other, and sent again as resend.py says. Deleting one item of
+a reply that called a tool (its text, or its call) deletes that item only: the session goes back to
+before the reply, and what is left of it is sent again as the assistant message its remaining
+items spell (the call's markup without its text, or the text without the call), which is the
+reply's text as generated less the deleted item's part. Deleting a call whose output is in the
+conversation keeps the output, sent again as the same tool message (its call id then names no
+call).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 from gateway.openai.conversation import Conversation
 from gateway.openai.errors import RealtimeProblem
 from gateway.openai.flight import Flight
-from gateway.openai.resend import Resend, before_item, refuse_tool_items, render_again
+from gateway.openai.resend import Resend, before_item, chunk_key, render_again
 from shared.protocol.messages import ClientMessage
 
 
@@ -44,12 +51,8 @@ def delete(
     """The requests that delete `item_id`, with seqs from `first_seq` (None: the next ones); the
     caller sends them only when the session is idle. Raises `RealtimeProblem` having changed
     nothing."""
-    item, mark = conversation.find(item_id), conversation.marks.get(item_id)
-    if item is not None and mark is not None:  # a tool item is refused as such, before its chunk is looked up
-        refuse_tool_items(
-            [item, *conversation.items[mark.items + 1 :]], "conversation.item.delete", "item_id"
-        )
     before = before_item(flight, conversation, item_id, "item_id")
+    item, mark = conversation.find(item_id), conversation.marks.get(item_id)
     assert item is not None and mark is not None  # before_item checked both
     if before is None and kept_prefix:  # the session did not open with its marker chunk
         raise RealtimeProblem(
@@ -62,12 +65,13 @@ def delete(
     later = conversation.back_to(mark)
     first = flight.seq + 1 if first_seq is None else first_seq
     try:
-        resend = Resend(before, render_again(conversation, later[1:]))
+        # A reply's item goes back to before the reply: its other items are sent again too.
+        resend = Resend(before, render_again(conversation, [i for i in later if i.item_id != item_id]))
         flight.admit(resend.costs(first), "item_id")
     except RealtimeProblem:
         conversation.rollback(checkpoint)
         raise
-    flight.before_seq.pop(item_id, None)
+    flight.before_seq.pop(chunk_key(item), None)  # a reply's items left join again under it
     messages = resend.messages(flight, first)
     if first_seq is None:
         flight.seq += resend.count

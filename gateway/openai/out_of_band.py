@@ -20,8 +20,11 @@ Either way the conversation afterwards is the one the client built, in the KV ex
 template renders it; every step is a native rewind or chunk, so the token log holds it and a
 restored session continues from it. The items it sends again are admitted with the response (one
 event, one admission): an out-of-band response whose input and resend exceed what one event may
-carry is refused, having changed nothing. References after the first k are copies of the message
-items they name.
+carry is refused, having changed nothing. References after the first k are copies of the items
+they name, tool items included: copies of one reply's items in a row are what is left of that reply
+(the one assistant message they spell, conversation.py `message_of`), a call's output its tool
+message. References that end inside a reply (its text, not its call) keep the conversation up to
+before the reply: the reply's items referenced are then copies.
 
 Assumption, stated: the flush before the response's input splits the text where the chat template
 starts a message (ChatML's `<|im_start|>` is a special token, which a tokenizer splits on first), so
@@ -31,16 +34,17 @@ committing the held text there gives the tokens of the whole rendering.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.limits import ChunkCost
 from gateway.openai import server_events as ev
 from gateway.openai.client_events import ItemReference, NewItem, OutOfBand
-from gateway.openai.conversation import Checkpoint, Conversation
+from gateway.openai.conversation import Checkpoint, Conversation, Item
 from gateway.openai.errors import RealtimeProblem
 from gateway.openai.flight import Flight, Sent
+from gateway.openai.ids import item_id as new_item_id
 from gateway.openai.pending import PIECE_CHARS
-from gateway.openai.resend import Resend, before_item, refuse_tool_items, render_again
+from gateway.openai.resend import Resend, before_item, messages_of, render_again
 from gateway.openai.responses import ActiveResponse
 from shared.protocol.messages import ClientMessage, InputChunk, SessionRewind
 
@@ -94,9 +98,6 @@ def start(
         restore, after = None, checkpoint
         if kept < len(conversation.items):
             out = conversation.items[kept]
-            refuse_tool_items(
-                conversation.items[kept:], "response.input leaves conversation items out", "response.input"
-            )
             before = before_item(flight, conversation, out.item_id, "response.input")
             later = conversation.back_to(conversation.marks[out.item_id])
             at_divergence = conversation.checkpoint()
@@ -151,19 +152,27 @@ def without_conversation(events: list[ev.Event]) -> list[ev.Event]:
     return kept
 
 
-def _render(conversation: Conversation, own: list[NewItem]) -> str:
+def _render(conversation: Conversation, own: list[NewItem | Item]) -> str:
     """The response's own items rendered after the conversation as it stands, then its generation
     prompt (on the conversation itself: the caller rolls it back)."""
+    # Copies join as the messages they are (a reply's in a row as one), in order with the new ones.
     text = ""
-    for item in own:
-        _added, piece = conversation.append(item, None)
-        text += piece
+    run: list[Item] = []
+    for entry in [*own, None]:
+        if isinstance(entry, Item):
+            run.append(entry)
+            continue
+        for message in messages_of(run):
+            text += conversation.rejoin(message)
+        run = []
+        if entry is not None:
+            text += conversation.append(entry, None)[1]
     return text + conversation.begin_response()
 
 
-def _plan(conversation: Conversation, oob: OutOfBand) -> tuple[int, list[NewItem]]:
+def _plan(conversation: Conversation, oob: OutOfBand) -> tuple[int, list[NewItem | Item]]:
     """How many conversation items the input begins with (in order, as references), and its items
-    after them (copies of the messages referenced); changes nothing."""
+    after them (copies, with ids of their own, of the items referenced); changes nothing."""
     items = conversation.items
     if oob.input is None:
         return len(items), []
@@ -182,19 +191,15 @@ def _plan(conversation: Conversation, oob: OutOfBand) -> tuple[int, list[NewItem
         and given[kept].item_id == items[kept].item_id
     ):
         kept += 1
-    own: list[NewItem] = []
-    for index, entry in enumerate(given[kept:], start=kept):
+    reply = items[kept].reply_id if 0 < kept < len(items) else None
+    while reply is not None and kept and items[kept - 1].reply_id == reply:
+        kept -= 1  # the references end inside a reply: what they give of it is copies
+    own: list[NewItem | Item] = []
+    for entry in given[kept:]:
         if isinstance(entry, ItemReference):
             found = conversation.find(entry.item_id)
             assert found is not None  # checked above
-            if found.type != "message":  # a tool call or its output is no message to copy
-                raise RealtimeProblem(
-                    "response.input: a reference after the conversation items it begins with must "
-                    "name a message item",
-                    param=f"response.input[{index}].id",
-                    code="unsupported_value",
-                )
-            own.append(NewItem(None, found.role, found.text))
+            own.append(replace(found, item_id=new_item_id()))
         else:
             own.append(NewItem(None, entry.role, entry.text))  # its id names nothing here
     return kept, own

@@ -12,6 +12,13 @@ reply as the assistant message the template renders: what the model is given for
 whole) and sent as chunks that ask for no output; the engine prefills them in budgeted pieces, as a
 window's cut, so other sessions do not wait.
 
+Tool items are sent again as what they are to the model (conversation.py `message_of`): the items
+left of a reply that called a tool as its one assistant message (the reply as generated while all
+of them are left; its text alone once its call is deleted, its call alone once its text is), a
+call's output as its tool message, also once its call is deleted (the call's id then names no call:
+a second output for it is refused). Items keep their ids, call ids and statuses. A reply's items
+go back to where the reply began, so deleting one of them goes back to before the whole reply.
+
 A session whose instructions are its kept prefix (truncation on) opens with a chunk of its own that
 ends where they end (dialect.py `_open`), so going back to before its first item is a rewind to
 that chunk: the kept prefix is never rewound into.
@@ -23,7 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.limits import ChunkCost
-from gateway.openai.client_events import NewItem
 from gateway.openai.conversation import Conversation, Item
 from gateway.openai.errors import RealtimeProblem
 from gateway.openai.flight import Flight
@@ -36,7 +42,8 @@ class Resend:
     """A rewind to before an item, then the items that follow it, sent again."""
 
     before: int | None  # the last conversation chunk before the first item (None: the session's start)
-    items: tuple[tuple[str, tuple[str, ...]], ...]  # each item sent again: its id, its text in pieces
+    # Each message sent again: its key (`chunk_key`), its text in pieces.
+    items: tuple[tuple[str, tuple[str, ...]], ...]
 
     @property
     def count(self) -> int:
@@ -67,41 +74,45 @@ class Resend:
         return messages
 
 
+def chunk_key(item: Item) -> str:
+    """The key of the chunks `item` is in (`Flight.before_seq`): its reply's (a reply's chunk is
+    recorded under the id of its first item, which the reply's items keep as `reply_id`), else its
+    own id."""
+    return item.reply_id or item.item_id
+
+
 def before_item(flight: Flight, conversation: Conversation, item_id: str, param: str) -> int | None:
-    """The conversation chunk right before item `item_id` (None: the session's start); raises
-    `item_not_found` for an item the conversation has no chunk record of."""
-    if (
-        conversation.find(item_id) is None
-        or item_id not in conversation.marks
-        or item_id not in flight.before_seq
-    ):
+    """The conversation chunk right before item `item_id` (for a reply's item: before the reply;
+    None: the session's start); raises `item_not_found` for an item the conversation has no chunk
+    record of."""
+    item = conversation.find(item_id)
+    if item is None or item_id not in conversation.marks or chunk_key(item) not in flight.before_seq:
         raise RealtimeProblem(
             f"no item {item_id[:64]!r} in the conversation", param=param, code="item_not_found"
         )
-    return flight.before_seq[item_id]
+    return flight.before_seq[chunk_key(item)]
 
 
-def refuse_tool_items(items: Sequence[Item], what: str, param: str) -> None:
-    """A tool call and its reply's text are one assistant message (tools.py), and sending a call or
-    its output again is not built: an edit that would have to is refused, changing nothing."""
-    if any(item.type != "message" for item in items):
-        raise RealtimeProblem(
-            f"{what}: tool calls or their outputs would have to be sent again, which is not built yet",
-            param=param,
-            code="unsupported_value",
-        )
+def messages_of(items: Sequence[Item]) -> list[list[Item]]:
+    """`items` as the messages they are to the model: each run of one reply's items together, each
+    client item alone."""
+    messages: list[list[Item]] = []
+    for item in items:
+        if messages and item.reply_id is not None and messages[-1][0].reply_id == item.reply_id:
+            messages[-1].append(item)
+        else:
+            messages.append([item])
+    return messages
 
 
 def render_again(
     conversation: Conversation, later: Sequence[Item]
 ) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """`later` appended again to the conversation (after `Conversation.back_to`), each with its id
-    and status: their text, in pieces. Raises `RealtimeProblem` (the caller rolls back)."""
+    """`later` joining the conversation again (after `Conversation.back_to`), as they were: each
+    message's key and its text, in pieces. Raises `RealtimeProblem` (the caller rolls back)."""
     again: list[tuple[str, tuple[str, ...]]] = []
-    for follower in later:
-        added, text = conversation.append(NewItem(follower.item_id, follower.role, follower.text), None)
-        added.status = follower.status
-        again.append(
-            (added.item_id, tuple(text[at : at + PIECE_CHARS] for at in range(0, len(text), PIECE_CHARS)))
-        )
+    for message in messages_of(later):
+        text = conversation.rejoin(message)
+        pieces = tuple(text[at : at + PIECE_CHARS] for at in range(0, len(text), PIECE_CHARS))
+        again.append((chunk_key(message[0]), pieces))
     return tuple(again)

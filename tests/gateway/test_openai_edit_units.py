@@ -8,8 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gateway.openai.conversation import Conversation
-from shared.protocol.messages import ClientMessage, InputChunk, OutputDelta, SessionRewind, SessionRewound
+from gateway.openai.tools import FunctionTool, call_text, output_content, system_content
+from shared.protocol.messages import (
+    ClientMessage,
+    InputChunk,
+    OutputDelta,
+    SessionOpen,
+    SessionRewind,
+    SessionRewound,
+)
 from shared.store.models import ModelCard
 from tests.gateway import test_openai_dialect
 from tests.gateway.test_openai_dialect import EOS, Harness, done, events, template_of, texts, types, user
@@ -187,3 +197,180 @@ def test_edits_sent_while_a_response_runs_wait_in_order_with_the_input_around_th
     assert isinstance(flush, InputChunk) and flush.flush and flush.seq > seqs[-1]
     assert isinstance(header, InputChunk) and header.text == "<|im_start|>assistant\n"
     assert [item.text for item in _conversation(h).items] == ["Hi", "Hello", "Sure", "Fine", "Later"]
+
+
+# ---- tool items (#36) deleted and sent again ----------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+CALL = call_text("get_weather", '{"city": "Paris"}')
+
+
+class _Session:
+    """What a session's KV holds, as text: each conversation chunk's text by seq (a response's with
+    its reply and stop token), cut back by rewinds, after the open's kept prefix."""
+
+    def __init__(self) -> None:
+        self.prefix = ""
+        self.chunks: dict[int, str] = {}
+
+    def take(self, messages: tuple[ClientMessage, ...] | list[ClientMessage]) -> None:
+        for message in messages:
+            if isinstance(message, SessionOpen):
+                self.prefix = message.config.keep_prefix_text or ""
+            elif isinstance(message, SessionRewind):
+                to = -1 if message.to_seq is None else message.to_seq
+                self.chunks = {seq: text for seq, text in self.chunks.items() if seq <= to}
+            elif isinstance(message, InputChunk):
+                self.chunks[message.seq] = message.text or ""
+
+    @property
+    def text(self) -> str:
+        return self.prefix + "".join(self.chunks[seq] for seq in sorted(self.chunks))
+
+
+def _tool_talk(card: ModelCard) -> tuple[Harness, _Session, list[str]]:
+    """A user message, a reply of text and a call (`auto`), the call's output, a reply: every
+    chunk answered. Returns the items' ids: user, reply text, call, output, reply."""
+    h, kv = Harness(card), _Session()
+    session = {"type": "realtime", "instructions": "Be brief.", "tools": [WEATHER], "tool_choice": "auto"}
+    h.reply({"type": "session.update", "session": session})
+    sent = h.send(user("Weather in Paris?")).messages
+    kv.take(sent)
+    _answer(h, sent)
+
+    def respond(pieces: list[str], token: int) -> list[dict[str, Any]]:
+        (chunk,) = h.send({"type": "response.create"}).messages
+        assert isinstance(chunk, InputChunk)
+        kv.take([chunk])
+        for index, piece in enumerate(pieces):
+            h.encode(OutputDelta(chunk.seq, index, token + index, piece))
+        h.encode(OutputDelta(chunk.seq, len(pieces), EOS, "<|im_end|>"))
+        kv.chunks[chunk.seq] += "".join(pieces) + "<|im_end|>"
+        return h.encode(done(chunk.seq, (token, EOS), "stop"))
+
+    closing = respond(["Let me see.", CALL[:9], CALL[9:]], 40)
+    call = closing[-1]["response"]["output"][1]
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    sent = h.send({"type": "conversation.item.create", "item": output}).messages
+    kv.take(sent)
+    _answer(h, sent)
+    respond(["It is sunny."], 50)
+    return h, kv, _ids(h)
+
+
+def _tool_messages(without: str = "") -> list[dict[str, str]]:
+    """`_tool_talk`'s conversation as the template is given it, less one item's part."""
+    system = {"role": "system", "content": system_content("Be brief.", (TOOL,))}
+    reply = ("" if without == "text" else "Let me see.") + ("" if without == "call" else CALL)
+    messages = [
+        system,
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": output_content("sunny")},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+    gone = {"user": 1, "output": 3}.get(without)
+    return [m for i, m in enumerate(messages) if i != gone]
+
+
+TOOL = FunctionTool("get_weather", WEATHER["description"], WEATHER["parameters"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("index", "without"), [(0, "user"), (1, "text"), (2, "call"), (3, "output")])
+def test_deleting_an_item_among_tool_items_leaves_the_kv_as_the_conversation_without_it(
+    card: ModelCard, index: int, without: str
+) -> None:
+    """A message before tool items, a reply's text (its call stays: the assistant message is the
+    call alone), its call (the message is its text alone; the call's output stays, the same tool
+    message), the output: the KV then holds the template's rendering of the conversation without
+    the item, and the next item appends after it exactly. The items left keep their ids, call ids
+    and statuses; `conversation.item.deleted` comes once the last chunk is in."""
+    h, kv, ids = _tool_talk(card)
+    conversation = _conversation(h)
+    kept = [(i.item_id, i.type, i.call_id, i.status, i.text, i.arguments) for i in conversation.items]
+    assert kv.text + "\n" == _render(card, _tool_messages())  # the reply's end marker's newline is owed
+    messages = h.send({"type": "conversation.item.delete", "item_id": ids[index]}).messages
+    kv.take(messages)
+    assert types(_answer(h, messages)) == ["conversation.item.deleted"]
+    assert kv.text == _render(card, _tool_messages(without))
+    assert [(i.item_id, i.type, i.call_id, i.status, i.text, i.arguments) for i in conversation.items] == [
+        k for k in kept if k[0] != ids[index]
+    ]
+    sent = h.send(user("Next")).messages
+    kv.take(sent)
+    assert kv.text == _render(card, [*_tool_messages(without), {"role": "user", "content": "Next"}])
+    # The call's id still names a call once its item is sent again; a deleted call's does not.
+    call_id = kept[2][2]
+    again = h.reply(
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "function_call_output", "call_id": call_id, "output": "x"},
+        }
+    )
+    assert again[0]["type"] == ("error" if without == "call" else "conversation.item.added"), again
+
+
+def test_a_reply_cut_inside_its_call_is_sent_again_as_generated(card: ModelCard) -> None:
+    """A call cut short is `incomplete` and lacks its end: what the reply's items spell is still the
+    reply as generated, held-back text and all."""
+    h, kv = Harness(card), _Session()
+    session = {"type": "realtime", "tools": [WEATHER], "tool_choice": "auto"}
+    h.reply({"type": "session.update", "session": session})
+    for event in (user("First"), user("Weather?")):
+        sent = h.send(event).messages
+        kv.take(sent)
+        _answer(h, sent)
+    (chunk,) = h.send({"type": "response.create"}).messages
+    assert isinstance(chunk, InputChunk)
+    kv.take([chunk])
+    cut = "Hm <" + CALL[:-6]  # text that could start a call, then a call cut inside its end
+    for index, piece in enumerate([cut[:4], cut[4:20], cut[20:]]):
+        h.encode(OutputDelta(chunk.seq, index, 40 + index, piece))
+    kv.chunks[chunk.seq] += cut
+    closing = h.encode(done(chunk.seq, (40, 41, 42), "length"))
+    assert [o["status"] for o in closing[-1]["response"]["output"]] == ["completed", "incomplete"]
+    items = _conversation(h).items
+    assert [i.status for i in items[-2:]] == ["completed", "incomplete"]
+    assert "".join(i.written for i in items[-2:]) == cut
+    messages = h.send({"type": "conversation.item.delete", "item_id": items[0].item_id}).messages
+    kv.take(messages)
+    _answer(h, messages)
+    system = {"role": "system", "content": system_content(None, (TOOL,))}
+    remaining = [system, {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": cut}]
+    assert _render(card, remaining).startswith(kv.text)  # the end marker is owed to the next append
+    kv.take(h.send(user("Next")).messages)
+    assert kv.text == _render(card, [*remaining, {"role": "user", "content": "Next"}])
+
+
+def test_an_out_of_band_response_over_copies_of_tool_items(card: ModelCard) -> None:
+    """Input: the user message, the reply's text and the call's output (the references leave the
+    conversation inside the reply): the session goes back to before the reply; the copies render as
+    a conversation of those items would (the reply's text alone as its message, the output as its
+    tool message); afterwards the conversation is sent again whole."""
+    h, kv, ids = _tool_talk(card)
+    refs = [{"type": "item_reference", "id": ids[i]} for i in (0, 1, 3)]
+    messages = _out_of_band(h, refs)
+    asked = max(seq for seq, text in kv.chunks.items() if "Weather in Paris?" in text)
+    assert messages[0] == SessionRewind(to_seq=asked)  # back to before the reply
+    kv.take(messages)
+    kept = [m for m in _tool_messages("call") if m["content"] != "It is sunny."]
+    assert kv.text == _render(card, kept, prompt=True)
+    last = messages[-1]
+    assert isinstance(last, InputChunk)
+    h.encode(SessionRewound(3))
+    h.encode(done(last.seq, (30,), "length"))
+    restore = h.dialect.take_released()
+    kv.take(restore)
+    assert kv.text == _render(card, _tool_messages())
+    assert _ids(h) == ids
+    _answer(h, restore)
+    # Copies of a call and its output alone: the call is an assistant message of its own.
+    messages = _out_of_band(h, [{"type": "item_reference", "id": ids[i]} for i in (2, 3)])
+    kv.take(messages)
+    system, output = _tool_messages()[0], _tool_messages()[3]
+    assert kv.text == _render(card, [system, {"role": "assistant", "content": CALL}, output], prompt=True)
