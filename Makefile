@@ -40,8 +40,12 @@ node-deps:
 	@if command -v npm >/dev/null; then cd tests/node && npm ci --no-audit --no-fund --loglevel=error; \
 		else echo "npm missing: the JavaScript SDK tests will skip (install Node 20+ and npm)"; fi
 
+# Two test processes (pytest-xdist): a system test mostly waits on its servers, so one process left a
+# core idle half the run. Tests sharing a stack or a module's servers stay on one process
+# (tests/conftest.py, `pytest_collection_modifyitems`). PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP) chromium node-deps
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 test: lint typecheck pytest
 

