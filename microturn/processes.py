@@ -17,6 +17,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -65,11 +66,26 @@ class Child:
         return self.proc.returncode
 
 
+# Every port `free_port` handed out in this process: the kernel may give a port back to the next
+# `bind(0)` as soon as the probe socket closes, before the server it was meant for has bound it, so
+# two servers started back to back could both get it (seen in CI: a stack's two workers on one
+# port; the second failed to bind, and the first answered the readiness probe meant for it).
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+_PORT_TRIES = 64
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port nothing listens on now and that this process has not handed out before."""
+    with _HANDED_OUT_LOCK:
+        for _ in range(_PORT_TRIES):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                port: int = sock.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise OSError(f"no free port on {host} that was not handed out before ({_PORT_TRIES} tries)")
 
 
 def _child_preexec(parent_pid: int, prctl: Callable[..., int] | None) -> Callable[[], None]:
