@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from shared.store.schema import lua_script
+from shared.store.schema import lua_code, lua_script
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("shared", "gateway", "worker", "loadtest")
@@ -39,3 +39,10 @@ def test_a_prelude_comes_first_and_each_script_reads_whole() -> None:
     admit = lua_script("now_ms", "key_admit")
     assert admit.index("local now") < admit.index("ZREMRANGEBYSCORE")
     assert lua_script("place").startswith("-- place.lua")
+
+
+def test_a_script_sent_whole_with_every_call_is_sent_without_its_comments() -> None:
+    script = lua_script("log_append")
+    code = lua_code(script)
+    assert not any(line.lstrip().startswith("--") for line in code.splitlines())
+    assert [line for line in script.splitlines() if not line.lstrip().startswith("--")] == code.splitlines()

@@ -51,7 +51,7 @@ from shared.store.log_format import (
     encode_directive,
     encode_log_record,
 )
-from shared.store.schema import KeySchema, lua_script
+from shared.store.schema import KeySchema, lua_code, lua_script
 from worker.tokenizer.incremental import TextTail
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ KEEP_RECORDS: Final = WorkerSettings.log_keep_records
 # of the last confirmed append when it is longer. Its records name their seqs, so a log that lost a
 # record and gained another of the same length is told apart from the one this worker wrote.
 CONFIRMED_TAIL_BYTES: Final = 64
-_APPEND_SCRIPT: Final = lua_script("log_append")
+_APPEND_SCRIPT: Final = lua_code(lua_script("log_append"))
 
 
 @dataclass(frozen=True, slots=True)
