@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from itertools import groupby
 
 from gateway.limits import ChunkCost
 from gateway.openai import server_events as ev
@@ -155,18 +156,16 @@ def without_conversation(events: list[ev.Event]) -> list[ev.Event]:
 def _render(conversation: Conversation, own: list[NewItem | Item]) -> str:
     """The response's own items rendered after the conversation as it stands, then its generation
     prompt (on the conversation itself: the caller rolls it back)."""
-    # Copies join as the messages they are (a reply's in a row as one), in order with the new ones.
+    # Copies join as the messages they are (a reply's in a row as one), in order with the new ones:
+    # each group of `own` is all copies or all new items (the filters below only tell mypy which).
     text = ""
-    run: list[Item] = []
-    for entry in [*own, None]:
-        if isinstance(entry, Item):
-            run.append(entry)
-            continue
-        for message in messages_of(run):
+    for _, entries in groupby(own, key=lambda entry: isinstance(entry, Item)):
+        run = list(entries)
+        copies = [entry for entry in run if isinstance(entry, Item)]
+        for message in messages_of(copies):
             text += conversation.rejoin(message)
-        run = []
-        if entry is not None:
-            text += conversation.append(entry, None)[1]
+        for new in (entry for entry in run if isinstance(entry, NewItem)):
+            text += conversation.append(new, None)[1]
     return text + conversation.begin_response()
 
 
