@@ -33,15 +33,7 @@ from gateway.openai import server_events as ev
 from gateway.openai.client_events import NewItem, Role
 from gateway.openai.errors import RealtimeProblem
 from gateway.openai.ids import item_id as new_item_id
-from gateway.openai.tools import (
-    ARGUMENTS_PREFIX,
-    CALL_END,
-    CALL_PREFIX,
-    FunctionTool,
-    as_template,
-    output_message,
-    system_content,
-)
+from gateway.openai.tools import FunctionTool, as_template, call_text, output_message, system_content
 from shared.chat_template import ChatTemplate, Message
 
 # An item's id, as OpenAI's: at most 64 characters (also the client's own ids).
@@ -73,8 +65,7 @@ class Item:
         `incomplete`). In order, a reply's items spell the reply (call_parser.py splits all of it)."""
         if self.type != "function_call":
             return self.text
-        end = CALL_END if self.status == "completed" else ""
-        return CALL_PREFIX + (self.name or "") + ARGUMENTS_PREFIX + (self.arguments or "") + end
+        return call_text(self.name or "", self.arguments or "", complete=self.status == "completed")
 
     def as_event(self, status: str | None = None) -> ev.Event:
         shown = cast(ev.ItemStatus, status or self.status)

@@ -185,9 +185,10 @@ def system_content(instructions: str | None, tools: Sequence[FunctionTool]) -> s
     return f"{instructions}\n\n{section}" if instructions else section
 
 
-def call_text(name: str, arguments: str) -> str:
-    """A call as the assistant writes it."""
-    return CALL_PREFIX + name + ARGUMENTS_PREFIX + arguments + CALL_END
+def call_text(name: str, arguments: str, *, complete: bool = True) -> str:
+    """A call as the assistant writes it; `complete=False`: as far as a call cut short got (its end
+    never written)."""
+    return CALL_PREFIX + name + ARGUMENTS_PREFIX + arguments + (CALL_END if complete else "")
 
 
 def output_content(output: str) -> str:
