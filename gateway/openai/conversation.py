@@ -265,16 +265,12 @@ class Conversation:
                 f"({last_item_id or 'root'!r}): the conversation is one KV sequence",
                 param="previous_item_id",
             )
-        if new.item_id is not None and new.item_id in self._ids:
-            raise RealtimeProblem(
-                f"item.id {new.item_id!r} already exists", param="item.id", code="duplicate_item_id"
-            )
+        self._refuse_taken([] if new.item_id is None else [new.item_id])
         if len(new.text) > self.max_item_chars:
             raise RealtimeProblem(
                 f"item.content: at most {self.max_item_chars} characters per item", param="item.content"
             )
-        if len(self.items) >= MAX_ITEMS:
-            raise RealtimeProblem(f"at most {MAX_ITEMS} items per conversation", code="too_many_items")
+        self._refuse_beyond_room(1)
 
     def append(self, new: NewItem, previous_item_id: str | None) -> tuple[Item, str]:
         """Add a message item; returns it and the text to append to the session."""
@@ -291,14 +287,20 @@ class Conversation:
         the model (`message_of`). A call's output joins even when its call was deleted: it is the
         same tool message either way. Returns the text to append to the session."""
         self._no_response()
-        taken = next((item.item_id for item in items if item.item_id in self._ids), None)
+        self._refuse_taken([item.item_id for item in items])
+        self._refuse_beyond_room(len(items))
+        return self._join(items)
+
+    def _refuse_taken(self, item_ids: Sequence[str]) -> None:
+        taken = next((item_id for item_id in item_ids if item_id in self._ids), None)
         if taken is not None:
             raise RealtimeProblem(
                 f"item.id {taken!r} already exists", param="item.id", code="duplicate_item_id"
             )
-        if len(self.items) + len(items) > MAX_ITEMS:
+
+    def _refuse_beyond_room(self, joining: int) -> None:
+        if len(self.items) + joining > MAX_ITEMS:
             raise RealtimeProblem(f"at most {MAX_ITEMS} items per conversation", code="too_many_items")
-        return self._join(items)
 
     def _no_response(self) -> None:
         if self._prompt is not None:
