@@ -21,7 +21,11 @@ COPY worker worker
 COPY gateway gateway
 COPY loadtest loadtest
 COPY microturn microturn
-RUN pip install ".${EXTRAS:+[$EXTRAS]}"
+# gcc builds the q4 x q8 CPU kernel (worker/model/q4q8.c, `--weights int4`) during the install and
+# leaves with the layer; without it the int4 form would fall back to torch's slower int4 kernel.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && pip install ".${EXTRAS:+[$EXTRAS]}" \
+    && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 
 # Nothing is fetched at run time: the weights are in the image, the runtime never downloads.
 ENV HF_HUB_OFFLINE=1

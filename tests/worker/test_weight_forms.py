@@ -21,7 +21,7 @@ from worker.model.loader import load_model
 from worker.model.loader_gguf import unpermute_qk
 from worker.model.presets import smollm2_gguf_path
 from worker.model.stored import StoredTensor
-from worker.model.weight_form import resolve_weight_form
+from worker.model.weight_form import int4_kernel, resolve_weight_form
 
 CPU = torch.device("cpu")
 Q = gguf.GGMLQuantizationType
@@ -178,7 +178,7 @@ def test_smollm2_q4_1_matrices_through_int4_match_their_dequantised_values(gguf_
 @pytest.mark.slow
 def test_smollm2_as_int4_holds_at_most_twice_the_files_tensor_bytes(gguf_path: Path) -> None:
     loaded = load_model("smollm2-135m", device=CPU, dtype=torch.float32, weights="int4")
-    assert loaded.weights.form == "int4" and isinstance(loaded.weights.layers[0].down, Int4Linear)
+    assert loaded.weights.form == "int4" and isinstance(loaded.weights.layers[0].down, int4_kernel())
     assert isinstance(loaded.weights.embed, StoredEmbedding)  # the lookup reads the stored Q8_0 rows
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors)
     assert loaded.weights.num_bytes() <= 2 * tensor_bytes  # point 6 of #32

@@ -64,7 +64,7 @@ def load_model(
     logger.info(
         "weights: --weights %s serves %s; %.1f MiB resident, %.1f MiB read per step",
         weights,
-        loaded.weights.form,
+        loaded.weights.kernels,
         loaded.weights.num_bytes() / 2**20,
         loaded.weights.bytes_read_per_step() / 2**20,
     )

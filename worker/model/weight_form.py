@@ -2,7 +2,10 @@
 
 - `float`: every matrix dequantised to the model's dtype and multiplied by `F.linear` (the path
   the exactness tests against transformers run).
-- `int4`: GGUF Q4_0/Q4_1 matrices served from their stored nibbles (linear_int4.py); 8-bit and
+- `int4`: GGUF Q4_0/Q4_1 matrices served from their stored nibbles and float16 scales; on a CPU
+  with AVX2 (and the `_q4q8` extension built) by integer dot products against activations quantised
+  per row and group of 32, as llama.cpp does (linear_q4q8.py), elsewhere by torch's packed int4
+  kernel with bfloat16 activations (linear_int4.py); 8-bit and
   float matrices (Q8_0, F16, a safetensors checkpoint's) as int8; any other stored type is refused,
   since no kernel here takes it and requantising it to 4 bits would lose what the file kept. The
   output projection is int8 rows with bfloat16 activations (`output_projection`).
@@ -53,6 +56,7 @@ from worker.model.embedding import Embedding, FloatEmbedding, StoredEmbedding
 from worker.model.linear import FloatLinear, Linear
 from worker.model.linear_int4 import INT4_STORED_TYPES, Int4Linear
 from worker.model.linear_int8 import Int8Linear, Int8WeightOnlyLinear
+from worker.model.linear_q4q8 import Q4Q8Linear, q4q8_available, q4q8_unavailable_reason
 from worker.model.stored import StoredTensor
 
 logger = logging.getLogger(__name__)
@@ -66,6 +70,12 @@ _FLOAT_TYPES = frozenset(
 )
 # Stored types at 8 bits or more: served int8 under `int4`, which would otherwise lose precision.
 _WIDE_TYPES = _FLOAT_TYPES | {gguf.GGMLQuantizationType.Q8_0}
+
+
+def int4_kernel() -> type[Q4Q8Linear] | type[Int4Linear]:
+    """The CPU's `int4` matrices: the q4 x q8 kernel where it runs (AVX2 and the built extension),
+    torch's packed int4 kernel elsewhere."""
+    return Q4Q8Linear if q4q8_available() else Int4Linear
 
 
 def as_float(source: Source) -> torch.Tensor:
@@ -95,7 +105,7 @@ class WeightForm:
         if self.name == "int4":
             kinds = {p.kind for p in stored}
             if stored and len(stored) == len(parts) and kinds <= INT4_STORED_TYPES and len(kinds) == 1:
-                return Int4Linear.from_stored(StoredTensor.cat(stored), bias)
+                return int4_kernel().from_stored(StoredTensor.cat(stored), bias)
             refused = sorted(k.name for k in kinds - INT4_STORED_TYPES - _WIDE_TYPES)
             if refused:
                 raise ValueError(
@@ -103,7 +113,7 @@ class WeightForm:
                     "here takes; use --weights int8 or float"
                 )
             if not stored:  # a float checkpoint: quantised at load into Q4_1-like groups
-                return Int4Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
+                return int4_kernel().from_float(torch.cat([as_float(p).float() for p in parts]), bias)
         return Int8Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
 
     def output_projection(self, source: Source) -> Linear:
@@ -113,6 +123,14 @@ class WeightForm:
         if self.name != "int4" or self.device.type != "cpu":
             return self.linear([source], None, what="the output projection")
         return Int8WeightOnlyLinear.from_float(as_float(source).float(), None)
+
+    def kernels(self) -> str:
+        """What multiplies this form's 4-bit matrices here, for the start-up line."""
+        if self.name != "int4" or self.device.type != "cpu":
+            return self.name
+        if q4q8_available():
+            return "int4 (q4 x q8 integer dot products, AVX2)"
+        return f"int4 (torch's packed int4 kernel: {q4q8_unavailable_reason()})"
 
     def embedding(self, source: Source) -> Embedding:
         # Stored rows are dequantised on the host as they are looked up: on CUDA that would make

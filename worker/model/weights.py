@@ -38,6 +38,7 @@ class ModelWeights:
     final_norm: torch.Tensor
     lm_head: Linear  # under `float` with tied embeddings, the same storage as `embed`'s table
     form: str  # the resolved weight form: float, int8 or int4
+    kernels: str  # what multiplies them here (WeightForm.kernels), for the start-up line
 
     @classmethod
     def from_hf_state(
@@ -112,6 +113,7 @@ class ModelWeights:
             final_norm=take("model.norm.weight"),
             lm_head=lm_head,
             form=form.name,
+            kernels=form.kernels(),
         )
 
     def _tied(self) -> bool:

@@ -1,0 +1,181 @@
+/* The q4 x q8 product: y = x @ W.T, W in groups of 32 four-bit values (w = d * q + m, q in 0..15, as
+ * GGUF's Q4_0 and Q4_1 store them), x quantised to int8 per row and per group of 32 on each call, as
+ * llama.cpp's Q8_1 does. Integer dot products (AVX2 `vpmaddubsw`) then one float scale per group.
+ *
+ * Why it exists: on an AVX2 CPU without AVX-512 torch's packed int4 kernel is a near-scalar loop
+ * (docs/benchmarks.md, "Weight forms"), and its cost grows ~3 ms a row on every CPU measured, so a
+ * micro-turn's 33-row append cost as much as six decode steps.
+ *
+ * Invariants (the engine's promise: a session's tokens do not depend on its batch or its chunking):
+ * - a row of y depends on its row of x alone: the activations' scales are per row and group, and
+ *   every output is summed in one fixed order (groups in order, 8 float lanes, then the lanes
+ *   added in one fixed tree), whatever the row count, the tiling or the thread count;
+ * - threads split the output columns only, in tiles of 8 columns.
+ *
+ * Weight layout (`pack` in worker/model/linear_q4q8.py): tiles of 8 output rows; per tile and group
+ * 128 bytes of nibbles, as 4 vectors j of 8 rows x 4 stored bytes (bytes 4j..4j+3 of the row's 16:
+ * low nibbles are values 4j..4j+3, high nibbles values 16+4j..16+4j+3), then per tile and group 8
+ * float16 scales d and 8 float16 offsets m.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define Q4Q8_X86 1
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+#define TILE 8
+/* Activation rows computed together against one tile's unpacked weights (2, 3 and 4 measured: 4 the
+ * fastest at 33 rows, docs/benchmarks.md). */
+#define ROW_BLOCK 4
+
+#ifdef Q4Q8_X86
+/* Row r's groups: q [G][32] int8, scale [G] (d = max |x| / 127), scaled sum [G] (d * sum q). */
+static void quantise_rows(const float *x, int64_t rows, int64_t cols, int8_t *q, float *scale, float *scaled_sum) {
+    const int64_t groups = cols / GROUP;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *v = x + r * cols + g * GROUP;
+            float amax = 0.0f;
+            for (int i = 0; i < GROUP; i++) {
+                const float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+            }
+            const float d = amax / 127.0f;
+            const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *out = q + (r * groups + g) * GROUP;
+            int sum = 0;
+            for (int i = 0; i < GROUP; i++) {
+                const int t = (int)nearbyintf(v[i] * inverse);
+                out[i] = (int8_t)t;
+                sum += t;
+            }
+            scale[r * groups + g] = d;
+            scaled_sum[r * groups + g] = d * (float)sum;
+        }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void product(const int8_t *q, const float *scale,
+                                                                const float *scaled_sum, int64_t rows,
+                                                                int64_t groups, const uint8_t *packed,
+                                                                const uint16_t *scales, int64_t out_features,
+                                                                float *y, int threads) {
+    const int64_t tiles = out_features / TILE;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        const __m256i ones = _mm256_set1_epi16(1);
+        const uint8_t *tile = packed + t * groups * 128;
+        const uint16_t *tile_scales = scales + t * groups * 2 * TILE;
+        for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
+            const int block = rows - r < ROW_BLOCK ? (int)(rows - r) : ROW_BLOCK;
+            __m256 acc[ROW_BLOCK], acc_offset[ROW_BLOCK];
+            for (int b = 0; b < ROW_BLOCK; b++) {
+                acc[b] = _mm256_setzero_ps();
+                acc_offset[b] = _mm256_setzero_ps();
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                __m256i w[8];
+                for (int j = 0; j < 4; j++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(tile + g * 128 + j * 32));
+                    w[j] = _mm256_and_si256(v, low);
+                    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile_scales + g * 2 * TILE)));
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile_scales + g * 2 * TILE + TILE)));
+                for (int b = 0; b < block; b++) {
+                    const int64_t at = (r + b) * groups + g;
+                    const float *chunk = (const float *)(q + at * GROUP);
+/* Four activation bytes broadcast to every lane: a load, no shuffle (a float load moves the bits). */
+#define CHUNK(k) _mm256_castps_si256(_mm256_broadcast_ss(chunk + (k)))
+                    /* 8 products of at most 2 * 15 * 127 each: the int16 sums cannot overflow. */
+                    __m256i s = _mm256_maddubs_epi16(w[0], CHUNK(0));
+                    for (int k = 1; k < 8; k++) {
+                        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[k], CHUNK(k)));
+                    }
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+                    acc[b] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(scale[at])), acc[b]);
+                    acc_offset[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(scaled_sum[at]), acc_offset[b]);
+                }
+            }
+            for (int b = 0; b < block; b++) {
+                _mm256_storeu_ps(y + (r + b) * out_features + t * TILE, _mm256_add_ps(acc[b], acc_offset[b]));
+            }
+        }
+    }
+}
+#endif
+
+static int cpu_supported(void) {
+#ifdef Q4Q8_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+static PyObject *supported(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(cpu_supported());
+}
+
+/* linear(x, rows, cols, packed, scales, out_features, y, threads): addresses as ints (the caller owns
+ * contiguous tensors: x [rows, cols] float32, y [rows, out_features] float32). */
+static PyObject *linear(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x_at, packed_at, scales_at, y_at;
+    long long rows, cols, out_features;
+    int threads;
+    if (!PyArg_ParseTuple(args, "nLLnnLni", &x_at, &rows, &cols, &packed_at, &scales_at, &out_features, &y_at,
+                          &threads)) {
+        return NULL;
+    }
+    if (!cpu_supported()) {
+        PyErr_SetString(PyExc_RuntimeError, "the q4 x q8 kernel needs AVX2, FMA and F16C");
+        return NULL;
+    }
+    if (rows < 0 || cols <= 0 || cols % GROUP || out_features <= 0 || out_features % TILE || threads < 1) {
+        PyErr_Format(PyExc_ValueError, "q4 x q8: bad shape rows=%lld cols=%lld out=%lld threads=%d", rows, cols,
+                     out_features, threads);
+        return NULL;
+    }
+#ifdef Q4Q8_X86
+    const int64_t groups = cols / GROUP;
+    int8_t *q = malloc((size_t)(rows * cols) + 1);
+    float *scale = malloc(sizeof(float) * (size_t)(rows * groups) + 1);
+    float *scaled_sum = malloc(sizeof(float) * (size_t)(rows * groups) + 1);
+    if (!q || !scale || !scaled_sum) {
+        free(q);
+        free(scale);
+        free(scaled_sum);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    quantise_rows((const float *)x_at, rows, cols, q, scale, scaled_sum);
+    product(q, scale, scaled_sum, rows, groups, (const uint8_t *)packed_at, (const uint16_t *)scales_at,
+            out_features, (float *)y_at, threads);
+    Py_END_ALLOW_THREADS;
+    free(q);
+    free(scale);
+    free(scaled_sum);
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"supported", supported, METH_NOARGS, "Whether this CPU runs the kernel (AVX2, FMA and F16C)."},
+    {"linear", linear, METH_VARARGS, "y = x @ W.T for a packed q4 W and float32 x (addresses as ints)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_q4q8", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__q4q8(void) { return PyModule_Create(&module); }
