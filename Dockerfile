@@ -21,7 +21,7 @@ COPY worker worker
 COPY gateway gateway
 COPY loadtest loadtest
 COPY microturn microturn
-# gcc builds the q4 x q8 CPU kernel (worker/model/q4q8.c, `--weights int4`) during the install and
+# gcc builds the q4 x q8 CPU kernel (worker/model/block_dot.c, `--weights int4`) during the install and
 # leaves with the layer; without it the int4 form would fall back to torch's slower int4 kernel.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install ".${EXTRAS:+[$EXTRAS]}" \

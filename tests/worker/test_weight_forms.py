@@ -13,10 +13,12 @@ import torch
 from shared.settings import EngineSettings, parse_settings
 from worker.engine import Engine
 from worker.engine.config import EngineConfig
+from worker.model.block_dot import block_dot_available
 from worker.model.embedding import StoredEmbedding
 from worker.model.linear import FloatLinear
 from worker.model.linear_int4 import INT4_STORED_TYPES, Int4Linear
 from worker.model.linear_int8 import Int8Linear, Int8WeightOnlyLinear
+from worker.model.linear_q8q8 import Q8Q8Linear
 from worker.model.loader import load_model
 from worker.model.loader_gguf import unpermute_qk
 from worker.model.presets import smollm2_gguf_path
@@ -144,7 +146,8 @@ def test_float_checkpoints_stay_float_under_auto() -> None:
         assert isinstance(got.qkv, FloatLinear) and isinstance(want.qkv, FloatLinear)
         assert torch.equal(got.qkv.weight, want.qkv.weight)
     int8 = load_model("tiny", device=CPU, dtype=torch.float32, weights="int8").weights
-    assert int8.form == "int8" and isinstance(int8.layers[0].qkv, Int8Linear)
+    assert int8.form == "int8"
+    assert isinstance(int8.layers[0].qkv, Q8Q8Linear if block_dot_available() else Int8Linear)
     assert int8.num_bytes() < float_form.num_bytes() / 3
 
 

@@ -1,4 +1,5 @@
-"""4-bit weights in groups of 32 along the input, multiplied by torch's packed int4 CPU kernel.
+"""4-bit weights in groups of 32 along the input, multiplied by torch's packed int4 CPU kernel: the
+`int4` form where the q4 x q8 kernel (linear_q4q8.py) does not run (no AVX2, or the extension unbuilt).
 
 `aten._weight_int4pack_mm_for_cpu` computes `x @ ((q - 8) * scale + zero).T` per group of 32 input
 values, which is exactly the shape of GGUF's Q4_0 (`d * (q - 8)`: zero 0) and Q4_1 (`d * q + m`:

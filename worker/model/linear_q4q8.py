@@ -1,5 +1,5 @@
 """4-bit weights as GGUF's Q4_0/Q4_1 store them, multiplied by integer dot products against activations
-quantised to int8 per row and group of 32 (worker/model/q4q8.c, the `_q4q8` extension).
+quantised to int8 per row and group of 32 (`q4_linear` in worker/model/block_dot.c).
 
 This is how llama.cpp multiplies the same file (its Q4_1 x Q8_1 dot product): the weights are the
 stored nibbles and float16 scales exactly, the activations are not, so the product is not exact
@@ -8,58 +8,27 @@ against the float path; its greedy agreement with the float path is measured aga
 order at any row or thread count, so a session's tokens are the same batched or alone, streamed or
 sent whole.
 
-The `int4` form uses it on a CPU that runs it (AVX2, FMA, F16C) where the extension was built;
-elsewhere torch's packed int4 kernel (linear_int4.py).
+The `int4` form uses it where the kernels run (worker/model/block_dot.py); elsewhere torch's packed
+int4 kernel (linear_int4.py).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from types import ModuleType
 
 import gguf
 import numpy as np
 import torch
 
+from worker.model import block_dot
 from worker.model.linear import Linear
 from worker.model.stored import StoredTensor
-
-logger = logging.getLogger(__name__)
 
 GROUP = 32
 # Output rows per tile: the kernel computes 8 output columns in one AVX2 register.
 TILE = 8
 # Stored nibble bytes per group: byte i holds value i (low nibble) and value i + 16 (high nibble).
 _NIBBLE_BYTES = GROUP // 2
-
-
-def _load_kernel() -> ModuleType | None:
-    try:
-        from worker.model import _q4q8  # type: ignore[attr-defined]  # built by pip from q4q8.c
-    except ImportError:
-        return None
-    kernel: ModuleType = _q4q8
-    return kernel if kernel.supported() else None
-
-
-# None where the extension is missing or the CPU lacks AVX2/FMA/F16C.
-_KERNEL = _load_kernel()
-
-
-def q4q8_available() -> bool:
-    return _KERNEL is not None
-
-
-def q4q8_unavailable_reason() -> str:
-    """Why the kernel is not used here, for the start-up line; empty when it is."""
-    if _KERNEL is not None:
-        return ""
-    try:
-        from worker.model import _q4q8  # type: ignore[attr-defined]  # noqa: F401
-    except ImportError:
-        return "the _q4q8 extension was not built (no C compiler at install?)"
-    return "this CPU lacks AVX2, FMA or F16C"
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,12 +39,13 @@ class Q4Q8Linear(Linear):
     bias: torch.Tensor | None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        assert _KERNEL is not None, "Q4Q8Linear is built only where the kernel runs"
+        kernels = block_dot.KERNELS
+        assert kernels is not None, "Q4Q8Linear is built only where the kernels run"
         source = x.float().contiguous()
         tokens, cols = source.shape
         padded = self.packed.shape[0] * TILE
         y = torch.empty(tokens, padded, dtype=torch.float32)
-        _KERNEL.linear(
+        kernels.q4_linear(
             source.data_ptr(),
             tokens,
             cols,

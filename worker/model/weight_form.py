@@ -8,8 +8,12 @@
   kernel with bfloat16 activations (linear_int4.py); 8-bit and
   float matrices (Q8_0, F16, a safetensors checkpoint's) as int8; any other stored type is refused,
   since no kernel here takes it and requantising it to 4 bits would lose what the file kept. The
-  output projection is int8 rows with bfloat16 activations (`output_projection`).
-- `int8`: every matrix requantised to int8 per row (linear_int8.py).
+  output projection is int8 rows with bfloat16 activations (`output_projection`: the q8 x q8
+  kernel there was nearer the float path per token but agreed less often greedily than llama.cpp,
+  docs/benchmarks.md).
+- `int8`: every matrix at 8 bits (`int8_linear`): where the block kernels run, Q8_0 groups of 32 (a
+  stored Q8_0 matrix as it is) through the q8 x q8 kernel (linear_q8q8.py), elsewhere requantised
+  to int8 per row (linear_int8.py).
 - `auto`: the fastest form that keeps the engine's promises on this device: `int4` on the CPU for a
   GGUF file whose matrices are Q4_0/Q4_1 (the rest at 8 bits or more), else `float`. A quantised
   form must (1) give a session streamed in micro-turns the same tokens as its history sent whole,
@@ -17,11 +21,13 @@
   holds both (docs/benchmarks.md, "Weight forms"): (1) bit for bit, since every step computes a
   row the same way whatever the step's shape (the int4 kernel's rows are independent, the torch
   attention backend takes one path for every row count, and worker/numerics.py keeps MKL's sums
-  shape-independent); (2) measured 2026-11-27 (`python -m loadtest.weight_quality`, load 3-6):
-  greedy 226/240 on the peer workload and 165/240 on six chat prompts, against llama.cpp's 66/240
-  and 214/240 (391 against 280 of 480 in all, behind on the chat prompts alone), and per token as
-  near the float path as llama.cpp (mean |logprob difference| 0.031 against 0.029, at worst 0.26
-  against 0.25). A float checkpoint stays `float` (requantising it is a choice `--weights int4`
+  shape-independent); (2) measured 2026-11-27 (`python -m loadtest.weight_quality`): with torch's
+  int4 kernel (AVX-512 VM, load 3-6) greedy 226/240 on the peer workload and 165/240 on six chat
+  prompts, against llama.cpp's 66/240 and 214/240, and mean |logprob difference| 0.031 against
+  0.029; with the q4 x q8 kernel (AVX2 VM, idle) 225/240 and 166/240 against llama.cpp's 88/240
+  and 188/240 (391 against 276 of 480 in all, behind on the chat prompts alone), and per token as
+  near the float path as llama.cpp (mean |logprob difference| 0.035 against 0.031, at worst 0.30
+  against 0.27). A float checkpoint stays `float` (requantising it is a choice `--weights int4`
   makes explicitly).
   On CUDA `auto` stays `float` (bf16 `F.linear` on tensor cores): the weight-only kernels read
   4.5-5 bits a weight (Q4_0/Q4_1; Q8_0 8.5) instead of 16, but compute in float32 on CUDA cores
@@ -52,11 +58,13 @@ import gguf
 import torch
 
 from shared.settings import WEIGHT_FORMS
+from worker.model.block_dot import UNAVAILABLE_REASON, block_dot_available
 from worker.model.embedding import Embedding, FloatEmbedding, StoredEmbedding
 from worker.model.linear import FloatLinear, Linear
 from worker.model.linear_int4 import INT4_STORED_TYPES, Int4Linear
 from worker.model.linear_int8 import Int8Linear, Int8WeightOnlyLinear
-from worker.model.linear_q4q8 import Q4Q8Linear, q4q8_available, q4q8_unavailable_reason
+from worker.model.linear_q4q8 import Q4Q8Linear
+from worker.model.linear_q8q8 import Q8Q8Linear
 from worker.model.stored import StoredTensor
 
 logger = logging.getLogger(__name__)
@@ -75,7 +83,19 @@ _WIDE_TYPES = _FLOAT_TYPES | {gguf.GGMLQuantizationType.Q8_0}
 def int4_kernel() -> type[Q4Q8Linear] | type[Int4Linear]:
     """The CPU's `int4` matrices: the q4 x q8 kernel where it runs (AVX2 and the built extension),
     torch's packed int4 kernel elsewhere."""
-    return Q4Q8Linear if q4q8_available() else Int4Linear
+    return Q4Q8Linear if block_dot_available() else Int4Linear
+
+
+def int8_linear(parts: Sequence[Source], bias: torch.Tensor | None) -> Linear:
+    """An 8-bit matrix on the CPU: Q8_0 groups through the q8 x q8 kernel where it runs (stored Q8_0
+    blocks as they are, anything else quantised into them), else int8 rows through `torch._int_mm`
+    (a near-scalar loop on AVX2: docs/benchmarks.md, "Weight forms")."""
+    if block_dot_available():
+        stored = [p for p in parts if isinstance(p, StoredTensor) and p.kind == StoredType.Q8_0]
+        if len(stored) == len(parts):
+            return Q8Q8Linear.from_stored(StoredTensor.cat(stored), bias)
+        return Q8Q8Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
+    return Int8Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
 
 
 def as_float(source: Source) -> torch.Tensor:
@@ -114,7 +134,7 @@ class WeightForm:
                 )
             if not stored:  # a float checkpoint: quantised at load into Q4_1-like groups
                 return int4_kernel().from_float(torch.cat([as_float(p).float() for p in parts]), bias)
-        return Int8Linear.from_float(torch.cat([as_float(p).float() for p in parts]), bias)
+        return int8_linear(parts, bias)
 
     def output_projection(self, source: Source) -> Linear:
         """The output projection (logits of the sampled rows only). Under `int4` on the CPU its
@@ -125,12 +145,16 @@ class WeightForm:
         return Int8WeightOnlyLinear.from_float(as_float(source).float(), None)
 
     def kernels(self) -> str:
-        """What multiplies this form's 4-bit matrices here, for the start-up line."""
-        if self.name != "int4" or self.device.type != "cpu":
+        """What multiplies this form's matrices here, for the start-up line."""
+        if self.name == "float" or self.device.type != "cpu":
             return self.name
-        if q4q8_available():
-            return "int4 (q4 x q8 integer dot products, AVX2)"
-        return f"int4 (torch's packed int4 kernel: {q4q8_unavailable_reason()})"
+        if self.name == "int8":
+            if block_dot_available():
+                return "int8 (Q8_0 groups, q8 x q8 integer dot products, AVX2)"
+            return f"int8 (int8 rows, torch._int_mm: {UNAVAILABLE_REASON})"
+        if block_dot_available():
+            return "int4 (q4 x q8 integer dot products, AVX2; 8-bit matrices q8 x q8)"
+        return f"int4 (torch's packed int4 kernel: {UNAVAILABLE_REASON})"
 
     def embedding(self, source: Source) -> Embedding:
         # Stored rows are dequantised on the host as they are looked up: on CUDA that would make

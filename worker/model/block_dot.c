@@ -1,6 +1,10 @@
-/* The q4 x q8 product: y = x @ W.T, W in groups of 32 four-bit values (w = d * q + m, q in 0..15, as
- * GGUF's Q4_0 and Q4_1 store them), x quantised to int8 per row and per group of 32 on each call, as
- * llama.cpp's Q8_1 does. Integer dot products (AVX2 `vpmaddubsw`) then one float scale per group.
+/* Integer dot products of GGUF's weight blocks against activations quantised to int8 per row and
+ * group of 32 on each call (as llama.cpp's Q8_1/Q8_0 do): y = x @ W.T with
+ * - `q4_linear`: W in groups of 32 four-bit values, w = d * q + m (q in 0..15, as GGUF's Q4_0 and
+ *   Q4_1 store them: Q4_0's m is -8 d), AVX2 `vpmaddubsw` on the nibbles;
+ * - `q8_linear`: W in groups of 32 int8 values, w = d * q (GGUF's Q8_0), `vpmaddubsw` on |q| and the
+ *   activations with q's sign.
+ * One float scale product per group after the integer sums.
  *
  * Why it exists: on an AVX2 CPU without AVX-512 torch's packed int4 kernel is a near-scalar loop
  * (docs/benchmarks.md, "Weight forms"), and its cost grows ~3 ms a row on every CPU measured, so a
@@ -8,14 +12,16 @@
  *
  * Invariants (the engine's promise: a session's tokens do not depend on its batch or its chunking):
  * - a row of y depends on its row of x alone: the activations' scales are per row and group, and
- *   every output is summed in one fixed order (groups in order, 8 float lanes, then the lanes
- *   added in one fixed tree), whatever the row count, the tiling or the thread count;
+ *   every output is summed in one fixed order (groups in order, 8 float lanes, the integer sums
+ *   exact), whatever the row count, the tiling or the thread count;
  * - threads split the output columns only, in tiles of 8 columns.
  *
- * Weight layout (`pack` in worker/model/linear_q4q8.py): tiles of 8 output rows; per tile and group
- * 128 bytes of nibbles, as 4 vectors j of 8 rows x 4 stored bytes (bytes 4j..4j+3 of the row's 16:
- * low nibbles are values 4j..4j+3, high nibbles values 16+4j..16+4j+3), then per tile and group 8
- * float16 scales d and 8 float16 offsets m.
+ * Weight layouts (`pack` in worker/model/linear_q4q8.py and linear_q8q8.py): tiles of 8 output rows.
+ * q4: per tile and group 128 bytes of nibbles, as 4 vectors j of 8 rows x 4 stored bytes (bytes
+ * 4j..4j+3 of the row's 16: low nibbles are values 4j..4j+3, high nibbles values 16+4j..16+4j+3),
+ * and per tile and group 8 float16 scales d then 8 float16 offsets m.
+ * q8: per tile and group 256 bytes, as 8 vectors k of 8 rows x 4 values (values 4k..4k+3), and per
+ * tile and group 8 float16 scales d.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -24,7 +30,7 @@
 #include <stdlib.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
-#define Q4Q8_X86 1
+#define BLOCK_DOT_X86 1
 #include <immintrin.h>
 #endif
 
@@ -34,7 +40,7 @@
  * fastest at 33 rows, docs/benchmarks.md). */
 #define ROW_BLOCK 4
 
-#ifdef Q4Q8_X86
+#ifdef BLOCK_DOT_X86
 /* Row r's groups: q [G][32] int8, scale [G] (d = max |x| / 127), scaled sum [G] (d * sum q). */
 static void quantise_rows(const float *x, int64_t rows, int64_t cols, int8_t *q, float *scale, float *scaled_sum) {
     const int64_t groups = cols / GROUP;
@@ -61,7 +67,10 @@ static void quantise_rows(const float *x, int64_t rows, int64_t cols, int8_t *q,
     }
 }
 
-__attribute__((target("avx2,fma,f16c"))) static void product(const int8_t *q, const float *scale,
+/* Four activation bytes broadcast to every lane: a load, no shuffle (a float load moves the bits). */
+#define CHUNK(k) _mm256_castps_si256(_mm256_broadcast_ss(chunk + (k)))
+
+__attribute__((target("avx2,fma,f16c"))) static void q4_product(const int8_t *q, const float *scale,
                                                                 const float *scaled_sum, int64_t rows,
                                                                 int64_t groups, const uint8_t *packed,
                                                                 const uint16_t *scales, int64_t out_features,
@@ -92,8 +101,6 @@ __attribute__((target("avx2,fma,f16c"))) static void product(const int8_t *q, co
                 for (int b = 0; b < block; b++) {
                     const int64_t at = (r + b) * groups + g;
                     const float *chunk = (const float *)(q + at * GROUP);
-/* Four activation bytes broadcast to every lane: a load, no shuffle (a float load moves the bits). */
-#define CHUNK(k) _mm256_castps_si256(_mm256_broadcast_ss(chunk + (k)))
                     /* 8 products of at most 2 * 15 * 127 each: the int16 sums cannot overflow. */
                     __m256i s = _mm256_maddubs_epi16(w[0], CHUNK(0));
                     for (int k = 1; k < 8; k++) {
@@ -110,10 +117,51 @@ __attribute__((target("avx2,fma,f16c"))) static void product(const int8_t *q, co
         }
     }
 }
+__attribute__((target("avx2,fma,f16c"))) static void q8_product(const int8_t *q, const float *scale,
+                                                                   int64_t rows, int64_t groups,
+                                                                   const uint8_t *packed, const uint16_t *scales,
+                                                                   int64_t out_features, float *y, int threads) {
+    const int64_t tiles = out_features / TILE;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const __m256i ones = _mm256_set1_epi16(1);
+        const uint8_t *tile = packed + t * groups * 256;
+        const uint16_t *tile_scales = scales + t * groups * TILE;
+        for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
+            const int block = rows - r < ROW_BLOCK ? (int)(rows - r) : ROW_BLOCK;
+            __m256 acc[ROW_BLOCK];
+            for (int b = 0; b < ROW_BLOCK; b++) {
+                acc[b] = _mm256_setzero_ps();
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                __m256i w[8], magnitude[8];
+                for (int k = 0; k < 8; k++) {
+                    w[k] = _mm256_loadu_si256((const __m256i *)(tile + g * 256 + k * 32));
+                    magnitude[k] = _mm256_sign_epi8(w[k], w[k]);
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile_scales + g * TILE)));
+                for (int b = 0; b < block; b++) {
+                    const int64_t at = (r + b) * groups + g;
+                    const float *chunk = (const float *)(q + at * GROUP);
+                    /* |w| * (x with w's sign): at most 2 * 127 * 127 a pair, so each chunk goes to int32. */
+                    __m256i s = _mm256_setzero_si256();
+                    for (int k = 0; k < 8; k++) {
+                        const __m256i signed_x = _mm256_sign_epi8(CHUNK(k), w[k]);
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k], signed_x), ones));
+                    }
+                    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(scale[at])), acc[b]);
+                }
+            }
+            for (int b = 0; b < block; b++) {
+                _mm256_storeu_ps(y + (r + b) * out_features + t * TILE, acc[b]);
+            }
+        }
+    }
+}
 #endif
 
 static int cpu_supported(void) {
-#ifdef Q4Q8_X86
+#ifdef BLOCK_DOT_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
@@ -127,10 +175,9 @@ static PyObject *supported(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(cpu_supported());
 }
 
-/* linear(x, rows, cols, packed, scales, out_features, y, threads): addresses as ints (the caller owns
- * contiguous tensors: x [rows, cols] float32, y [rows, out_features] float32). */
-static PyObject *linear(PyObject *self, PyObject *args) {
-    (void)self;
+/* Quantise x, then multiply: `bits` 4 (q4_product) or 8 (q8_product). Addresses as ints: the caller
+ * owns contiguous tensors, x [rows, cols] float32 and y [rows, out_features] float32. */
+static PyObject *multiply(int bits, PyObject *args) {
     Py_ssize_t x_at, packed_at, scales_at, y_at;
     long long rows, cols, out_features;
     int threads;
@@ -139,15 +186,15 @@ static PyObject *linear(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (!cpu_supported()) {
-        PyErr_SetString(PyExc_RuntimeError, "the q4 x q8 kernel needs AVX2, FMA and F16C");
+        PyErr_SetString(PyExc_RuntimeError, "the block dot-product kernels need AVX2, FMA and F16C");
         return NULL;
     }
     if (rows < 0 || cols <= 0 || cols % GROUP || out_features <= 0 || out_features % TILE || threads < 1) {
-        PyErr_Format(PyExc_ValueError, "q4 x q8: bad shape rows=%lld cols=%lld out=%lld threads=%d", rows, cols,
-                     out_features, threads);
+        PyErr_Format(PyExc_ValueError, "q%d x q8: bad shape rows=%lld cols=%lld out=%lld threads=%d", bits, rows,
+                     cols, out_features, threads);
         return NULL;
     }
-#ifdef Q4Q8_X86
+#ifdef BLOCK_DOT_X86
     const int64_t groups = cols / GROUP;
     int8_t *q = malloc((size_t)(rows * cols) + 1);
     float *scale = malloc(sizeof(float) * (size_t)(rows * groups) + 1);
@@ -160,8 +207,13 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS;
     quantise_rows((const float *)x_at, rows, cols, q, scale, scaled_sum);
-    product(q, scale, scaled_sum, rows, groups, (const uint8_t *)packed_at, (const uint16_t *)scales_at,
-            out_features, (float *)y_at, threads);
+    if (bits == 4) {
+        q4_product(q, scale, scaled_sum, rows, groups, (const uint8_t *)packed_at, (const uint16_t *)scales_at,
+                   out_features, (float *)y_at, threads);
+    } else {
+        q8_product(q, scale, rows, groups, (const uint8_t *)packed_at, (const uint16_t *)scales_at, out_features,
+                   (float *)y_at, threads);
+    }
     Py_END_ALLOW_THREADS;
     free(q);
     free(scale);
@@ -170,12 +222,23 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *q4_linear(PyObject *self, PyObject *args) {
+    (void)self;
+    return multiply(4, args);
+}
+
+static PyObject *q8_linear(PyObject *self, PyObject *args) {
+    (void)self;
+    return multiply(8, args);
+}
+
 static PyMethodDef methods[] = {
-    {"supported", supported, METH_NOARGS, "Whether this CPU runs the kernel (AVX2, FMA and F16C)."},
-    {"linear", linear, METH_VARARGS, "y = x @ W.T for a packed q4 W and float32 x (addresses as ints)."},
+    {"supported", supported, METH_NOARGS, "Whether this CPU runs the kernels (AVX2, FMA and F16C)."},
+    {"q4_linear", q4_linear, METH_VARARGS, "y = x @ W.T, W packed q4 blocks (linear_q4q8.py); addresses as ints."},
+    {"q8_linear", q8_linear, METH_VARARGS, "y = x @ W.T, W packed q8 blocks (linear_q8q8.py); addresses as ints."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_q4q8", NULL, -1, methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_block_dot", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__q4q8(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__block_dot(void) { return PyModule_Create(&module); }

@@ -1,6 +1,7 @@
-"""The q4 x q8 kernel (worker/model/q4q8.c): GGUF's Q4_0/Q4_1 blocks as stored against activations
-quantised per row and group of 32, held to a reference that quantises the activations the same way
-and multiplies in float64; rows independent of their batch and of the thread count."""
+"""The block dot-product kernels (worker/model/block_dot.c): GGUF's Q4_0/Q4_1 (q4 x q8) and Q8_0
+(q8 x q8) blocks as stored against activations quantised per row and group of 32, held to a
+reference that quantises the activations the same way and multiplies in float64; rows independent
+of their batch and of the thread count."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from worker.model.linear_q4q8 import GROUP, Q4Q8Linear, q4q8_available, q4q8_unavailable_reason
+from worker.model.block_dot import UNAVAILABLE_REASON, block_dot_available
+from worker.model.linear_q4q8 import GROUP, Q4Q8Linear
+from worker.model.linear_q8q8 import Q8Q8Linear
 from worker.model.presets import smollm2_gguf_path
 from worker.model.stored import StoredTensor
 
 Q = gguf.GGMLQuantizationType
-needs_kernel = pytest.mark.skipif(
-    not q4q8_available(), reason=f"no q4 x q8 kernel: {q4q8_unavailable_reason()}"
-)
+needs_kernel = pytest.mark.skipif(not block_dot_available(), reason=f"no block kernels: {UNAVAILABLE_REASON}")
 
 
 def _stored(kind: gguf.GGMLQuantizationType, rows: int, cols: int, seed: int) -> StoredTensor:
@@ -36,7 +37,7 @@ def _quantised_activations(x: torch.Tensor) -> torch.Tensor:
     return (q * d[..., None]).reshape(x.shape)
 
 
-def _held_to_reference(linear: Q4Q8Linear, weight: torch.Tensor, x: torch.Tensor) -> None:
+def _held_to_reference(linear: Q4Q8Linear | Q8Q8Linear, weight: torch.Tensor, x: torch.Tensor) -> None:
     want = _quantised_activations(x).double() @ weight.double().T
     got = linear(x)
     # Only the float32 sums' order differs from the float64 reference: a misplaced nibble or scale
@@ -60,6 +61,17 @@ def test_stored_q4_blocks_multiply_as_their_dequantised_values(
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [96, 100])
+def test_stored_q8_0_blocks_multiply_as_their_dequantised_values(rows: int) -> None:
+    stored = _stored(Q.Q8_0, rows, 256, seed=rows)
+    linear = Q8Q8Linear.from_stored(stored, None)
+    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(1))
+    _held_to_reference(linear, stored.dequantize(), x)
+    assert linear.out_features == rows
+    assert linear.num_bytes <= stored.num_bytes * 1.1  # Q8_0's 34 bytes a group; padding rows
+
+
+@needs_kernel
 def test_a_float_matrix_is_quantised_into_q4_1_groups_with_float16_scales() -> None:
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
     bias = torch.randn(64, generator=torch.Generator().manual_seed(3))
@@ -73,9 +85,11 @@ def test_a_float_matrix_is_quantised_into_q4_1_groups_with_float16_scales() -> N
 
 
 @needs_kernel
-def test_a_row_is_the_same_alone_batched_and_on_any_thread_count() -> None:
+@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q8_0])
+def test_a_row_is_the_same_alone_batched_and_on_any_thread_count(kind: gguf.GGMLQuantizationType) -> None:
     """The engine's promise (streamed = sent whole, alone = batched) needs row-independent products."""
-    linear = Q4Q8Linear.from_stored(_stored(Q.Q4_1, 168, 576, seed=5), None)
+    stored = _stored(kind, 168, 576, seed=5)
+    linear = Q4Q8Linear.from_stored(stored, None) if kind == Q.Q4_1 else Q8Q8Linear.from_stored(stored, None)
     x = torch.randn(37, 576, generator=torch.Generator().manual_seed(6))
     x = x * torch.linspace(0.1, 30, 37)[:, None]  # rows of very different ranges
     threads = torch.get_num_threads()
@@ -98,9 +112,20 @@ def test_zero_rows_and_no_rows() -> None:
     assert linear(torch.zeros(0, 64)).shape == (0, 16)
 
 
-def test_blocks_no_q4_kernel_takes_are_refused() -> None:
+def test_blocks_no_kernel_takes_are_refused() -> None:
     with pytest.raises(ValueError, match="no q4 x q8 kernel takes Q8_0"):
         Q4Q8Linear.from_stored(_stored(Q.Q8_0, 8, 64, seed=8), None)
+    with pytest.raises(ValueError, match="no q8 x q8 kernel takes Q4_1"):
+        Q8Q8Linear.from_stored(_stored(Q.Q4_1, 8, 64, seed=8), None)
+
+
+@needs_kernel
+def test_a_float_matrix_is_quantised_into_q8_0_groups_with_float16_scales() -> None:
+    weight = torch.randn(40, 128, generator=torch.Generator().manual_seed(10))
+    q80 = StoredTensor(Q.Q8_0, gguf.quants.quantize(weight.numpy(), Q.Q8_0), 128)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(11))
+    # Q8_0's rule exactly: the same values as llama.cpp's quantiser gives the matrix.
+    _held_to_reference(Q8Q8Linear.from_float(weight, None), q80.dequantize(), x)
 
 
 def test_the_kernel_is_built_where_the_cpu_runs_it() -> None:
@@ -109,11 +134,11 @@ def test_the_kernel_is_built_where_the_cpu_runs_it() -> None:
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= set(flags):
         pytest.skip("not an x86 CPU with AVX2, FMA and F16C")
-    assert q4q8_available(), q4q8_unavailable_reason()
+    assert block_dot_available(), UNAVAILABLE_REASON
 
 
 @needs_kernel
-def test_smollm2_q4_1_matrices_multiply_as_their_dequantised_values() -> None:
+def test_smollm2_q4_1_and_q8_0_matrices_multiply_as_their_dequantised_values() -> None:
     try:
         path = smollm2_gguf_path()
     except FileNotFoundError as error:
@@ -125,3 +150,7 @@ def test_smollm2_q4_1_matrices_multiply_as_their_dequantised_values() -> None:
         assert tensor.tensor_type == Q.Q4_1
         stored = StoredTensor(tensor.tensor_type, tensor.data, int(tensor.shape[0]))
         _held_to_reference(Q4Q8Linear.from_stored(stored, None), stored.dequantize(), x)
+    embed = tensors["token_embd.weight"]  # the tied output projection, Q8_0
+    assert embed.tensor_type == Q.Q8_0
+    stored = StoredTensor(embed.tensor_type, embed.data, int(embed.shape[0]))
+    _held_to_reference(Q8Q8Linear.from_stored(stored, None), stored.dequantize(), x[:, :576])

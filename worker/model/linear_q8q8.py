@@ -1,0 +1,105 @@
+"""8-bit weights as GGUF's Q8_0 stores them (groups of 32 int8 values with a float16 scale), multiplied
+by integer dot products against activations quantised to int8 per row and group of 32 (`q8_linear`
+in worker/model/block_dot.c), as llama.cpp multiplies the same blocks.
+
+Used for the output projection under `int4` where the kernels run (worker/model/weight_form.py): the
+stored Q8_0 table read as it is, against the per-row int8 copy with bfloat16 activations elsewhere
+(linear_int8.py's `Int8WeightOnlyLinear`). Not exact against the float path (the activations are
+quantised); measured against it in docs/benchmarks.md, "Weight forms". A row's result depends on
+that row alone, summed in one fixed order at any row or thread count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+from worker.model import block_dot
+from worker.model.linear import Linear
+from worker.model.stored import StoredTensor
+
+GROUP = 32
+# Output rows per tile: the kernel computes 8 output columns in one AVX2 register.
+TILE = 8
+# A group of 32 int8 values is 8 chunks of 4, one 32-bit lane per row in the kernel's vectors.
+_CHUNKS = GROUP // 4
+
+
+@dataclass(frozen=True, eq=False)
+class Q8Q8Linear(Linear):
+    packed: torch.Tensor  # [tiles, groups, 8 chunks, 8 rows, 4] int8: the stored values, 8 rows interleaved
+    scales: torch.Tensor  # [tiles, groups, 8] float16: d of each of the tile's 8 rows
+    rows: int  # out_features; the tiles may hold up to 7 zero rows past it
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = block_dot.KERNELS
+        assert kernels is not None, "Q8Q8Linear is built only where the kernels run"
+        source = x.float().contiguous()
+        tokens, cols = source.shape
+        padded = self.packed.shape[0] * TILE
+        y = torch.empty(tokens, padded, dtype=torch.float32)
+        kernels.q8_linear(
+            source.data_ptr(),
+            tokens,
+            cols,
+            self.packed.data_ptr(),
+            self.scales.data_ptr(),
+            padded,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+        out = (y if padded == self.rows else y[:, : self.rows]).to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+    @property
+    def num_bytes(self) -> int:
+        extra = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.packed.numel() + self.scales.numel() * 2 + extra
+
+    @property
+    def out_features(self) -> int:
+        return self.rows
+
+    @classmethod
+    def from_stored(cls, stored: StoredTensor, bias: torch.Tensor | None) -> Q8Q8Linear:
+        """Q8_0 blocks: their int8 values and float16 scales as stored."""
+        if stored.kind != gguf.GGMLQuantizationType.Q8_0:
+            raise ValueError(f"no q8 x q8 kernel takes {stored.kind.name} blocks")
+        rows, cols = stored.shape
+        blocks = stored.blocks.reshape(rows, cols // GROUP, -1)
+        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16))[..., 0]
+        values = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
+        return cls._pack(values, d, bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Q8Q8Linear:
+        """A float matrix quantised into symmetric groups of 32 with float16 scales (Q8_0's rule)."""
+        rows, cols = weight.shape
+        if cols % GROUP:
+            raise ValueError(f"q8 groups need an input width that is a multiple of {GROUP}, not {cols}")
+        groups = weight.float().reshape(rows, cols // GROUP, GROUP)
+        # As gguf's own quantiser: q = x * (1 / d) rounded half away from zero, with d in float32,
+        # then d stored as float16.
+        d = groups.abs().amax(-1) / 127
+        inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        scaled = groups * inverse[..., None]
+        values = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).to(torch.int8)
+        return cls._pack(values, d.half(), bias)
+
+    @classmethod
+    def _pack(cls, values: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None) -> Q8Q8Linear:
+        """values [rows, groups, 32] int8, d [rows, groups] float16: w = d * q."""
+        rows, groups, _ = values.shape
+        pad = -rows % TILE
+        if pad:  # zero rows complete the last tile; their outputs are dropped
+            values = torch.cat([values, values.new_zeros(pad, groups, GROUP)])
+            d = torch.cat([d, d.new_zeros(pad, groups)])
+        tiles = (rows + pad) // TILE
+        # [tiles, 8 rows, groups, 8 chunks, 4] -> [tiles, groups, 8 chunks, 8 rows, 4]
+        packed = values.reshape(tiles, TILE, groups, _CHUNKS, 4).permute(0, 2, 3, 1, 4).contiguous()
+        scales = d.reshape(tiles, TILE, groups).permute(0, 2, 1).contiguous()
+        return cls(packed, scales, rows, bias)
