@@ -28,17 +28,23 @@ def _stored(kind: gguf.GGMLQuantizationType, rows: int, cols: int, seed: int) ->
     return StoredTensor(kind, gguf.quants.quantize(values, kind), cols)
 
 
-def _quantised_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: per row and group of 32, d = max |x| / 127, q = round(x / d)."""
-    groups = x.float().reshape(x.shape[0], -1, GROUP)
+def _one_level(x: torch.Tensor) -> torch.Tensor:
+    """Per row and group of 32: d = max |x| / 127, q = round(x / d); returns d q."""
+    groups = x.reshape(x.shape[0], -1, GROUP)
     d = groups.abs().amax(-1) / 127
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = torch.round(groups * inverse[..., None])  # round half to even, as the kernel's nearbyintf
     return (q * d[..., None]).reshape(x.shape)
 
 
+def _quantised_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: two int8 levels, the second quantising what the first left."""
+    high = _one_level(x.float())
+    return high.double() + _one_level(x.float() - high).double()
+
+
 def _held_to_reference(linear: Q4Q8Linear | Q8Q8Linear, weight: torch.Tensor, x: torch.Tensor) -> None:
-    want = _quantised_activations(x).double() @ weight.double().T
+    want = _quantised_activations(x) @ weight.double().T
     got = linear(x)
     # Only the float32 sums' order differs from the float64 reference: a misplaced nibble or scale
     # would be off by a quantisation step (~1/15 of a group's range).

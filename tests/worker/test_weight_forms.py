@@ -187,7 +187,11 @@ def test_smollm2_as_int4_holds_at_most_twice_the_files_tensor_bytes(gguf_path: P
     assert loaded.weights.num_bytes() <= 2 * tensor_bytes  # point 6 of #32
     tokenizer = loaded.tokenizer
     assert tokenizer is not None
+    # With SmolLM2's own system prompt too: one int8 level of activations (llama.cpp's) on top of
+    # the 4-bit weights answered that one with "L'Étoile, la Marseillaise, ..." (block_dot.c).
     with Engine.load("smollm2-135m", kv_tokens=1024, weights="int4") as engine:
-        sid = engine.open_session()
-        prompt = tokenizer.encode(tokenizer.chat_prompt("What is the capital of France?"))
-        assert "Paris" in (engine.run_turn(sid, tokens=prompt, max_output_tokens=12, timeout=300).text or "")
+        for system in (None, "You are a helpful AI assistant named SmolLM, trained by Hugging Face"):
+            sid = engine.open_session()
+            prompt = tokenizer.encode(tokenizer.chat_prompt("What is the capital of France?", system))
+            reply = engine.run_turn(sid, tokens=prompt, max_output_tokens=12, timeout=300).text or ""
+            assert "Paris" in reply, (system, reply)

@@ -1,10 +1,10 @@
-/* Integer dot products of GGUF's weight blocks against activations quantised to int8 per row and
- * group of 32 on each call (as llama.cpp's Q8_1/Q8_0 do): y = x @ W.T with
+/* Integer dot products of GGUF's weight blocks against activations quantised per row and group of
+ * 32 on each call, in two int8 levels (`quantise_rows`; llama.cpp's Q8_1/Q8_0 are one): y = x @ W.T with
  * - `q4_linear`: W in groups of 32 four-bit values, w = d * q + m (q in 0..15, as GGUF's Q4_0 and
  *   Q4_1 store them: Q4_0's m is -8 d), AVX2 `vpmaddubsw` on the nibbles;
  * - `q8_linear`: W in groups of 32 int8 values, w = d * q (GGUF's Q8_0), `vpmaddubsw` on |q| and the
  *   activations with q's sign.
- * One float scale product per group after the integer sums.
+ * One float scale product per group and level after the integer sums.
  *
  * Why it exists: on an AVX2 CPU without AVX-512 torch's packed int4 kernel is a near-scalar loop
  * (docs/benchmarks.md, "Weight forms"), and its cost grows ~3 ms a row on every CPU measured, so a
@@ -41,28 +41,47 @@
 #define ROW_BLOCK 4
 
 #ifdef BLOCK_DOT_X86
-/* Row r's groups: q [G][32] int8, scale [G] (d = max |x| / 127), scaled sum [G] (d * sum q). */
+/* Quantises one group of 32 values to int8: d = max |v| / 127, q = round(v / d). Returns d; adds
+ * sum q to *sum. */
+static float quantise_group(const float *v, int8_t *q, int *sum) {
+    float amax = 0.0f;
+    for (int i = 0; i < GROUP; i++) {
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f;
+    const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < GROUP; i++) {
+        const int t = (int)nearbyintf(v[i] * inverse);
+        q[i] = (int8_t)t;
+        *sum += t;
+    }
+    return d;
+}
+
+/* Row r's groups, each as two int8 levels: x ~ d_hi q_hi + d_lo q_lo, q_lo quantising what q_hi
+ * left (at most d_hi / 2 a value), so a value keeps ~15 bits against its group's largest instead of
+ * 8. One level (llama.cpp's Q8_1) lost SmolLM2's answer to "What is the capital of France?" on top
+ * of the 4-bit weights (docs/benchmarks.md); the second costs a second pass of integer products.
+ * q [G][2][32] int8 (hi, then lo), scale [G][2] (d_hi, d_lo), scaled sum [G] (d_hi sum q_hi +
+ * d_lo sum q_lo: the offsets' term of q4). */
 static void quantise_rows(const float *x, int64_t rows, int64_t cols, int8_t *q, float *scale, float *scaled_sum) {
     const int64_t groups = cols / GROUP;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t g = 0; g < groups; g++) {
+            const int64_t at = r * groups + g;
             const float *v = x + r * cols + g * GROUP;
-            float amax = 0.0f;
+            int8_t *hi = q + at * 2 * GROUP;
+            int hi_sum = 0, lo_sum = 0;
+            const float d_hi = quantise_group(v, hi, &hi_sum);
+            float rest[GROUP];
             for (int i = 0; i < GROUP; i++) {
-                const float a = fabsf(v[i]);
-                amax = a > amax ? a : amax;
+                rest[i] = v[i] - d_hi * (float)hi[i];
             }
-            const float d = amax / 127.0f;
-            const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *out = q + (r * groups + g) * GROUP;
-            int sum = 0;
-            for (int i = 0; i < GROUP; i++) {
-                const int t = (int)nearbyintf(v[i] * inverse);
-                out[i] = (int8_t)t;
-                sum += t;
-            }
-            scale[r * groups + g] = d;
-            scaled_sum[r * groups + g] = d * (float)sum;
+            const float d_lo = quantise_group(rest, hi + GROUP, &lo_sum);
+            scale[2 * at] = d_hi;
+            scale[2 * at + 1] = d_lo;
+            scaled_sum[at] = d_hi * (float)hi_sum + d_lo * (float)lo_sum;
         }
     }
 }
@@ -100,14 +119,16 @@ __attribute__((target("avx2,fma,f16c"))) static void q4_product(const int8_t *q,
                 const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile_scales + g * 2 * TILE + TILE)));
                 for (int b = 0; b < block; b++) {
                     const int64_t at = (r + b) * groups + g;
-                    const float *chunk = (const float *)(q + at * GROUP);
-                    /* 8 products of at most 2 * 15 * 127 each: the int16 sums cannot overflow. */
-                    __m256i s = _mm256_maddubs_epi16(w[0], CHUNK(0));
-                    for (int k = 1; k < 8; k++) {
-                        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[k], CHUNK(k)));
+                    for (int level = 0; level < 2; level++) {
+                        const float *chunk = (const float *)(q + (2 * at + level) * GROUP);
+                        /* 8 products of at most 2 * 15 * 127 each: the int16 sums cannot overflow. */
+                        __m256i s = _mm256_maddubs_epi16(w[0], CHUNK(0));
+                        for (int k = 1; k < 8; k++) {
+                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[k], CHUNK(k)));
+                        }
+                        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+                        acc[b] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(scale[2 * at + level])), acc[b]);
                     }
-                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
-                    acc[b] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(scale[at])), acc[b]);
                     acc_offset[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(scaled_sum[at]), acc_offset[b]);
                 }
             }
@@ -142,14 +163,17 @@ __attribute__((target("avx2,fma,f16c"))) static void q8_product(const int8_t *q,
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile_scales + g * TILE)));
                 for (int b = 0; b < block; b++) {
                     const int64_t at = (r + b) * groups + g;
-                    const float *chunk = (const float *)(q + at * GROUP);
-                    /* |w| * (x with w's sign): at most 2 * 127 * 127 a pair, so each chunk goes to int32. */
-                    __m256i s = _mm256_setzero_si256();
-                    for (int k = 0; k < 8; k++) {
-                        const __m256i signed_x = _mm256_sign_epi8(CHUNK(k), w[k]);
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k], signed_x), ones));
+                    for (int level = 0; level < 2; level++) {
+                        const float *chunk = (const float *)(q + (2 * at + level) * GROUP);
+                        /* |w| * (x with w's sign): at most 2 * 127 * 127 a pair, so each chunk goes to int32. */
+                        __m256i s = _mm256_setzero_si256();
+                        for (int k = 0; k < 8; k++) {
+                            const __m256i signed_x = _mm256_sign_epi8(CHUNK(k), w[k]);
+                            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k], signed_x), ones));
+                        }
+                        const __m256 dot = _mm256_cvtepi32_ps(s);
+                        acc[b] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(scale[2 * at + level])), acc[b]);
                     }
-                    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(scale[at])), acc[b]);
                 }
             }
             for (int b = 0; b < block; b++) {
@@ -196,8 +220,8 @@ static PyObject *multiply(int bits, PyObject *args) {
     }
 #ifdef BLOCK_DOT_X86
     const int64_t groups = cols / GROUP;
-    int8_t *q = malloc((size_t)(rows * cols) + 1);
-    float *scale = malloc(sizeof(float) * (size_t)(rows * groups) + 1);
+    int8_t *q = malloc((size_t)(2 * rows * cols) + 1);
+    float *scale = malloc(sizeof(float) * (size_t)(2 * rows * groups) + 1);
     float *scaled_sum = malloc(sizeof(float) * (size_t)(rows * groups) + 1);
     if (!q || !scale || !scaled_sum) {
         free(q);

@@ -1,12 +1,13 @@
 """4-bit weights as GGUF's Q4_0/Q4_1 store them, multiplied by integer dot products against activations
-quantised to int8 per row and group of 32 (`q4_linear` in worker/model/block_dot.c).
+quantised per row and group of 32 in two int8 levels (`q4_linear` in worker/model/block_dot.c).
 
-This is how llama.cpp multiplies the same file (its Q4_1 x Q8_1 dot product): the weights are the
-stored nibbles and float16 scales exactly, the activations are not, so the product is not exact
-against the float path; its greedy agreement with the float path is measured against llama.cpp's
-(docs/benchmarks.md, "Weight forms"). A row's result depends on that row alone, summed in one fixed
-order at any row or thread count, so a session's tokens are the same batched or alone, streamed or
-sent whole.
+llama.cpp multiplies the same file against one int8 level (its Q8_1); on SmolLM2 that level and the
+4-bit weights together lost the answer to "What is the capital of France?", which the second level
+(~15 bits a value against its group's largest) keeps (docs/benchmarks.md, "Weight forms"). The
+weights are the stored nibbles and float16 scales exactly; the activations are not, so the product
+is not exact against the float path, and its greedy agreement with the float path is measured
+against llama.cpp's. A row's result depends on that row alone, summed in one fixed order at any row
+or thread count, so a session's tokens are the same batched or alone, streamed or sent whole.
 
 The `int4` form uses it where the kernels run (worker/model/block_dot.py); elsewhere torch's packed
 int4 kernel (linear_int4.py).

@@ -1,12 +1,11 @@
 """8-bit weights as GGUF's Q8_0 stores them (groups of 32 int8 values with a float16 scale), multiplied
-by integer dot products against activations quantised to int8 per row and group of 32 (`q8_linear`
-in worker/model/block_dot.c), as llama.cpp multiplies the same blocks.
+by integer dot products against activations quantised per row and group of 32 in two int8 levels
+(`q8_linear` in worker/model/block_dot.c; linear_q4q8.py says why two).
 
-Used for the output projection under `int4` where the kernels run (worker/model/weight_form.py): the
-stored Q8_0 table read as it is, against the per-row int8 copy with bfloat16 activations elsewhere
-(linear_int8.py's `Int8WeightOnlyLinear`). Not exact against the float path (the activations are
-quantised); measured against it in docs/benchmarks.md, "Weight forms". A row's result depends on
-that row alone, summed in one fixed order at any row or thread count.
+`--weights int8` serves every matrix through it where the kernels run (worker/model/weight_form.py):
+a stored Q8_0 matrix as it is, anything else quantised into Q8_0 groups at load, where `torch._int_mm`
+is a near-scalar loop on AVX2. Not exact against the float path (the activations are quantised). A
+row's result depends on that row alone, summed in one fixed order at any row or thread count.
 """
 
 from __future__ import annotations

@@ -8,9 +8,7 @@
   kernel with bfloat16 activations (linear_int4.py); 8-bit and
   float matrices (Q8_0, F16, a safetensors checkpoint's) as int8; any other stored type is refused,
   since no kernel here takes it and requantising it to 4 bits would lose what the file kept. The
-  output projection is int8 rows with bfloat16 activations (`output_projection`: the q8 x q8
-  kernel there was nearer the float path per token but agreed less often greedily than llama.cpp,
-  docs/benchmarks.md).
+  output projection stays 8-bit (`output_projection`).
 - `int8`: every matrix at 8 bits (`int8_linear`): where the block kernels run, Q8_0 groups of 32 (a
   stored Q8_0 matrix as it is) through the q8 x q8 kernel (linear_q8q8.py), elsewhere requantised
   to int8 per row (linear_int8.py).
@@ -24,10 +22,10 @@
   shape-independent); (2) measured 2026-11-27 (`python -m loadtest.weight_quality`): with torch's
   int4 kernel (AVX-512 VM, load 3-6) greedy 226/240 on the peer workload and 165/240 on six chat
   prompts, against llama.cpp's 66/240 and 214/240, and mean |logprob difference| 0.031 against
-  0.029; with the q4 x q8 kernel (AVX2 VM, idle) 225/240 and 166/240 against llama.cpp's 88/240
-  and 188/240 (391 against 276 of 480 in all, behind on the chat prompts alone), and per token as
-  near the float path as llama.cpp (mean |logprob difference| 0.035 against 0.031, at worst 0.30
-  against 0.27). A float checkpoint stays `float` (requantising it is a choice `--weights int4`
+  0.029; with the block kernels (AVX2 VM: q4 x q8 layers, q8 x q8 output projection, two levels of
+  activations) **240/240 and 240/240** against llama.cpp's 88/240 and 188/240, and mean |logprob
+  difference| 0.0001 (at worst 0.0007) against llama.cpp's 0.031 (0.27): the float path is the
+  same stored 4-bit values dequantised, so only the activations' ~15 bits differ. A float checkpoint stays `float` (requantising it is a choice `--weights int4`
   makes explicitly).
   On CUDA `auto` stays `float` (bf16 `F.linear` on tensor cores): the weight-only kernels read
   4.5-5 bits a weight (Q4_0/Q4_1; Q8_0 8.5) instead of 16, but compute in float32 on CUDA cores
@@ -137,11 +135,15 @@ class WeightForm:
         return int8_linear(parts, bias)
 
     def output_projection(self, source: Source) -> Linear:
-        """The output projection (logits of the sampled rows only). Under `int4` on the CPU its
-        weights are 8-bit rows with bfloat16 activations (Int8WeightOnlyLinear): as fast at one row as the
-        layers' int8 form, and nearer the float path (docs/benchmarks.md, "Weight forms")."""
+        """The output projection (logits of the sampled rows only). Under `int4` on the CPU it is 8-bit
+        (never 4: it decides every token): Q8_0 groups through the q8 x q8 kernel where it runs (SmolLM2's
+        tied Q8_0 table as stored), else int8 rows with bfloat16 activations (Int8WeightOnlyLinear).
+        The first left `int4` within 0.0007 of the float path's logprobs, the second 0.3
+        (docs/benchmarks.md, "Weight forms")."""
         if self.name != "int4" or self.device.type != "cpu":
             return self.linear([source], None, what="the output projection")
+        if block_dot_available():
+            return int8_linear([source], None)
         return Int8WeightOnlyLinear.from_float(as_float(source).float(), None)
 
     def kernels(self) -> str:
