@@ -37,10 +37,26 @@ def _one_level(x: torch.Tensor) -> torch.Tensor:
     return (q * d[..., None]).reshape(x.shape)
 
 
+# block_dot.c's OUTLIER_RATIO: a group whose largest |value| exceeds 8 times its mean gets a second level.
+_OUTLIER_RATIO = 8
+
+
 def _quantised_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels see it: two int8 levels, the second quantising what the first left."""
-    high = _one_level(x.float())
-    return high.double() + _one_level(x.float() - high).double()
+    """x as the kernels see it: one int8 level per group of 32, and in a group with an outlier a
+    second level quantising what the first left."""
+    x = x.float()
+    high = _one_level(x)
+    groups = x.abs().reshape(x.shape[0], -1, GROUP)
+    outlier = groups.amax(-1) * GROUP > _OUTLIER_RATIO * groups.sum(-1)
+    low = _one_level(x - high).reshape(groups.shape) * outlier[..., None]
+    return high.double() + low.reshape(x.shape).double()
+
+
+def _with_outliers(x: torch.Tensor) -> torch.Tensor:
+    """x with one value in every third group 200 times the rest: those groups take the second level."""
+    x = x.clone()
+    x[:, ::96] *= 200
+    return x
 
 
 def _held_to_reference(linear: Q4Q8Linear | Q8Q8Linear, weight: torch.Tensor, x: torch.Tensor) -> None:
@@ -59,7 +75,7 @@ def test_stored_q4_blocks_multiply_as_their_dequantised_values(
 ) -> None:
     stored = _stored(kind, rows, 256, seed=rows + kind.value)
     linear = Q4Q8Linear.from_stored(stored, None)
-    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(1))
+    x = _with_outliers(torch.randn(13, 256, generator=torch.Generator().manual_seed(1)))
     _held_to_reference(linear, stored.dequantize(), x)
     assert linear.out_features == rows
     # Q4_1's 20 bytes a group as stored; Q4_0's 18 plus its m (2); up to 7 zero rows of padding.
@@ -71,7 +87,7 @@ def test_stored_q4_blocks_multiply_as_their_dequantised_values(
 def test_stored_q8_0_blocks_multiply_as_their_dequantised_values(rows: int) -> None:
     stored = _stored(Q.Q8_0, rows, 256, seed=rows)
     linear = Q8Q8Linear.from_stored(stored, None)
-    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(1))
+    x = _with_outliers(torch.randn(13, 256, generator=torch.Generator().manual_seed(1)))
     _held_to_reference(linear, stored.dequantize(), x)
     assert linear.out_features == rows
     assert linear.num_bytes <= stored.num_bytes * 1.1  # Q8_0's 34 bytes a group; padding rows
@@ -97,7 +113,7 @@ def test_a_row_is_the_same_alone_batched_and_on_any_thread_count(kind: gguf.GGML
     stored = _stored(kind, 168, 576, seed=5)
     linear = Q4Q8Linear.from_stored(stored, None) if kind == Q.Q4_1 else Q8Q8Linear.from_stored(stored, None)
     x = torch.randn(37, 576, generator=torch.Generator().manual_seed(6))
-    x = x * torch.linspace(0.1, 30, 37)[:, None]  # rows of very different ranges
+    x = _with_outliers(x * torch.linspace(0.1, 30, 37)[:, None])  # rows of very different ranges
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -150,7 +166,7 @@ def test_smollm2_q4_1_and_q8_0_matrices_multiply_as_their_dequantised_values() -
     except FileNotFoundError as error:
         pytest.skip(str(error))
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(9))
+    x = _with_outliers(torch.randn(5, 1536, generator=torch.Generator().manual_seed(9)))
     for name in ("blk.0.ffn_down.weight", "blk.29.ffn_down.weight"):
         tensor = tensors[name]
         assert tensor.tensor_type == Q.Q4_1

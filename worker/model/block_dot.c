@@ -1,5 +1,6 @@
 /* Integer dot products of GGUF's weight blocks against activations quantised per row and group of
- * 32 on each call, in two int8 levels (`quantise_rows`; llama.cpp's Q8_1/Q8_0 are one): y = x @ W.T with
+ * 32 on each call, in one int8 level, two in a group with an outlier (`quantise_rows`; llama.cpp's
+ * Q8_1/Q8_0 are one everywhere): y = x @ W.T with
  * - `q4_linear`: W in groups of 32 four-bit values, w = d * q + m (q in 0..15, as GGUF's Q4_0 and
  *   Q4_1 store them: Q4_0's m is -8 d), AVX2 `vpmaddubsw` on the nibbles;
  * - `q8_linear`: W in groups of 32 int8 values, w = d * q (GGUF's Q8_0), `vpmaddubsw` on |q| and the
@@ -59,12 +60,20 @@ static float quantise_group(const float *v, int8_t *q, int *sum) {
     return d;
 }
 
-/* Row r's groups, each as two int8 levels: x ~ d_hi q_hi + d_lo q_lo, q_lo quantising what q_hi
- * left (at most d_hi / 2 a value), so a value keeps ~15 bits against its group's largest instead of
- * 8. One level (llama.cpp's Q8_1) lost SmolLM2's answer to "What is the capital of France?" on top
- * of the 4-bit weights (docs/benchmarks.md); the second costs a second pass of integer products.
- * q [G][2][32] int8 (hi, then lo), scale [G][2] (d_hi, d_lo), scaled sum [G] (d_hi sum q_hi +
- * d_lo sum q_lo: the offsets' term of q4). */
+/* A group whose largest |value| is more than this many times its mean |value| gets a second level.
+ * Gaussian-like groups of 32 sit near 3; an outlier channel (LLMs' residual streams have a few)
+ * crushes the rest of its group's values to a few levels of one int8 scale. SmolLM2 sends 9% of its
+ * layers' input groups past 8, 19% of the down projection's, 31% of the output projection's. */
+#define OUTLIER_RATIO 8.0f
+
+/* Row r's groups: x ~ d_hi q_hi, and in a group past OUTLIER_RATIO + d_lo q_lo, q_lo quantising
+ * what q_hi left (at most d_hi / 2 a value), so its values keep ~15 bits against the group's
+ * largest instead of 8. One level everywhere (llama.cpp's Q8_1) lost SmolLM2's answer to "What is
+ * the capital of France?" on top of the 4-bit weights (docs/benchmarks.md); a second level
+ * everywhere kept it and cost ~1.6x in products; past the ratio only, ~1.0x. The choice reads the
+ * row's own values only, so rows stay independent.
+ * q [G][2][32] int8 (hi, then lo), scale [G][2] (d_hi, d_lo: 0 where there is no second level),
+ * scaled sum [G] (d_hi sum q_hi + d_lo sum q_lo: the offsets' term of q4). */
 static void quantise_rows(const float *x, int64_t rows, int64_t cols, int8_t *q, float *scale, float *scaled_sum) {
     const int64_t groups = cols / GROUP;
     for (int64_t r = 0; r < rows; r++) {
@@ -74,11 +83,20 @@ static void quantise_rows(const float *x, int64_t rows, int64_t cols, int8_t *q,
             int8_t *hi = q + at * 2 * GROUP;
             int hi_sum = 0, lo_sum = 0;
             const float d_hi = quantise_group(v, hi, &hi_sum);
-            float rest[GROUP];
+            float magnitude = 0.0f, amax = 0.0f;
             for (int i = 0; i < GROUP; i++) {
-                rest[i] = v[i] - d_hi * (float)hi[i];
+                const float a = fabsf(v[i]);
+                magnitude += a;
+                amax = a > amax ? a : amax;
             }
-            const float d_lo = quantise_group(rest, hi + GROUP, &lo_sum);
+            float d_lo = 0.0f; /* 0: no second level (the products skip it) */
+            if (amax * GROUP > OUTLIER_RATIO * magnitude) {
+                float rest[GROUP];
+                for (int i = 0; i < GROUP; i++) {
+                    rest[i] = v[i] - d_hi * (float)hi[i];
+                }
+                d_lo = quantise_group(rest, hi + GROUP, &lo_sum);
+            }
             scale[2 * at] = d_hi;
             scale[2 * at + 1] = d_lo;
             scaled_sum[at] = d_hi * (float)hi_sum + d_lo * (float)lo_sum;
@@ -120,6 +138,9 @@ __attribute__((target("avx2,fma,f16c"))) static void q4_product(const int8_t *q,
                 for (int b = 0; b < block; b++) {
                     const int64_t at = (r + b) * groups + g;
                     for (int level = 0; level < 2; level++) {
+                        if (level == 1 && scale[2 * at + 1] == 0.0f) {
+                            break;
+                        }
                         const float *chunk = (const float *)(q + (2 * at + level) * GROUP);
                         /* 8 products of at most 2 * 15 * 127 each: the int16 sums cannot overflow. */
                         __m256i s = _mm256_maddubs_epi16(w[0], CHUNK(0));
@@ -164,6 +185,9 @@ __attribute__((target("avx2,fma,f16c"))) static void q8_product(const int8_t *q,
                 for (int b = 0; b < block; b++) {
                     const int64_t at = (r + b) * groups + g;
                     for (int level = 0; level < 2; level++) {
+                        if (level == 1 && scale[2 * at + 1] == 0.0f) {
+                            break;
+                        }
                         const float *chunk = (const float *)(q + (2 * at + level) * GROUP);
                         /* |w| * (x with w's sign): at most 2 * 127 * 127 a pair, so each chunk goes to int32. */
                         __m256i s = _mm256_setzero_si256();

@@ -1,9 +1,10 @@
 """4-bit weights as GGUF's Q4_0/Q4_1 store them, multiplied by integer dot products against activations
-quantised per row and group of 32 in two int8 levels (`q4_linear` in worker/model/block_dot.c).
+quantised per row and group of 32 to int8, with a second int8 level in a group that holds an
+outlier (`q4_linear` in worker/model/block_dot.c).
 
 llama.cpp multiplies the same file against one int8 level (its Q8_1); on SmolLM2 that level and the
 4-bit weights together lost the answer to "What is the capital of France?", which the second level
-(~15 bits a value against its group's largest) keeps (docs/benchmarks.md, "Weight forms"). The
+in outlier groups keeps (block_dot.c, `OUTLIER_RATIO`; docs/benchmarks.md, "Weight forms"). The
 weights are the stored nibbles and float16 scales exactly; the activations are not, so the product
 is not exact against the float path, and its greedy agreement with the float path is measured
 against llama.cpp's. A row's result depends on that row alone, summed in one fixed order at any row

@@ -1,6 +1,7 @@
 """8-bit weights as GGUF's Q8_0 stores them (groups of 32 int8 values with a float16 scale), multiplied
-by integer dot products against activations quantised per row and group of 32 in two int8 levels
-(`q8_linear` in worker/model/block_dot.c; linear_q4q8.py says why two).
+by integer dot products against activations quantised per row and group of 32 to int8, with a
+second int8 level in a group that holds an outlier (`q8_linear` in worker/model/block_dot.c;
+linear_q4q8.py says why).
 
 `--weights int8` serves every matrix through it where the kernels run (worker/model/weight_form.py):
 a stored Q8_0 matrix as it is, anything else quantised into Q8_0 groups at load, where `torch._int_mm`
