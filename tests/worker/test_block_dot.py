@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker.model.block_dot import UNAVAILABLE_REASON, block_dot_available
-from worker.model.linear_q4q8 import GROUP, Q4Q8Linear
+from worker.model.block_dot import GROUP, UNAVAILABLE_REASON, block_dot_available
+from worker.model.linear_q4q8 import Q4Q8Linear
 from worker.model.linear_q8q8 import Q8Q8Linear
 from worker.model.presets import smollm2_gguf_path
 from worker.model.stored import StoredTensor

@@ -1,14 +1,29 @@
-"""The CPU's block dot-product kernels (worker/model/block_dot.c, the `_block_dot` extension pip builds):
-whether they run here, and why not.
+"""The CPU's block dot-product kernels (worker/model/block_dot.c, the `_block_dot` extension pip builds)
+and the one `Linear` over them: whether they run here, why not, and what every packed matrix shares.
 
 They run on an x86 CPU with AVX2, FMA and F16C where the extension was built (it is optional: a
-machine with no C compiler at install gets none). Where they do not, the `int4` form falls back to
-torch's kernels (worker/model/weight_form.py).
+machine with no C compiler at install gets none). Where they do not, the `int4` and `int8` forms
+fall back to torch's kernels (worker/model/weight_form.py).
+
+Every matrix they take is packed in tiles of TILE output rows (zero rows complete the last tile,
+their outputs dropped) over groups of GROUP input values; each kind packs its own blocks
+(linear_q4q8.py, linear_q8q8.py) and names its kernel.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
+from typing import ClassVar
+
+import torch
+
+from worker.model.linear import Linear
+
+# Input values per group: GGUF's legacy blocks, and the activations' quantisation groups.
+GROUP = 32
+# Output rows per tile: the kernels compute 8 output columns in one AVX2 register.
+TILE = 8
 
 
 def _load() -> tuple[ModuleType | None, str]:
@@ -28,3 +43,52 @@ KERNELS, UNAVAILABLE_REASON = _load()
 
 def block_dot_available() -> bool:
     return KERNELS is not None
+
+
+def pad_to_tiles(*per_row: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """Tensors whose first axis is the matrix's rows, completed with zero rows to whole tiles; and
+    the tile count."""
+    rows = per_row[0].shape[0]
+    pad = -rows % TILE
+    padded = [torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t for t in per_row]
+    return (rows + pad) // TILE, padded
+
+
+@dataclass(frozen=True, eq=False)
+class BlockDotLinear(Linear):
+    """A matrix packed for one of the kernels; `KERNEL` names its function in the extension."""
+
+    KERNEL: ClassVar[str]
+
+    packed: torch.Tensor  # the kind's blocks, tile by tile (the kind's file gives the layout)
+    scales: torch.Tensor  # float16, tile by tile
+    rows: int  # out_features; the tiles may hold up to TILE - 1 zero rows past it
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        assert KERNELS is not None, f"{type(self).__name__} is built only where the kernels run"
+        source = x.float().contiguous()
+        tokens, cols = source.shape
+        padded = self.packed.shape[0] * TILE
+        y = torch.empty(tokens, padded, dtype=torch.float32)
+        getattr(KERNELS, self.KERNEL)(
+            source.data_ptr(),
+            tokens,
+            cols,
+            self.packed.data_ptr(),
+            self.scales.data_ptr(),
+            padded,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+        out = (y if padded == self.rows else y[:, : self.rows]).to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+    @property
+    def num_bytes(self) -> int:
+        extra = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.packed.numel() + self.scales.numel() * 2 + extra
+
+    @property
+    def out_features(self) -> int:
+        return self.rows

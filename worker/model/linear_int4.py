@@ -57,9 +57,9 @@ class Int4Linear(Linear):
             raise ValueError(f"no int4 kernel takes {stored.kind.name} blocks")
         rows, cols = stored.shape
         blocks = stored.blocks.reshape(rows, cols // GROUP, -1)
-        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)).float()[..., 0]
+        d = stored.block_float16(0).float()
         if stored.kind == gguf.GGMLQuantizationType.Q4_1:
-            m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)).float()[..., 0]
+            m = stored.block_float16(2).float()
             nibbles = blocks[..., 4:]
             zero = m + 8 * d
         else:

@@ -16,67 +16,31 @@ int4 kernel (linear_int4.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import gguf
 import numpy as np
 import torch
 
-from worker.model import block_dot
-from worker.model.linear import Linear
+from worker.model.block_dot import GROUP, TILE, BlockDotLinear, pad_to_tiles
 from worker.model.stored import StoredTensor
 
-GROUP = 32
-# Output rows per tile: the kernel computes 8 output columns in one AVX2 register.
-TILE = 8
 # Stored nibble bytes per group: byte i holds value i (low nibble) and value i + 16 (high nibble).
 _NIBBLE_BYTES = GROUP // 2
 
 
-@dataclass(frozen=True, eq=False)
-class Q4Q8Linear(Linear):
-    packed: torch.Tensor  # [tiles, groups, 4, 8, 4] uint8: the stored nibble bytes, 8 rows interleaved
-    scales: torch.Tensor  # [tiles, groups, 2, 8] float16: d then m of each of the tile's 8 rows
-    rows: int  # out_features; the tiles may hold up to 7 zero rows past it
-    bias: torch.Tensor | None
+class Q4Q8Linear(BlockDotLinear):
+    """packed: [tiles, groups, 4, 8, 4] uint8, the stored nibble bytes with 8 rows interleaved;
+    scales: [tiles, groups, 2, 8] float16, d then m of each of the tile's 8 rows."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = block_dot.KERNELS
-        assert kernels is not None, "Q4Q8Linear is built only where the kernels run"
-        source = x.float().contiguous()
-        tokens, cols = source.shape
-        padded = self.packed.shape[0] * TILE
-        y = torch.empty(tokens, padded, dtype=torch.float32)
-        kernels.q4_linear(
-            source.data_ptr(),
-            tokens,
-            cols,
-            self.packed.data_ptr(),
-            self.scales.data_ptr(),
-            padded,
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
-        out = (y if padded == self.rows else y[:, : self.rows]).to(x.dtype)
-        return out if self.bias is None else out + self.bias
-
-    @property
-    def num_bytes(self) -> int:
-        extra = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return self.packed.numel() + self.scales.numel() * 2 + extra
-
-    @property
-    def out_features(self) -> int:
-        return self.rows
+    KERNEL = "q4_linear"
 
     @classmethod
     def from_stored(cls, stored: StoredTensor, bias: torch.Tensor | None) -> Q4Q8Linear:
         """Q4_0 or Q4_1 blocks: their nibbles and float16 scales as stored (Q4_0's m is -8 d, exact)."""
         rows, cols = stored.shape
         blocks = stored.blocks.reshape(rows, cols // GROUP, -1)
-        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16))[..., 0]
+        d = stored.block_float16(0)
         if stored.kind == gguf.GGMLQuantizationType.Q4_1:
-            m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16))[..., 0]
+            m = stored.block_float16(2)
             nibbles = blocks[..., 4:]
         elif stored.kind == gguf.GGMLQuantizationType.Q4_0:
             m = d * -8  # a power of two: exact in float16
@@ -106,12 +70,7 @@ class Q4Q8Linear(Linear):
     ) -> Q4Q8Linear:
         """nibbles [rows, groups, 16] uint8 as stored, d and m [rows, groups] float16: w = d * q + m."""
         rows, groups, _ = nibbles.shape
-        pad = -rows % TILE
-        if pad:  # zero rows complete the last tile; their outputs are dropped
-            nibbles = torch.cat([nibbles, nibbles.new_zeros(pad, groups, _NIBBLE_BYTES)])
-            d = torch.cat([d, d.new_zeros(pad, groups)])
-            m = torch.cat([m, m.new_zeros(pad, groups)])
-        tiles = (rows + pad) // TILE
+        tiles, (nibbles, d, m) = pad_to_tiles(nibbles, d, m)
         # [tiles, 8 rows, groups, 4 vectors, 4 bytes] -> [tiles, groups, 4 vectors, 8 rows, 4 bytes]
         packed = nibbles.reshape(tiles, TILE, groups, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
         per_tile = [t.reshape(tiles, TILE, groups).permute(0, 2, 1) for t in (d, m)]

@@ -11,58 +11,22 @@ row's result depends on that row alone, summed in one fixed order at any row or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import gguf
 import numpy as np
 import torch
 
-from worker.model import block_dot
-from worker.model.linear import Linear
+from worker.model.block_dot import GROUP, TILE, BlockDotLinear, pad_to_tiles
 from worker.model.stored import StoredTensor
 
-GROUP = 32
-# Output rows per tile: the kernel computes 8 output columns in one AVX2 register.
-TILE = 8
 # A group of 32 int8 values is 8 chunks of 4, one 32-bit lane per row in the kernel's vectors.
 _CHUNKS = GROUP // 4
 
 
-@dataclass(frozen=True, eq=False)
-class Q8Q8Linear(Linear):
-    packed: torch.Tensor  # [tiles, groups, 8 chunks, 8 rows, 4] int8: the stored values, 8 rows interleaved
-    scales: torch.Tensor  # [tiles, groups, 8] float16: d of each of the tile's 8 rows
-    rows: int  # out_features; the tiles may hold up to 7 zero rows past it
-    bias: torch.Tensor | None
+class Q8Q8Linear(BlockDotLinear):
+    """packed: [tiles, groups, 8 chunks, 8 rows, 4] int8, the stored values with 8 rows interleaved;
+    scales: [tiles, groups, 8] float16, d of each of the tile's 8 rows."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = block_dot.KERNELS
-        assert kernels is not None, "Q8Q8Linear is built only where the kernels run"
-        source = x.float().contiguous()
-        tokens, cols = source.shape
-        padded = self.packed.shape[0] * TILE
-        y = torch.empty(tokens, padded, dtype=torch.float32)
-        kernels.q8_linear(
-            source.data_ptr(),
-            tokens,
-            cols,
-            self.packed.data_ptr(),
-            self.scales.data_ptr(),
-            padded,
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
-        out = (y if padded == self.rows else y[:, : self.rows]).to(x.dtype)
-        return out if self.bias is None else out + self.bias
-
-    @property
-    def num_bytes(self) -> int:
-        extra = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return self.packed.numel() + self.scales.numel() * 2 + extra
-
-    @property
-    def out_features(self) -> int:
-        return self.rows
+    KERNEL = "q8_linear"
 
     @classmethod
     def from_stored(cls, stored: StoredTensor, bias: torch.Tensor | None) -> Q8Q8Linear:
@@ -71,7 +35,7 @@ class Q8Q8Linear(Linear):
             raise ValueError(f"no q8 x q8 kernel takes {stored.kind.name} blocks")
         rows, cols = stored.shape
         blocks = stored.blocks.reshape(rows, cols // GROUP, -1)
-        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16))[..., 0]
+        d = stored.block_float16(0)
         values = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
         return cls._pack(values, d, bias)
 
@@ -94,11 +58,7 @@ class Q8Q8Linear(Linear):
     def _pack(cls, values: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None) -> Q8Q8Linear:
         """values [rows, groups, 32] int8, d [rows, groups] float16: w = d * q."""
         rows, groups, _ = values.shape
-        pad = -rows % TILE
-        if pad:  # zero rows complete the last tile; their outputs are dropped
-            values = torch.cat([values, values.new_zeros(pad, groups, GROUP)])
-            d = torch.cat([d, d.new_zeros(pad, groups)])
-        tiles = (rows + pad) // TILE
+        tiles, (values, d) = pad_to_tiles(values, d)
         # [tiles, 8 rows, groups, 8 chunks, 4] -> [tiles, groups, 8 chunks, 8 rows, 4]
         packed = values.reshape(tiles, TILE, groups, _CHUNKS, 4).permute(0, 2, 3, 1, 4).contiguous()
         scales = d.reshape(tiles, TILE, groups).permute(0, 2, 1).contiguous()

@@ -51,6 +51,12 @@ class StoredTensor:
         values = gguf.quants.dequantize(self.blocks[rows], self.kind)
         return torch.from_numpy(np.require(values, dtype=np.float32, requirements=["C", "W"]))
 
+    def block_float16(self, start: int) -> torch.Tensor:
+        """[rows, blocks] float16: the field at byte `start` of every block (a scale `d`, an offset `m`)."""
+        block_values, _ = gguf.GGML_QUANT_SIZES[self.kind]
+        blocks = self.blocks.reshape(self.blocks.shape[0], self.cols // block_values, -1)
+        return torch.from_numpy(blocks[..., start : start + 2].copy().view(np.float16))[..., 0]
+
     def permute_rows(self, order: npt.NDArray[np.int64]) -> StoredTensor:
         return StoredTensor(self.kind, np.ascontiguousarray(self.blocks[order]), self.cols)
 
