@@ -21,8 +21,9 @@ COPY worker worker
 COPY gateway gateway
 COPY loadtest loadtest
 COPY microturn microturn
-# gcc builds the q4 x q8 CPU kernel (worker/model/block_dot.c, `--weights int4`) during the install and
-# leaves with the layer; without it the int4 form would fall back to torch's slower int4 kernel.
+# gcc builds the CPU kernels (worker/model/block_dot.c for `--weights int4`, worker/attention/cpu_kernel.c
+# for attention) during the install and leaves with the layer; without it the worker falls back to
+# torch's slower kernels.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install ".${EXTRAS:+[$EXTRAS]}" \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*

@@ -51,8 +51,10 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": round(ordered[len(ordered) // 2], 2), "p10": round(ordered[len(ordered) // 10], 2)}
 
 
-def run(model_name: str, weights: str, context: int, append: int, repeats: int) -> dict[str, Any]:
-    from worker.attention import TorchAttention
+def run(
+    model_name: str, *, weights: str, attention_name: str, context: int, append: int, repeats: int
+) -> dict[str, Any]:
+    from worker.attention import AttentionShape, choose_backend
     from worker.attention.base import paged_metadata
     from worker.attention.kv_pool import KVPool
     from worker.model.llama import LlamaModel
@@ -63,6 +65,8 @@ def run(model_name: str, weights: str, context: int, append: int, repeats: int) 
     config = loaded.config
     model = LlamaModel(config, loaded.weights, device=_CPU, dtype=torch.float32)
     pages = list(range(-(-(context + append) // _PAGE)))
+    shape = AttentionShape(_CPU, torch.float32, config.num_heads, config.num_kv_heads, config.head_dim, _PAGE)
+    backend = choose_backend(attention_name, shape)
     pool = KVPool(
         num_layers=config.num_layers,
         num_pages=len(pages),
@@ -71,9 +75,9 @@ def run(model_name: str, weights: str, context: int, append: int, repeats: int) 
         head_dim=config.head_dim,
         dtype=torch.float32,
         device=_CPU,
-        layout=TorchAttention.kv_layout,
+        layout=backend.kv_layout,
     )
-    attention = TorchAttention(
+    attention = backend(
         pool, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
     )
     ids = torch.randint(
@@ -89,7 +93,12 @@ def run(model_name: str, weights: str, context: int, append: int, repeats: int) 
         hidden = model.forward(ids[context : context + tokens], positions, attention)
         return int(model.logits(hidden[-1:]).argmax(dim=-1)[0])
 
-    result: dict[str, Any] = {"model": model_name, "weights": loaded.weights.form, "context": context}
+    result: dict[str, Any] = {
+        "model": model_name,
+        "weights": loaded.weights.form,
+        "attention_backend": backend.name,
+        "context": context,
+    }
     for tokens, label in ((1, "step"), (append, f"append_{append}")):
         by_threads: dict[int, tuple[list[float], list[float]]] = {1: ([], []), 2: ([], [])}
         for turn in range(repeats):
@@ -160,11 +169,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.step_split", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--weights", default="auto")
+    parser.add_argument("--attention", default="auto", help="auto, torch or cpu (worker/attention)")
     parser.add_argument("--context", type=int, default=560)
     parser.add_argument("--append", type=int, default=33, help="tokens of the append step timed")
     parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.model, args.weights, args.context, args.append, args.repeats), indent=2))
+    print(
+        json.dumps(
+            run(
+                args.model,
+                weights=args.weights,
+                attention_name=args.attention,
+                context=args.context,
+                append=args.append,
+                repeats=args.repeats,
+            ),
+            indent=2,
+        )
+    )
     return 0
 
 

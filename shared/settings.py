@@ -98,7 +98,7 @@ class EngineSettings:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "preset, HF directory or .gguf file"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     dtype: str = field(default="float32", metadata={"help": " or ".join(DTYPE_NAMES)})
-    attention: str = field(default="auto", metadata={"help": "auto, torch or flashinfer"})
+    attention: str = field(default="auto", metadata={"help": "auto, torch, cpu or flashinfer"})
     weights: str = field(
         default="auto",
         metadata={

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from worker.attention import (
     AttentionShape,
     TorchAttention,
     choose_backend,
+    cpu_backend,
 )
 from worker.engine import Engine
 from worker.server.main import EXIT_REFUSED
@@ -27,9 +29,23 @@ SHAPE = AttentionShape(
 )
 
 
-def test_auto_and_torch_are_torch_on_cpu() -> None:
-    for name in ("auto", "torch"):
-        assert choose_backend(name, SHAPE) is TorchAttention
+def test_torch_is_torch_and_auto_is_the_cpu_kernel_where_it_runs() -> None:
+    assert choose_backend("torch", SHAPE) is TorchAttention
+    expected = TorchAttention if cpu_backend.KERNEL is None else cpu_backend.CpuAttention
+    assert choose_backend("auto", SHAPE) is expected
+
+
+def test_auto_passes_over_the_cpu_kernel_where_it_cannot_serve() -> None:
+    # bfloat16 and a head size the kernel does not take: auto serves the torch reference.
+    for shape in (replace(SHAPE, dtype=torch.bfloat16), replace(SHAPE, head_dim=60)):
+        assert cpu_backend.CpuAttention.unavailable(shape) is not None
+        assert choose_backend("auto", shape) is TorchAttention
+
+
+def test_asking_for_the_cpu_kernel_where_it_cannot_serve_is_refused() -> None:
+    refusal = "--attention cpu cannot serve here: it runs float32 on the CPU only"
+    with pytest.raises(ValueError, match=refusal):
+        choose_backend("cpu", replace(SHAPE, dtype=torch.bfloat16))
 
 
 def test_unknown_names_are_refused() -> None:
@@ -38,15 +54,15 @@ def test_unknown_names_are_refused() -> None:
 
 
 def test_a_cpu_engine_never_imports_flashinfer_and_names_its_backend() -> None:
+    expected = "torch" if cpu_backend.KERNEL is None else "cpu"
     with Engine.load("tiny", kv_tokens=256, attention="auto") as engine:
-        assert engine.attention_backend == "torch"
+        assert engine.attention_backend == expected
         engine.run_turn(engine.open_session(), tokens=[1, 2, 3], max_output_tokens=2)
         stats = engine.stats()
     assert "flashinfer" not in sys.modules
-    assert stats.attention_backend == "torch"
-    assert (
-        'microturn_worker_attention_backend{backend="torch"} 1' in WorkerMetrics().render(stats).splitlines()
-    )
+    assert stats.attention_backend == expected
+    line = f'microturn_worker_attention_backend{{backend="{expected}"}} 1'
+    assert line in WorkerMetrics().render(stats).splitlines()
 
 
 def test_a_worker_asked_for_flashinfer_it_cannot_use_refuses_to_start_and_says_why() -> None:

@@ -171,9 +171,9 @@ def test_flashinfer_asked_for_without_the_package_is_refused_naming_the_extra(
 
 
 @pytest.mark.usefixtures("reference")
-def test_auto_on_the_cpu_is_torch_even_with_flashinfer_importable() -> None:
+def test_auto_on_the_cpu_never_picks_flashinfer_even_when_importable() -> None:
     chosen = choose_backend("auto", SHAPE)
-    assert chosen is TorchAttention
+    assert chosen is TorchAttention or chosen.name == "cpu"
 
 
 def test_flashinfer_refuses_head_dims_its_kernels_lack() -> None:

@@ -12,9 +12,11 @@ The choice (`choose_backend`):
 - Another backend by name serves only after it agreed with the torch reference on a check batch
   (self_check.py); a missing package or a failed check refuses it: the worker does not start and
   says why.
-- `auto` takes the first entry, in the table's order, that accelerates the device (`auto_on`) and
-  whose package is installed, and checks it the same way; a failed check logs a warning and serves
-  with the torch reference, and no such entry (the CPU, or CUDA without the `gpu` extra) is torch.
+- `auto` takes the first entry, in the table's order, that accelerates the device (`auto_on`), whose
+  package is installed and that can serve here (`AttentionBackend.unavailable`: the `cpu` kernel
+  needs its extension built and AVX2), and checks it the same way; a failed check logs a warning and
+  serves with the torch reference, and no such entry (CUDA without the `gpu` extra, a CPU without
+  AVX2) is torch.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ BACKENDS: Final = {
     backend.name: backend
     for backend in (
         Backend("torch", "worker.attention.torch_backend:TorchAttention"),
+        Backend("cpu", "worker.attention.cpu_backend:CpuAttention", auto_on=("cpu",)),
         Backend(
             "flashinfer",
             "worker.attention.flashinfer_backend:FlashInferAttention",
@@ -117,15 +120,22 @@ def choose_backend(name: str, shape: AttentionShape) -> type[AttentionBackend]:
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if name == AUTO:
-        preferred = [b for b in BACKENDS.values() if shape.device.type in b.auto_on and b.installed()]
-        if not preferred:
-            return TorchAttention
-        entry = preferred[0]
-    else:
-        entry = BACKENDS[name]
-        if entry.name == REFERENCE:
-            return TorchAttention
-        if not entry.installed():
-            raise _refused(name, f"{entry.package} is not installed ({entry.install})")
+        for entry in BACKENDS.values():
+            if shape.device.type not in entry.auto_on or not entry.installed():
+                continue
+            candidate = entry.load()
+            reason = candidate.unavailable(shape)
+            if reason is None:
+                return decide(name, candidate, compare_with_torch(candidate, shape))
+            logger.info("attention backend %s passed over: %s", entry.name, reason)
+        return TorchAttention
+    entry = BACKENDS[name]
+    if entry.name == REFERENCE:
+        return TorchAttention
+    if not entry.installed():
+        raise _refused(name, f"{entry.package} is not installed ({entry.install})")
     candidate = entry.load()
+    reason = candidate.unavailable(shape)
+    if reason is not None:
+        raise _refused(name, reason)
     return decide(name, candidate, compare_with_torch(candidate, shape))

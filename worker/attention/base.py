@@ -98,6 +98,13 @@ class AttentionBackend(ABC):
     # The KV pool layout this backend reads; the model runner allocates the pool in it.
     kv_layout: ClassVar[KVLayout]
 
+    @classmethod
+    def unavailable(cls, shape: AttentionShape) -> str | None:
+        """Why this backend cannot serve `shape` on this machine (a kernel not built, a CPU feature or
+        a dtype it lacks), else None. Asked before the start-up check; `auto` passes over a backend
+        that says why."""
+        return None
+
     def __init__(self, kv_pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.kv_pool = kv_pool
         self.num_heads = num_heads

@@ -1,0 +1,175 @@
+"""The CPU attention kernel (worker/attention/cpu_kernel.c): dense attention's numbers on ragged,
+paged batches, the same bits however a history was chunked or batched, and refusals that touch
+nothing."""
+
+from __future__ import annotations
+
+import math
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.attention import AttentionShape, TorchAttention
+from worker.attention.base import paged_metadata
+from worker.attention.cpu_backend import KERNEL, UNAVAILABLE_REASON, CpuAttention
+from worker.attention.kv_pool import KVPool
+
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
+
+CPU = torch.device("cpu")
+
+
+def make(
+    backend: type[CpuAttention] | type[TorchAttention],
+    *,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    page: int,
+    pages: int = 64,
+) -> CpuAttention | TorchAttention:
+    pool = KVPool(
+        num_layers=1,
+        num_pages=pages,
+        page_size=page,
+        num_kv_heads=kv_heads,
+        head_dim=dim,
+        dtype=torch.float32,
+        device=CPU,
+        layout=backend.kv_layout,
+    )
+    return backend(pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
+
+
+def feed(
+    attention: CpuAttention | TorchAttention,
+    tables: list[list[int]],
+    steps: list[list[tuple[int, int]]],
+    history: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """Run steps of (row, tokens) pairs over per-row histories (q, k, v); each row's outputs in order."""
+    q, k, v = history
+    fed = [0] * len(tables)
+    outputs: list[list[torch.Tensor]] = [[] for _ in tables]
+    for step in steps:
+        rows = [row for row, _ in step]
+        meta = paged_metadata(
+            [fed[row] for row in rows],
+            [n for _, n in step],
+            [tables[row] for row in rows],
+            attention.kv_pool.page_size,
+        )
+        attention.plan(meta)
+        pick = [(row, slice(fed[row], fed[row] + n)) for row, n in step]
+        out = attention.forward(
+            0,
+            torch.cat([q[row][s] for row, s in pick]),
+            torch.cat([k[row][s] for row, s in pick]),
+            torch.cat([v[row][s] for row, s in pick]),
+        )
+        for (row, n), part in zip(step, out.split([n for _, n in step]), strict=True):
+            outputs[row].append(part)
+            fed[row] += n
+    return [torch.cat(parts) if parts else torch.empty(0) for parts in outputs]
+
+
+def histories(
+    lengths: list[int], heads: int, kv_heads: int, dim: int, seed: int = 0
+) -> tuple[list[torch.Tensor], ...]:
+    generator = torch.Generator().manual_seed(seed)
+    q = [torch.randn(n, heads, dim, generator=generator) for n in lengths]
+    k = [torch.randn(n, kv_heads, dim, generator=generator) for n in lengths]
+    v = [torch.randn(n, kv_heads, dim, generator=generator) for n in lengths]
+    return q, k, v
+
+
+def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over one row's whole history, in float64."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.double().repeat_interleave(group, dim=1)
+    values = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) / math.sqrt(q.shape[2])
+    hidden = torch.ones(len(q), len(k), dtype=torch.bool).triu(1)
+    weights = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, values)
+
+
+def scattered_tables(rows: int, pages_each: int, pool_pages: int) -> list[list[int]]:
+    """Out of order and interleaved with the other rows' pages."""
+    return [[pool_pages - 1 - rows * j - i for j in range(pages_each)] for i in range(rows)]
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "page"), [(9, 3, 64, 16), (4, 2, 32, 3), (8, 8, 128, 5)]
+)
+def test_ragged_paged_steps_match_dense_attention(heads: int, kv_heads: int, dim: int, page: int) -> None:
+    lengths = [40, 7, 90]
+    q, k, v = histories(lengths, heads, kv_heads, dim)
+    pool_pages = 3 * 40
+    attention = make(CpuAttention, heads=heads, kv_heads=kv_heads, dim=dim, page=page, pages=pool_pages)
+    # A prefill beside a decode row, then appends of odd sizes crossing pages, rows in another order.
+    steps = [[(0, 30), (1, 1), (2, 64)], [(2, 1), (0, 1), (1, 6)], [(0, 9), (2, 25)]]
+    got = feed(attention, scattered_tables(3, 40, pool_pages), steps, (q, k, v))
+    for row in range(3):
+        assert torch.allclose(got[row].double(), dense(q[row], k[row], v[row]), atol=2e-6), row
+
+
+@needs_kernel
+def test_a_rows_outputs_are_the_same_bits_however_its_history_was_chunked_batched_or_threaded() -> None:
+    heads, kv_heads, dim, page = 9, 3, 64, 16
+    q, k, v = histories([75, 75, 20], heads, kv_heads, dim, seed=1)
+    tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 20))]
+
+    def row_zero(steps: list[list[tuple[int, int]]], threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            attention = make(CpuAttention, heads=heads, kv_heads=kv_heads, dim=dim, page=page)
+            return feed(attention, tables, steps, (q, k, v))[0]
+        finally:
+            torch.set_num_threads(before)
+
+    whole = row_zero([[(0, 75)]], 1)
+    # Micro-turns of 1, 7 and 33 tokens; beside other rows (a long prefill, decodes); on 2 threads.
+    chunked = row_zero([[(0, 1)], [(0, 7)], [(0, 33)], [(0, 1)]] + [[(0, 1)]] * 33, 1)
+    batched = row_zero([[(1, 60), (0, 40), (2, 20)], [(1, 15), (0, 35)]], 2)
+    assert torch.equal(whole, chunked)
+    assert torch.equal(whole, batched)
+
+
+@needs_kernel
+def test_the_kernel_agrees_with_the_torch_reference_as_the_start_up_check_asks() -> None:
+    from worker.attention.self_check import compare_with_torch
+
+    for shape in ((9, 3, 64, 16), (4, 2, 32, 4), (8, 8, 128, 16)):
+        assert compare_with_torch(CpuAttention, AttentionShape(CPU, torch.float32, *shape)) is None
+
+
+@needs_kernel
+def test_a_page_outside_the_pool_is_refused_before_anything_is_written() -> None:
+    attention = make(CpuAttention, heads=4, kv_heads=2, dim=32, page=4, pages=8)
+    before = attention.kv_pool.buffer.clone()
+    attention.plan(paged_metadata([0], [6], [[3, 8]], 4))  # page 8 of a pool of 8
+    with pytest.raises(ValueError, match="page 8 is outside the pool of 8"):
+        attention.forward(0, torch.randn(6, 4, 32), torch.randn(6, 2, 32), torch.randn(6, 2, 32))
+    assert torch.equal(attention.kv_pool.buffer, before)
+
+
+def test_the_kernel_says_why_it_cannot_serve_a_shape() -> None:
+    bf16 = AttentionShape(CPU, torch.bfloat16, 9, 3, 64, 16)
+    assert CpuAttention.unavailable(bf16) is not None
+    odd_head = AttentionShape(CPU, torch.float32, 9, 3, 60, 16)
+    assert CpuAttention.unavailable(odd_head) is not None
+
+
+def test_the_extension_is_built_on_an_avx2_machine() -> None:
+    """An optional build that failed must not silently serve the torch reference's slower attention:
+    on an AVX2 x86 machine the kernel must be there."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= set(flags):
+        pytest.skip("not an x86 CPU with AVX2 and FMA")
+    assert KERNEL is not None, UNAVAILABLE_REASON
+    assert CpuAttention.unavailable(AttentionShape(CPU, torch.float32, 9, 3, 64, 16)) is None

@@ -1,0 +1,112 @@
+"""Paged attention for the CPU in one C call per layer (cpu_kernel.c, the `_cpu_kernel` extension pip
+builds); `auto`'s choice on a CPU with AVX2 and FMA.
+
+It reads the same head-major pool as the torch reference (so a KV copy or a host-tier page means the
+same bytes under either backend) straight from the rows' pages, with no gather, no padding and no
+per-layer buffers: a decode step's attention through torch is a dozen small ops per layer, and on a
+2-core CPU those ops, not the arithmetic, were half of SmolLM2's step (docs/benchmarks.md).
+
+The engine's promise holds by construction (cpu_kernel.c's header): each query token and KV head is
+one job whose sums run in position order, so a query's output is the same bits whether its history
+came in one step or many, alone or in a batch, on one thread or two. Its numbers are not the torch
+reference's bits (another summation order, another exp); the start-up check holds it to them within
+self_check.py's tolerance, as any other backend.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    try:
+        from worker.attention import _cpu_kernel  # type: ignore[attr-defined]  # built by pip from cpu_kernel.c
+    except ImportError:
+        return None, "the _cpu_kernel extension was not built (no C compiler at install?)"
+    kernel: ModuleType = _cpu_kernel
+    if not kernel.supported():
+        return None, "this CPU lacks AVX2 or FMA"
+    return kernel, ""
+
+
+# KERNEL is None where it does not run, and UNAVAILABLE_REASON says why (empty where it runs).
+KERNEL, UNAVAILABLE_REASON = _load()
+
+
+class CpuAttention(AttentionBackend):
+    name = "cpu"
+    kv_layout = "head_major"
+
+    # The step's row metadata, int32 and contiguous, kept alive while the layers pass their addresses.
+    _rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def unavailable(cls, shape: AttentionShape) -> str | None:
+        if KERNEL is None:
+            return UNAVAILABLE_REASON
+        if shape.device.type != "cpu" or shape.dtype != torch.float32:
+            return f"it runs float32 on the CPU only, not {shape.dtype} on {shape.device.type}"
+        group = shape.num_heads // shape.num_kv_heads
+        if shape.head_dim % 8 or not 8 <= shape.head_dim <= 256 or group > 16:
+            return (
+                f"it takes head_dim a multiple of 8 up to 256 (not {shape.head_dim}) and at most 16 query "
+                f"heads per KV head (not {group})"
+            )
+        return None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self._rows = (
+            meta.qo_indptr.to(torch.int32).contiguous(),
+            torch.tensor(meta.kv_lens, dtype=torch.int32),
+            meta.kv_page_indptr.to(torch.int32).contiguous(),
+            meta.kv_page_indices.to(torch.int32).contiguous(),
+        )
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert KERNEL is not None, "CpuAttention is chosen only where its kernel runs"
+        rows = self._rows
+        assert rows is not None, "plan() must run before forward()"
+        qo_indptr, kv_lens, page_indptr, pages = rows
+        q, k, v = _heads_contiguous(q), _heads_contiguous(k), _heads_contiguous(v)
+        tokens = q.shape[0]
+        keys = self.kv_pool.keys(layer)  # [kv_heads, slots, dim], contiguous per layer
+        values = self.kv_pool.values(layer)
+        out = q.new_empty(tokens, self.num_heads, self.head_dim)
+        KERNEL.attend(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            tokens,
+            keys.data_ptr(),
+            values.data_ptr(),
+            keys.shape[1],
+            qo_indptr.data_ptr(),
+            kv_lens.data_ptr(),
+            page_indptr.data_ptr(),
+            pages.data_ptr(),
+            len(kv_lens),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv_pool.page_size,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, dim] float32 with each token's heads contiguous (any token stride), as the
+    kernel reads it: the model's q, k, v are views of the fused projection with such strides."""
+    x = x.float()
+    heads, dim = x.shape[1], x.shape[2]
+    if x.stride(2) == 1 and x.stride(1) == dim and x.stride(0) >= heads * dim:
+        return x
+    return x.contiguous()
