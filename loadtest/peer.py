@@ -5,7 +5,8 @@
 Same GGUF, same token ids, same threads, greedy: a 512-token prompt, then micro-turns of 32 tokens
 in and 8 out. llama.cpp (through llama-cpp-python, the optional `peer` extra) keeps its state
 between turns, so like a microturn session it evaluates only the new tokens. The two engines
-take turns in one process, turn by turn, so machine load falls on both alike; it prints each
+take turns, turn by turn, so machine load falls on both alike, each in its own process
+(`LlamaCppProcess`: one process would share one OpenMP runtime between them); it prints each
 engine's median prompt and micro-turn, their ratios, and how many greedy tokens agreed.
 """
 
@@ -14,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -95,6 +98,51 @@ def peer_llama(model: str, threads: int, *, logits_all: bool = False) -> LlamaCp
     return LlamaCppPeer(path, threads, logits_all=logits_all)
 
 
+class LlamaCppProcess:
+    """llama.cpp in a process of its own, driven turn by turn: each `feed` returns the peer's tokens
+    and the milliseconds it took there.
+
+    Why not in microturn's process: both engines would share one OpenMP runtime (torch's libgomp,
+    which llama.cpp's and microturn's C kernels bind to as well), and libgomp makes every team's
+    waiting threads yield the CPU once the process holds more threads than cores. Measured in one
+    process, microturn's two-thread appends made llama.cpp's turns 1.5x slower (309-357 ms alone,
+    469-585 ms beside them, 2026-11-27); two engines deployed side by side run as two processes.
+    """
+
+    def __init__(self, model: str, threads: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve_peer, args=(child, model, threads), daemon=True)
+        self._process.start()
+        child.close()
+        ready = self._conn.recv()
+        if ready != "ready":
+            raise RuntimeError(f"the llama.cpp process did not start: {ready}")
+
+    def feed(self, tokens: Sequence[int], outputs: int) -> tuple[list[int], float]:
+        self._conn.send((list(tokens), outputs))
+        produced, ms = self._conn.recv()
+        return produced, ms
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._process.join(timeout=30)
+
+
+def _serve_peer(conn: Connection, model: str, threads: int) -> None:
+    try:
+        peer = peer_llama(model, threads)
+    except Exception as error:  # the parent says why it could not start
+        conn.send(f"{type(error).__name__}: {error}")
+        return
+    conn.send("ready")
+    while (request := conn.recv()) is not None:
+        tokens, outputs = request
+        started = time.perf_counter()
+        produced = peer.feed(tokens, outputs)
+        conn.send((produced, (time.perf_counter() - started) * 1e3))
+
+
 @dataclass(frozen=True)
 class PeerWorkload:
     model: str = "smollm2-135m"
@@ -122,7 +170,7 @@ def run(workload: PeerWorkload) -> dict[str, Any]:
     )
     prompt_tokens = w.prompt_tokens
     torch.set_num_threads(threads)
-    peer = peer_llama(model, threads)
+    peer = LlamaCppProcess(model, threads)
     prompt = workload_ids(prompt_tokens, 0)
     chunks = [workload_ids(chunk, turn + 1) for turn in range(turns)]
     times: dict[str, list[float]] = {"microturn": [], "llamacpp": []}
@@ -136,23 +184,23 @@ def run(workload: PeerWorkload) -> dict[str, Any]:
         started = time.perf_counter()
         engine.run_turn(sid, tokens=prompt, max_output_tokens=0, timeout=600)
         prompt_ms["microturn"] = (time.perf_counter() - started) * 1e3
-        started = time.perf_counter()
-        peer.feed(prompt, 0)
-        prompt_ms["llamacpp"] = (time.perf_counter() - started) * 1e3
+        _, prompt_ms["llamacpp"] = peer.feed(prompt, 0)
         for turn, tokens in enumerate(chunks):
             order = ("microturn", "llamacpp") if turn % 2 == 0 else ("llamacpp", "microturn")
             replies: dict[str, list[int]] = {}
             for name in order:
-                started = time.perf_counter()
                 if name == "microturn":
+                    started = time.perf_counter()
                     reply = engine.run_turn(sid, tokens=tokens, max_output_tokens=outputs, timeout=600)
                     replies[name] = list(reply.tokens)
+                    times[name].append((time.perf_counter() - started) * 1e3)
                 else:
-                    replies[name] = peer.feed(tokens, outputs)
-                times[name].append((time.perf_counter() - started) * 1e3)
+                    replies[name], ms = peer.feed(tokens, outputs)
+                    times[name].append(ms)
             agree += sum(a == b for a, b in zip(replies["microturn"], replies["llamacpp"], strict=False))
             total += outputs
         weight_form = engine._core.runner.model.weights.form
+    peer.close()
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {
         "model": model,

@@ -51,9 +51,9 @@ class CpuAttention(AttentionBackend):
         if shape.device.type != "cpu" or shape.dtype != torch.float32:
             return f"it runs float32 on the CPU only, not {shape.dtype} on {shape.device.type}"
         group = shape.num_heads // shape.num_kv_heads
-        if shape.head_dim % 8 or not 8 <= shape.head_dim <= 256 or group > 16:
+        if shape.head_dim % 32 or not 32 <= shape.head_dim <= 256 or group > 16:
             return (
-                f"it takes head_dim a multiple of 8 up to 256 (not {shape.head_dim}) and at most 16 query "
+                f"it takes head_dim a multiple of 32 up to 256 (not {shape.head_dim}) and at most 16 query "
                 f"heads per KV head (not {group})"
             )
         return None

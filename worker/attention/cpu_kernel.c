@@ -41,6 +41,9 @@
 /* The query heads one KV head serves, and the head size, at most (the scratch and the accumulators). */
 #define MAX_GROUP 16
 #define MAX_DIM 256
+/* Vectors of 8 values a value row is read in, for all of a group's query heads at once (so dim must
+ * be a multiple of 8 * VALUE_CHUNKS). */
+#define VALUE_CHUNKS 4
 
 typedef struct {
     const float *q;
@@ -101,11 +104,11 @@ AVX2 static inline __m256 exp8(__m256 x) {
 }
 
 /* One job: query token `token` (query `j` of row `row`) against KV head `h`, for the head's `group`
- * query heads. `scratch` holds group x stride floats. `dim` is a literal at the hot call site, so the
- * loops over it unroll and the accumulators stay in registers. */
+ * query heads. `scratch` holds group x stride floats. `dim` and `group` are literals at the hot call
+ * site, so the loops over them unroll and the accumulators stay in registers. */
 AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int64_t token, int64_t row, int64_t j,
-                                                              int64_t h, float *scratch, const int64_t dim) {
-    const int64_t group = s->heads / s->kv_heads;
+                                                              int64_t h, float *scratch, const int64_t dim,
+                                                              const int64_t group) {
     const int64_t chunks = dim / 8;
     const int64_t q_len = s->qo_indptr[row + 1] - s->qo_indptr[row];
     const int64_t visible = s->kv_lens[row] - q_len + j + 1;
@@ -116,21 +119,30 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     const float *head_values = s->values + h * s->pool_slots * dim;
     const float scale = 1.0f / sqrtf((float)dim);
     float largest[MAX_GROUP];
+    __m256 largest_lanes[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
         largest[g] = -INFINITY;
+        largest_lanes[g] = _mm256_set1_ps(-INFINITY);
     }
+    const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
 
     /* Scores, 8 keys at a time in position order: each key's dot product in 8 float lanes, the lanes of
      * the 8 summed together in one fixed tree (sum8x8); keys past the visible ones are zeros, their
      * scores dropped, so a key's score is computed the same way wherever the visible keys end. */
     static const float zeros[MAX_DIM] = {0};
+    int64_t page = 0, offset = 0; /* where position `first` lives (no division per key) */
     for (int64_t first = 0; first < visible; first += 8) {
         const float *key[8];
         for (int64_t i = 0; i < 8; i++) {
-            const int64_t t = first + i;
-            key[i] = t < visible ? head_keys + ((int64_t)row_pages[t / s->page_size] * s->page_size +
-                                                t % s->page_size) * dim
-                                 : zeros;
+            if (first + i < visible) {
+                key[i] = head_keys + ((int64_t)row_pages[page] * s->page_size + offset) * dim;
+                if (++offset == s->page_size) {
+                    offset = 0;
+                    page++;
+                }
+            } else {
+                key[i] = zeros;
+            }
         }
         for (int64_t g = 0; g < group; g++) {
             const float *qg = query + g * dim;
@@ -147,14 +159,22 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
             }
             const __m256 scores = _mm256_mul_ps(sum8x8(dot), _mm256_set1_ps(scale));
             _mm256_storeu_ps(scratch + g * stride + first, scores);
+            /* The max over the visible lanes (max is exact in any order). */
+            const __m256 seen = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)first), lane_index),
+                                              _mm256_set1_ps((float)visible), _CMP_LT_OQ);
+            largest_lanes[g] =
+                _mm256_max_ps(largest_lanes[g], _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, seen));
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        for (int64_t t = 0; t < visible; t++) {
-            largest[g] = scratch[g * stride + t] > largest[g] ? scratch[g * stride + t] : largest[g];
+        float lanes[8];
+        _mm256_storeu_ps(lanes, largest_lanes[g]);
+        for (int64_t i = 0; i < 8; i++) {
+            largest[g] = lanes[i] > largest[g] ? lanes[i] : largest[g];
         }
     }
 
+    float totals[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
         float *terms = scratch + g * stride;
         /* The softmax's terms; the lanes past the keys are exactly 0. */
@@ -169,26 +189,42 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
         for (int64_t t = 0; t < stride; t += 8) {
             lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(terms + t));
         }
-        const __m256 total = _mm256_set1_ps(sum8(lanes));
+        totals[g] = sum8(lanes);
+    }
 
-        /* The weighted values, in position order. */
-        __m256 acc[MAX_DIM / 8];
-        for (int64_t c = 0; c < chunks; c++) {
-            acc[c] = _mm256_setzero_ps();
+    /* The weighted values, each output summed in position order. VALUE_CHUNKS vectors of a value row
+     * at a time serve every query head of the group, so the values are read from memory once per
+     * job, not once per query head (they outgrow the L1 cache past a few hundred positions). */
+    for (int64_t part = 0; part < chunks; part += VALUE_CHUNKS) {
+        __m256 acc[MAX_GROUP][VALUE_CHUNKS];
+        for (int64_t g = 0; g < group; g++) {
+            for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
+                acc[g][c] = _mm256_setzero_ps();
+            }
         }
         for (int64_t first = 0; first < visible; first += s->page_size) {
             const int64_t count = visible - first < s->page_size ? visible - first : s->page_size;
-            const float *value = head_values + (int64_t)row_pages[first / s->page_size] * s->page_size * dim;
+            const float *value =
+                head_values + (int64_t)row_pages[first / s->page_size] * s->page_size * dim + 8 * part;
             for (int64_t i = 0; i < count; i++, value += dim) {
-                const __m256 weight = _mm256_set1_ps(terms[first + i]);
-                for (int64_t c = 0; c < chunks; c++) {
-                    acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * c), acc[c]);
+                __m256 v[VALUE_CHUNKS];
+                for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
+                    v[c] = _mm256_loadu_ps(value + 8 * c);
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    const __m256 weight = _mm256_set1_ps(scratch[g * stride + first + i]);
+                    for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
+                        acc[g][c] = _mm256_fmadd_ps(weight, v[c], acc[g][c]);
+                    }
                 }
             }
         }
-        float *out = s->out + (token * s->heads + h * group + g) * dim;
-        for (int64_t c = 0; c < chunks; c++) {
-            _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(acc[c], total));
+        for (int64_t g = 0; g < group; g++) {
+            float *out = s->out + (token * s->heads + h * group + g) * dim + 8 * part;
+            const __m256 total = _mm256_set1_ps(totals[g]);
+            for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
+                _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(acc[g][c], total));
+            }
         }
     }
 }
@@ -225,8 +261,10 @@ AVX2 static int attend_step(const Step *s, int64_t tokens, int64_t longest, int 
         int64_t row = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t job = 0; job < jobs; job++) {
-            const int64_t token = job / s->kv_heads;
-            const int64_t h = job % s->kv_heads;
+            /* Head-major: consecutive jobs read one KV head's keys and values, which stay in the L2
+             * cache between them (a row's every head does not, past a few hundred positions). */
+            const int64_t h = job / tokens;
+            const int64_t token = job % tokens;
             /* The row holding `token` (rows are few; a token's row only moves forward in this loop). */
             if (token < s->qo_indptr[row]) {
                 row = 0;
@@ -238,10 +276,12 @@ AVX2 static int attend_step(const Step *s, int64_t tokens, int64_t longest, int 
             if (scratch == NULL) {
                 continue;
             }
-            if (s->dim == 64) {
-                attend(s, token, row, j, h, scratch, 64);
+            if (s->dim == 64 && group == 3) { /* SmolLM2's */
+                attend(s, token, row, j, h, scratch, 64, 3);
+            } else if (s->dim == 64) {
+                attend(s, token, row, j, h, scratch, 64, group);
             } else {
-                attend(s, token, row, j, h, scratch, s->dim);
+                attend(s, token, row, j, h, scratch, s->dim, group);
             }
         }
         free(scratch);
@@ -314,7 +354,7 @@ static PyObject *attend_layer(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (tokens < 1 || rows < 1 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_GROUP || dim < 8 ||
-        dim % 8 || dim > MAX_DIM || page_size < 1 || pool_slots % page_size || threads < 1) {
+        dim % (8 * VALUE_CHUNKS) || dim > MAX_DIM || page_size < 1 || pool_slots % page_size || threads < 1) {
         PyErr_Format(PyExc_ValueError,
                      "cpu attention: bad shape tokens=%zd rows=%zd heads=%zd kv_heads=%zd dim=%zd page_size=%zd",
                      tokens, rows, heads, kv_heads, dim, page_size);
