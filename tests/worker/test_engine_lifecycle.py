@@ -256,3 +256,23 @@ def test_a_worker_that_never_meets_a_response_format_never_imports_the_grammar_l
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stderr[-2000:]
+
+
+def test_the_engine_is_built_on_a_thread_that_ends_with_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The caller's thread must run no parallel region of the load: libgomp would keep its worker
+    # threads for the caller's lifetime and, with more of them than cores, make the engine thread's
+    # workers sleep between regions (Engine._on_own_thread's docstring: a 2-thread decode step
+    # took twice as long).
+    from worker.engine import engine as engine_module
+
+    builders: list[threading.Thread] = []
+
+    def recording_load(*args: object, **kwargs: object) -> object:
+        builders.append(threading.current_thread())
+        return load_model(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module, "load_model", recording_load)
+    with Engine.load("tiny", kv_tokens=64) as engine:
+        assert engine.run_turn(engine.open_session(), tokens=[1, 2], max_output_tokens=1).tokens
+    assert len(builders) == 1 and builders[0] is not threading.current_thread()
+    assert not builders[0].is_alive()

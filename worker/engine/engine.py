@@ -14,7 +14,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -106,14 +106,17 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        loaded = load_model(
-            config.model,
-            device=torch.device(config.device),
-            dtype=torch_dtype(config.dtype),
-            seed=config.seed,
-            weights=config.weights,
-        )
-        return cls(config, loaded)
+        def build() -> Engine:
+            loaded = load_model(
+                config.model,
+                device=torch.device(config.device),
+                dtype=torch_dtype(config.dtype),
+                seed=config.seed,
+                weights=config.weights,
+            )
+            return cls(config, loaded)
+
+        return _on_own_thread(build)
 
     @property
     def attention_backend(self) -> str:
@@ -514,6 +517,21 @@ class Engine:
         for session_id in list(core.sessions):
             core.close(session_id, "closed")
         logger.info("engine thread stopped")
+
+
+def _on_own_thread(build: Callable[[], T]) -> T:
+    """`build()` on a thread of its own, which ends with it.
+
+    Why: on the CPU, libgomp (the OpenMP runtime behind torch's intra-op threads and the C kernels)
+    keeps a pool of worker threads for every thread that ever ran a parallel region, for as long as
+    that thread lives; once the process holds more of them than there are cores, it makes waiting
+    workers sleep at once instead of spinning, so every parallel region of the engine thread then
+    pays a wake-up. Loaded by the caller's thread on 2 threads, SmolLM2's decode step on 2 threads
+    took 36-58 ms, against 18-21 when the loading thread had ended (2 cores, 2026-11-27). Loading on
+    a thread that ends leaves the engine thread's pool the only one.
+    """
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="microturn-load") as loader:
+        return loader.submit(build).result()
 
 
 def _chain(source: Future[T], target: Future[T]) -> None:
