@@ -33,6 +33,7 @@ from shared.settings import WEIGHT_FORMS, EngineSettings
 logger = logging.getLogger(__name__)
 
 PEERS = ("llamacpp",)
+PEER_SINGLE_THREAD_MAX_TOKENS = 0
 INSTALL_HINT = "pip install 'microturn[peer]' (or: pip install llama-cpp-python; it builds llama.cpp)"
 _VOCAB_SPAN = 5000  # token ids drawn from [100, 5100): ordinary tokens of SmolLM2's vocabulary
 
@@ -152,8 +153,11 @@ class PeerWorkload:
     chunk: int = 32
     outputs: int = 8
     threads: int = 2
-    # The engine's single-thread rule (the worker's `--cpu-single-thread-max-tokens`).
-    single_thread_max_tokens: int = EngineSettings.cpu_single_thread_max_tokens
+    # The engine's single-thread rule (the worker's `--cpu-single-thread-max-tokens`): here 0, every
+    # step on the `threads` threads, as llama.cpp runs every op. The worker's default (256: small
+    # steps on one thread) is for a machine shared with the gateway and other workers; the peer
+    # comparison is two engines each with the machine's 2 threads to itself.
+    single_thread_max_tokens: int = PEER_SINGLE_THREAD_MAX_TOKENS
 
 
 def run(workload: PeerWorkload) -> dict[str, Any]:
@@ -231,8 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-single-thread-max-tokens",
         type=int,
-        default=EngineSettings.cpu_single_thread_max_tokens,
-        help="microturn's steps of at most this many tokens run on one thread (0: every step on all)",
+        default=PEER_SINGLE_THREAD_MAX_TOKENS,
+        help="microturn's steps of at most this many tokens run on one thread (0, here the default: "
+        f"every step on all; the worker's default is {EngineSettings.cpu_single_thread_max_tokens})",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
