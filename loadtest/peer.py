@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from shared.settings import WEIGHT_FORMS, EngineSettings
+from worker.openmp import choose_spin
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,8 @@ class PeerWorkload:
 
 
 def run(workload: PeerWorkload) -> dict[str, Any]:
+    import torch
+
     from worker.engine import Engine
 
     w = workload
@@ -241,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # Before torch loads libgomp (worker/openmp.py): the two engines have the machine's cores.
+    choose_spin(shared_cores=args.cpu_single_thread_max_tokens > 0)
     try:
         import llama_cpp  # noqa: F401
     except ImportError:

@@ -21,6 +21,9 @@ def _chat(argv: list[str]) -> int:
     settings = parse_settings(
         ChatSettings, argv, "microturn chat", description="Chat with the engine in the terminal."
     )
+    from worker.openmp import choose_spin
+
+    choose_spin(shared_cores=settings.cpu_single_thread_max_tokens > 0)
     from worker.console import chat
     from worker.engine import Engine, EngineConfig
 
@@ -56,6 +59,12 @@ def _bench(argv: list[str]) -> int:
 
 
 def _worker(argv: list[str]) -> int:
+    from shared.settings import WorkerSettings, parse_settings
+    from worker.openmp import choose_spin
+
+    # Before anything loads torch (worker.server.main does): libgomp reads its spin once.
+    settings = parse_settings(WorkerSettings, argv, "microturn worker")
+    choose_spin(shared_cores=settings.cpu_single_thread_max_tokens > 0)
     from worker.server.main import main as worker_main
 
     return worker_main(argv)

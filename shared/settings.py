@@ -141,7 +141,8 @@ class EngineSettings:
         metadata={
             "help": "on the CPU, a step of at most this many tokens (over at most 4,096 positions) runs "
             "on one intra-op thread: on a shared machine a second thread mostly waits for a core; 0 "
-            'gives every step every thread (docs/benchmarks.md, "The single-thread rule")'
+            "gives every step every thread, for a worker with the cores to itself (its OpenMP threads "
+            'then spin as libgomp does by default; worker/openmp.py; docs/benchmarks.md, "Attention in C")'
         },
     )
     max_sessions: int = 256

@@ -22,6 +22,11 @@ from tests import transformers_smollm2
 from tests.shared.redis_cluster import Cluster, running_cluster
 from tests.shared.redis_servers import ServerUnavailable, running_server
 from tests.system.gateway.stack import Stack, running_stack
+from worker.openmp import choose_spin
+
+# Before any test module loads torch (nothing above does): the suite's processes share 2 cores
+# (worker/openmp.py).
+choose_spin(shared_cores=True)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
