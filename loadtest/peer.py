@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -28,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.settings import WEIGHT_FORMS, EngineSettings
-from worker.openmp import choose_spin
+from worker.openmp import GOMP_SPINCOUNT, choose_spin
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +111,12 @@ class LlamaCppProcess:
     469-585 ms beside them, 2026-11-27); two engines deployed side by side run as two processes.
     """
 
-    def __init__(self, model: str, threads: int) -> None:
+    def __init__(self, model: str, threads: int, *, spin: str | None) -> None:
+        """`spin`: llama.cpp's `GOMP_SPINCOUNT` (None: libgomp's default), whatever microturn's process
+        chose for itself (worker/openmp.py), which the child would otherwise inherit."""
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve_peer, args=(child, model, threads), daemon=True)
+        self._process = context.Process(target=_serve_peer, args=(child, model, threads, spin), daemon=True)
         self._process.start()
         child.close()
         ready = self._conn.recv()
@@ -130,7 +133,12 @@ class LlamaCppProcess:
         self._process.join(timeout=30)
 
 
-def _serve_peer(conn: Connection, model: str, threads: int) -> None:
+def _serve_peer(conn: Connection, model: str, threads: int, spin: str | None) -> None:
+    # Before llama.cpp loads libgomp, which reads it once.
+    if spin is None:
+        os.environ.pop(GOMP_SPINCOUNT, None)
+    else:
+        os.environ[GOMP_SPINCOUNT] = spin
     try:
         peer = peer_llama(model, threads)
     except Exception as error:  # the parent says why it could not start
@@ -158,6 +166,8 @@ class PeerWorkload:
     # steps on one thread) is for a machine shared with the gateway and other workers; the peer
     # comparison is two engines each with the machine's 2 threads to itself.
     single_thread_max_tokens: int = PEER_SINGLE_THREAD_MAX_TOKENS
+    # llama.cpp's OpenMP spin: the operator's `GOMP_SPINCOUNT` as it was before microturn chose its own.
+    peer_spin: str | None = None
 
 
 def run(workload: PeerWorkload) -> dict[str, Any]:
@@ -176,7 +186,7 @@ def run(workload: PeerWorkload) -> dict[str, Any]:
     )
     prompt_tokens = w.prompt_tokens
     torch.set_num_threads(threads)
-    peer = LlamaCppProcess(model, threads)
+    peer = LlamaCppProcess(model, threads, spin=w.peer_spin)
     prompt = workload_ids(prompt_tokens, 0)
     chunks = [workload_ids(chunk, turn + 1) for turn in range(turns)]
     times: dict[str, list[float]] = {"microturn": [], "llamacpp": []}
@@ -243,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    # Before torch loads libgomp (worker/openmp.py): the two engines have the machine's cores.
+    # Before torch loads libgomp (worker/openmp.py): microturn's rule says whether it shares its cores.
+    peer_spin = os.environ.get(GOMP_SPINCOUNT)
     choose_spin(shared_cores=args.cpu_single_thread_max_tokens > 0)
     try:
         import llama_cpp  # noqa: F401
@@ -259,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.output_tokens,
         args.threads,
         args.cpu_single_thread_max_tokens,
+        peer_spin,
     )
     result = run(workload)
     print(json.dumps(result, indent=2))
