@@ -15,26 +15,13 @@ self_check.py's tolerance, as any other backend.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
-
-
-def _load() -> tuple[ModuleType | None, str]:
-    try:
-        from worker.attention import _cpu_kernel  # type: ignore[attr-defined]  # built by pip from cpu_kernel.c
-    except ImportError:
-        return None, "the _cpu_kernel extension was not built (no C compiler at install?)"
-    kernel: ModuleType = _cpu_kernel
-    if not kernel.supported():
-        return None, "this CPU lacks AVX2 or FMA"
-    return kernel, ""
-
+from worker.native import load_extension
 
 # KERNEL is None where it does not run, and UNAVAILABLE_REASON says why (empty where it runs).
-KERNEL, UNAVAILABLE_REASON = _load()
+KERNEL, UNAVAILABLE_REASON = load_extension("worker.attention._cpu_kernel", needs="AVX2 or FMA")
 
 
 class CpuAttention(AttentionBackend):

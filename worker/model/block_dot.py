@@ -13,12 +13,12 @@ their outputs dropped) over groups of GROUP input values; each kind packs its ow
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import ClassVar
 
 import torch
 
 from worker.model.linear import Linear
+from worker.native import load_extension
 
 # Input values per group: GGUF's legacy blocks, and the activations' quantisation groups.
 GROUP = 32
@@ -26,19 +26,8 @@ GROUP = 32
 TILE = 8
 
 
-def _load() -> tuple[ModuleType | None, str]:
-    try:
-        from worker.model import _block_dot  # type: ignore[attr-defined]  # built by pip from block_dot.c
-    except ImportError:
-        return None, "the _block_dot extension was not built (no C compiler at install?)"
-    kernels: ModuleType = _block_dot
-    if not kernels.supported():
-        return None, "this CPU lacks AVX2, FMA or F16C"
-    return kernels, ""
-
-
 # KERNELS is None where they do not run, and UNAVAILABLE_REASON says why (empty where they run).
-KERNELS, UNAVAILABLE_REASON = _load()
+KERNELS, UNAVAILABLE_REASON = load_extension("worker.model._block_dot", needs="AVX2, FMA or F16C")
 
 
 def block_dot_available() -> bool:
