@@ -65,9 +65,9 @@ def _worker(argv: list[str]) -> int:
     # Before anything loads torch (worker.server.main does): libgomp reads its spin once.
     settings = parse_settings(WorkerSettings, argv, "microturn worker")
     choose_spin(shared_cores=settings.cpu_single_thread_max_tokens > 0)
-    from worker.server.main import main as worker_main
+    from worker.server.main import serve
 
-    return worker_main(argv)
+    return serve(settings)
 
 
 def _gateway(argv: list[str]) -> int:

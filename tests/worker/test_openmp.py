@@ -39,7 +39,7 @@ def test_the_worker_entry_point_chooses_before_anything_loads_torch() -> None:
         "import os, sys, types\n"
         "stub = types.ModuleType('worker.server.main')\n"
         "spin = lambda: os.environ.get('GOMP_SPINCOUNT', 'unset')\n"
-        "stub.main = lambda argv: print(spin(), 'torch' in sys.modules) or 0\n"
+        "stub.serve = lambda settings: print(spin(), 'torch' in sys.modules) or 0\n"
         "sys.modules['worker.server.main'] = stub\n"
         "from microturn.main import _worker\n"
     )

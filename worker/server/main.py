@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import uvicorn
 
-from shared.settings import SHUTDOWN_GRACE_S, WorkerSettings, parse_settings
+from shared.settings import SHUTDOWN_GRACE_S, WorkerSettings
 from worker.attention import BackendRefused
 from worker.engine import Engine, EngineConfig
 from worker.server.app import WorkerRuntime, create_worker_app
@@ -72,8 +72,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def main(argv: list[str]) -> int:
-    settings = parse_settings(WorkerSettings, argv, "microturn worker")
+def serve(settings: WorkerSettings) -> int:
+    """Load the engine and serve until stopped (`microturn worker` parses the settings first, to
+    choose the OpenMP spin before this module's imports load torch: worker/openmp.py)."""
     try:
         engine = Engine.from_config(EngineConfig.from_settings(settings))
     except BackendRefused as refused:  # `--attention flashinfer` failed its start-up check
