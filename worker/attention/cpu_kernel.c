@@ -118,10 +118,8 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     const float *head_keys = s->keys + h * s->pool_slots * dim;
     const float *head_values = s->values + h * s->pool_slots * dim;
     const float scale = 1.0f / sqrtf((float)dim);
-    float largest[MAX_GROUP];
     __m256 largest_lanes[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
-        largest[g] = -INFINITY;
         largest_lanes[g] = _mm256_set1_ps(-INFINITY);
     }
     const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
@@ -166,9 +164,11 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
                 _mm256_max_ps(largest_lanes[g], _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, seen));
         }
     }
+    float largest[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
         float lanes[8];
         _mm256_storeu_ps(lanes, largest_lanes[g]);
+        largest[g] = -INFINITY;
         for (int64_t i = 0; i < 8; i++) {
             largest[g] = lanes[i] > largest[g] ? lanes[i] : largest[g];
         }
