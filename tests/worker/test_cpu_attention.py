@@ -141,6 +141,34 @@ def test_a_rows_outputs_are_the_same_bits_however_its_history_was_chunked_batche
 
 
 @needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 2), (5, 5)])
+def test_long_rows_read_in_blocks_keep_the_same_bits_and_dense_attentions_numbers(
+    heads: int, kv_heads: int
+) -> None:
+    """Past a block of keys (128 positions) and a job's run of queries (32 query heads), a query's
+    output is still its own: the same bits as one token at a time, and dense attention's numbers."""
+    dim, page = 64, 16
+    q, k, v = histories([300, 300], heads, kv_heads, dim, seed=2)
+    tables = [list(range(0, 19)), list(range(19, 38))[::-1]]
+
+    def row_zero(steps: list[list[tuple[int, int]]], threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            attention = make(CpuAttention, heads=heads, kv_heads=kv_heads, dim=dim, page=page)
+            return feed(attention, tables, steps, (q, k, v))[0]
+        finally:
+            torch.set_num_threads(before)
+
+    whole = row_zero([[(0, 300)]], 1)
+    one_by_one = row_zero([[(0, 1)]] * 300, 1)
+    chunked_beside_another = row_zero([[(1, 140), (0, 129)], [(0, 2), (1, 160)], [(0, 169)]], 2)
+    assert torch.equal(whole, one_by_one)
+    assert torch.equal(whole, chunked_beside_another)
+    assert torch.allclose(whole.double(), dense(q[0], k[0], v[0]), atol=2e-6)
+
+
+@needs_kernel
 def test_the_kernel_agrees_with_the_torch_reference_as_the_start_up_check_asks() -> None:
     from worker.attention.self_check import compare_with_torch
 

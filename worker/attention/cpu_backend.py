@@ -6,11 +6,11 @@ same bytes under either backend) straight from the rows' pages, with no gather, 
 per-layer buffers: a decode step's attention through torch is a dozen small ops per layer, and on a
 2-core CPU those ops, not the arithmetic, were half of SmolLM2's step (docs/benchmarks.md).
 
-The engine's promise holds by construction (cpu_kernel.c's header): each query token and KV head is
-one job whose sums run in position order, so a query's output is the same bits whether its history
-came in one step or many, alone or in a batch, on one thread or two. Its numbers are not the torch
-reference's bits (another summation order, another exp); the start-up check holds it to them within
-self_check.py's tolerance, as any other backend.
+The engine's promise holds by construction (cpu_kernel.c's header): each query token's sums, per KV
+head, run in position order whatever queries share its job, so a query's output is the same bits
+whether its history came in one step or many, alone or in a batch, on one thread or two. Its
+numbers are not the torch reference's bits (another summation order, another exp); the start-up
+check holds it to them within self_check.py's tolerance, as any other backend.
 """
 
 from __future__ import annotations

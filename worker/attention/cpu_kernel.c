@@ -8,13 +8,15 @@
  *
  * Invariants (the engine's promise: a session's tokens do not depend on its batch or its chunking):
  * - a query's output depends on its own values and its row's keys and values up to its position,
- *   nothing else: each (query token, KV head) is one job, its scores taken one key at a time in
- *   position order (one dot product of `dim` values in 8 float lanes summed in a fixed order), its
- *   softmax's max exact, its terms summed in 8 lanes by position modulo 8, its weighted values summed
- *   in position order. Whether the keys after it are absent (a chunk) or present (the history sent
- *   whole), whatever the rows beside it or the thread count, the same operations run in the same
- *   order;
- * - threads split the jobs only.
+ *   nothing else: for each (query token, KV head) its scores are taken one key at a time in position
+ *   order (one dot product of `dim` values in 8 float lanes summed in a fixed order), its softmax's
+ *   max is exact, its terms are summed in 8 lanes by position modulo 8, its weighted values summed in
+ *   position order. Whether the keys after it are absent (a chunk) or present (the history sent
+ *   whole), whatever the queries beside it in a job, the rows beside it or the thread count, the same
+ *   operations run in the same order;
+ * - a job is a run of one row's queries against one KV head (attend()); which queries share a job
+ *   changes only the order in which the queries' independent operations interleave, and threads
+ *   split the jobs only.
  *
  * Layouts: q [tokens, heads, dim] and the new k, v [tokens, kv_heads, dim], each with its own token
  * stride (heads and dim contiguous); the pool per layer [kv_heads, pool_slots, dim] (page p holds
@@ -44,6 +46,11 @@
 /* Vectors of 8 values a value row is read in, for all of a group's query heads at once (so dim must
  * be a multiple of 8 * VALUE_CHUNKS). */
 #define VALUE_CHUNKS 4
+/* Positions a job reads per block (a multiple of 8): 128 keys of 64 floats are 32 KB, an L1 cache. */
+#define KEY_BLOCK 128
+/* Query heads one job serves (a row's queries times the group; at least MAX_GROUP, one query): enough
+ * queries to reuse a block many times, few enough that a short append still splits across threads. */
+#define QUERY_HEADS_PER_JOB 32
 
 typedef struct {
     const float *q;
@@ -103,133 +110,185 @@ AVX2 static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
-/* One job: query token `token` (query `j` of row `row`) against KV head `h`, for the head's `group`
- * query heads. `scratch` holds group x stride floats. `dim` and `group` are literals at the hot call
- * site, so the loops over them unroll and the accumulators stay in registers. */
-AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int64_t token, int64_t row, int64_t j,
-                                                              int64_t h, float *scratch, const int64_t dim,
-                                                              const int64_t group) {
+/* A job: queries j0 .. j0 + count - 1 of row `row` (tokens first_token + j0 ...) against KV head `h`,
+ * for the head's `group` query heads each. The job walks the row's keys, then its values, a block of
+ * KEY_BLOCK positions at a time, and runs every query of the job over a block before the next, so a
+ * block is read from memory once per job and from the L1 or L2 cache by its other queries (one query
+ * per job read every key and value from memory: a 48-token append to a 6k history ran at a quarter of
+ * the FMA units' rate). The blocking changes no query's arithmetic (the header's invariants): each
+ * query's scores, max, terms and sums are the same operations in the same order as alone.
+ * `scores` holds count x group x stride floats, `sums` count x group x dim. `dim` and `group` are
+ * literals at the hot call site, so the loops over them unroll and the accumulators stay in registers. */
+AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int64_t row, int64_t j0, int64_t count,
+                                                              int64_t h, float *scores, float *sums,
+                                                              const int64_t dim, const int64_t group) {
     const int64_t chunks = dim / 8;
-    const int64_t q_len = s->qo_indptr[row + 1] - s->qo_indptr[row];
-    const int64_t visible = s->kv_lens[row] - q_len + j + 1;
-    const int64_t stride = (visible + 7) & ~(int64_t)7;
+    const int64_t first_token = s->qo_indptr[row];
+    const int64_t q_len = s->qo_indptr[row + 1] - first_token;
+    const int64_t first_visible = s->kv_lens[row] - q_len + j0 + 1; /* query j0's keys; query j0 + q sees q more */
+    const int64_t last_visible = first_visible + count - 1;
+    const int64_t stride = (last_visible + 7) & ~(int64_t)7; /* a (query, head)'s scores in `scores` */
     const int32_t *row_pages = s->pages + s->page_indptr[row];
-    const float *query = s->q + token * s->q_stride + h * group * dim;
     const float *head_keys = s->keys + h * s->pool_slots * dim;
     const float *head_values = s->values + h * s->pool_slots * dim;
     const float scale = 1.0f / sqrtf((float)dim);
-    __m256 largest_lanes[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        largest_lanes[g] = _mm256_set1_ps(-INFINITY);
-    }
     const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    static const float zeros[MAX_DIM] = {0};
+    const float *slot[KEY_BLOCK]; /* the block's key (then value) rows in the pool */
+    __m256 largest_lanes[QUERY_HEADS_PER_JOB];
+    for (int64_t qg = 0; qg < count * group; qg++) {
+        largest_lanes[qg] = _mm256_set1_ps(-INFINITY);
+    }
 
     /* Scores, 8 keys at a time in position order: each key's dot product in 8 float lanes, the lanes of
-     * the 8 summed together in one fixed tree (sum8x8); keys past the visible ones are zeros, their
-     * scores dropped, so a key's score is computed the same way wherever the visible keys end. */
-    static const float zeros[MAX_DIM] = {0};
-    int64_t page = 0, offset = 0; /* where position `first` lives (no division per key) */
-    for (int64_t first = 0; first < visible; first += 8) {
-        const float *key[8];
-        for (int64_t i = 0; i < 8; i++) {
-            if (first + i < visible) {
-                key[i] = head_keys + ((int64_t)row_pages[page] * s->page_size + offset) * dim;
-                if (++offset == s->page_size) {
-                    offset = 0;
-                    page++;
-                }
-            } else {
-                key[i] = zeros;
+     * the 8 summed together in one fixed tree (sum8x8); keys past a query's visible ones are zeros,
+     * their scores dropped, so a key's score is computed the same way wherever the visible keys end. */
+    int64_t page = 0, offset = 0; /* where position `block` lives (no division per key) */
+    for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
+        const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
+        for (int64_t i = 0; i < in_block; i++) {
+            slot[i] = head_keys + ((int64_t)row_pages[page] * s->page_size + offset) * dim;
+            if (++offset == s->page_size) {
+                offset = 0;
+                page++;
             }
         }
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = query + g * dim;
-            __m256 dot[8];
-            const __m256 q0 = _mm256_loadu_ps(qg);
-            for (int64_t i = 0; i < 8; i++) {
-                dot[i] = _mm256_mul_ps(q0, _mm256_loadu_ps(key[i]));
-            }
-            for (int64_t c = 1; c < chunks; c++) {
-                const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+        for (int64_t q = 0; q < count; q++) {
+            const int64_t visible = first_visible + q;
+            const int64_t end = block + in_block < visible ? block + in_block : visible;
+            const float *query = s->q + (first_token + j0 + q) * s->q_stride + h * group * dim;
+            for (int64_t first = block; first < end; first += 8) {
+                const float *key[8];
                 for (int64_t i = 0; i < 8; i++) {
-                    dot[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(key[i] + 8 * c), dot[i]);
-                }
-            }
-            const __m256 scores = _mm256_mul_ps(sum8x8(dot), _mm256_set1_ps(scale));
-            _mm256_storeu_ps(scratch + g * stride + first, scores);
-            /* The max over the visible lanes (max is exact in any order). */
-            const __m256 seen = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)first), lane_index),
-                                              _mm256_set1_ps((float)visible), _CMP_LT_OQ);
-            largest_lanes[g] =
-                _mm256_max_ps(largest_lanes[g], _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, seen));
-        }
-    }
-    float largest[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, largest_lanes[g]);
-        largest[g] = -INFINITY;
-        for (int64_t i = 0; i < 8; i++) {
-            largest[g] = lanes[i] > largest[g] ? lanes[i] : largest[g];
-        }
-    }
-
-    float totals[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        float *terms = scratch + g * stride;
-        /* The softmax's terms; the lanes past the keys are exactly 0. */
-        const __m256 top = _mm256_set1_ps(largest[g]);
-        for (int64_t t = 0; t < stride; t += 8) {
-            _mm256_storeu_ps(terms + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(terms + t), top)));
-        }
-        for (int64_t t = visible; t < stride; t++) {
-            terms[t] = 0.0f;
-        }
-        __m256 lanes = _mm256_setzero_ps();
-        for (int64_t t = 0; t < stride; t += 8) {
-            lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(terms + t));
-        }
-        totals[g] = sum8(lanes);
-    }
-
-    /* The weighted values, each output summed in position order. VALUE_CHUNKS vectors of a value row
-     * at a time serve every query head of the group, so the values are read from memory once per
-     * job, not once per query head (they outgrow the L1 cache past a few hundred positions). */
-    for (int64_t part = 0; part < chunks; part += VALUE_CHUNKS) {
-        __m256 acc[MAX_GROUP][VALUE_CHUNKS];
-        for (int64_t g = 0; g < group; g++) {
-            for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
-                acc[g][c] = _mm256_setzero_ps();
-            }
-        }
-        for (int64_t first = 0; first < visible; first += s->page_size) {
-            const int64_t count = visible - first < s->page_size ? visible - first : s->page_size;
-            const float *value =
-                head_values + (int64_t)row_pages[first / s->page_size] * s->page_size * dim + 8 * part;
-            for (int64_t i = 0; i < count; i++, value += dim) {
-                __m256 v[VALUE_CHUNKS];
-                for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
-                    v[c] = _mm256_loadu_ps(value + 8 * c);
+                    key[i] = first + i < visible ? slot[first + i - block] : zeros;
                 }
                 for (int64_t g = 0; g < group; g++) {
-                    const __m256 weight = _mm256_set1_ps(scratch[g * stride + first + i]);
+                    const float *qg = query + g * dim;
+                    __m256 dot[8];
+                    const __m256 q0 = _mm256_loadu_ps(qg);
+                    for (int64_t i = 0; i < 8; i++) {
+                        dot[i] = _mm256_mul_ps(q0, _mm256_loadu_ps(key[i]));
+                    }
+                    for (int64_t c = 1; c < chunks; c++) {
+                        const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+                        for (int64_t i = 0; i < 8; i++) {
+                            dot[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(key[i] + 8 * c), dot[i]);
+                        }
+                    }
+                    const __m256 score = _mm256_mul_ps(sum8x8(dot), _mm256_set1_ps(scale));
+                    _mm256_storeu_ps(scores + (q * group + g) * stride + first, score);
+                    /* The max over the visible lanes (max is exact in any order). */
+                    const __m256 seen = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)first), lane_index),
+                                                      _mm256_set1_ps((float)visible), _CMP_LT_OQ);
+                    largest_lanes[q * group + g] = _mm256_max_ps(
+                        largest_lanes[q * group + g], _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), score, seen));
+                }
+            }
+        }
+    }
+
+    float totals[QUERY_HEADS_PER_JOB];
+    for (int64_t q = 0; q < count; q++) {
+        const int64_t visible = first_visible + q;
+        const int64_t own_stride = (visible + 7) & ~(int64_t)7; /* the lanes this query wrote */
+        for (int64_t g = 0; g < group; g++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, largest_lanes[q * group + g]);
+            float largest = -INFINITY;
+            for (int64_t i = 0; i < 8; i++) {
+                largest = lanes[i] > largest ? lanes[i] : largest;
+            }
+            float *terms = scores + (q * group + g) * stride;
+            /* The softmax's terms; the lanes past the keys are exactly 0. */
+            const __m256 top = _mm256_set1_ps(largest);
+            for (int64_t t = 0; t < own_stride; t += 8) {
+                _mm256_storeu_ps(terms + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(terms + t), top)));
+            }
+            for (int64_t t = visible; t < own_stride; t++) {
+                terms[t] = 0.0f;
+            }
+            __m256 lanes_sum = _mm256_setzero_ps();
+            for (int64_t t = 0; t < own_stride; t += 8) {
+                lanes_sum = _mm256_add_ps(lanes_sum, _mm256_loadu_ps(terms + t));
+            }
+            totals[q * group + g] = sum8(lanes_sum);
+        }
+    }
+
+    /* The weighted values, each output summed in position order (its running sum kept in `sums` between
+     * blocks: a float stored and loaded is the same float). VALUE_CHUNKS vectors of a value row at a time
+     * serve every query head of the group, so a value row is read once per query, not once per head. */
+    memset(sums, 0, sizeof(float) * (size_t)(count * group * dim));
+    page = 0;
+    offset = 0;
+    for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
+        const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
+        for (int64_t i = 0; i < in_block; i++) {
+            slot[i] = head_values + ((int64_t)row_pages[page] * s->page_size + offset) * dim;
+            if (++offset == s->page_size) {
+                offset = 0;
+                page++;
+            }
+        }
+        for (int64_t q = 0; q < count; q++) {
+            const int64_t visible = first_visible + q;
+            const int64_t rows_seen = (block + in_block < visible ? block + in_block : visible) - block;
+            const float *weights = scores + q * group * stride + block;
+            for (int64_t part = 0; part < chunks; part += VALUE_CHUNKS) {
+                __m256 acc[MAX_GROUP][VALUE_CHUNKS];
+                for (int64_t g = 0; g < group; g++) {
                     for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
-                        acc[g][c] = _mm256_fmadd_ps(weight, v[c], acc[g][c]);
+                        acc[g][c] = _mm256_loadu_ps(sums + ((q * group + g) * dim) + 8 * (part + c));
+                    }
+                }
+                for (int64_t i = 0; i < rows_seen; i++) {
+                    __m256 v[VALUE_CHUNKS];
+                    for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
+                        v[c] = _mm256_loadu_ps(slot[i] + 8 * (part + c));
+                    }
+                    for (int64_t g = 0; g < group; g++) {
+                        const __m256 weight = _mm256_set1_ps(weights[g * stride + i]);
+                        for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
+                            acc[g][c] = _mm256_fmadd_ps(weight, v[c], acc[g][c]);
+                        }
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
+                        _mm256_storeu_ps(sums + ((q * group + g) * dim) + 8 * (part + c), acc[g][c]);
                     }
                 }
             }
         }
+    }
+    for (int64_t q = 0; q < count; q++) {
         for (int64_t g = 0; g < group; g++) {
-            float *out = s->out + (token * s->heads + h * group + g) * dim + 8 * part;
-            const __m256 total = _mm256_set1_ps(totals[g]);
-            for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
-                _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(acc[g][c], total));
+            float *out = s->out + ((first_token + j0 + q) * s->heads + h * group + g) * dim;
+            const float *sum = sums + (q * group + g) * dim;
+            const __m256 total = _mm256_set1_ps(totals[q * group + g]);
+            for (int64_t c = 0; c < chunks; c++) {
+                _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(_mm256_loadu_ps(sum + 8 * c), total));
             }
         }
     }
 }
 
-/* Returns 0, or -1 where a thread's scratch could not be allocated (its jobs' outputs unwritten). */
+/* This thread's scratch of at least `floats`, kept between calls (NULL where it cannot grow). A job's
+ * scores outgrow malloc's mmap threshold past a few thousand positions, and a fresh mapping per layer
+ * call cost a page fault per 4 KB, as much as the arithmetic. It grows to the longest row seen, so it
+ * is bounded by the model's context: QUERY_HEADS_PER_JOB x (context + dim) floats per thread. */
+static float *thread_scratch(size_t floats) {
+    static __thread float *scratch = NULL;
+    static __thread size_t capacity = 0;
+    if (floats > capacity) {
+        free(scratch);
+        scratch = malloc(sizeof(float) * floats);
+        capacity = scratch == NULL ? 0 : floats;
+    }
+    return scratch;
+}
+
+/* Returns 0, or -1 where a buffer could not be allocated (the jobs' outputs unwritten). */
 AVX2 static int attend_step(const Step *s, int64_t tokens, int64_t longest, int threads) {
     /* The new keys and values first: a row's later queries read its earlier ones. */
     for (int64_t row = 0; row < s->rows; row++) {
@@ -248,44 +307,61 @@ AVX2 static int attend_step(const Step *s, int64_t tokens, int64_t longest, int 
         }
     }
     const int64_t group = s->heads / s->kv_heads;
-    const int64_t jobs = tokens * s->kv_heads;
-    const size_t scratch_floats = (size_t)(group * ((longest + 7) & ~(int64_t)7));
+    const int64_t per_job = QUERY_HEADS_PER_JOB / group; /* queries of one row a job takes, at most */
+    /* A row's queries in runs of per_job: job_row[b] and job_first[b] name run b. */
+    int64_t runs = 0;
+    for (int64_t row = 0; row < s->rows; row++) {
+        runs += (s->qo_indptr[row + 1] - s->qo_indptr[row] + per_job - 1) / per_job;
+    }
+    int32_t *job_row = malloc(sizeof(int32_t) * (size_t)runs);
+    int32_t *job_first = malloc(sizeof(int32_t) * (size_t)runs);
+    if (job_row == NULL || job_first == NULL) {
+        free(job_row);
+        free(job_first);
+        return -1;
+    }
+    for (int64_t row = 0, b = 0; row < s->rows; row++) {
+        for (int64_t j = 0; j < s->qo_indptr[row + 1] - s->qo_indptr[row]; j += per_job, b++) {
+            job_row[b] = (int32_t)row;
+            job_first[b] = (int32_t)j;
+        }
+    }
+    const int64_t jobs = runs * s->kv_heads;
+    const size_t score_floats = (size_t)(per_job * group * ((longest + 7) & ~(int64_t)7));
+    const size_t sum_floats = (size_t)(per_job * group * s->dim);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && jobs > 1)
     {
-        float *scratch = malloc(sizeof(float) * scratch_floats + 32);
-        if (scratch == NULL) {
+        float *scores = thread_scratch(score_floats + sum_floats);
+        if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-        int64_t row = 0;
+        float *sums = scores == NULL ? NULL : scores + score_floats;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t job = 0; job < jobs; job++) {
-            /* Head-major: consecutive jobs read one KV head's keys and values, which stay in the L2
-             * cache between them (a row's every head does not, past a few hundred positions). */
-            const int64_t h = job / tokens;
-            const int64_t token = job % tokens;
-            /* The row holding `token` (rows are few; a token's row only moves forward in this loop). */
-            if (token < s->qo_indptr[row]) {
-                row = 0;
-            }
-            while (token >= s->qo_indptr[row + 1]) {
-                row++;
-            }
-            const int64_t j = token - s->qo_indptr[row];
-            if (scratch == NULL) {
+            if (scores == NULL) {
                 continue;
             }
+            /* Head-major: consecutive jobs read one KV head's keys and values, which stay in the L2
+             * cache between them (a row's every head does not, past a few hundred positions). */
+            const int64_t h = job / runs;
+            const int64_t b = job % runs;
+            const int64_t row = job_row[b];
+            const int64_t j0 = job_first[b];
+            const int64_t q_len = s->qo_indptr[row + 1] - s->qo_indptr[row];
+            const int64_t count = q_len - j0 < per_job ? q_len - j0 : per_job;
             if (s->dim == 64 && group == 3) { /* SmolLM2's */
-                attend(s, token, row, j, h, scratch, 64, 3);
+                attend(s, row, j0, count, h, scores, sums, 64, 3);
             } else if (s->dim == 64) {
-                attend(s, token, row, j, h, scratch, 64, group);
+                attend(s, row, j0, count, h, scores, sums, 64, group);
             } else {
-                attend(s, token, row, j, h, scratch, s->dim, group);
+                attend(s, row, j0, count, h, scores, sums, s->dim, group);
             }
         }
-        free(scratch);
     }
+    free(job_row);
+    free(job_first);
     return failed ? -1 : 0;
 }
 #endif
