@@ -27,7 +27,8 @@ def source() -> Iterator[Engine]:
 
 @pytest.fixture(scope="module", params=["host", "device"])
 def target(request: pytest.FixtureRequest) -> Iterator[Engine]:
-    """A copy lands in the host tier when there is one, else on the device."""
+    """With a host tier and without: on the CPU a copy lands on the device while it has room
+    (`test_on_the_cpu_a_copy_lands_on_the_device_while_it_has_room_then_in_the_host_tier`)."""
     host = 4096 if request.param == "host" else 0
     with Engine.load("tiny", kv_tokens=4096, host_kv_tokens=host) as engine:
         yield engine
@@ -87,6 +88,32 @@ def test_a_copy_keeps_only_the_prefix_the_history_begins_with(source: Engine, ta
     ).result(timeout=60)
     assert kept == 100
     target.close_session(sid)
+
+
+def test_on_the_cpu_a_copy_lands_on_the_device_while_it_has_room_then_in_the_host_tier(
+    source: Engine,
+) -> None:
+    history, export = served(source, "placed")
+    pages = export.pages
+    with Engine.load("tiny", kv_tokens=(pages + 8) * 16, host_kv_tokens=4096) as target:
+        for sid in ("first", "second"):
+            target.import_copy(
+                sid,
+                config=CONFIG,
+                history=history,
+                accepted_seq=5,
+                text_tail=EMPTY_TAIL,
+                kv_tokens=export.tokens,
+                kv=export.data,
+            ).result(timeout=60)
+        memory = target.stats().memory
+        assert (memory.device_pages_used, memory.host_pages_used) == (pages, pages)
+        # The one in the host tier is as good a copy: it answers as the session would have.
+        target.close_session("first")
+        target.open_session(session_id="second", config=CONFIG, history=history, accepted_seq=5, adopt=True)
+        moved = target.run_turn("second", tokens=TURNS[5], seq=6, timeout=60)
+    stayed = source.run_turn("placed", tokens=TURNS[5], seq=6, timeout=60)
+    assert moved.tokens == stayed.tokens
 
 
 def test_no_room_anywhere_refuses_the_copy_and_leaves_nothing(source: Engine) -> None:

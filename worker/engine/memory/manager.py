@@ -561,9 +561,13 @@ class KVManager:
 
     def import_kv(self, session: Session, data: torch.Tensor, tokens: int, device_pool: KVPool) -> None:
         """Give a session just opened (no pages yet) the KV of its first `tokens` tokens from
-        page-major `data` (another worker's pages, any shape of the same elements): into the host
-        tier when it has room (where an idle session waits; its first turn brings it to the
-        device), else into free device pages.
+        page-major `data` (another worker's pages, any shape of the same elements). On an
+        accelerator: into the host tier when it has room (where an idle session waits; its first
+        turn brings it to the device), else into free device pages. On the CPU the other way round:
+        the device pool is host memory too, so a copy there is already where its first turn reads
+        it (through the host tier it was copied twice on the engine thread, the first time into
+        pages never touched before, a page fault per 4 KB: ~64 ms of the engine thread per 18 MB
+        session in a loaded drain, docs/benchmarks.md "What a drain's copies cost").
         Raises `CapacityExhausted` having changed nothing when neither has room (evicting sessions
         here for a copy that can be rebuilt instead is not worth it)."""
         assert not session.pages and not session.host_pages
@@ -571,7 +575,10 @@ class KVManager:
         count = _pages(tokens, self.page_size)
         if count > data.shape[0]:
             raise ValueError(f"{tokens} tokens need {count} pages, the copy has {data.shape[0]}")
-        if self.host is not None and self.copier is not None and self.host.num_free >= count:
+        host_has_room = self.host is not None and self.copier is not None and self.host.num_free >= count
+        device_first = device_pool.device.type == "cpu" and self.device.num_free >= count
+        if host_has_room and not device_first:
+            assert self.host is not None and self.copier is not None
             session.host_pages = self.host.allocate(count)
             self.copier.wait_for_host()  # CUDA: a restore may still be reading pages just freed
             scatter(data, self.copier.host_paged, self.copier.axis, session.host_pages)
