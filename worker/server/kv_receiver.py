@@ -6,8 +6,8 @@ must be its own: the same model fingerprint, dtype, page size and layout; it mus
 nor hold the session), reads the pages (whole pages, bounded by the header's count), checks the
 CRC-32, reads the session's token log and opens a COPY (worker/server/lifecycle.py) holding the
 KV of the longest prefix of the log's history that the pages cover (`Engine.import_copy`: into
-the host tier, or the device when the tier has no room). `warm` then finds the copy and only
-catches up on the turns logged after the copy's point (worker/server/warm.py).
+the host tier, or the device when the tier has no room; on the CPU the device first). `warm` then
+finds the copy and only catches up on the turns logged after the copy's point (worker/server/warm.py).
 
 Every refusal names its reason (the sender counts it and asks for the rebuild from the log): a
 format mismatch, a bad checksum, a broken stream, no room, or anything else (`refused`). A copy
