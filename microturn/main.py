@@ -60,11 +60,13 @@ def _bench(argv: list[str]) -> int:
 
 def _worker(argv: list[str]) -> int:
     from shared.settings import WorkerSettings, parse_settings
+    from worker.malloc import reuse_freed_memory
     from worker.openmp import choose_spin
 
     # Before anything loads torch (worker.server.main does): libgomp reads its spin once.
     settings = parse_settings(WorkerSettings, argv, "microturn worker")
     choose_spin(shared_cores=settings.cpu_single_thread_max_tokens > 0)
+    reuse_freed_memory()
     from worker.server.main import serve
 
     return serve(settings)
