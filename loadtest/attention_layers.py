@@ -1,0 +1,136 @@
+"""What one step's attention costs over a model's layers, per backend (the CPU kernel's figures in
+docs/benchmarks.md):
+
+    python -m loadtest.attention_layers --shape tiny --rows 1 --queries 48 --context 6000
+
+`--rows` sessions of `--context` positions each (pages scattered through the pool, as sessions
+leave them), then one step that feeds `--queries` new tokens to every row (1: a decode step; 48: a
+streamed chunk's append): the backend's plan and, for every layer of `--shape`, its KV write and
+attention, on `--threads` intra-op threads. Printed per backend: the median and the fastest of
+`--repeats` steps in ms, and the multiply-adds a second the fastest reached (scores and weighted
+values, each query against the keys it sees). Random K, V and queries: only the numbers matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from worker.attention.base import AttentionBackend, AttentionMetadata
+
+_PAGE = 16
+_CPU = torch.device("cpu")
+
+
+def _step_times(
+    attention: AttentionBackend,
+    meta: AttentionMetadata,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    layers: int,
+    repeats: int,
+) -> list[float]:
+    """Each step's ms (plan, then every layer's KV write and attention), sorted; one step first."""
+
+    def step() -> None:
+        attention.plan(meta)
+        for layer in range(layers):
+            attention.forward(layer, *qkv)
+
+    step()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - started) * 1e3)
+    return sorted(times)
+
+
+def run(
+    shape_name: str, *, backends: list[str], rows: int, queries: int, context: int, threads: int, repeats: int
+) -> dict[str, Any]:
+    from worker.attention import AttentionShape, choose_backend
+    from worker.attention.base import paged_metadata
+    from worker.attention.kv_pool import KVPool
+    from worker.model.presets import SHAPES
+
+    config = SHAPES[shape_name]
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    pages_each = -(-(context + queries) // _PAGE)
+    generator = torch.Generator().manual_seed(0)
+    # Row r's page j is pool page j * rows + r: every row's pages interleaved with the others'.
+    tables = [[j * rows + r for j in range(pages_each)] for r in range(rows)]
+    meta = paged_metadata([context] * rows, [queries] * rows, tables, _PAGE)
+    tokens = rows * queries
+    q = torch.randn(tokens, heads, dim, generator=generator)
+    k = torch.randn(tokens, kv_heads, dim, generator=generator)
+    v = torch.randn(tokens, kv_heads, dim, generator=generator)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    results: dict[str, Any] = {}
+    try:
+        for name in backends:
+            shape = AttentionShape(_CPU, torch.float32, heads, kv_heads, dim, _PAGE)
+            backend = choose_backend(name, shape)
+            pool = KVPool(
+                num_layers=config.num_layers,
+                num_pages=rows * pages_each,
+                page_size=_PAGE,
+                num_kv_heads=kv_heads,
+                head_dim=dim,
+                dtype=torch.float32,
+                device=_CPU,
+                layout=backend.kv_layout,
+            )
+            pool.buffer.normal_(generator=generator)  # the history's keys and values
+            attention = backend(pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
+            times = _step_times(attention, meta, (q, k, v), config.num_layers, repeats)
+            # Query j of a row sees context + j + 1 keys; scores and weighted values: 2 x dim each.
+            seen = rows * sum(context + j + 1 for j in range(queries))
+            macs = 2 * seen * heads * dim * config.num_layers
+            results[backend.name] = {
+                "median_ms": round(times[len(times) // 2], 2),
+                "fastest_ms": round(times[0], 2),
+                "gmac_per_s": round(macs / times[0] / 1e6, 1),
+            }
+    finally:
+        torch.set_num_threads(before)
+    return {
+        "shape": shape_name,
+        "rows": rows,
+        "queries": queries,
+        "context": context,
+        "threads": threads,
+        "backends": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.attention_layers", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--shape", default="tiny", help="a model shape of worker/model/presets.py's SHAPES")
+    parser.add_argument("--attention", default="cpu,torch", help="comma-separated backends")
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--queries", type=int, default=48, help="new tokens per row (1: a decode step)")
+    parser.add_argument("--context", type=int, default=6000, help="positions each row holds before the step")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    result = run(
+        args.shape,
+        backends=args.attention.split(","),
+        rows=args.rows,
+        queries=args.queries,
+        context=args.context,
+        threads=args.threads,
+        repeats=args.repeats,
+    )
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""The attention benchmark runs every backend it is asked for over a real pool and says what each
+step cost; a backend that cannot run here is refused by name, as the worker refuses it."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.attention_layers import run
+from worker.attention.cpu_backend import KERNEL
+
+
+def test_it_times_each_backend_asked_for() -> None:
+    backends = ["torch", "cpu"] if KERNEL is not None else ["torch"]
+    result = run("tiny", backends=backends, rows=2, queries=3, context=40, threads=1, repeats=3)
+    assert set(result["backends"]) == set(backends)
+    for figures in result["backends"].values():
+        assert 0 < figures["fastest_ms"] <= figures["median_ms"]
+        assert figures["gmac_per_s"] > 0
+
+
+def test_an_unknown_backend_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        run("tiny", backends=["nope"], rows=1, queries=1, context=8, threads=1, repeats=1)
