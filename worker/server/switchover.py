@@ -52,12 +52,14 @@ from worker.server.sessions import WorkerSession
 logger = logging.getLogger(__name__)
 
 # A switch lets the session's chunks in flight end here for at most `SWITCH_WAIT_S` (about one
-# step of a served worker: a turn about to end is answered here, not recomputed), polling this often;
-# the rest are cancelled by the handover and re-run on the copy from the gateway's tail, as after a
-# crash. Waiting for all of them would hold the switch (and every chunk the gateway holds meanwhile)
-# behind this worker's queue, which a drain under load makes seconds long: the target has room.
+# step of a served worker: a turn in the step running now is answered here, not recomputed),
+# polling this often; the rest are cancelled by the handover and re-run on the copy from the
+# gateway's tail, as after a crash. A turn still queued here would wait behind this worker's other
+# sessions and its exports while the target has room, and every chunk of the session arriving
+# meanwhile waits with it: waiting for all of them made a drain under load seconds long, and a cap
+# of 0.1 s still held a loaded drain's switches 100-130 ms (docs/benchmarks.md, "The switch's wait").
 IN_FLIGHT_POLL_S: Final = 0.002
-SWITCH_WAIT_S: Final = 0.1
+SWITCH_WAIT_S: Final = 0.03
 FLUSH_RETRY_S: Final = 0.05
 CONNECT_TIMEOUT_S: Final = 2.0
 # While no worker has room for the next session, placement is asked again this often (`_place`).
