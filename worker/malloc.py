@@ -8,17 +8,18 @@ its trim threshold, so such a buffer comes back as untouched memory: a page faul
 time each page is written, which on the VMs measured costs more than the copy itself. Moving 144 MB
 over the KV copy stream in 4 MB frames (two processes on 2 cores, 2026-11-27): the sender took 0.15
 CPU-seconds and 72,000 faults with glibc's defaults, 0.08 s and none with these settings; the
-receiver 0.12-0.15 s and 27,000-36,000 faults, 0.08-0.09 s and none. A drain of 8 `tiny` sessions
+receiver 0.12-0.15 s and 27,000-37,000 faults, 0.08-0.09 s and none. A drain of 8 `tiny` sessions
 of 4k tokens (147 MB) faulted 26,000 times on its sender and 39,000 on its target.
 
-So the worker serves every request under `MMAP_THRESHOLD_BYTES` from the heap, and keeps up to
-`TRIM_THRESHOLD_BYTES` of freed heap instead of returning it: a freed buffer is the next one's,
-already mapped. What is larger, the KV pool and the host tier above all, is still mapped on its own
-and returned when freed. The cost is bounded: the heap keeps about what the process once held in
-such buffers at one time, plus the trim threshold.
+So the worker serves every request under `MMAP_THRESHOLD_BYTES` (mallopt's documented maximum on
+64-bit) from the heap, and keeps up to `TRIM_THRESHOLD_BYTES` of freed heap in each malloc arena
+instead of returning it: a freed buffer is the next one's, already mapped. Larger blocks (a real
+deployment's KV pool and host tier) are still mapped on their own and returned when freed. The cost
+is bounded: an arena keeps about what its threads once held in such buffers at one time, plus the
+trim threshold.
 
-An operator's own `MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` (glibc's tunables) is kept;
-elsewhere than glibc this does nothing.
+An operator's own malloc tunables (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, or
+`GLIBC_TUNABLES` naming `glibc.malloc.`) are kept; elsewhere than glibc this does nothing.
 """
 
 from __future__ import annotations
@@ -35,23 +36,37 @@ logger = logging.getLogger(__name__)
 M_TRIM_THRESHOLD: Final = -1
 M_MMAP_THRESHOLD: Final = -3
 # Requests below this come from the heap (a drain's 18 MB staging tensors and 4 MB frames do).
-MMAP_THRESHOLD_BYTES: Final = 64 * 2**20
-# Freed heap kept for reuse before any is returned to the OS.
+MMAP_THRESHOLD_BYTES: Final = 32 * 2**20
+# Freed heap an arena keeps for reuse before any is returned to the OS.
 TRIM_THRESHOLD_BYTES: Final = 256 * 2**20
-OPERATOR_TUNABLES: Final = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def _operator_tunables() -> list[str]:
+    named = [name for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if name in os.environ]
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        named.append("GLIBC_TUNABLES")
+    return named
 
 
 def reuse_freed_memory() -> bool:
-    """Set both thresholds for this process; False where this is not glibc or the operator set one."""
+    """Set both thresholds for this process; False where this is not glibc, the operator set their
+    own, or glibc refused a setting (logged)."""
     if platform.libc_ver()[0] != "glibc":
         return False
-    if any(name in os.environ for name in OPERATOR_TUNABLES):
-        kept = " and ".join(name for name in OPERATOR_TUNABLES if name in os.environ)
-        logger.info("malloc: keeping the operator's %s", kept)
+    named = _operator_tunables()
+    if named:
+        logger.info("malloc: keeping the operator's %s", " and ".join(named))
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    # mallopt returns 1 on success.
-    mapped = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    return bool(mapped and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    settings = {
+        "mmap threshold": (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+        "trim threshold": (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
+    }
+    refused = [name for name, (param, value) in settings.items() if mallopt(param, value) != 1]
+    if refused:
+        logger.warning(
+            "malloc: glibc refused the %s: freed buffers may come back as fresh pages", " and ".join(refused)
+        )
+    return not refused
