@@ -276,7 +276,10 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
 /* This thread's scratch of at least `floats`, kept between calls (NULL where it cannot grow). A job's
  * scores outgrow malloc's mmap threshold past a few thousand positions, and a fresh mapping per layer
  * call cost a page fault per 4 KB, as much as the arithmetic. It grows to the longest row seen, so it
- * is bounded by the model's context: QUERY_HEADS_PER_JOB x (context + dim) floats per thread. */
+ * is bounded by the model's context: QUERY_HEADS_PER_JOB x (context + dim) floats per thread. A
+ * thread that exits leaves its scratch behind (no destructor): the engine's thread and OpenMP's pool
+ * live as long as the process, so only a process that builds engines over and over (the tests)
+ * leaves one per engine. */
 static float *thread_scratch(size_t floats) {
     static __thread float *scratch = NULL;
     static __thread size_t capacity = 0;
