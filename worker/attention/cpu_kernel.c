@@ -110,6 +110,26 @@ AVX2 static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
+/* Where a row's next positions live in one head's pool: a walk over its pages in position order,
+ * with no division per position. */
+typedef struct {
+    const int32_t *pages;
+    int64_t page_size;
+    int64_t page;   /* the page of the next position */
+    int64_t offset; /* its slot in that page */
+} RowCursor;
+
+/* The next `count` positions' rows (`dim` floats each) of the head whose pool starts at `head`. */
+static inline void next_rows(RowCursor *at, const float *head, int64_t dim, int64_t count, const float **rows) {
+    for (int64_t i = 0; i < count; i++) {
+        rows[i] = head + ((int64_t)at->pages[at->page] * at->page_size + at->offset) * dim;
+        if (++at->offset == at->page_size) {
+            at->offset = 0;
+            at->page++;
+        }
+    }
+}
+
 /* A job: queries j0 .. j0 + count - 1 of row `row` (tokens first_token + j0 ...) against KV head `h`,
  * for the head's `group` query heads each. The job walks the row's keys, then its values, a block of
  * KEY_BLOCK positions at a time, and runs every query of the job over a block before the next, so a
@@ -143,16 +163,10 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     /* Scores, 8 keys at a time in position order: each key's dot product in 8 float lanes, the lanes of
      * the 8 summed together in one fixed tree (sum8x8); keys past a query's visible ones are zeros,
      * their scores dropped, so a key's score is computed the same way wherever the visible keys end. */
-    int64_t page = 0, offset = 0; /* where position `block` lives (no division per key) */
+    RowCursor keys = {row_pages, s->page_size, 0, 0};
     for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
         const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
-        for (int64_t i = 0; i < in_block; i++) {
-            slot[i] = head_keys + ((int64_t)row_pages[page] * s->page_size + offset) * dim;
-            if (++offset == s->page_size) {
-                offset = 0;
-                page++;
-            }
-        }
+        next_rows(&keys, head_keys, dim, in_block, slot);
         for (int64_t q = 0; q < count; q++) {
             const int64_t visible = first_visible + q;
             const int64_t end = block + in_block < visible ? block + in_block : visible;
@@ -219,17 +233,10 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
      * blocks: a float stored and loaded is the same float). VALUE_CHUNKS vectors of a value row at a time
      * serve every query head of the group, so a value row is read once per query, not once per head. */
     memset(sums, 0, sizeof(float) * (size_t)(count * group * dim));
-    page = 0;
-    offset = 0;
+    RowCursor values = {row_pages, s->page_size, 0, 0};
     for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
         const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
-        for (int64_t i = 0; i < in_block; i++) {
-            slot[i] = head_values + ((int64_t)row_pages[page] * s->page_size + offset) * dim;
-            if (++offset == s->page_size) {
-                offset = 0;
-                page++;
-            }
-        }
+        next_rows(&values, head_values, dim, in_block, slot);
         for (int64_t q = 0; q < count; q++) {
             const int64_t visible = first_visible + q;
             const int64_t rows_seen = (block + in_block < visible ? block + in_block : visible) - block;
@@ -292,7 +299,7 @@ static float *thread_scratch(size_t floats) {
 }
 
 /* Returns 0, or -1 where a buffer could not be allocated (the jobs' outputs unwritten). */
-AVX2 static int attend_step(const Step *s, int64_t tokens, int64_t longest, int threads) {
+AVX2 static int attend_step(const Step *s, int64_t longest, int threads) {
     /* The new keys and values first: a row's later queries read its earlier ones. */
     for (int64_t row = 0; row < s->rows; row++) {
         const int64_t first_token = s->qo_indptr[row];
@@ -450,7 +457,7 @@ static PyObject *attend_layer(PyObject *self, PyObject *args) {
 #ifdef CPU_KERNEL_X86
     int status;
     Py_BEGIN_ALLOW_THREADS;
-    status = attend_step(&s, tokens, longest, threads);
+    status = attend_step(&s, longest, threads);
     Py_END_ALLOW_THREADS;
     if (status < 0) {
         return PyErr_NoMemory();
