@@ -75,6 +75,27 @@ def feed(
     return [torch.cat(parts) if parts else torch.empty(0) for parts in outputs]
 
 
+def first_row(
+    steps: list[list[tuple[int, int]]],
+    threads: int,
+    tables: list[list[int]],
+    history: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+    *,
+    heads: int,
+    kv_heads: int,
+    page: int,
+) -> torch.Tensor:
+    """Row 0's outputs over `steps` on a fresh CPU kernel pool, on `threads` intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dim = history[0][0].shape[2]
+        attention = make(CpuAttention, heads=heads, kv_heads=kv_heads, dim=dim, page=page)
+        return feed(attention, tables, steps, history)[0]
+    finally:
+        torch.set_num_threads(before)
+
+
 def histories(
     lengths: list[int], heads: int, kv_heads: int, dim: int, seed: int = 0
 ) -> tuple[list[torch.Tensor], ...]:
@@ -124,13 +145,7 @@ def test_a_rows_outputs_are_the_same_bits_however_its_history_was_chunked_batche
     tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 20))]
 
     def row_zero(steps: list[list[tuple[int, int]]], threads: int) -> torch.Tensor:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            attention = make(CpuAttention, heads=heads, kv_heads=kv_heads, dim=dim, page=page)
-            return feed(attention, tables, steps, (q, k, v))[0]
-        finally:
-            torch.set_num_threads(before)
+        return first_row(steps, threads, tables, (q, k, v), heads=heads, kv_heads=kv_heads, page=page)
 
     whole = row_zero([[(0, 75)]], 1)
     # Micro-turns of 1, 7 and 33 tokens; beside other rows (a long prefill, decodes); on 2 threads.
@@ -152,13 +167,7 @@ def test_long_rows_read_in_blocks_keep_the_same_bits_and_dense_attentions_number
     tables = [list(range(0, 19)), list(range(19, 38))[::-1]]
 
     def row_zero(steps: list[list[tuple[int, int]]], threads: int) -> torch.Tensor:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            attention = make(CpuAttention, heads=heads, kv_heads=kv_heads, dim=dim, page=page)
-            return feed(attention, tables, steps, (q, k, v))[0]
-        finally:
-            torch.set_num_threads(before)
+        return first_row(steps, threads, tables, (q, k, v), heads=heads, kv_heads=kv_heads, page=page)
 
     whole = row_zero([[(0, 300)]], 1)
     one_by_one = row_zero([[(0, 1)]] * 300, 1)
