@@ -5,6 +5,7 @@ the copy did not cover. Two real tiny engines; the format check says which pages
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import pytest
 
@@ -44,6 +45,21 @@ def served(engine: Engine, sid: str) -> tuple[list[int], KVExport]:
     return history, engine.export_kv(sid).result(timeout=60)
 
 
+def import_into(
+    engine: Engine, sid: str, export: KVExport, *, history: list[int], accepted_seq: int
+) -> Future[int]:
+    """Ask `engine` to open a copy of `sid` holding `export`'s pages (`Engine.import_copy`)."""
+    return engine.import_copy(
+        sid,
+        config=CONFIG,
+        history=history,
+        accepted_seq=accepted_seq,
+        text_tail=EMPTY_TAIL,
+        kv_tokens=export.tokens,
+        kv=export.data,
+    )
+
+
 def test_imported_pages_answer_as_the_session_would_have_and_are_not_recomputed(
     source: Engine, target: Engine
 ) -> None:
@@ -53,15 +69,7 @@ def test_imported_pages_answer_as_the_session_would_have_and_are_not_recomputed(
     assert export.pages * source.kv_format.page_size >= len(export.tokens)
     assert len(export.payload()) == export.pages * source.kv_format.page_bytes
     assert target.kv_format == source.kv_format
-    kept = target.import_copy(
-        sid,
-        config=CONFIG,
-        history=history,
-        accepted_seq=5,
-        text_tail=EMPTY_TAIL,
-        kv_tokens=export.tokens,
-        kv=export.data,
-    ).result(timeout=60)
+    kept = import_into(target, sid, export, history=history, accepted_seq=5).result(timeout=60)
     assert kept == len(export.tokens)
     before = target.stats().tokens_forwarded
     warmed = target.warm_async(sid, config=CONFIG, history=history, accepted_seq=5, extend=True).result(60)
@@ -77,15 +85,7 @@ def test_a_copy_keeps_only_the_prefix_the_history_begins_with(source: Engine, ta
     sid = f"prefix-{target.stats().memory.host_pages_total}"
     history, export = served(source, sid)
     shorter = history[:100]  # the log had only the first turns when the copy arrived
-    kept = target.import_copy(
-        sid,
-        config=CONFIG,
-        history=shorter,
-        accepted_seq=2,
-        text_tail=EMPTY_TAIL,
-        kv_tokens=export.tokens,
-        kv=export.data,
-    ).result(timeout=60)
+    kept = import_into(target, sid, export, history=shorter, accepted_seq=2).result(timeout=60)
     assert kept == 100
     target.close_session(sid)
 
@@ -97,15 +97,7 @@ def test_on_the_cpu_a_copy_lands_on_the_device_while_it_has_room_then_in_the_hos
     pages = export.pages
     with Engine.load("tiny", kv_tokens=(pages + 8) * 16, host_kv_tokens=4096) as target:
         for sid in ("first", "second"):
-            target.import_copy(
-                sid,
-                config=CONFIG,
-                history=history,
-                accepted_seq=5,
-                text_tail=EMPTY_TAIL,
-                kv_tokens=export.tokens,
-                kv=export.data,
-            ).result(timeout=60)
+            import_into(target, sid, export, history=history, accepted_seq=5).result(timeout=60)
         memory = target.stats().memory
         assert (memory.device_pages_used, memory.host_pages_used) == (pages, pages)
         # The one in the host tier is as good a copy: it answers as the session would have.
@@ -119,28 +111,12 @@ def test_on_the_cpu_a_copy_lands_on_the_device_while_it_has_room_then_in_the_hos
 def test_no_room_anywhere_refuses_the_copy_and_leaves_nothing(source: Engine) -> None:
     history, export = served(source, "big")
     with Engine.load("tiny", kv_tokens=64, host_kv_tokens=0) as small:
-        future = small.import_copy(
-            "big",
-            config=CONFIG,
-            history=history[:64],
-            accepted_seq=1,
-            text_tail=EMPTY_TAIL,
-            kv_tokens=export.tokens,
-            kv=export.data,
-        )
+        future = import_into(small, "big", export, history=history[:64], accepted_seq=1)
         small.open_session(
             session_id="other", config=CONFIG, history=[1] * 40
         )  # the first copy took every page
         with pytest.raises(CapacityExhausted):
-            small.import_copy(
-                "big2",
-                config=CONFIG,
-                history=history[:64],
-                accepted_seq=1,
-                text_tail=EMPTY_TAIL,
-                kv_tokens=export.tokens,
-                kv=export.data,
-            ).result(timeout=60)
+            import_into(small, "big2", export, history=history[:64], accepted_seq=1).result(timeout=60)
         assert future.result(timeout=60) == 64
         assert small.stats().sessions == 2  # the refused copy left no session behind
 
@@ -171,15 +147,7 @@ def test_a_session_parked_on_the_host_tier_is_exported_from_there(target: Engine
         assert small.stats().memory.offloads.count >= 1
         export = small.export_kv("parked").result(timeout=60)
         sid = f"parked-{target.stats().memory.host_pages_total}"
-        kept = target.import_copy(
-            sid,
-            config=CONFIG,
-            history=history,
-            accepted_seq=5,
-            text_tail=EMPTY_TAIL,
-            kv_tokens=export.tokens,
-            kv=export.data,
-        ).result(timeout=60)
+        kept = import_into(target, sid, export, history=history, accepted_seq=5).result(timeout=60)
         assert kept == len(export.tokens) >= len(history) - 1
         target.open_session(session_id=sid, config=CONFIG, history=history, accepted_seq=5, adopt=True)
         moved = target.run_turn(sid, tokens=TURNS[5], seq=6, timeout=60)
