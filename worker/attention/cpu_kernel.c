@@ -280,22 +280,35 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     }
 }
 
-/* This thread's scratch of at least `floats`, kept between calls (NULL where it cannot grow). A job's
- * scores outgrow malloc's mmap threshold past a few thousand positions, and a fresh mapping per layer
- * call cost a page fault per 4 KB, as much as the arithmetic. It grows to the longest row seen, so it
- * is bounded by the model's context: QUERY_HEADS_PER_JOB x (context + dim) floats per thread. A
- * thread that exits leaves its scratch behind (no destructor): the engine's thread and OpenMP's pool
- * live as long as the process, so only a process that builds engines over and over (the tests)
- * leaves one per engine. */
-static float *thread_scratch(size_t floats) {
-    static __thread float *scratch = NULL;
-    static __thread size_t capacity = 0;
-    if (floats > capacity) {
-        free(scratch);
-        scratch = malloc(sizeof(float) * floats);
-        capacity = scratch == NULL ? 0 : floats;
+/* `*buffer` grown to at least `bytes` (what it held is not kept); NULL where it cannot grow. */
+static void *grown(void **buffer, size_t *capacity, size_t bytes) {
+    if (bytes > *capacity) {
+        free(*buffer);
+        *buffer = malloc(bytes);
+        *capacity = *buffer == NULL ? 0 : bytes;
     }
-    return scratch;
+    return *buffer;
+}
+
+/* This thread's scratch of at least `floats`, kept between calls (NULL where it cannot grow), as is
+ * the calling thread's job table: a layer call allocates nothing once the longest row has been seen.
+ * A job's scores outgrow malloc's mmap threshold past a few thousand positions, and a fresh mapping
+ * per layer call cost a page fault per 4 KB, as much as the arithmetic. The scratch grows to the
+ * longest row seen, so it is bounded by the model's context: QUERY_HEADS_PER_JOB x (context + dim)
+ * floats per thread; the job table by the step's tokens. A thread that exits leaves both behind (no
+ * destructor): the engine's thread and OpenMP's pool live as long as the process, so only a process
+ * that builds engines over and over (the tests) leaves one set per engine. */
+static float *thread_scratch(size_t floats) {
+    static __thread void *scratch = NULL;
+    static __thread size_t capacity = 0;
+    return grown(&scratch, &capacity, sizeof(float) * floats);
+}
+
+/* The calling thread's job table for `runs` runs: run b is row [2b], from its query [2b + 1]. */
+static int32_t *thread_jobs(int64_t runs) {
+    static __thread void *jobs = NULL;
+    static __thread size_t capacity = 0;
+    return grown(&jobs, &capacity, sizeof(int32_t) * 2 * (size_t)runs);
 }
 
 /* Returns 0, or -1 where a buffer could not be allocated (the jobs' outputs unwritten). */
@@ -318,22 +331,19 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads) {
     }
     const int64_t group = s->heads / s->kv_heads;
     const int64_t per_job = QUERY_HEADS_PER_JOB / group; /* queries of one row a job takes, at most */
-    /* A row's queries in runs of per_job: job_row[b] and job_first[b] name run b. */
+    /* A row's queries in runs of per_job. */
     int64_t runs = 0;
     for (int64_t row = 0; row < s->rows; row++) {
         runs += (s->qo_indptr[row + 1] - s->qo_indptr[row] + per_job - 1) / per_job;
     }
-    int32_t *job_row = malloc(sizeof(int32_t) * (size_t)runs);
-    int32_t *job_first = malloc(sizeof(int32_t) * (size_t)runs);
-    if (job_row == NULL || job_first == NULL) {
-        free(job_row);
-        free(job_first);
+    int32_t *const run_of = thread_jobs(runs);
+    if (run_of == NULL) {
         return -1;
     }
     for (int64_t row = 0, b = 0; row < s->rows; row++) {
         for (int64_t j = 0; j < s->qo_indptr[row + 1] - s->qo_indptr[row]; j += per_job, b++) {
-            job_row[b] = (int32_t)row;
-            job_first[b] = (int32_t)j;
+            run_of[2 * b] = (int32_t)row;
+            run_of[2 * b + 1] = (int32_t)j;
         }
     }
     const int64_t jobs = runs * s->kv_heads;
@@ -357,8 +367,8 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads) {
              * cache between them (a row's every head does not, past a few hundred positions). */
             const int64_t h = job / runs;
             const int64_t b = job % runs;
-            const int64_t row = job_row[b];
-            const int64_t j0 = job_first[b];
+            const int64_t row = run_of[2 * b];
+            const int64_t j0 = run_of[2 * b + 1];
             const int64_t q_len = s->qo_indptr[row + 1] - s->qo_indptr[row];
             const int64_t count = q_len - j0 < per_job ? q_len - j0 : per_job;
             if (s->dim == 64 && group == 3) { /* SmolLM2's */
@@ -370,8 +380,6 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads) {
             }
         }
     }
-    free(job_row);
-    free(job_first);
     return failed ? -1 : 0;
 }
 #endif
