@@ -160,7 +160,7 @@ def test_a_rows_outputs_are_the_same_bits_however_its_history_was_chunked_batche
 def test_long_rows_read_in_blocks_keep_the_same_bits_and_dense_attentions_numbers(
     heads: int, kv_heads: int
 ) -> None:
-    """Past a block of keys (128 positions) and a job's run of queries (32 query heads), a query's
+    """Past a block of keys (64 positions) and a job's run of queries (32 query heads), a query's
     output is still its own: the same bits as one token at a time, and dense attention's numbers."""
     dim, page = 64, 16
     q, k, v = histories([300, 300], heads, kv_heads, dim, seed=2)

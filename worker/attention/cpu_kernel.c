@@ -43,11 +43,12 @@
 /* The query heads one KV head serves, and the head size, at most (the scratch and the accumulators). */
 #define MAX_GROUP 16
 #define MAX_DIM 256
-/* Vectors of 8 values a value row is read in, for all of a group's query heads at once (so dim must
- * be a multiple of 8 * VALUE_CHUNKS). */
+/* Vectors of 8 values a value row is read in, for two query heads at once (weigh_rows' accumulators;
+ * so dim must be a multiple of 8 * VALUE_CHUNKS). */
 #define VALUE_CHUNKS 4
-/* Positions a job reads per block (a multiple of 8): 128 keys of 64 floats are 32 KB, an L1 cache. */
-#define KEY_BLOCK 128
+/* Positions a job reads per block (a multiple of 8): 64 keys of 64 floats are 16 KB, half an L1 cache,
+ * which leaves room for the queries, scores and sums beside them (128 measured a few % slower). */
+#define KEY_BLOCK 64
 /* Query heads one job serves (a row's queries times the group; at least MAX_GROUP, one query): enough
  * queries to reuse a block many times, few enough that a short append still splits across threads. */
 #define QUERY_HEADS_PER_JOB 32
@@ -84,10 +85,17 @@ AVX2 static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(low);
 }
 
-/* The sums of 8 vectors' lanes, as one vector: lane i is v[i]'s sum, in one fixed tree. */
+/* Lanes 2i and 2i + 1 of each 128-bit half summed: _mm256_hadd_ps's result, as two shuffles and one
+ * add (hadd is 3-4 micro-ops on the CPUs measured; the sums are the same floats). */
+AVX2 static inline __m256 pair_sums(__m256 a, __m256 b) {
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xDD));
+}
+
+/* The sums of 8 vectors' lanes, as one vector: lane i is v[i]'s sum, in one fixed tree,
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), whatever the other 7 vectors. */
 AVX2 static inline __m256 sum8x8(const __m256 v[8]) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    const __m256 a = pair_sums(pair_sums(v[0], v[1]), pair_sums(v[2], v[3]));
+    const __m256 b = pair_sums(pair_sums(v[4], v[5]), pair_sums(v[6], v[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
@@ -130,15 +138,125 @@ static inline void next_rows(RowCursor *at, const float *head, int64_t dim, int6
     }
 }
 
+/* Two query heads' scores against keys first .. end - 1 of a block (`key[i]` is position block + i's
+ * row; rows past the block's are zeros, up to a multiple of 8), 4 keys at a time: a key row is loaded
+ * once for both heads, each key's dot product taken in 8 float lanes and the 8 dot products' lanes
+ * summed in sum8x8's tree, then scaled. Returns the running max of the scores of visible keys (lanes
+ * 0-3 head a's, 4-7 head b's; `limits` holds each lane's head's visible count). */
+AVX2 static inline __attribute__((always_inline)) __m256 score_pair(const float *const *key, int64_t block, int64_t first,
+                                                                    int64_t end, const float *query_a,
+                                                                    const float *query_b, float *scores_a,
+                                                                    float *scores_b, float scale, __m256 limits,
+                                                                    int64_t all_seen, __m256 largest,
+                                                                    const int64_t dim) {
+    const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
+    const __m256 unseen = _mm256_set1_ps(-INFINITY);
+    for (; first < end; first += 4) {
+        const float *k0 = key[first - block], *k1 = key[first - block + 1];
+        const float *k2 = key[first - block + 2], *k3 = key[first - block + 3];
+        __m256 dot[8]; /* 0-3: head a with keys 0-3; 4-7: head b */
+        __m256 qa = _mm256_loadu_ps(query_a), qb = _mm256_loadu_ps(query_b), k;
+        k = _mm256_loadu_ps(k0), dot[0] = _mm256_mul_ps(qa, k), dot[4] = _mm256_mul_ps(qb, k);
+        k = _mm256_loadu_ps(k1), dot[1] = _mm256_mul_ps(qa, k), dot[5] = _mm256_mul_ps(qb, k);
+        k = _mm256_loadu_ps(k2), dot[2] = _mm256_mul_ps(qa, k), dot[6] = _mm256_mul_ps(qb, k);
+        k = _mm256_loadu_ps(k3), dot[3] = _mm256_mul_ps(qa, k), dot[7] = _mm256_mul_ps(qb, k);
+        for (int64_t c = 8; c < dim; c += 8) {
+            qa = _mm256_loadu_ps(query_a + c), qb = _mm256_loadu_ps(query_b + c);
+            k = _mm256_loadu_ps(k0 + c), dot[0] = _mm256_fmadd_ps(qa, k, dot[0]), dot[4] = _mm256_fmadd_ps(qb, k, dot[4]);
+            k = _mm256_loadu_ps(k1 + c), dot[1] = _mm256_fmadd_ps(qa, k, dot[1]), dot[5] = _mm256_fmadd_ps(qb, k, dot[5]);
+            k = _mm256_loadu_ps(k2 + c), dot[2] = _mm256_fmadd_ps(qa, k, dot[2]), dot[6] = _mm256_fmadd_ps(qb, k, dot[6]);
+            k = _mm256_loadu_ps(k3 + c), dot[3] = _mm256_fmadd_ps(qa, k, dot[3]), dot[7] = _mm256_fmadd_ps(qb, k, dot[7]);
+        }
+        const __m256 score = _mm256_mul_ps(sum8x8(dot), _mm256_set1_ps(scale));
+        _mm_storeu_ps(scores_a + first, _mm256_castps256_ps128(score));
+        _mm_storeu_ps(scores_b + first, _mm256_extractf128_ps(score, 1));
+        if (first + 4 <= all_seen) { /* every lane visible to its head: no mask */
+            largest = _mm256_max_ps(largest, score);
+        } else {
+            const __m256 seen = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)first), lane_index), limits, _CMP_LT_OQ);
+            largest = _mm256_max_ps(largest, _mm256_blendv_ps(unseen, score, seen));
+        }
+    }
+    return largest;
+}
+
+/* One query head's scores, as score_pair's, 8 keys at a time (an odd job's last head: a pair of it with
+ * itself would take its dot products twice). Returns the running max over the visible keys, by lane. */
+AVX2 static inline __attribute__((always_inline)) __m256 score_one(const float *const *key, int64_t block, int64_t first,
+                                                                   int64_t end, const float *query, float *scores,
+                                                                   float scale, int64_t visible, __m256 largest,
+                                                                   const int64_t dim) {
+    const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; first < end; first += 8) {
+        const float *const *k = key + (first - block);
+        __m256 dot[8];
+        const __m256 q0 = _mm256_loadu_ps(query);
+        for (int64_t i = 0; i < 8; i++) {
+            dot[i] = _mm256_mul_ps(q0, _mm256_loadu_ps(k[i]));
+        }
+        for (int64_t c = 8; c < dim; c += 8) {
+            const __m256 qc = _mm256_loadu_ps(query + c);
+            for (int64_t i = 0; i < 8; i++) {
+                dot[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[i] + c), dot[i]);
+            }
+        }
+        const __m256 score = _mm256_mul_ps(sum8x8(dot), _mm256_set1_ps(scale));
+        _mm256_storeu_ps(scores + first, score);
+        const __m256 seen = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)first), lane_index),
+                                          _mm256_set1_ps((float)visible), _CMP_LT_OQ);
+        largest = _mm256_max_ps(largest, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), score, seen));
+    }
+    return largest;
+}
+
+/* `heads` (1 or 2, a literal at the call sites) query heads' weighted values over a block's value rows
+ * 0 .. rows - 1: out[h][d] += weights[h][i] * row[i][d] for each i in position order, the running sums
+ * read from and written back to `sums` (a float stored and loaded is the same float), 32 dims at a
+ * time, so a value row's 4 vectors serve both heads from registers. */
+AVX2 static inline __attribute__((always_inline)) void weigh_rows(const float *const *row, int64_t rows,
+                                                                  const float *weights_a, const float *weights_b,
+                                                                  float *sums_a, float *sums_b, const int64_t heads,
+                                                                  const int64_t dim) {
+    for (int64_t part = 0; part < dim; part += 32) {
+        __m256 a0 = _mm256_loadu_ps(sums_a + part), a1 = _mm256_loadu_ps(sums_a + part + 8);
+        __m256 a2 = _mm256_loadu_ps(sums_a + part + 16), a3 = _mm256_loadu_ps(sums_a + part + 24);
+        __m256 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+        if (heads == 2) {
+            b0 = _mm256_loadu_ps(sums_b + part), b1 = _mm256_loadu_ps(sums_b + part + 8);
+            b2 = _mm256_loadu_ps(sums_b + part + 16), b3 = _mm256_loadu_ps(sums_b + part + 24);
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            const float *value = row[i] + part;
+            const __m256 v0 = _mm256_loadu_ps(value), v1 = _mm256_loadu_ps(value + 8);
+            const __m256 v2 = _mm256_loadu_ps(value + 16), v3 = _mm256_loadu_ps(value + 24);
+            const __m256 wa = _mm256_broadcast_ss(weights_a + i);
+            a0 = _mm256_fmadd_ps(wa, v0, a0), a1 = _mm256_fmadd_ps(wa, v1, a1);
+            a2 = _mm256_fmadd_ps(wa, v2, a2), a3 = _mm256_fmadd_ps(wa, v3, a3);
+            if (heads == 2) {
+                const __m256 wb = _mm256_broadcast_ss(weights_b + i);
+                b0 = _mm256_fmadd_ps(wb, v0, b0), b1 = _mm256_fmadd_ps(wb, v1, b1);
+                b2 = _mm256_fmadd_ps(wb, v2, b2), b3 = _mm256_fmadd_ps(wb, v3, b3);
+            }
+        }
+        _mm256_storeu_ps(sums_a + part, a0), _mm256_storeu_ps(sums_a + part + 8, a1);
+        _mm256_storeu_ps(sums_a + part + 16, a2), _mm256_storeu_ps(sums_a + part + 24, a3);
+        if (heads == 2) {
+            _mm256_storeu_ps(sums_b + part, b0), _mm256_storeu_ps(sums_b + part + 8, b1);
+            _mm256_storeu_ps(sums_b + part + 16, b2), _mm256_storeu_ps(sums_b + part + 24, b3);
+        }
+    }
+}
+
 /* A job: queries j0 .. j0 + count - 1 of row `row` (tokens first_token + j0 ...) against KV head `h`,
  * for the head's `group` query heads each. The job walks the row's keys, then its values, a block of
  * KEY_BLOCK positions at a time, and runs every query of the job over a block before the next, so a
  * block is read from memory once per job and from the L1 or L2 cache by its other queries (one query
  * per job read every key and value from memory: a 48-token append to a 6k history ran at a quarter of
- * the FMA units' rate). The blocking changes no query's arithmetic (the header's invariants): each
- * query's scores, max, terms and sums are the same operations in the same order as alone.
- * `scores` holds count x group x stride floats, `sums` count x group x dim. `dim` and `group` are
- * literals at the hot call site, so the loops over them unroll and the accumulators stay in registers. */
+ * the FMA units' rate). Within a block the job's query heads go two at a time (score_pair, weigh_rows),
+ * so a key or value row loaded into registers serves both. Neither the blocking nor the pairing changes
+ * a query's arithmetic (the header's invariants): each query's scores, max, terms and sums are the same
+ * operations in the same order as alone. `scores` holds count x group x stride floats, `sums` count x
+ * group x dim. `dim` is a literal at the hot call site, so the loops over it unroll. */
 AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int64_t row, int64_t j0, int64_t count,
                                                               int64_t h, float *scores, float *sums,
                                                               const int64_t dim, const int64_t group) {
@@ -152,52 +270,57 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     const float *head_keys = s->keys + h * s->pool_slots * dim;
     const float *head_values = s->values + h * s->pool_slots * dim;
     const float scale = 1.0f / sqrtf((float)dim);
-    const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     static const float zeros[MAX_DIM] = {0};
     const float *slot[KEY_BLOCK]; /* the block's key (then value) rows in the pool */
-    __m256 largest_lanes[QUERY_HEADS_PER_JOB];
-    for (int64_t qg = 0; qg < count * group; qg++) {
-        largest_lanes[qg] = _mm256_set1_ps(-INFINITY);
+    /* The job's query heads, query-major (head q * group + g is query j0 + q's head g): where each
+     * one's values are, and the positions it sees. */
+    const int64_t job_heads = count * group;
+    const float *head_query[QUERY_HEADS_PER_JOB];
+    int64_t head_visible[QUERY_HEADS_PER_JOB];
+    for (int64_t qg = 0; qg < job_heads; qg++) {
+        head_query[qg] = s->q + (first_token + j0 + qg / group) * s->q_stride + (h * group + qg % group) * dim;
+        head_visible[qg] = first_visible + qg / group;
+    }
+    /* The running max of each pair of heads' scores: lanes 0-3 the pair's first head, 4-7 its second. */
+    __m256 largest_lanes[QUERY_HEADS_PER_JOB / 2];
+    for (int64_t pair = 0; pair < (job_heads + 1) / 2; pair++) {
+        largest_lanes[pair] = _mm256_set1_ps(-INFINITY);
     }
 
-    /* Scores, 8 keys at a time in position order: each key's dot product in 8 float lanes, the lanes of
-     * the 8 summed together in one fixed tree (sum8x8); keys past a query's visible ones are zeros,
-     * their scores dropped, so a key's score is computed the same way wherever the visible keys end. */
+    /* Scores, for two query heads and 4 keys at a time in position order (a key row is loaded once for
+     * both heads): each key's dot product in 8 float lanes, the 8 dot products' lanes summed together in
+     * one fixed tree (sum8x8), which sums each of them the same way whatever its neighbours. Keys past
+     * the block's rows are zeros; a head's scores past its visible keys are dropped (the max skips them,
+     * the softmax zeroes their terms), so a key's score is the same wherever the visible keys end. */
     RowCursor keys = {row_pages, s->page_size, 0, 0};
     for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
         const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
+        const int64_t block_end = block + in_block;
         next_rows(&keys, head_keys, dim, in_block, slot);
-        for (int64_t q = 0; q < count; q++) {
-            const int64_t visible = first_visible + q;
-            const int64_t end = block + in_block < visible ? block + in_block : visible;
-            const float *query = s->q + (first_token + j0 + q) * s->q_stride + h * group * dim;
-            for (int64_t first = block; first < end; first += 8) {
-                const float *key[8];
-                for (int64_t i = 0; i < 8; i++) {
-                    key[i] = first + i < visible ? slot[first + i - block] : zeros;
-                }
-                for (int64_t g = 0; g < group; g++) {
-                    const float *qg = query + g * dim;
-                    __m256 dot[8];
-                    const __m256 q0 = _mm256_loadu_ps(qg);
-                    for (int64_t i = 0; i < 8; i++) {
-                        dot[i] = _mm256_mul_ps(q0, _mm256_loadu_ps(key[i]));
-                    }
-                    for (int64_t c = 1; c < chunks; c++) {
-                        const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
-                        for (int64_t i = 0; i < 8; i++) {
-                            dot[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(key[i] + 8 * c), dot[i]);
-                        }
-                    }
-                    const __m256 score = _mm256_mul_ps(sum8x8(dot), _mm256_set1_ps(scale));
-                    _mm256_storeu_ps(scores + (q * group + g) * stride + first, score);
-                    /* The max over the visible lanes (max is exact in any order). */
-                    const __m256 seen = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)first), lane_index),
-                                                      _mm256_set1_ps((float)visible), _CMP_LT_OQ);
-                    largest_lanes[q * group + g] = _mm256_max_ps(
-                        largest_lanes[q * group + g], _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), score, seen));
-                }
+        for (int64_t i = in_block; i < ((in_block + 7) & ~(int64_t)7); i++) {
+            slot[i] = zeros; /* the last block's rows past the row's keys, to a multiple of 8 */
+        }
+        for (int64_t first_head = 0; first_head < job_heads; first_head += 2) {
+            if (first_head + 1 == job_heads) { /* an odd job's last head: its max in lanes 0-7 */
+                const int64_t visible = head_visible[first_head];
+                const int64_t end = ((block_end < visible ? block_end : visible) + 7) & ~(int64_t)7;
+                largest_lanes[first_head / 2] =
+                    score_one(slot, block, block, end, head_query[first_head], scores + first_head * stride, scale,
+                              visible, largest_lanes[first_head / 2], dim);
+                break;
             }
+            const int64_t second_head = first_head + 1;
+            const int64_t visible_a = head_visible[first_head];
+            const int64_t visible_b = head_visible[second_head]; /* >= visible_a */
+            /* To a multiple of 8 past the visible keys, so both heads' scores are written up to the
+             * softmax's stride. */
+            const int64_t end = ((block_end < visible_b ? block_end : visible_b) + 7) & ~(int64_t)7;
+            const __m256 limits = _mm256_setr_m128(_mm_set1_ps((float)visible_a), _mm_set1_ps((float)visible_b));
+            const __m256 largest =
+                score_pair(slot, block, block, end, head_query[first_head], head_query[second_head],
+                           scores + first_head * stride, scores + second_head * stride, scale, limits, visible_a,
+                           largest_lanes[first_head / 2], dim);
+            largest_lanes[first_head / 2] = largest;
         }
     }
 
@@ -206,10 +329,13 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
         const int64_t visible = first_visible + q;
         const int64_t own_stride = (visible + 7) & ~(int64_t)7; /* the lanes this query wrote */
         for (int64_t g = 0; g < group; g++) {
+            const int64_t qg = q * group + g;
             float lanes[8];
-            _mm256_storeu_ps(lanes, largest_lanes[q * group + g]);
+            _mm256_storeu_ps(lanes, largest_lanes[qg / 2]);
             float largest = -INFINITY;
-            for (int64_t i = 0; i < 8; i++) {
+            /* A pair's first head in lanes 0-3, its second in 4-7; an odd job's last head in all 8. */
+            const int64_t alone = qg + 1 == count * group && qg % 2 == 0;
+            for (int64_t i = 4 * (qg % 2); i < (alone ? 8 : 4 * (qg % 2) + 4); i++) {
                 largest = lanes[i] > largest ? lanes[i] : largest;
             }
             float *terms = scores + (q * group + g) * stride;
@@ -230,8 +356,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     }
 
     /* The weighted values, each output summed in position order (its running sum kept in `sums` between
-     * blocks: a float stored and loaded is the same float). VALUE_CHUNKS vectors of a value row at a time
-     * serve every query head of the group, so a value row is read once per query, not once per head. */
+     * blocks), two heads of a query at a time, so a value row is read once per two heads. */
     memset(sums, 0, sizeof(float) * (size_t)(count * group * dim));
     RowCursor values = {row_pages, s->page_size, 0, 0};
     for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
@@ -240,30 +365,14 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
         for (int64_t q = 0; q < count; q++) {
             const int64_t visible = first_visible + q;
             const int64_t rows_seen = (block + in_block < visible ? block + in_block : visible) - block;
-            const float *weights = scores + q * group * stride + block;
-            for (int64_t part = 0; part < chunks; part += VALUE_CHUNKS) {
-                __m256 acc[MAX_GROUP][VALUE_CHUNKS];
-                for (int64_t g = 0; g < group; g++) {
-                    for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
-                        acc[g][c] = _mm256_loadu_ps(sums + ((q * group + g) * dim) + 8 * (part + c));
-                    }
-                }
-                for (int64_t i = 0; i < rows_seen; i++) {
-                    __m256 v[VALUE_CHUNKS];
-                    for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
-                        v[c] = _mm256_loadu_ps(slot[i] + 8 * (part + c));
-                    }
-                    for (int64_t g = 0; g < group; g++) {
-                        const __m256 weight = _mm256_set1_ps(weights[g * stride + i]);
-                        for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
-                            acc[g][c] = _mm256_fmadd_ps(weight, v[c], acc[g][c]);
-                        }
-                    }
-                }
-                for (int64_t g = 0; g < group; g++) {
-                    for (int64_t c = 0; c < VALUE_CHUNKS; c++) {
-                        _mm256_storeu_ps(sums + ((q * group + g) * dim) + 8 * (part + c), acc[g][c]);
-                    }
+            for (int64_t g = 0; g < group; g += 2) {
+                const int64_t qg = q * group + g;
+                const float *weights = scores + qg * stride + block;
+                if (g + 1 < group) {
+                    weigh_rows(slot, rows_seen, weights, weights + stride, sums + qg * dim, sums + (qg + 1) * dim, 2,
+                               dim);
+                } else {
+                    weigh_rows(slot, rows_seen, weights, weights, sums + qg * dim, sums + qg * dim, 1, dim);
                 }
             }
         }
@@ -371,9 +480,7 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads) {
             const int64_t j0 = run_of[2 * b + 1];
             const int64_t q_len = s->qo_indptr[row + 1] - s->qo_indptr[row];
             const int64_t count = q_len - j0 < per_job ? q_len - j0 : per_job;
-            if (s->dim == 64 && group == 3) { /* SmolLM2's */
-                attend(s, row, j0, count, h, scores, sums, 64, 3);
-            } else if (s->dim == 64) {
+            if (s->dim == 64) { /* the models served here: the dot products' loops unrolled */
                 attend(s, row, j0, count, h, scores, sums, 64, group);
             } else {
                 attend(s, row, j0, count, h, scores, sums, s->dim, group);
