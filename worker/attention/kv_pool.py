@@ -11,9 +11,13 @@ layout it reads best:
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Literal
 
 import torch
+
+from worker.host_memory import zeroed_host_buffer
 
 KVLayout = Literal["nhd", "head_major"]
 
@@ -41,10 +45,19 @@ class KVPool:
             if layout == "nhd"
             else (num_kv_heads, num_pages * page_size, head_dim)
         )
-        # zeros, not empty: every page is written now, so the pool is resident from the start and
-        # the process's memory does not creep up as sessions first touch their pages.
-        self.buffer = torch.empty((num_layers, 2, *per_layer), dtype=dtype, device=device)
-        _zero(self.buffer)
+        shape = (num_layers, 2, *per_layer)
+        # Zeros, not garbage (a backend may read a page's unwritten slots, masked). On the CPU the pool
+        # is mapped as zeros and made resident in the background at idle priority, not written at
+        # start: a worker restarting beside another one on the same cores no longer takes a core from
+        # its turns for seconds (worker/host_memory.py). `resident` is set once it is.
+        if device.type == "cpu":
+            host = zeroed_host_buffer(math.prod(shape), dtype)
+            self.buffer = host.tensor.view(shape)
+            self.resident = host.resident
+        else:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+            self.resident = threading.Event()
+            self.resident.set()
         # Every layer's views, made once: a step asks for them once per layer, and indexing the
         # buffer costs more host time than the small ops of a decode step's attention.
         self._keys = tuple(self.buffer[layer, 0] for layer in range(num_layers))
@@ -81,18 +94,3 @@ class KVPool:
     @property
     def num_bytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
-
-
-def _zero(buffer: torch.Tensor) -> None:
-    """Zero the pool. On the CPU with one thread: a worker starting beside others (a rolling
-    restart on one host) would otherwise take every core for the memset (a GiB: ~0.2 s on two
-    cores) and stall their turns; one thread takes twice as long and leaves them the rest."""
-    if buffer.device.type != "cpu":
-        buffer.zero_()
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        buffer.zero_()
-    finally:
-        torch.set_num_threads(threads)
