@@ -178,6 +178,25 @@ def test_long_rows_read_in_blocks_keep_the_same_bits_and_dense_attentions_number
 
 
 @needs_kernel
+def test_a_nan_key_costs_no_query_its_independence_from_its_chunking() -> None:
+    """A key with a NaN (a broken checkpoint) scores NaN for every query; the softmax's max skips it
+    (it must not replace a lane's running max, whose earlier scores would then be lost differently as
+    queries pair up differently: a decode scores alone, a chunk's queries in pairs)."""
+    heads, kv_heads, dim, page = 9, 3, 64, 16
+    q, k, v = histories([40], heads, kv_heads, dim, seed=3)
+    q[0][:] = 3 * k[0][0, 0]  # key 0 is every query's largest score, by far
+    k[0][4, :, 5] = float("nan")
+    tables = [list(range(0, 3))]
+
+    def row_zero(steps: list[list[tuple[int, int]]]) -> torch.Tensor:
+        return first_row(steps, 1, tables, (q, k, v), heads=heads, kv_heads=kv_heads, page=page)
+
+    whole = row_zero([[(0, 40)]])
+    assert torch.isfinite(whole).all()
+    assert torch.equal(whole, row_zero([[(0, 1)]] * 40))
+
+
+@needs_kernel
 def test_the_kernel_agrees_with_the_torch_reference_as_the_start_up_check_asks() -> None:
     from worker.attention.self_check import compare_with_torch
 

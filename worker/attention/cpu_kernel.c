@@ -10,7 +10,9 @@
  * - a query's output depends on its own values and its row's keys and values up to its position,
  *   nothing else: for each (query token, KV head) its scores are taken one key at a time in position
  *   order (one dot product of `dim` values in 8 float lanes summed in a fixed order), its softmax's
- *   max is exact, its terms are summed in 8 lanes by position modulo 8, its weighted values summed in
+ *   max is exact (a NaN score is skipped: each max takes the candidate first, and maxps returns its
+ *   second operand where either is NaN, so no lane's earlier scores are lost to one), its terms are
+ *   summed in 8 lanes by position modulo 8, its weighted values summed in
  *   position order. Whether the keys after it are absent (a chunk) or present (the history sent
  *   whole), whatever the queries beside it in a job, the rows beside it or the thread count, the same
  *   operations run in the same order;
@@ -40,12 +42,12 @@
 #include <immintrin.h>
 #endif
 
-/* The query heads one KV head serves, and the head size, at most (the scratch and the accumulators). */
+/* The query heads one KV head serves, and the head size, at most (the job and scratch sizes). */
 #define MAX_GROUP 16
 #define MAX_DIM 256
-/* Vectors of 8 values a value row is read in, for two query heads at once (weigh_rows' accumulators;
- * so dim must be a multiple of 8 * VALUE_CHUNKS). */
-#define VALUE_CHUNKS 4
+/* Values of a value row weigh_rows reads at a time, four vectors of 8 per query head (so dim must be a
+ * multiple of it). */
+#define VALUE_PART 32
 /* Positions a job reads per block (a multiple of 8): 64 keys of 64 floats are 16 KB, half an L1 cache,
  * which leaves room for the queries, scores and sums beside them (128 measured a few % slower). */
 #define KEY_BLOCK 64
@@ -138,12 +140,12 @@ static inline void next_rows(RowCursor *at, const float *head, int64_t dim, int6
     }
 }
 
-/* Two query heads' scores against keys first .. end - 1 of a block (`key[i]` is position block + i's
+/* Two query heads' scores against keys block .. end - 1 of a block (`key[i]` is position block + i's
  * row; rows past the block's are zeros, up to a multiple of 8), 4 keys at a time: a key row is loaded
  * once for both heads, each key's dot product taken in 8 float lanes and the 8 dot products' lanes
  * summed in sum8x8's tree, then scaled. Returns the running max of the scores of visible keys (lanes
  * 0-3 head a's, 4-7 head b's; `limits` holds each lane's head's visible count). */
-AVX2 static inline __attribute__((always_inline)) __m256 score_pair(const float *const *key, int64_t block, int64_t first,
+AVX2 static inline __attribute__((always_inline)) __m256 score_pair(const float *const *key, int64_t block,
                                                                     int64_t end, const float *query_a,
                                                                     const float *query_b, float *scores_a,
                                                                     float *scores_b, float scale, __m256 limits,
@@ -151,7 +153,7 @@ AVX2 static inline __attribute__((always_inline)) __m256 score_pair(const float 
                                                                     const int64_t dim) {
     const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
     const __m256 unseen = _mm256_set1_ps(-INFINITY);
-    for (; first < end; first += 4) {
+    for (int64_t first = block; first < end; first += 4) {
         const float *k0 = key[first - block], *k1 = key[first - block + 1];
         const float *k2 = key[first - block + 2], *k3 = key[first - block + 3];
         __m256 dot[8]; /* 0-3: head a with keys 0-3; 4-7: head b */
@@ -171,10 +173,10 @@ AVX2 static inline __attribute__((always_inline)) __m256 score_pair(const float 
         _mm_storeu_ps(scores_a + first, _mm256_castps256_ps128(score));
         _mm_storeu_ps(scores_b + first, _mm256_extractf128_ps(score, 1));
         if (first + 4 <= all_seen) { /* every lane visible to its head: no mask */
-            largest = _mm256_max_ps(largest, score);
+            largest = _mm256_max_ps(score, largest);
         } else {
             const __m256 seen = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)first), lane_index), limits, _CMP_LT_OQ);
-            largest = _mm256_max_ps(largest, _mm256_blendv_ps(unseen, score, seen));
+            largest = _mm256_max_ps(_mm256_blendv_ps(unseen, score, seen), largest);
         }
     }
     return largest;
@@ -182,12 +184,12 @@ AVX2 static inline __attribute__((always_inline)) __m256 score_pair(const float 
 
 /* One query head's scores, as score_pair's, 8 keys at a time (an odd job's last head: a pair of it with
  * itself would take its dot products twice). Returns the running max over the visible keys, by lane. */
-AVX2 static inline __attribute__((always_inline)) __m256 score_one(const float *const *key, int64_t block, int64_t first,
+AVX2 static inline __attribute__((always_inline)) __m256 score_one(const float *const *key, int64_t block,
                                                                    int64_t end, const float *query, float *scores,
                                                                    float scale, int64_t visible, __m256 largest,
                                                                    const int64_t dim) {
     const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    for (; first < end; first += 8) {
+    for (int64_t first = block; first < end; first += 8) {
         const float *const *k = key + (first - block);
         __m256 dot[8];
         const __m256 q0 = _mm256_loadu_ps(query);
@@ -204,7 +206,7 @@ AVX2 static inline __attribute__((always_inline)) __m256 score_one(const float *
         _mm256_storeu_ps(scores + first, score);
         const __m256 seen = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)first), lane_index),
                                           _mm256_set1_ps((float)visible), _CMP_LT_OQ);
-        largest = _mm256_max_ps(largest, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), score, seen));
+        largest = _mm256_max_ps(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), score, seen), largest);
     }
     return largest;
 }
@@ -217,7 +219,7 @@ AVX2 static inline __attribute__((always_inline)) void weigh_rows(const float *c
                                                                   const float *weights_a, const float *weights_b,
                                                                   float *sums_a, float *sums_b, const int64_t heads,
                                                                   const int64_t dim) {
-    for (int64_t part = 0; part < dim; part += 32) {
+    for (int64_t part = 0; part < dim; part += VALUE_PART) { /* four accumulators per head below */
         __m256 a0 = _mm256_loadu_ps(sums_a + part), a1 = _mm256_loadu_ps(sums_a + part + 8);
         __m256 a2 = _mm256_loadu_ps(sums_a + part + 16), a3 = _mm256_loadu_ps(sums_a + part + 24);
         __m256 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
@@ -275,6 +277,8 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     /* The job's query heads, query-major (head q * group + g is query j0 + q's head g): where each
      * one's values are, and the positions it sees. */
     const int64_t job_heads = count * group;
+    /* An odd job's last head is scored alone (score_one), its max in all 8 lanes; -1 where none. */
+    const int64_t odd_head = job_heads % 2 ? job_heads - 1 : -1;
     const float *head_query[QUERY_HEADS_PER_JOB];
     int64_t head_visible[QUERY_HEADS_PER_JOB];
     for (int64_t qg = 0; qg < job_heads; qg++) {
@@ -301,11 +305,11 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
             slot[i] = zeros; /* the last block's rows past the row's keys, to a multiple of 8 */
         }
         for (int64_t first_head = 0; first_head < job_heads; first_head += 2) {
-            if (first_head + 1 == job_heads) { /* an odd job's last head: its max in lanes 0-7 */
+            if (first_head == odd_head) { /* its max in lanes 0-7 */
                 const int64_t visible = head_visible[first_head];
                 const int64_t end = ((block_end < visible ? block_end : visible) + 7) & ~(int64_t)7;
                 largest_lanes[first_head / 2] =
-                    score_one(slot, block, block, end, head_query[first_head], scores + first_head * stride, scale,
+                    score_one(slot, block, end, head_query[first_head], scores + first_head * stride, scale,
                               visible, largest_lanes[first_head / 2], dim);
                 break;
             }
@@ -317,7 +321,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
             const int64_t end = ((block_end < visible_b ? block_end : visible_b) + 7) & ~(int64_t)7;
             const __m256 limits = _mm256_setr_m128(_mm_set1_ps((float)visible_a), _mm_set1_ps((float)visible_b));
             const __m256 largest =
-                score_pair(slot, block, block, end, head_query[first_head], head_query[second_head],
+                score_pair(slot, block, end, head_query[first_head], head_query[second_head],
                            scores + first_head * stride, scores + second_head * stride, scale, limits, visible_a,
                            largest_lanes[first_head / 2], dim);
             largest_lanes[first_head / 2] = largest;
@@ -334,8 +338,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
             _mm256_storeu_ps(lanes, largest_lanes[qg / 2]);
             float largest = -INFINITY;
             /* A pair's first head in lanes 0-3, its second in 4-7; an odd job's last head in all 8. */
-            const int64_t alone = qg + 1 == count * group && qg % 2 == 0;
-            for (int64_t i = 4 * (qg % 2); i < (alone ? 8 : 4 * (qg % 2) + 4); i++) {
+            for (int64_t i = 4 * (qg % 2); i < (qg == odd_head ? 8 : 4 * (qg % 2) + 4); i++) {
                 largest = lanes[i] > largest ? lanes[i] : largest;
             }
             float *terms = scores + (q * group + g) * stride;
@@ -555,7 +558,7 @@ static PyObject *attend_layer(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (tokens < 1 || rows < 1 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_GROUP || dim < 8 ||
-        dim % (8 * VALUE_CHUNKS) || dim > MAX_DIM || page_size < 1 || pool_slots % page_size || threads < 1) {
+        dim % VALUE_PART || dim > MAX_DIM || page_size < 1 || pool_slots % page_size || threads < 1) {
         PyErr_Format(PyExc_ValueError,
                      "cpu attention: bad shape tokens=%zd rows=%zd heads=%zd kv_heads=%zd dim=%zd page_size=%zd",
                      tokens, rows, heads, kv_heads, dim, page_size);
