@@ -4,21 +4,33 @@ CPU KV pool that uses them."""
 from __future__ import annotations
 
 import platform
+import re
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from worker import host_memory
 from worker.attention.kv_pool import KVPool
 from worker.host_memory import zeroed_host_buffer
 
 SMAPS = Path("/proc/self/smaps")
+_release = re.match(r"(\d+)\.(\d+)", platform.release())
 populates = pytest.mark.skipif(
     platform.system() != "Linux"
-    or tuple(int(part) for part in platform.release().split(".")[:2]) < (5, 14)
+    or _release is None
+    or (int(_release[1]), int(_release[2])) < (5, 14)
     or not SMAPS.exists(),
     reason="MADV_POPULATE_WRITE and /proc/self/smaps are Linux 5.14+",
 )
+MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def normal_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite keeps both cores busy: at nice 19 a prefault could take a minute to finish."""
+    monkeypatch.setattr(host_memory, "IDLE_NICE", 0)
 
 
 def resident_kib(address: int) -> int:
@@ -36,31 +48,64 @@ def resident_kib(address: int) -> int:
 
 @populates
 def test_a_buffer_is_zeros_at_once_and_resident_after_its_prefault() -> None:
-    host = zeroed_host_buffer(24 << 20, torch.float32)  # 96 MiB: three prefault pieces
-    assert host.tensor.numel() == 24 << 20 and host.tensor.dtype == torch.float32
+    host = zeroed_host_buffer(4 * MIB, torch.float32)  # 16 MiB: 8 pieces
+    assert host.tensor.numel() == 4 * MIB and host.tensor.dtype == torch.float32
     assert host.resident.wait(timeout=60)
-    assert resident_kib(host.tensor.data_ptr()) >= 96 << 10
+    assert resident_kib(host.tensor.data_ptr()) >= 16 * 1024
     assert not host.tensor.any()
 
 
-def test_what_is_written_while_the_pages_are_populated_is_kept() -> None:
-    host = zeroed_host_buffer(16 << 20, torch.float32)
+def test_what_is_written_while_the_pages_are_populated_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    populate = host_memory._madvise
+    stored = threading.Event()
+    buffers: list[host_memory.ZeroedHostBuffer] = []
     pattern = torch.arange(1, 4097, dtype=torch.float32)
-    spots = [0, 3 << 20, (8 << 20) + 5, (16 << 20) - 4096]  # in each prefault piece
-    for spot in spots:
-        host.tensor[spot : spot + 4096] = pattern
-    assert host.resident.wait(timeout=60)
+    spots = [0, MIB // 2 + 5, 2 * MIB - 4096]  # in the first piece, the second, the last
+
+    def write_then_populate(address: int, length: int, advice: int) -> int:
+        assert appended.wait(timeout=10)
+        if address == buffers[0].tensor.data_ptr() + host_memory.PREFAULT_PIECE:  # the second piece
+            for spot in spots:
+                buffers[0].tensor[spot : spot + 4096] = pattern
+            stored.set()
+        return populate(address, length, advice)
+
+    monkeypatch.setattr(host_memory, "_madvise", write_then_populate)
+    appended = threading.Event()  # the thread's first call waits for the buffer to be in `buffers`
+    buffers.append(zeroed_host_buffer(2 * MIB, torch.float32))
+    appended.set()
+    host = buffers[0]
+    assert host.resident.wait(timeout=60) and stored.is_set()
     for spot in spots:
         assert torch.equal(host.tensor[spot : spot + 4096], pattern)
         host.tensor[spot : spot + 4096] = 0
     assert not host.tensor.any()
 
 
-def test_a_dropped_buffer_stops_its_prefault() -> None:
-    host = zeroed_host_buffer(64 << 20, torch.float32)
-    resident = host.resident
-    del host
+def test_a_dropped_buffer_stops_its_prefault(monkeypatch: pytest.MonkeyPatch) -> None:
+    populate = host_memory._madvise
+    kept: list[host_memory.ZeroedHostBuffer] = []
+    in_list = threading.Event()
+    calls: list[int] = []
+
+    def drop_after_the_second_piece(address: int, length: int, advice: int) -> int:
+        calls.append(length)
+        if len(calls) == 2:
+            assert in_list.wait(timeout=10)
+            kept.clear()  # the thread's own reference, for this call, is the last one left
+        return populate(address, length, advice)
+
+    monkeypatch.setattr(host_memory, "_madvise", drop_after_the_second_piece)
+    kept.append(zeroed_host_buffer(4 * MIB, torch.float32))  # 8 pieces
+    resident = kept[0].resident
+    in_list.set()
     assert resident.wait(timeout=60)
+    assert len(calls) == 2
+
+
+def test_an_empty_buffer_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one element"):
+        zeroed_host_buffer(0, torch.float32)
 
 
 @populates

@@ -7,7 +7,9 @@ the same batches: the only difference is where the KV waited between turns.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
@@ -15,8 +17,11 @@ from shared.errors import CapacityExhausted
 from tests.worker.smollm2 import engine_on
 from worker.attention.kv_pool import KVPool
 from worker.engine import Engine, TurnResult
+from worker.engine.config import EngineConfig
+from worker.engine.memory import sizing
 from worker.engine.memory.page_copy import HostKVPool, PageCopier, page_blocks, page_runs
 from worker.model.loader import LoadedModel
+from worker.model.presets import TINY
 
 PAGE = 16
 
@@ -170,3 +175,16 @@ def test_smollm2_sessions_under_pressure_answer_as_in_a_roomy_pool(
     pressured = _converse(pressed, sessions=4, turns=2, history=70)
     assert pressed.stats().memory.restores.count >= 4 and pressed.stats().memory.recomputes == 0
     assert _outputs(pressured) == _outputs(_converse(roomy, sessions=4, turns=2, history=70))
+
+
+def test_the_host_tier_is_sized_net_of_a_cpu_pool_still_filling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU pool is mapped at start and becomes resident afterwards (worker/host_memory.py): the
+    memory available when the tier is sized still counts it, so the tier leaves it out."""
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=8 * 2**30))
+    config = EngineConfig(device="cpu", host_kv_tokens=-1, page_size=PAGE)
+    page_bytes = sizing.kv_bytes_per_token(TINY, torch.float32) * PAGE
+    share = sizing.HOST_KV_MEMORY_FRACTION
+    assert sizing.host_pages(config, TINY, torch.float32) == int(8 * 2**30 * share) // page_bytes
+    net = sizing.host_pages(config, TINY, torch.float32, pending_bytes=2**30)
+    assert net == int(7 * 2**30 * share) // page_bytes
+    assert sizing.host_pages(config, TINY, torch.float32, pending_bytes=9 * 2**30) == 0

@@ -14,7 +14,7 @@ from worker.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-# CPU pools are sized by bytes: the pool is touched at start so its memory is resident, not lazy.
+# CPU pools are sized by bytes (made resident in the background after start, worker/host_memory.py).
 CPU_KV_BYTES: Final = 512 * 2**20
 CPU_KV_TOKENS_CAP: Final = 131072
 # The host tier, unless `host_kv_tokens` says otherwise, takes this share of the memory available
@@ -40,13 +40,16 @@ def device_pages(config: EngineConfig, model: ModelConfig, device: torch.device,
     return max(tokens // config.page_size, 1)
 
 
-def host_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+def host_pages(
+    config: EngineConfig, model: ModelConfig, dtype: torch.dtype, *, pending_bytes: int = 0
+) -> int:
     """Pages of the host tier: `host_kv_tokens` (0: no tier), or, when negative (the default), a
-    share of the host memory available now, said in the log."""
+    share of the host memory available now, less `pending_bytes` this process has mapped and will
+    make resident (a CPU device pool still filling in the background), said in the log."""
     if config.host_kv_tokens >= 0:
         return config.host_kv_tokens // config.page_size
     per_token = kv_bytes_per_token(model, dtype)
-    available = psutil.virtual_memory().available
+    available = max(psutil.virtual_memory().available - pending_bytes, 0)
     tokens = int(available * HOST_KV_MEMORY_FRACTION) // per_token
     logger.info(
         "host KV tier sized from host memory: %d tokens (%.1f GiB, %.0f%% of %.1f GiB available); "
