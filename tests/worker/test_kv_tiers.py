@@ -178,7 +178,7 @@ def test_smollm2_sessions_under_pressure_answer_as_in_a_roomy_pool(
 
 
 def test_the_host_tier_is_sized_net_of_a_cpu_pool_still_filling(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU pool is mapped at start and becomes resident afterwards (worker/host_memory.py): the
+    """A CPU pool is mapped at start and becomes resident afterwards (worker/mapped_zeros.py): the
     memory available when the tier is sized still counts it, so the tier leaves it out."""
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=8 * 2**30))
     config = EngineConfig(device="cpu", host_kv_tokens=-1, page_size=PAGE)

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from worker.host_memory import zeroed_host_buffer
+from worker.mapped_zeros import mapped_zeros
 
 KVLayout = Literal["nhd", "head_major"]
 
@@ -49,9 +49,9 @@ class KVPool:
         # Zeros, not garbage (a backend may read a page's unwritten slots, masked). On the CPU the pool
         # is mapped as zeros and made resident in the background at idle priority, not written at
         # start: a worker restarting beside another one on the same cores no longer takes a core from
-        # its turns for seconds (worker/host_memory.py). `resident` is set once it is.
+        # its turns for seconds (worker/mapped_zeros.py). `resident` is set once it is.
         if device.type == "cpu":
-            host = zeroed_host_buffer(math.prod(shape), dtype)
+            host = mapped_zeros(math.prod(shape), dtype)
             self.buffer = host.tensor.view(shape)
             self.resident = host.resident
         else:

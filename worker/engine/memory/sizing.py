@@ -14,7 +14,7 @@ from worker.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-# CPU pools are sized by bytes (made resident in the background after start, worker/host_memory.py).
+# CPU pools are sized by bytes (made resident in the background after start, worker/mapped_zeros.py).
 CPU_KV_BYTES: Final = 512 * 2**20
 CPU_KV_TOKENS_CAP: Final = 131072
 # The host tier, unless `host_kv_tokens` says otherwise, takes this share of the memory available

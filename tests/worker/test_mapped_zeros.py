@@ -1,4 +1,4 @@
-"""Host buffers mapped as zeros and made resident in the background (worker/host_memory.py), and the
+"""Host buffers mapped as zeros and made resident in the background (worker/mapped_zeros.py), and the
 CPU KV pool that uses them."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker import host_memory
+from worker import mapped_zeros as module
 from worker.attention.kv_pool import KVPool
-from worker.host_memory import zeroed_host_buffer
+from worker.mapped_zeros import mapped_zeros
 
 SMAPS = Path("/proc/self/smaps")
 _release = re.match(r"(\d+)\.(\d+)", platform.release())
@@ -30,7 +30,7 @@ MIB = 1 << 20
 @pytest.fixture(autouse=True)
 def normal_priority(monkeypatch: pytest.MonkeyPatch) -> None:
     """The suite keeps both cores busy: at nice 19 a prefault could take a minute to finish."""
-    monkeypatch.setattr(host_memory, "IDLE_NICE", 0)
+    monkeypatch.setattr(module, "IDLE_NICE", 0)
 
 
 def resident_kib(address: int) -> int:
@@ -48,7 +48,7 @@ def resident_kib(address: int) -> int:
 
 @populates
 def test_a_buffer_is_zeros_at_once_and_resident_after_its_prefault() -> None:
-    host = zeroed_host_buffer(4 * MIB, torch.float32)  # 16 MiB: 8 pieces
+    host = mapped_zeros(4 * MIB, torch.float32)  # 16 MiB: 8 pieces
     assert host.tensor.numel() == 4 * MIB and host.tensor.dtype == torch.float32
     assert host.resident.wait(timeout=60)
     assert resident_kib(host.tensor.data_ptr()) >= 16 * 1024
@@ -56,23 +56,23 @@ def test_a_buffer_is_zeros_at_once_and_resident_after_its_prefault() -> None:
 
 
 def test_what_is_written_while_the_pages_are_populated_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    populate = host_memory._madvise
+    populate = module._madvise
     stored = threading.Event()
-    buffers: list[host_memory.ZeroedHostBuffer] = []
+    buffers: list[module.MappedZeros] = []
     pattern = torch.arange(1, 4097, dtype=torch.float32)
     spots = [0, MIB // 2 + 5, 2 * MIB - 4096]  # in the first piece, the second, the last
 
     def write_then_populate(address: int, length: int, advice: int) -> int:
         assert appended.wait(timeout=10)
-        if address == buffers[0].tensor.data_ptr() + host_memory.PREFAULT_PIECE:  # the second piece
+        if address == buffers[0].tensor.data_ptr() + module.PREFAULT_PIECE:  # the second piece
             for spot in spots:
                 buffers[0].tensor[spot : spot + 4096] = pattern
             stored.set()
         return populate(address, length, advice)
 
-    monkeypatch.setattr(host_memory, "_madvise", write_then_populate)
+    monkeypatch.setattr(module, "_madvise", write_then_populate)
     appended = threading.Event()  # the thread's first call waits for the buffer to be in `buffers`
-    buffers.append(zeroed_host_buffer(2 * MIB, torch.float32))
+    buffers.append(mapped_zeros(2 * MIB, torch.float32))
     appended.set()
     host = buffers[0]
     assert host.resident.wait(timeout=60) and stored.is_set()
@@ -83,8 +83,8 @@ def test_what_is_written_while_the_pages_are_populated_is_kept(monkeypatch: pyte
 
 
 def test_a_dropped_buffer_stops_its_prefault(monkeypatch: pytest.MonkeyPatch) -> None:
-    populate = host_memory._madvise
-    kept: list[host_memory.ZeroedHostBuffer] = []
+    populate = module._madvise
+    kept: list[module.MappedZeros] = []
     in_list = threading.Event()
     calls: list[int] = []
 
@@ -95,8 +95,8 @@ def test_a_dropped_buffer_stops_its_prefault(monkeypatch: pytest.MonkeyPatch) ->
             kept.clear()  # the thread's own reference, for this call, is the last one left
         return populate(address, length, advice)
 
-    monkeypatch.setattr(host_memory, "_madvise", drop_after_the_second_piece)
-    kept.append(zeroed_host_buffer(4 * MIB, torch.float32))  # 8 pieces
+    monkeypatch.setattr(module, "_madvise", drop_after_the_second_piece)
+    kept.append(mapped_zeros(4 * MIB, torch.float32))  # 8 pieces
     resident = kept[0].resident
     in_list.set()
     assert resident.wait(timeout=60)
@@ -105,7 +105,7 @@ def test_a_dropped_buffer_stops_its_prefault(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_an_empty_buffer_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one element"):
-        zeroed_host_buffer(0, torch.float32)
+        mapped_zeros(0, torch.float32)
 
 
 @populates

@@ -42,13 +42,13 @@ IDLE_NICE: Final = 19  # the lowest priority a thread can ask for
 
 
 @dataclass(frozen=True)
-class ZeroedHostBuffer:
+class MappedZeros:
     tensor: torch.Tensor  # flat, `dtype`, every element 0
     # Set once every page is resident, or populating stopped (refused by the kernel, buffer dropped).
     resident: threading.Event
 
 
-def zeroed_host_buffer(numel: int, dtype: torch.dtype) -> ZeroedHostBuffer:
+def mapped_zeros(numel: int, dtype: torch.dtype) -> MappedZeros:
     """A flat host tensor of `numel` (at least 1) zeros, mapped now and made resident in the background."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < 1:
@@ -60,10 +60,10 @@ def zeroed_host_buffer(numel: int, dtype: torch.dtype) -> ZeroedHostBuffer:
     threading.Thread(
         target=_populate,
         args=(weakref.ref(tensor), tensor.data_ptr(), nbytes, resident),
-        name="host-memory-prefault",
+        name="mapped-zeros-prefault",
         daemon=True,
     ).start()
-    return ZeroedHostBuffer(tensor, resident)
+    return MappedZeros(tensor, resident)
 
 
 def _libc_madvise() -> Callable[[int, int, int], int]:
@@ -85,7 +85,7 @@ def _populate(
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IDLE_NICE)
             except OSError as exc:
-                logger.debug("host memory prefault: priority unchanged (%s)", exc)
+                logger.debug("prefault: priority unchanged (%s)", exc)
         for offset in range(0, nbytes, PREFAULT_PIECE):
             alive = tensor()  # held during the call: the mapping cannot go away under it
             if alive is None:
@@ -97,7 +97,7 @@ def _populate(
                 level = logging.INFO if error == errno.EINVAL else logging.WARNING
                 logger.log(
                     level,
-                    "host memory: %d MiB not populated ahead (%s); its pages fill as first written",
+                    "mapped zeros: %d MiB not populated ahead (%s); its pages fill as first written",
                     nbytes >> 20,
                     os.strerror(error),
                 )
