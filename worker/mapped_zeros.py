@@ -24,6 +24,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ def _populate(
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IDLE_NICE)
             except OSError as exc:
                 logger.debug("prefault: priority unchanged (%s)", exc)
+        began = time.monotonic()
         for offset in range(0, nbytes, PREFAULT_PIECE):
             alive = tensor()  # held during the call: the mapping cannot go away under it
             if alive is None:
@@ -103,5 +105,6 @@ def _populate(
                 )
                 return
             del alive
+        logger.info("mapped zeros: %d MiB resident after %.1f s", nbytes >> 20, time.monotonic() - began)
     finally:
         resident.set()
