@@ -94,3 +94,9 @@ class KVPool:
     @property
     def num_bytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes mapped but not yet made resident (counted whole while any are): what the host's
+        available memory still counts as free although this pool will take it."""
+        return 0 if self.resident.is_set() else self.num_bytes

@@ -82,13 +82,7 @@ class Engine:
             runner,
             loaded.tokenizer,
             eos_token_ids=eos or loaded.config.eos_token_ids,
-            # A CPU pool's pages become resident after this (counted whole: some may be already).
-            host_pages=host_pages(
-                config,
-                loaded.config,
-                dtype,
-                pending_bytes=runner.kv_pool.num_bytes if device.type == "cpu" else 0,
-            ),
+            host_pages=host_pages(config, loaded.config, dtype, pending_bytes=runner.kv_pool.pending_bytes),
         )
         pool = runner.kv_pool
         # What this worker's KV pages mean: another worker takes them only when its own is equal.
