@@ -320,11 +320,10 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
              * softmax's stride. */
             const int64_t end = ((block_end < visible_b ? block_end : visible_b) + 7) & ~(int64_t)7;
             const __m256 limits = _mm256_setr_m128(_mm_set1_ps((float)visible_a), _mm_set1_ps((float)visible_b));
-            const __m256 largest =
+            largest_lanes[first_head / 2] =
                 score_pair(slot, block, end, head_query[first_head], head_query[second_head],
                            scores + first_head * stride, scores + second_head * stride, scale, limits, visible_a,
                            largest_lanes[first_head / 2], dim);
-            largest_lanes[first_head / 2] = largest;
         }
     }
 
@@ -341,7 +340,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
             for (int64_t i = 4 * (qg % 2); i < (qg == odd_head ? 8 : 4 * (qg % 2) + 4); i++) {
                 largest = lanes[i] > largest ? lanes[i] : largest;
             }
-            float *terms = scores + (q * group + g) * stride;
+            float *terms = scores + qg * stride;
             /* The softmax's terms; the lanes past the keys are exactly 0. */
             const __m256 top = _mm256_set1_ps(largest);
             for (int64_t t = 0; t < own_stride; t += 8) {
@@ -354,7 +353,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
             for (int64_t t = 0; t < own_stride; t += 8) {
                 lanes_sum = _mm256_add_ps(lanes_sum, _mm256_loadu_ps(terms + t));
             }
-            totals[q * group + g] = sum8(lanes_sum);
+            totals[qg] = sum8(lanes_sum);
         }
     }
 
