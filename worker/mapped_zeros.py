@@ -51,7 +51,7 @@ class MappedZeros:
 
 def mapped_zeros(numel: int, dtype: torch.dtype) -> MappedZeros:
     """A flat host tensor of `numel` (at least 1) zeros, mapped now and made resident in the background."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < 1:
         raise ValueError(f"a host buffer needs at least one element, not {numel}")
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
