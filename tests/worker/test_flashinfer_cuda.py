@@ -6,6 +6,7 @@ Without CUDA (or without the `gpu` extra) they skip and say which is missing.
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ pytestmark = [
     ),
 ]
 CUDA = torch.device("cuda")
+logger = logging.getLogger(__name__)
 PAGE_SIZE = 16
 
 
@@ -48,28 +50,55 @@ def _logits(runner: ModelRunner, chunks: list[list[int]], tables: list[list[int]
     return [torch.cat(parts) for parts in out]
 
 
-def test_flashinfer_logits_match_the_torch_backend_on_a_ragged_batch() -> None:
+def test_flashinfer_is_as_close_to_float32_as_the_torch_backend_on_a_ragged_batch() -> None:
     # SmolLM2's shape on random weights: the GPU machine cannot carry the GGUF, and only the numbers
-    # the two backends compute matter here.
-    loaded = load_model("smollm2-135m-shape", device=CUDA, dtype=torch.bfloat16)
-    generator = torch.Generator().manual_seed(3)
-    chunks = [torch.randint(1, 40000, (70,), generator=generator).tolist() for _ in range(3)]
+    # the backends compute matter here. Two bf16 computations of 30 layers part by bf16's rounding
+    # carried through the layers (H200, 2026-11-27: logits up to 3.0 apart at ~40; 2026-11-28: 95.7%
+    # of argmaxes equal, where the first run had over 98%): how far they part depends on the seed and
+    # on the kernels' reduction orders, so no fixed agreement between the two says which is wrong.
+    # The float32 computation of the same model is the yardstick: flashinfer in bf16 must stand as
+    # close to it as the torch backend in bf16 does. A wrong page, position or head mapping puts a
+    # backend O(1) away in norm and near chance in its choices; rounding stays within a few percent.
+    chunks_generator = torch.Generator().manual_seed(3)
+    chunks = [torch.randint(1, 40000, (70,), generator=chunks_generator).tolist() for _ in range(3)]
     tables = [[5 * i + j for j in range(5)][::-1] for i in range(3)]  # scattered, reversed pages
     results = {}
-    for name in ("torch", "flashinfer"):
+    for name, dtype in (
+        ("float32", torch.float32),
+        ("torch", torch.bfloat16),
+        ("flashinfer", torch.bfloat16),
+    ):
+        loaded = load_model("smollm2-135m-shape", device=CUDA, dtype=dtype)  # the same draw, rounded
+        backend = "torch" if name == "float32" else name
         runner = ModelRunner(
-            loaded, device=CUDA, dtype=torch.bfloat16, num_pages=16, page_size=PAGE_SIZE, attention=name
+            loaded, device=CUDA, dtype=dtype, num_pages=16, page_size=PAGE_SIZE, attention=backend
         )
-        assert runner.attention_name == name
-        results[name] = _logits(runner, chunks, tables)
-    # Two bf16 computations of 30 layers on random weights, whose logits reach +-60: they part by bf16's
-    # rounding, carried through the layers (on the H200, 2026-11-27: up to 3.0 apart at a logit of
-    # ~40, argmax equal), not by an elementwise tolerance fit for SmolLM2's real weights. So: the
-    # same choices, and a difference small against the logits as a whole.
-    for want, have in zip(results["torch"], results["flashinfer"], strict=True):
-        assert (want.argmax(-1) == have.argmax(-1)).float().mean() > 0.98
-        relative = ((have - want).norm() / want.norm()).item()
-        assert relative < 0.05, relative
+        assert runner.attention_name == backend
+        results[name] = torch.cat(_logits(runner, chunks, tables))
+        del runner, loaded
+    truth = results["float32"]
+
+    def relative(logits: torch.Tensor) -> float:
+        return float(((logits - truth).norm() / truth.norm()).item())
+
+    def agreement(logits: torch.Tensor) -> float:
+        return float((logits.argmax(-1) == truth.argmax(-1)).float().mean().item())
+
+    torch_error, flashinfer_error = relative(results["torch"]), relative(results["flashinfer"])
+    logger.info(
+        "against float32: torch bf16 %.4f relative, %.3f of choices; flashinfer bf16 %.4f, %.3f",
+        torch_error,
+        agreement(results["torch"]),
+        flashinfer_error,
+        agreement(results["flashinfer"]),
+    )
+    assert torch_error < 0.05, torch_error  # the yardstick itself is bf16's rounding, not a fault
+    assert flashinfer_error < 2 * torch_error + 0.005, (flashinfer_error, torch_error)
+    # 210 positions: 0.05 is ~10 choices, beyond what near-ties move between two roundings.
+    assert agreement(results["flashinfer"]) > agreement(results["torch"]) - 0.05, (
+        agreement(results["flashinfer"]),
+        agreement(results["torch"]),
+    )
 
 
 def test_eight_interleaved_sessions_on_flashinfer_equal_each_alone() -> None:
