@@ -25,6 +25,8 @@ class ModeRun:
     # Turns whose outputs were compared with streaming's, and those that differed, as (session, turn).
     checked: int = 0
     mismatches: list[tuple[int, int]] = field(default_factory=list)
+    # Of `mismatches`, those whose every differing token was a near-tie (hf mode: config.py).
+    near_ties: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, name: str, *, sessions: int, turns: int) -> ModeRun:

@@ -114,6 +114,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
         hf_checked=hf.checked if hf else 0,
         hf_mismatches=tuple(sorted(hf.mismatches)) if hf else (),
         hf_mismatch_limit=HF_MISMATCH_FAIL_FRACTION,
+        hf_near_ties=tuple(sorted(hf.near_ties)) if hf else (),
     )
     return BenchReport(
         config, runs, rss, peak_rss_mib(), checks, time.perf_counter() - started, host.finish(), floor
