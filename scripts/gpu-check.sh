@@ -160,8 +160,8 @@ for run in $RUNS; do
 done
 
 # 6. Capacity, with what is left. It drives Locust, which the GPU image lacks: carried or skipped.
-if [ "$CAPACITY_S" != 0 ] && ! "$PYTHON" -c "import locust" >/dev/null 2>&1; then
-    note "== capacity-$CAPACITY_MODEL: SKIPPED (locust is not importable: carry its wheels, see the header)"
+if [ "$CAPACITY_S" != 0 ] && ! locust_error=$("$PYTHON" -c "import locust" 2>&1); then
+    note "== capacity-$CAPACITY_MODEL: SKIPPED (locust is not importable, $(tail -n 1 <<<"$locust_error"): carry its wheels, see the header)"
 elif [ "$CAPACITY_S" != 0 ]; then
     name="capacity-$CAPACITY_MODEL"
     phase "$name" 90 240 "$PYTHON" -m microturn.main bench --capacity --model "$CAPACITY_MODEL" --device "$DEVICE" \

@@ -25,11 +25,11 @@ RSS_FLAT_TOLERANCE = 0.05
 # a near-tie means the converted model is not the engine's model, and the bench fails.
 HF_MISMATCH_FAIL_FRACTION = 0.05
 # A differing greedy choice is a near-tie when streaming's token trails transformers' own choice by
-# at most this many units of the dtype's rounding (`torch.finfo(dtype).eps`), relative to the row's
-# largest logit. Two computations of one model in bf16 part by about that much (on the H200, SmolLM2's
-# shape: logits up to 3.0 apart at ~40, 10 units), and bf16 flips many greedy choices on random 8B
-# weights (42 of 80 turns, 2026-11-28); a wrongly converted model trails by a large share of the
-# logits' range. In float32 the bound is ~2e-6 of the largest logit: the CPU's exact agreement holds.
+# at most this many units of the dtype's rounding (`torch.finfo(dtype).eps`) of the row's range
+# (largest minus smallest logit). Two computations of one model in bf16 part by about that much (on
+# the H200, SmolLM2's shape: logits up to 3.0 apart at ~40, 10 units), and bf16 flips many greedy
+# choices on random 8B weights (42 of 80 turns, 2026-11-28); a wrongly converted model trails by a
+# large share of the range. In float32 the bound is ~2e-6 of the range: the CPU's exact agreement holds.
 HF_NEAR_TIE_EPS = 16
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -62,29 +63,33 @@ class HfSession:
     def turn(self, chunk: list[int], forced: tuple[int, ...]) -> tuple[tuple[int, ...], float]:
         """Feed `chunk`, then decode len(forced) tokens, feeding `forced` (all but its last) back in.
         Returns the greedy choices and, of the positions where one differs from `forced`, the
-        largest `trailing` of the forced token (0.0 when none differs)."""
+        largest `trailing` of the forced token (0.0 when none differs). Each choice is read before
+        the next token is fed, as a greedy loop must: the timing stays that of one."""
         if not forced:
             self.feed(chunk)
             return (), 0.0
-        rows = [self.feed(chunk)]
-        for token in forced[:-1]:
-            rows.append(self.feed([token]))
-        generated = tuple(int(row.argmax()) for row in rows)
-        worst = max(
-            (
-                trailing(row, want)
-                for row, have, want in zip(rows, generated, forced, strict=True)
-                if have != want
-            ),
-            default=0.0,
-        )
-        return generated, worst
+        generated: list[int] = []
+        worst = 0.0
+        for want, feed in zip(forced, ([*chunk], *([token] for token in forced[:-1])), strict=True):
+            logits = self.feed(feed)
+            choice = int(logits.argmax())
+            generated.append(choice)
+            if choice != want:
+                worst = max(worst, trailing(logits, want))
+        return tuple(generated), worst
 
 
 def trailing(logits: torch.Tensor, token: int) -> float:
-    """How far `token`'s logit trails the largest, relative to the largest magnitude in the row."""
+    """How far `token`'s logit trails the row's largest, as a share of the row's range (largest
+    minus smallest). Infinite where the row cannot say: a logit not finite, every logit equal (a
+    broken model ties everything), or a token outside the row."""
     row = logits.float()
-    return float((row.max() - row[token]) / row.abs().max().clamp_min(torch.finfo(torch.float32).tiny))
+    if not 0 <= token < row.numel() or not bool(torch.isfinite(row).all()):
+        return math.inf
+    top, spread = row.max(), row.max() - row.min()
+    if float(spread) == 0.0:
+        return math.inf
+    return float((top - row[token]) / spread)
 
 
 def near_tie_bound(dtype: torch.dtype) -> float:
@@ -113,7 +118,7 @@ def run_hf(loaded: LoadedModel, workload: Workload, config: BenchConfig) -> Mode
                         run.near_ties.append((session, turn))
                     logger.info(
                         "hf session %d turn %d chose %s, streaming %s (its tokens trail by up to %.2g of "
-                        "the largest logit; a near-tie up to %.2g)",
+                        "the logits' range; a near-tie up to %.2g)",
                         session,
                         turn,
                         generated,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import replace
@@ -18,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from loadtest.bench import hf as hf_mode
 from loadtest.bench.config import BenchConfig
-from loadtest.bench.hf import HfSession, near_tie_bound, trailing
+from loadtest.bench.hf import HfSession, near_tie_bound, run_hf, trailing
 from loadtest.bench.hf_model import to_hf_llama
 from loadtest.bench.report import Checks
 from loadtest.bench.results import ModeRun, summarize
@@ -90,6 +92,7 @@ def test_modes_agree_on_outputs(bench_run: tuple[int, dict[str, object], Path, s
     assert checks["reprefill_turns_checked"] == SESSIONS * len(sampled_turns(TURNS))
     assert checks["hf_turns_checked"] == SESSIONS * TURNS
     assert checks["hf_mismatches"] == 0
+    assert checks["hf_near_ties"] == 0 and checks["hf_beyond_near_ties"] == []
     assert checks["ok"] is True
     rss = report["rss"]
     assert isinstance(rss, dict) and rss["early_mib"] > 0 and rss["last_mib"] > 0 and rss["peak_mib"] > 0
@@ -227,13 +230,41 @@ def test_hf_copy_reproduces_the_engines_greedy_session() -> None:
 
 
 def test_a_near_tie_trails_by_the_dtypes_rounding_and_a_fault_by_more() -> None:
-    row = torch.tensor([40.0, 39.5, -3.0, 12.0])
+    row = torch.tensor([40.0, 39.5, -3.0, 12.0])  # a range of 43
     assert trailing(row, 0) == 0.0
-    assert trailing(row, 1) == pytest.approx(0.5 / 40)
-    assert trailing(row, 2) == pytest.approx(43 / 40)
-    assert near_tie_bound(torch.bfloat16) == pytest.approx(16 * 2**-7)  # 0.125: 5 logits at 40
+    assert trailing(row, 1) == pytest.approx(0.5 / 43)
+    assert trailing(row, 2) == pytest.approx(1.0)
+    assert near_tie_bound(torch.bfloat16) == pytest.approx(16 * 2**-7)  # 0.125: 5.4 logits here
     assert trailing(row, 1) <= near_tie_bound(torch.bfloat16) < trailing(row, 3)
     assert trailing(row, 1) > near_tie_bound(torch.float32)  # float32 explains no such gap
+    # A row that cannot tell a tie from a fault never excuses one.
+    assert trailing(torch.zeros(5), 3) == math.inf  # a broken model ties every token
+    assert trailing(torch.tensor([1.0, float("nan"), 0.5]), 2) == math.inf
+    assert trailing(row, 4) == math.inf and trailing(row, -1) == math.inf
+
+
+def test_hf_counts_a_differing_turn_as_a_near_tie_only_within_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loaded = load_model("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    config = BenchConfig(model="tiny", sessions=1, turns=3, input_tokens=5, output_tokens=2)
+    workload = Workload(sessions=1, turns=3, input_count=5, output_count=2, vocab_size=512, seed=0)
+    greedy = HfSession(to_hf_llama(loaded))
+    pending: list[int] = []
+    with torch.inference_mode():
+        for turn in range(3):
+            first = int(greedy.feed(pending + workload.inputs[0][turn]).argmax())
+            last = int(greedy.feed([first]).argmax())
+            outputs = (first, last)
+            if turn == 2:  # the last token of the last turn: only that position then differs
+                outputs = (first, (last + 1) % 512)
+            workload.record(0, turn, outputs)
+            pending = [outputs[-1]]
+    run = run_hf(loaded, workload, config)
+    assert (run.checked, run.mismatches, run.near_ties) == (3, [(0, 2)], [])
+    monkeypatch.setattr(hf_mode, "near_tie_bound", lambda dtype: 2.0)  # every finite trail is a tie
+    run = run_hf(loaded, workload, config)
+    assert (run.mismatches, run.near_ties) == ([(0, 2)], [(0, 2)])
 
 
 def test_hf_fails_only_on_turns_that_differ_beyond_a_near_tie() -> None:
