@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 # were not ready (worker/server/handover.py): a flush and a frame per session, well under a second.
 CLASSIC_HANDOVER_RESERVE_S: Final = 2.0
 CLASSIC_HANDOVER_SHARE: Final = 0.3
+# How long the drain waits for the heartbeat to end once cancelled: a beat is a few Redis round
+# trips; one stuck in a command must not take the drain's reserve for the handover.
+HEARTBEAT_STOP_S: Final = 1.0
 
 
 class WorkerRuntime:
@@ -91,7 +94,11 @@ class WorkerRuntime:
         # the registry after it left (its hash expires, its score stays until a placement sweeps it).
         if self.heartbeat is not None:
             self.heartbeat.cancel()
-            await asyncio.gather(self.heartbeat, return_exceptions=True)
+            _done, running = await asyncio.wait([self.heartbeat], timeout=HEARTBEAT_STOP_S)
+            if running:  # a beat stuck in a Redis call: the drain's deadline is not its to spend
+                logger.warning(
+                    "the heartbeat did not stop within %.0f s; leaving the registry anyway", HEARTBEAT_STOP_S
+                )
         await deregister(self.redis, self.schema, self.worker_id)
         self.registered = False
 

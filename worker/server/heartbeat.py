@@ -134,6 +134,7 @@ async def heartbeat_loop(
 ) -> None:
     outage = OutageLog("heartbeat", logger)
     beat = Beat(client, schema, base, service, period_s, grace_s)
+    task = asyncio.current_task()
     for count in itertools.count():
         try:
             await beat.once(draining=draining.is_set(), scan=count % SCAN_EVERY_BEATS == 0)
@@ -141,4 +142,9 @@ async def heartbeat_loop(
             outage.failed(exc)
         else:
             outage.succeeded()
+        # A cancel that reached a Redis command can come out as that command's timeout (redis-py's
+        # own `asyncio.timeout`, racing it), caught above: the beat would go on, and a drain waiting
+        # for it to end (app.py) would wait out its deadline. A cancel asked for ends the loop here.
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError
         await asyncio.sleep(period_s)
