@@ -70,8 +70,9 @@ class HfSession:
             return (), 0.0
         generated: list[int] = []
         worst = 0.0
-        for want, feed in zip(forced, ([*chunk], *([token] for token in forced[:-1])), strict=True):
-            logits = self.feed(feed)
+        feeds = [chunk, *([token] for token in forced[:-1])]  # each choice's input
+        for want, tokens in zip(forced, feeds, strict=True):
+            logits = self.feed(tokens)
             choice = int(logits.argmax())
             generated.append(choice)
             if choice != want:
@@ -86,7 +87,8 @@ def trailing(logits: torch.Tensor, token: int) -> float:
     row = logits.float()
     if not 0 <= token < row.numel() or not bool(torch.isfinite(row).all()):
         return math.inf
-    top, spread = row.max(), row.max() - row.min()
+    top = row.max()
+    spread = top - row.min()
     if float(spread) == 0.0:
         return math.inf
     return float((top - row[token]) / spread)
