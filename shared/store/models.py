@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from shared.store.schema import STATE_READY, WORKER_MODEL, WORKER_STATE, KeySchema
-from shared.store.values import text, text_map
+from shared.store.registry import read_workers
+from shared.store.schema import STATE_READY, KeySchema
+from shared.store.values import text_map
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +64,5 @@ async def read_model(redis: Redis, schema: KeySchema, name: str) -> ModelCard | 
 
 async def served_models(redis: Redis, schema: KeySchema) -> list[str]:
     """The models of the live `ready` workers, sorted (a dead worker's hash has expired)."""
-    ids = [text(i) for i in await redis.zrange(schema.workers(), 0, -1) if isinstance(i, bytes | str)]
-    if not ids:
-        return []
-    async with redis.pipeline(transaction=False) as pipe:
-        for worker_id in ids:
-            pipe.hmget(schema.worker(worker_id), [WORKER_MODEL, WORKER_STATE])
-        rows = await pipe.execute()
-    names = {
-        text(model)
-        for model, state in rows
-        if model is not None and state is not None and text(state) == STATE_READY and text(model)
-    }
-    return sorted(names)
+    workers = await read_workers(redis, schema)
+    return sorted({w.model for w in workers if w.state == STATE_READY and w.model})

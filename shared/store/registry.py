@@ -55,7 +55,7 @@ from shared.store.schema import (
     KeySchema,
     lua_script,
 )
-from shared.store.values import now_ms, sha256_hex, text_map
+from shared.store.values import now_ms, sha256_hex, text, text_map
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,26 @@ async def deregister(redis: Redis, schema: KeySchema, worker_id: str) -> None:
 
 async def read_worker(redis: Redis, schema: KeySchema, worker_id: str) -> WorkerInfo | None:
     """The worker's hash as published, or None when it has expired: the liveness check at use time."""
-    raw = text_map(await redis.hgetall(schema.worker(worker_id)))
+    return _parse_worker(schema, worker_id, await redis.hgetall(schema.worker(worker_id)))
+
+
+async def read_workers(redis: Redis, schema: KeySchema) -> list[WorkerInfo]:
+    """Every registered worker whose hash is alive, as published (one round trip for the hashes)."""
+    ids = [text(i) for i in await redis.zrange(schema.workers(), 0, -1) if isinstance(i, bytes | str)]
+    if not ids:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for worker_id in ids:
+            pipe.hgetall(schema.worker(worker_id))
+        hashes = await pipe.execute()
+    infos = (_parse_worker(schema, worker_id, raw) for worker_id, raw in zip(ids, hashes, strict=True))
+    return [info for info in infos if info is not None]
+
+
+def _parse_worker(
+    schema: KeySchema, worker_id: str, hash_fields: Mapping[bytes | str, bytes | str]
+) -> WorkerInfo | None:
+    raw = text_map(hash_fields)
     if not raw:
         return None
     try:
