@@ -197,6 +197,14 @@ class WorkerSettings(CommonSettings, EngineSettings):
             "choices": DRAIN_HANDOVERS,
         },
     )
+    # A worker holding this many sessions more than the least-loaded ready worker of its model moves
+    # half the difference there by copy (worker/server/rebalance.py): after a rolling restart the
+    # worker restarted last holds none of the open sessions, and long sessions never even out alone.
+    rebalance_gap: int = field(
+        default=0,
+        metadata={"help": "move sessions to a peer holding this many fewer (0: never; else at least 2)"},
+    )
+    rebalance_period_s: float = field(default=5.0, metadata={"help": "how often a worker weighs a rebalance"})
     # Token-log records a compaction keeps whole after its snapshot (worker/server/token_log.py); a
     # log then holds at most twice this many. A restore answers a turn the gateway holds undelivered
     # from its record, and for a compaction to fold such a turn this many later turns must have been
@@ -212,6 +220,16 @@ class WorkerSettings(CommonSettings, EngineSettings):
         super().__post_init__()
         if self.log_keep_records < 1:
             raise ValueError(f"log_keep_records: {self.log_keep_records} must be at least 1")
+        if self.rebalance_gap < 0 or self.rebalance_gap == 1:
+            # A gap of 1 would move a session back and forth between two workers one apart.
+            raise ValueError(f"rebalance_gap: {self.rebalance_gap} must be 0 (off) or at least 2")
+        if self.rebalance_gap and self.rebalance_period_s < 2 * self.heartbeat_s:
+            # A round weighs the loads the workers last published: a period of two beats lets the
+            # last round's sessions show in the target's count before the next round counts them.
+            raise ValueError(
+                f"rebalance_period_s: {self.rebalance_period_s} must be at least 2 x heartbeat_s "
+                f"({self.heartbeat_s})"
+            )
 
 
 @dataclass(frozen=True)

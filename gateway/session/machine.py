@@ -441,7 +441,7 @@ class SessionMachine:
             self.turns.undurable.durable(frame.durable_seq)
             if self.life.phase is Phase.ACTIVE:
                 self._out.append(Count(Metric.SESSIONS_MIGRATED))
-                self._move("its worker is draining", target=frame.target)
+                self._move("its worker moved it", target=frame.target)
         elif isinstance(frame, LinkError) and frame.error.seq is None and pending:
             self._request_failed(frame.error.to_exception())
         elif pending:

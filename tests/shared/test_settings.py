@@ -122,3 +122,18 @@ def test_the_prefix_cache_switch_is_on_by_default_and_only_on_or_off() -> None:
         parse_settings(WorkerSettings, ["--prefix-cache", "maybe"], "microturn worker")
     with pytest.raises(ValueError, match="prefix_cache"):
         EngineConfig(model="tiny", prefix_cache="maybe")
+
+
+def test_rebalance_is_off_by_default_and_its_gap_and_period_are_checked() -> None:
+    assert WorkerSettings().rebalance_gap == 0  # off: no worker moves a session unless asked to
+    on = parse_settings(
+        WorkerSettings, ["--rebalance-gap", "4", "--rebalance-period-s", "3"], "microturn worker"
+    )
+    assert (on.rebalance_gap, on.rebalance_period_s) == (4, 3.0)
+    with pytest.raises(ValueError, match="rebalance_gap"):
+        WorkerSettings(rebalance_gap=1)  # two workers one apart would trade a session back and forth
+    with pytest.raises(ValueError, match="rebalance_gap"):
+        WorkerSettings(rebalance_gap=-2)
+    with pytest.raises(ValueError, match="rebalance_period_s"):
+        WorkerSettings(rebalance_gap=2, heartbeat_s=1.0, rebalance_period_s=1.5)  # under two beats
+    WorkerSettings(rebalance_gap=0, heartbeat_s=1.0, rebalance_period_s=1.5)  # off: the period is unused

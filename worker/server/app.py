@@ -30,6 +30,7 @@ from worker.server.handover import migrate_all
 from worker.server.heartbeat import HEARTBEATS_PER_TTL, heartbeat_loop, model_card, worker_info
 from worker.server.kv_receiver import KVCopyAcceptor
 from worker.server.link import LinkAcceptor
+from worker.server.rebalance import rebalance_loop
 from worker.server.service import WorkerService
 from worker.server.switchover import SwitchReport, switch_over
 
@@ -65,6 +66,7 @@ class WorkerRuntime:
         self.registered = False
         self.last_switch: SwitchReport | None = None
         self.heartbeat: asyncio.Task[None] | None = None
+        self.rebalancer: asyncio.Task[None] | None = None  # with `--rebalance-gap` (rebalance.py)
 
     async def drain(self) -> None:
         """SIGTERM: leave placement, hand every session to another worker (make before break where
@@ -75,6 +77,11 @@ class WorkerRuntime:
         logger.info("draining worker %s", self.worker_id)
         await mark_draining(self.redis, self.schema, self.worker_id)
         self.service.draining = True  # no new session from here on
+        if self.rebalancer is not None:
+            # A round in progress ends with its switches done and its other sessions READY again,
+            # which the drain's own moves then take.
+            self.rebalancer.cancel()
+            await asyncio.gather(self.rebalancer, return_exceptions=True)
         # Make before break within most of the deadline; what is left goes break-before-make.
         timeout = self.settings.drain_timeout_s
         budget = timeout - min(CLASSIC_HANDOVER_RESERVE_S, timeout * CLASSIC_HANDOVER_SHARE)
@@ -132,6 +139,18 @@ class WorkerRuntime:
             )
         )
         tasks = [asyncio.create_task(self.service.sessions.log_writer.run()), self.heartbeat]
+        if self.settings.rebalance_gap:
+            self.rebalancer = asyncio.create_task(
+                rebalance_loop(
+                    self.service,
+                    client,
+                    self.schema,
+                    self.identity,
+                    gap=self.settings.rebalance_gap,
+                    period_s=self.settings.rebalance_period_s,
+                )
+            )
+            tasks.append(self.rebalancer)
         try:
             yield
         finally:

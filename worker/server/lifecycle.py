@@ -1,11 +1,11 @@
 """The lifecycle of one worker-side session: its phases and every allowed move, in one place.
 
 Why a table: a session here is changed by the link's frames (open, restore, close), the engine's
-callbacks (opened, expired), a drain (switchover.py, handover.py) and another worker's drain
-(warm.py, kv_receiver.py). Each of them moves the phase through `SessionLifecycle.move`, which
-refuses a move the table does not allow with a typed internal error (`IllegalTransition`), as
-gateway/session/lifecycle.py does for the gateway's side: a bug shows as an error, never as a
-session in a phase no code expects.
+callbacks (opened, expired), a drain or a rebalance (switchover.py, handover.py, rebalance.py) and
+another worker's move (warm.py, kv_receiver.py). Each of them moves the phase through
+`SessionLifecycle.move`, which refuses a move the table does not allow with a typed internal error
+(`IllegalTransition`), as gateway/session/lifecycle.py does for the gateway's side: a bug shows as an
+error, never as a session in a phase no code expects.
 
 The phases say what a chunk that arrives meets (worker/server/service.py `_chunk`): it waits while
 the session OPENS, runs while it is READY or MOVING, and is left unanswered (the gateway holds it
@@ -27,7 +27,7 @@ from shared.errors import InternalError
 class Phase(enum.Enum):
     OPENING = "opening"  # the engine opens it (fresh, restored, or a copy taken over); chunks wait
     READY = "ready"  # served here
-    MOVING = "moving"  # a drain is making its copy on another worker; still served here
+    MOVING = "moving"  # a drain or a rebalance makes its copy on another worker; still served here
     SWITCHING = "switching"  # its copy is warm: chunks in flight end here (briefly), later ones elsewhere
     HANDED_OVER = "handed_over"  # `migrate` is sent or on its way: nothing more is answered here
     COPY = "copy"  # another worker's session, warmed here for its drain: no link, no chunk, no log
@@ -40,7 +40,8 @@ TRANSITIONS: Final[Mapping[Phase, frozenset[Phase]]] = {
     Phase.OPENING: frozenset({Phase.READY, Phase.HANDED_OVER, Phase.CLOSED}),
     Phase.READY: frozenset({Phase.MOVING, Phase.HANDED_OVER, Phase.CLOSED}),
     # MOVING straight to HANDED_OVER: its copy failed or was late, the classic handover takes it.
-    Phase.MOVING: frozenset({Phase.SWITCHING, Phase.HANDED_OVER, Phase.CLOSED}),
+    # MOVING back to READY: a rebalance's copy failed or was late, and it stays (rebalance.py).
+    Phase.MOVING: frozenset({Phase.SWITCHING, Phase.HANDED_OVER, Phase.CLOSED, Phase.READY}),
     Phase.SWITCHING: frozenset({Phase.HANDED_OVER, Phase.CLOSED}),
     Phase.HANDED_OVER: frozenset(),
     # OPENING: the gateway's restore takes the copy over and it becomes the live session.

@@ -30,6 +30,8 @@ class WorkerMetrics:
     kv_copy_bytes_sent: int = 0
     kv_copy_seconds: float = 0.0
     kv_copy_fallbacks: dict[str, int] = field(default_factory=dict)
+    # Sessions a rebalance switched from here to a less-loaded worker (rebalance.py).
+    sessions_rebalanced: int = 0
     # Queue plus compute time of each turn, in seconds.
     turn_latency: Histogram = field(default_factory=Histogram)
 
@@ -79,6 +81,7 @@ class WorkerMetrics:
             "microturn_worker_kv_copies_sent_total": self.kv_copies_sent,
             "microturn_worker_kv_copy_bytes_sent_total": self.kv_copy_bytes_sent,
             "microturn_worker_kv_copy_seconds_total": self.kv_copy_seconds,
+            "microturn_worker_sessions_rebalanced_total": self.sessions_rebalanced,
             "microturn_worker_kv_offloads_total": memory.offloads.count,
             "microturn_worker_kv_offload_bytes_total": memory.offloads.bytes,
             "microturn_worker_kv_offload_seconds_total": memory.offloads.seconds,

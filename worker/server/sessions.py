@@ -223,11 +223,15 @@ class WorkerSessions:
         this worker lost track of may live on elsewhere by now)."""
         await self._log.forget(sid)
 
-    # ---- a drain --------------------------------------------------------------------------------
+    # ---- a drain or a rebalance ------------------------------------------------------------------
 
     def start_moving(self, session: WorkerSession) -> None:
-        """A drain asks for its copy elsewhere; it is served here until the switch."""
+        """A drain or a rebalance asks for its copy elsewhere; it is served here until the switch."""
         session.lifecycle.move(Phase.MOVING)
+
+    def stay(self, session: WorkerSession) -> None:
+        """A rebalance's copy failed or was late: it is served here as before, as if never asked."""
+        session.lifecycle.move(Phase.READY)
 
     def switch(self, session: WorkerSession) -> None:
         """Its copy is warm: from now on its chunks wait in the gateway's tail."""

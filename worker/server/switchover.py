@@ -23,7 +23,9 @@ refused, died or could not be reached, or for which no worker had room, are hand
 classic break-before-make `migrate_all` (worker/server/handover.py) that the drain runs after this,
 so a drain never outlives its deadline. Why the KV pages, with the rebuild as the fallback:
 docs/failover.md, with the figures. Each session's phase moves through its owner
-(worker/server/sessions.py): READY -> MOVING -> SWITCHING -> HANDED_OVER.
+(worker/server/sessions.py): READY -> MOVING -> SWITCHING -> HANDED_OVER. A rebalance
+(worker/server/rebalance.py) makes the same moves through the same `Switcher`, for some of a
+serving worker's sessions; one it cannot move goes back to READY instead of the classic handover.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ async def switch_over(
     sessions still here afterwards are for the classic handover. `copy_pages`: each session's KV
     pages go to its target first (kv_sender.py); without, or when a copy falls back, the target
     rebuilds the copy from the log."""
-    switcher = _Switcher(service, time.monotonic() + budget_s, copy_pages=copy_pages)
+    switcher = Switcher(service, time.monotonic() + budget_s, copy_pages=copy_pages, why="drain")
     bindings = [b for b in service.sessions.live() if b.phase is Phase.READY and b.link is not None]
     # How long placement is asked again while no worker has room: a registry entry that lapsed
     # (a busy worker's late beat) is back within its TTL if the worker lives.
@@ -160,13 +162,17 @@ async def _place(
             await asyncio.sleep(PLACE_RETRY_S)
 
 
-class _Switcher:
-    """The copies asked for, and the switch of each once its copy is warm."""
+class Switcher:
+    """The copies asked for, and the switch of each once its copy is warm: a drain's (above) or a
+    rebalance's (rebalance.py). `why` names it in the log. Sessions whose copy or switch did not
+    happen by the deadline end in `report.fell_back`, still MOVING unless closed meanwhile: the
+    caller decides what becomes of them (the classic handover, or staying here)."""
 
-    def __init__(self, service: WorkerService, deadline: float, *, copy_pages: bool) -> None:
+    def __init__(self, service: WorkerService, deadline: float, *, copy_pages: bool, why: str) -> None:
         self.service = service
         self.deadline = deadline
         self.copy_pages = copy_pages
+        self.why = why
         # worker id -> the sessions waiting for a KV copy stream to it, in placement order
         self.copies: dict[str, asyncio.Queue[WorkerSession]] = {}
         self.senders: list[KVSender] = []
@@ -180,6 +186,7 @@ class _Switcher:
         # Switches run as tasks of their own, never cancelled: one cut short would leave a session
         # neither here nor told to move.
         self.switches: list[asyncio.Task[None]] = []
+        self.finished = False
 
     async def warm(self, binding: WorkerSession, worker_id: str, url: str) -> None:
         if worker_id not in self.targets:
@@ -188,7 +195,9 @@ class _Switcher:
                 secret, timeout = self.service.settings.link_secret, CONNECT_TIMEOUT_S
                 client = await LinkClient.open(worker_id, url, secret=secret, open_timeout_s=timeout)
             except (OSError, TimeoutError, websockets.WebSocketException) as exc:
-                logger.warning("drain: cannot reach worker %s to warm sessions on it: %s", worker_id, exc)
+                logger.warning(
+                    "%s: cannot reach worker %s to warm sessions on it: %s", self.why, worker_id, exc
+                )
                 return
             self.targets[worker_id] = client
             self.readers.append(asyncio.create_task(self._read(client)))
@@ -239,7 +248,8 @@ class _Switcher:
                 self.report.rebuilt[reason] = self.report.rebuilt.get(reason, 0) + 1
                 metrics.kv_copy_fell_back(reason)
                 logger.warning(
-                    "drain: the KV of %s was not copied to %s (%s: %s): it rebuilds the copy from the log",
+                    "%s: the KV of %s was not copied to %s (%s: %s): it rebuilds the copy from the log",
+                    self.why,
                     binding.sid,
                     target.worker_id,
                     reason,
@@ -249,20 +259,30 @@ class _Switcher:
                 await target.send(LinkWarm(binding.sid, binding.config))
 
     async def wait(self) -> None:
+        """Until every copy asked for switched or fell back, or the deadline; then `finish`."""
         try:
             while self.waiting and time.monotonic() < self.deadline:
                 await asyncio.sleep(0.01)
         finally:
-            for task in (*self.readers, *self.copiers):
-                task.cancel()
-            await asyncio.gather(*(s.close() for s in self.senders), return_exceptions=True)
-            await asyncio.gather(*self.switches)
-            self.report.fell_back += sorted(self.waiting)
-            for sid, (_binding, target, _answered) in self.waiting.items():
-                self.report.targets[sid] = target.worker_id
-            # The targets keep unadopted copies a grace period after this link closes (warm.py).
-            clients = [t for t in self.targets.values() if t is not None]
-            await asyncio.gather(*(t.close() for t in clients), return_exceptions=True)
+            await self.finish()
+
+    async def finish(self) -> None:
+        """Stop the copies, let every switch begun end, and move the sessions still waiting to
+        `report.fell_back`; once (a second call does nothing)."""
+        if self.finished:
+            return
+        self.finished = True
+        for task in (*self.readers, *self.copiers):
+            task.cancel()
+        await asyncio.gather(*(s.close() for s in self.senders), return_exceptions=True)
+        await asyncio.gather(*self.switches)
+        self.report.fell_back += sorted(self.waiting)
+        for sid, (_binding, target, _answered) in self.waiting.items():
+            self.report.targets[sid] = target.worker_id
+        self.waiting.clear()
+        # The targets keep unadopted copies a grace period after this link closes (warm.py).
+        clients = [t for t in self.targets.values() if t is not None]
+        await asyncio.gather(*(t.close() for t in clients), return_exceptions=True)
 
     async def _read(self, target: LinkClient) -> None:
         try:
@@ -275,9 +295,13 @@ class _Switcher:
                     self.switches.append(asyncio.create_task(self._switch(entry)))
                 else:
                     self.report.fell_back.append(frame.sid)
-                    logger.warning("drain: no copy of %s on %s: %s", frame.sid, target.worker_id, frame)
+                    logger.warning(
+                        "%s: no copy of %s on %s: %s", self.why, frame.sid, target.worker_id, frame
+                    )
         except (websockets.WebSocketException, MicroturnError) as exc:
-            logger.warning("drain: the link to worker %s broke while warming: %s", target.worker_id, exc)
+            logger.warning(
+                "%s: the link to worker %s broke while warming: %s", self.why, target.worker_id, exc
+            )
         # The link ended: no copy of these will come from there (the classic handover takes them).
         for sid, entry in list(self.waiting.items()):
             if entry[1] is target:
@@ -287,14 +311,16 @@ class _Switcher:
     async def _switch(self, entry: tuple[WorkerSession, LinkClient, int]) -> None:
         binding, target, answered_before = entry
         self.report.served_while_warming += binding.turns_answered - answered_before
-        if await _switch(self.service, binding, target.worker_id, self.deadline):
+        if await _switch(self.service, binding, target.worker_id, self.deadline, self.why):
             self.report.switched += 1
         else:
             self.report.fell_back.append(binding.sid)
             self.report.targets[binding.sid] = target.worker_id  # its copy there is warm
 
 
-async def _switch(service: WorkerService, binding: WorkerSession, target: str, deadline: float) -> bool:
+async def _switch(
+    service: WorkerService, binding: WorkerSession, target: str, deadline: float, why: str
+) -> bool:
     """Send the session over to its warm copy on `target`: chunks arriving from now on wait in the
     gateway's tail; those in flight end here within `SWITCH_WAIT_S`, else the close cancels them
     (unanswered, unlogged: they re-run on the target with the held ones); the log is made durable,
@@ -323,7 +349,8 @@ async def _switch(service: WorkerService, binding: WorkerSession, target: str, d
     with contextlib.suppress(MicroturnError):  # gone from the engine already: nothing to close
         await asyncio.wrap_future(service.engine.close_session_async(sid, "closed"))
     logger.info(
-        "drain: session %s switched to %s in %.0f ms (%d chunk(s) in flight re-run there)",
+        "%s: session %s switched to %s in %.0f ms (%d chunk(s) in flight re-run there)",
+        why,
         sid,
         target,
         switched_ms,

@@ -45,6 +45,7 @@ ALLOWED = {
     (Phase.MOVING, Phase.SWITCHING),
     (Phase.MOVING, Phase.HANDED_OVER),
     (Phase.MOVING, Phase.CLOSED),
+    (Phase.MOVING, Phase.READY),  # a rebalance's copy failed or was late: the session stays
     (Phase.SWITCHING, Phase.HANDED_OVER),
     (Phase.SWITCHING, Phase.CLOSED),
     (Phase.COPY, Phase.OPENING),

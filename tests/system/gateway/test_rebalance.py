@@ -1,0 +1,180 @@
+"""Rebalance (worker/server/rebalance.py): real processes on loopback, the tiny model, greedy.
+
+Eight sessions open on the only worker, w0 (`--rebalance-gap 2`), and stream chunks through two
+gateways; a second worker, w1, starts while they stream, as the worker restarted last in a rolling
+restart does. What must hold: w0 moves half its sessions to w1, each by its KV copy (no rebuild
+from the log), and none back; every chunk is answered exactly once, every output equals the same
+chunks run on an engine that never moved the session, no session ends. Timings are printed, never
+asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from shared.client.clients import RealtimeClient
+from shared.protocol.messages import Error, OutputDone, SessionClosed, SessionRestored
+from tests.conftest import Servers
+from tests.processes import http_get
+from tests.system.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
+from tests.system.gateway.stack import Stack, running_stack
+from tests.wait import await_until
+from worker.engine import Engine
+
+SESSIONS, CHUNK, OUT = 8, 16, 2
+PERIOD_S: Final = 0.1
+MAX_UNANSWERED: Final = 4
+VOCAB: Final = 256  # the tiny model's token ids used here
+# The heartbeat in WORKER_FLAGS is 0.5 s: a round every 1 s weighs loads at most two beats old.
+REBALANCE = ["--rebalance-gap", "2", "--rebalance-period-s", "1"]
+MOVED_LINE = re.compile(r"rebalance: (\d+) of (\d+) session\(s\) moved to (\w+)")
+
+
+def chunk(session: int, seq: int) -> list[int]:
+    rng = random.Random(f"{session}:{seq}")
+    return [rng.randrange(1, VOCAB) for _ in range(CHUNK)]
+
+
+@dataclass
+class Stream:
+    """One session streaming chunks until told to stop."""
+
+    session: int
+    client: RealtimeClient
+    sent: int = 0
+    dones: dict[int, list[OutputDone]] = field(default_factory=dict)
+    errors: list[Error] = field(default_factory=list)
+    closed: SessionClosed | None = None
+    restored: int = 0
+    waits: list[float] = field(default_factory=list)
+    sent_at: dict[int, float] = field(default_factory=dict)
+    answered: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def send_until(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            while self.sent - len(self.dones) >= MAX_UNANSWERED:
+                self.answered.clear()
+                await asyncio.wait_for(self.answered.wait(), 60)
+            self.sent += 1
+            self.sent_at[self.sent] = time.monotonic()
+            await self.client.send_chunk(
+                self.sent, tokens=chunk(self.session, self.sent), max_output_tokens=OUT
+            )
+            await asyncio.sleep(PERIOD_S)
+
+    async def receive(self) -> None:
+        """Until cancelled (every chunk answered), the session closed, or a fatal error."""
+        while True:
+            msg = await self.client.recv(timeout=60)
+            if isinstance(msg, OutputDone):
+                if msg.seq not in self.dones:
+                    self.waits.append(time.monotonic() - self.sent_at[msg.seq])
+                self.dones.setdefault(msg.seq, []).append(msg)
+                self.answered.set()
+            elif isinstance(msg, Error):
+                self.errors.append(msg)
+                if msg.fatal:
+                    return
+            elif isinstance(msg, SessionRestored):
+                self.restored += 1
+            elif isinstance(msg, SessionClosed):
+                self.closed = msg
+                return
+
+
+def metric(stack: Stack, worker_id: str, name: str) -> float:
+    _status, text = http_get(stack.workers[worker_id].http + "/metrics")
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert match is not None, name
+    return float(match.group(1))
+
+
+def reference(session: int, turns: int) -> list[tuple[int, ...]]:
+    """The session's outputs on an engine that never moved it."""
+    with Engine.load("tiny", kv_tokens=8192) as engine:
+        sid = engine.open_session(max_output_tokens=OUT, stop_token_ids=())
+        return [
+            engine.run_turn(sid, tokens=chunk(session, seq), timeout=60).tokens for seq in range(1, turns + 1)
+        ]
+
+
+async def stream_while_w1_starts(stack: Stack) -> list[Stream]:
+    streams = []
+    for session in range(SESSIONS):
+        client = await RealtimeClient.connect(stack.realtime_url(session % 2))
+        await client.open(max_output_tokens=OUT, stop_token_ids=[])
+        streams.append(Stream(session, client))
+    stop = asyncio.Event()
+    receivers = [asyncio.create_task(s.receive()) for s in streams]
+    senders = asyncio.gather(*(s.send_until(stop) for s in streams))
+    await asyncio.sleep(1.0)  # every session has history on w0 before w1 exists
+    started = time.monotonic()
+    await asyncio.to_thread(stack.start_worker, "w1")
+    await await_until(
+        lambda: metric(stack, "w0", "microturn_worker_sessions_rebalanced_total") >= SESSIONS // 2,
+        60,
+        "w0 moving half its sessions to w1",
+    )
+    print(f"[rebalance] half the sessions moved {time.monotonic() - started:.2f} s after w1's start")
+    await asyncio.sleep(2.0)  # both workers serve; a second round would move sessions again now
+    stop.set()
+    await senders
+    await await_until(
+        lambda: all(len(s.dones) >= s.sent or r.done() for s, r in zip(streams, receivers, strict=True)),
+        120,
+        "every chunk sent answered",
+    )
+    for receiver in receivers:
+        receiver.cancel()
+    await asyncio.gather(*receivers, return_exceptions=True)
+    for s in streams:
+        await s.client.close()
+    return streams
+
+
+def test_a_worker_moves_half_its_sessions_to_a_new_peer_by_copy_and_no_turn_is_lost(
+    servers: Servers, tmp_path: Path
+) -> None:
+    prefix = f"rb{random.randrange(10**9)}"
+    with running_stack(
+        servers.redis("redis"),
+        prefix,
+        tmp_path,
+        workers=1,
+        gateways=2,
+        worker_flags=[*WORKER_FLAGS, *REBALANCE],
+        gateway_flags=GATEWAY_FLAGS,
+    ) as stack:
+        streams = asyncio.run(stream_while_w1_starts(stack))
+        log = stack.workers["w0"].log_path.read_text(errors="replace")
+        moved = metric(stack, "w0", "microturn_worker_sessions_rebalanced_total")
+        adopted = metric(stack, "w1", "microturn_worker_warm_adopted_total")
+        from_pages = metric(stack, "w1", "microturn_worker_warm_from_pages_total")
+        rebuilt = metric(stack, "w1", "microturn_worker_warm_rebuilds_total")
+        moved_back = metric(stack, "w1", "microturn_worker_sessions_rebalanced_total")
+    # Half moved, each onto its KV copy; one round, and none moved back.
+    assert (moved, adopted, from_pages, rebuilt, moved_back) == (
+        SESSIONS // 2,
+        SESSIONS // 2,
+        SESSIONS // 2,
+        0,
+        0,
+    )
+    assert MOVED_LINE.findall(log) == [(str(SESSIONS // 2), str(SESSIONS // 2), "w1")], log[-3000:]
+    for s in streams:
+        assert s.closed is None and not [e for e in s.errors if e.fatal], (s.session, s.errors)
+        assert all(len(s.dones.get(seq, [])) == 1 for seq in range(1, s.sent + 1)), s.session  # exactly once
+        assert [s.dones[seq][0].tokens for seq in range(1, s.sent + 1)] == reference(s.session, s.sent), (
+            s.session
+        )
+    waits = sorted(w for s in streams for w in s.waits)
+    print(
+        f"[rebalance] {sum(s.sent for s in streams)} chunks; longest wait {waits[-1] * 1000:.0f} ms, "
+        f"p50 {waits[len(waits) // 2] * 1000:.0f} ms; sessions restored: {sum(s.restored for s in streams)}"
+    )

@@ -1,0 +1,137 @@
+"""Rebalance: a worker holding many more sessions than a peer moves some of them there, by copy.
+
+Why: placement spreads sessions as they open and nothing else moves them. After a rolling restart
+the worker restarted last holds none of the open sessions (each drain sent its sessions to the
+others), and with long sessions the pool stays lopsided for as long as they live: one worker serves
+twice its share while another idles (docs/failover.md, "What a rolling restart leaves behind").
+
+With `--rebalance-gap N` (0, the default, is off), every `--rebalance-period-s` a worker reads the
+registry; when it holds at least N sessions more than the least-loaded `ready` worker of its model,
+it moves half the difference there (at most `MOVES_PER_ROUND`), by the drain's own make-before-break
+moves (switchover.py `Switcher`: the KV pages copied, `warm`, the switch at a turn boundary, then
+`migrate` naming the target, so the gateway restores each session onto its copy). Unlike a drain,
+nothing forces a session off: one whose copy is refused, fails or is late stays here, served as
+before (MOVING back to READY). Half the difference, so two workers never move sessions back and
+forth: after a round they are at most one apart, below any gap of 2 or more. A drain cancels a
+round in progress (app.py) and waits for its switches, so every session is then either moved or
+READY again for the drain's own moves.
+
+Nothing here runs on the chunk path: the registry is read once a period, off the event loop's
+per-chunk work, and a round's cost is that of its copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Final
+
+from redis.asyncio import Redis, RedisError
+
+from shared.store.registry import WorkerInfo, read_workers
+from shared.store.schema import STATE_READY, KeySchema
+from worker.server.lifecycle import Phase
+from worker.server.service import WorkerService
+from worker.server.sessions import WorkerSession
+from worker.server.switchover import Switcher
+
+logger = logging.getLogger(__name__)
+
+# Sessions one round moves at most: a round is a partial drain, and its copies share the worker
+# with the sessions it serves; what is left moves in the next rounds.
+MOVES_PER_ROUND: Final = 8
+# How long a round's copies and switches may take; the sessions not switched by then stay here.
+ROUND_BUDGET_S: Final = 10.0
+
+
+@dataclass(frozen=True)
+class Move:
+    """Where a round sends sessions, and how many."""
+
+    worker_id: str
+    url: str
+    count: int
+
+
+def plan_move(own: WorkerInfo, workers: Iterable[WorkerInfo], *, gap: int) -> Move | None:
+    """The move a worker holding `own.sessions` should make towards the least-loaded other `ready`
+    worker of its model with room (ties: the lowest id), or None below `gap` (>= 2)."""
+    peers = [
+        w
+        for w in workers
+        if w.worker_id != own.worker_id
+        and w.state == STATE_READY
+        and w.model == own.model
+        and w.sessions < w.max_sessions
+    ]
+    if not peers:
+        return None
+    least = min(peers, key=lambda w: (w.sessions, w.worker_id))
+    difference = own.sessions - least.sessions
+    if difference < gap:
+        return None
+    count = min(difference // 2, least.max_sessions - least.sessions, MOVES_PER_ROUND)
+    return Move(least.worker_id, least.url, count) if count > 0 else None
+
+
+async def rebalance_loop(
+    service: WorkerService,
+    redis: Redis,
+    schema: KeySchema,
+    identity: WorkerInfo,
+    *,
+    gap: int,
+    period_s: float,
+) -> None:
+    """Weigh a rebalance every `period_s`, and make it; runs until cancelled (a drain cancels it)."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            workers = await read_workers(redis, schema)
+        except RedisError as exc:  # the heartbeat reports an outage; the next period tries again
+            logger.debug("rebalance: cannot read the registry: %s", exc)
+            continue
+        held = service.sessions.live()
+        own = replace(identity, sessions=len(held))
+        move = plan_move(own, workers, gap=gap)
+        if move is None:
+            continue
+        movable = [b for b in held if b.phase is Phase.READY and b.link is not None]
+        if not movable:
+            continue
+        try:
+            await move_sessions(service, movable[-move.count :], move)
+        except Exception:  # a bug in a round must not end rebalancing for the worker's life
+            logger.exception("rebalance: a round towards %s failed", move.worker_id)
+
+
+async def move_sessions(service: WorkerService, bindings: list[WorkerSession], move: Move) -> int:
+    """Move `bindings` (READY) to `move`'s worker; the number switched. Those that could not move
+    stay here, READY again, also when a drain cancels the round."""
+    switcher = Switcher(service, time.monotonic() + ROUND_BUDGET_S, copy_pages=True, why="rebalance")
+    started = time.monotonic()
+    try:
+        for binding in bindings:
+            await switcher.warm(binding, move.worker_id, move.url)
+        await switcher.wait()
+    finally:
+        await switcher.finish()  # every switch begun has ended; the sessions left stay
+        report = switcher.report
+        for sid in report.fell_back:
+            left = service.sessions.get(sid)
+            if left is not None and left.phase is Phase.MOVING:
+                service.sessions.stay(left)
+        service.metrics.sessions_rebalanced += report.switched
+        logger.info(
+            "rebalance: %d of %d session(s) moved to %s in %.0f ms (%s); %d stay here",
+            report.switched,
+            len(bindings),
+            move.worker_id,
+            (time.monotonic() - started) * 1000,
+            report.copy_figures(),
+            len(report.fell_back),
+        )
+    return report.switched
