@@ -61,7 +61,9 @@ READY_TIMEOUT_S: Final = 60.0
 MODES: Final = ("steady", "warm", "rebuild", "log")
 # The drained worker's switch-over line (worker/server/switchover.py) and a target's line for a
 # copy rebuilt from the log (worker/server/warm.py).
-COPY_LINE: Final = re.compile(r"(\d+) KV copied, ([\d.]+) MB, ([\d.]+) ms a session")
+COPY_LINE: Final = re.compile(r"drain: [^\n]*?(\d+) KV copied, ([\d.]+) MB, ([\d.]+) ms a session")
+# A rebalance round's line (worker/server/rebalance.py, with `--rebalance-gap`): sessions moved.
+REBALANCE_LINE: Final = re.compile(r"rebalance: (\d+) of \d+ session\(s\) moved to")
 REBUILD_LINE: Final = re.compile(r"ready: (\d+) tokens, .*rebuilt from the log, in (\d+) ms")
 # The drained worker's summary: sessions switched to warm copies, placed, and KV copies that fell
 # back to a rebuild from the log; then its classic handover's: every session handed over
@@ -104,6 +106,8 @@ class Run:
     switched: int = 0
     fell_back_to_rebuild: int = 0
     classic: int = 0
+    # Sessions the workers' rebalance rounds moved (0 without `--rebalance-gap`).
+    rebalanced: int = 0
     # Each session's outputs by seq, for the comparison with the steady run (not in `--json`).
     outputs: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
     # (seconds since the load began, what happened): SIGTERMs, exits, workers ready again.
@@ -114,10 +118,11 @@ class Run:
 
 
 class _Stack:
-    def __init__(self, workdir: Path, handover: str, gateways: int = 1) -> None:
+    def __init__(self, workdir: Path, handover: str, gateways: int = 1, rebalance_gap: int = 0) -> None:
         self.workdir = workdir
         self.handover = handover
         self.gateways = gateways
+        self.rebalance_gap = rebalance_gap
         self.children: list[Child] = []
         self.workers: dict[str, tuple[Child, int]] = {}
         self.redis_url = ""
@@ -161,6 +166,8 @@ class _Stack:
         argv = [sys.executable, "-m", "microturn", "worker", "--model", "tiny", "--port", str(port)]
         argv += ["--redis-url", self.redis_url, "--worker-id", worker_id, "--kv-tokens", "262144"]
         argv += ["--max-sessions", "256", "--drain-handover", self.handover, "--heartbeat-s", "0.5"]
+        if self.rebalance_gap:  # a round every two heartbeats
+            argv += ["--rebalance-gap", str(self.rebalance_gap), "--rebalance-period-s", "1"]
         child = self._spawn(f"worker-{worker_id}", argv)
         self.workers[worker_id] = (child, port)
         _wait(lambda: http_ready(f"http://127.0.0.1:{port}/readyz"), worker_id)
@@ -189,6 +196,7 @@ class _Stack:
                 run.placed += int(placed)
                 run.fell_back_to_rebuild += int(rebuilt)
             run.classic += sum(int(count) for count in HANDOVER_LINE.findall(text))
+            run.rebalanced += sum(int(count) for count in REBALANCE_LINE.findall(text))
             for tokens, ms in REBUILD_LINE.findall(text):
                 run.rebuilds += 1
                 run.rebuilt_tokens += int(tokens)
@@ -316,14 +324,16 @@ def measure(
     logs: Path | None = None,
     gateways: int = 1,
     shape: tuple[int, int] = (CHUNK_TOKENS, OUTPUT_TOKENS),
+    rebalance_gap: int = 0,
 ) -> Run:
     """One run on a fresh stack; its processes' logs go to `logs/<mode>/` (default: a temporary dir).
-    `shape`: each streamed chunk's tokens and the outputs it asks for."""
+    `shape`: each streamed chunk's tokens and the outputs it asks for; `rebalance_gap`: the workers'
+    `--rebalance-gap` (0: off)."""
     run = Run(mode, sessions, history_tokens)
     with tempfile.TemporaryDirectory(prefix="rolling-restart-") as scratch:
         workdir = Path(scratch) if logs is None else logs / mode
         workdir.mkdir(parents=True, exist_ok=True)
-        stack = _Stack(workdir, mode if mode in ("log", "rebuild") else "warm", gateways)
+        stack = _Stack(workdir, mode if mode in ("log", "rebuild") else "warm", gateways, rebalance_gap)
         try:
             stack.start(("w0",) if mode == ONE_WORKER else ("w0", "w1"))
             asyncio.run(_load(stack, run, period_s, phase_s, shape))
@@ -400,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gateways", type=int, default=1, help="the sessions alternate between them")
     parser.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, help="tokens of a streamed chunk")
     parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="outputs a chunk asks for")
+    parser.add_argument(
+        "--rebalance-gap", type=int, default=0, help="the workers' --rebalance-gap (0: no rebalance)"
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="keep each process's log under this folder")
     parser.add_argument(
@@ -421,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             logs=args.logs,
             gateways=args.gateways,
             shape=(args.chunk_tokens, args.output_tokens),
+            rebalance_gap=args.rebalance_gap,
         )
         for mode in args.modes.split(",")
     ]
@@ -449,6 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{r.mode}: {r.copies} KV copies, {r.copy_mb / r.copies:.1f} MB and "
                 f"{1000 * r.copy_s / r.copies:.1f} ms a session ({r.copy_mb / max(r.copy_s, 1e-9):.0f} MB/s)"
             )
+        if r.rebalanced:
+            lines.append(f"{r.mode}: {r.rebalanced} sessions moved by rebalance rounds")
         if r.rebuilds:
             lines.append(
                 f"{r.mode}: {r.rebuilds} copies rebuilt from the log, {r.rebuilt_tokens // r.rebuilds} "

@@ -1,7 +1,9 @@
 """`python -m loadtest.rolling_restart` says where its longest waits fell: in a drain, while a worker
-restarted, or in neither (pure; no process)."""
+restarted, or in neither (pure; no process), and reads the workers' lines apart."""
 
-from loadtest.rolling_restart import Run, longest_by_window
+from pathlib import Path
+
+from loadtest.rolling_restart import Run, _Stack, longest_by_window
 
 
 def test_a_chunk_is_counted_in_the_window_its_wait_overlaps() -> None:
@@ -21,3 +23,19 @@ def test_a_run_without_restarts_has_only_serving_waits() -> None:
     run = Run("steady", sessions=1, history_tokens=0)
     run.waits = [(1.0, 40.0, 0), (2.0, 55.0, 0)]
     assert longest_by_window(run) == {"drain": 0.0, "restart": 0.0, "serving": 55.0}
+
+
+def test_a_drains_copies_and_a_rebalances_moves_are_counted_apart(tmp_path: Path) -> None:
+    """The workers' own log lines (worker/server/switchover.py, rebalance.py), as they print them."""
+    (tmp_path / "worker-w0.log").write_text(
+        "INFO worker.server.rebalance: rebalance: 4 of 4 session(s) moved to w1 in 256 ms "
+        "(4 KV copied, 14.2 MB, 85.3 ms a session, 41 MB/s); 0 stay here\n"
+        "INFO worker.server.switchover: drain: 3 session(s) switched to warm copies (3 placed; 5 chunks "
+        "answered here while they warmed; 3 KV copied, 9.0 MB, 100.0 ms a session, 30 MB/s; 0 rebuilt "
+        "from the log); 0 left for the classic handover\n"
+    )
+    stack = _Stack(tmp_path, "warm")
+    stack.workers["w0"] = (None, 0)  # type: ignore[assignment]  # only its log is read
+    run = Run("warm", sessions=7, history_tokens=0)
+    stack.copy_figures(run)
+    assert (run.copies, run.copy_mb, run.switched, run.placed, run.rebalanced) == (3, 9.0, 3, 3, 4)
