@@ -12,9 +12,11 @@ moves (switchover.py `Switcher`: the KV pages copied, `warm`, the switch at a tu
 `migrate` naming the target, so the gateway restores each session onto its copy). Unlike a drain,
 nothing forces a session off: one whose copy is refused, fails or is late stays here, served as
 before (MOVING back to READY). Half the difference, so two workers never move sessions back and
-forth: after a round they are at most one apart, below any gap of 2 or more. A drain cancels a
-round in progress (app.py) and waits for its switches, so every session is then either moved or
-READY again for the drain's own moves.
+forth: after a round they are at most one apart, below any gap of 2 or more. A drain lets a round
+in progress end for up to `DRAIN_GRACE_S`, then cancels it and waits for its switches (app.py), so
+every session is then either moved or READY again for the drain's own moves. (Why a grace: a copy
+the round left on the target, unswitched, stays there for a while, warm.py's `WARM_GRACE_S`, and
+the drain's copy of that session to the same target is then refused and rebuilt from the log.)
 
 Nothing here runs on the chunk path: the registry is read once a period, off the event loop's
 per-chunk work, and a round's cost is that of its copies.
@@ -23,6 +25,7 @@ per-chunk work, and a round's cost is that of its copies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -45,6 +48,9 @@ logger = logging.getLogger(__name__)
 MOVES_PER_ROUND: Final = 8
 # How long a round's copies and switches may take; the sessions not switched by then stay here.
 ROUND_BUDGET_S: Final = 10.0
+# How long a drain lets a round in progress end before it cancels it: a round of 8 moves took
+# 0.4-0.9 s under load (docs/benchmarks.md).
+DRAIN_GRACE_S: Final = 2.0
 
 
 @dataclass(frozen=True)
@@ -85,10 +91,14 @@ async def rebalance_loop(
     *,
     gap: int,
     period_s: float,
+    draining: asyncio.Event,
 ) -> None:
-    """Weigh a rebalance every `period_s`, and make it; runs until cancelled (a drain cancels it)."""
-    while True:
-        await asyncio.sleep(period_s)
+    """Weigh a rebalance every `period_s`, and make it; ends once `draining` is set (a round in
+    progress first ends, unless the drain cancels it: app.py)."""
+    while not draining.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(draining.wait(), period_s)
+            return
         try:
             workers = await read_workers(redis, schema)
         except RedisError as exc:  # the heartbeat reports an outage; the next period tries again
