@@ -104,6 +104,8 @@ async def rebalance_loop(
         except RedisError as exc:  # the heartbeat reports an outage; the next period tries again
             logger.debug("rebalance: cannot read the registry: %s", exc)
             continue
+        if draining.is_set():
+            return  # the drain began while the registry was read: its moves take every session
         held = service.sessions.live()
         own = replace(identity, sessions=len(held))
         move = plan_move(own, workers, gap=gap)
