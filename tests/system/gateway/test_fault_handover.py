@@ -30,7 +30,7 @@ import pytest
 
 from shared.client.clients import RealtimeClient
 from shared.client.core import ConnectionLost
-from shared.protocol.messages import Error, OutputDone, SessionClosed, SessionRestored
+from shared.protocol.messages import Error, OutputDone, ServerMessage, SessionClosed, SessionRestored
 from tests.conftest import Servers
 from tests.processes import http_get
 from tests.system.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
@@ -123,20 +123,25 @@ class Stream:
                 if self.moving:
                     return
                 raise
-            if isinstance(msg, OutputDone):
-                if msg.seq not in self.dones:
-                    self.waits.append(time.monotonic() - self.sent_at[msg.seq])
-                self.dones.setdefault(msg.seq, []).append(msg)
-                self.answered.set()
-            elif isinstance(msg, Error):
-                self.errors.append(msg)
-                if msg.fatal:
-                    return
-            elif isinstance(msg, SessionRestored):
-                self.restored += 1
-            elif isinstance(msg, SessionClosed):
-                self.closed = msg
+            if not self.take(msg):
                 return
+
+    def take(self, msg: ServerMessage) -> bool:
+        """Count one message of the session's; False once it is over (closed, or a fatal error)."""
+        if isinstance(msg, OutputDone):
+            if msg.seq not in self.dones:
+                self.waits.append(time.monotonic() - self.sent_at[msg.seq])
+            self.dones.setdefault(msg.seq, []).append(msg)
+            self.answered.set()
+        elif isinstance(msg, Error):
+            self.errors.append(msg)
+            return not msg.fatal
+        elif isinstance(msg, SessionRestored):
+            self.restored += 1
+        elif isinstance(msg, SessionClosed):
+            self.closed = msg
+            return False
+        return True
 
 
 @contextlib.contextmanager

@@ -14,14 +14,13 @@ import asyncio
 import random
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from shared.client.clients import RealtimeClient
-from shared.protocol.messages import Error, OutputDone, SessionClosed, SessionRestored
 from tests.conftest import Servers
-from tests.processes import http_get
+from tests.system.gateway import test_fault_handover as handover
 from tests.system.gateway.conftest import GATEWAY_FLAGS, WORKER_FLAGS
 from tests.system.gateway.stack import Stack, running_stack
 from tests.wait import await_until
@@ -42,21 +41,13 @@ def chunk(session: int, seq: int) -> list[int]:
 
 
 @dataclass
-class Stream:
-    """One session streaming chunks until told to stop."""
+class Stream(handover.Stream):
+    """One session streaming its own chunks until told to stop (the drain tests' stream, counted the
+    same way)."""
 
-    session: int
-    client: RealtimeClient
-    sent: int = 0
-    dones: dict[int, list[OutputDone]] = field(default_factory=dict)
-    errors: list[Error] = field(default_factory=list)
-    closed: SessionClosed | None = None
-    restored: int = 0
-    waits: list[float] = field(default_factory=list)
-    sent_at: dict[int, float] = field(default_factory=dict)
-    answered: asyncio.Event = field(default_factory=asyncio.Event)
+    session: int = 0
 
-    async def send_until(self, stop: asyncio.Event) -> None:
+    async def stream_until(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             while self.sent - len(self.dones) >= MAX_UNANSWERED:
                 self.answered.clear()
@@ -68,31 +59,10 @@ class Stream:
             )
             await asyncio.sleep(PERIOD_S)
 
-    async def receive(self) -> None:
+    async def receive_until_cancelled(self) -> None:
         """Until cancelled (every chunk answered), the session closed, or a fatal error."""
-        while True:
-            msg = await self.client.recv(timeout=60)
-            if isinstance(msg, OutputDone):
-                if msg.seq not in self.dones:
-                    self.waits.append(time.monotonic() - self.sent_at[msg.seq])
-                self.dones.setdefault(msg.seq, []).append(msg)
-                self.answered.set()
-            elif isinstance(msg, Error):
-                self.errors.append(msg)
-                if msg.fatal:
-                    return
-            elif isinstance(msg, SessionRestored):
-                self.restored += 1
-            elif isinstance(msg, SessionClosed):
-                self.closed = msg
-                return
-
-
-def metric(stack: Stack, worker_id: str, name: str) -> float:
-    _status, text = http_get(stack.workers[worker_id].http + "/metrics")
-    match = re.search(rf"^{name} (\S+)$", text, re.M)
-    assert match is not None, name
-    return float(match.group(1))
+        while self.take(await self.client.recv(timeout=60)):
+            pass
 
 
 def reference(session: int, turns: int) -> list[tuple[int, ...]]:
@@ -109,15 +79,15 @@ async def stream_while_w1_starts(stack: Stack) -> list[Stream]:
     for session in range(SESSIONS):
         client = await RealtimeClient.connect(stack.realtime_url(session % 2))
         await client.open(max_output_tokens=OUT, stop_token_ids=[])
-        streams.append(Stream(session, client))
+        streams.append(Stream(client, [], session=session))
     stop = asyncio.Event()
-    receivers = [asyncio.create_task(s.receive()) for s in streams]
-    senders = asyncio.gather(*(s.send_until(stop) for s in streams))
+    receivers = [asyncio.create_task(s.receive_until_cancelled()) for s in streams]
+    senders = asyncio.gather(*(s.stream_until(stop) for s in streams))
     await asyncio.sleep(1.0)  # every session has history on w0 before w1 exists
     started = time.monotonic()
     await asyncio.to_thread(stack.start_worker, "w1")
     await await_until(
-        lambda: metric(stack, "w0", "microturn_worker_sessions_rebalanced_total") >= SESSIONS // 2,
+        lambda: handover.metric(stack, "w0", "microturn_worker_sessions_rebalanced_total") >= SESSIONS // 2,
         60,
         "w0 moving half its sessions to w1",
     )
@@ -153,11 +123,11 @@ def test_a_worker_moves_half_its_sessions_to_a_new_peer_by_copy_and_no_turn_is_l
     ) as stack:
         streams = asyncio.run(stream_while_w1_starts(stack))
         log = stack.workers["w0"].log_path.read_text(errors="replace")
-        moved = metric(stack, "w0", "microturn_worker_sessions_rebalanced_total")
-        adopted = metric(stack, "w1", "microturn_worker_warm_adopted_total")
-        from_pages = metric(stack, "w1", "microturn_worker_warm_from_pages_total")
-        rebuilt = metric(stack, "w1", "microturn_worker_warm_rebuilds_total")
-        moved_back = metric(stack, "w1", "microturn_worker_sessions_rebalanced_total")
+        moved = handover.metric(stack, "w0", "microturn_worker_sessions_rebalanced_total")
+        adopted = handover.metric(stack, "w1", "microturn_worker_warm_adopted_total")
+        from_pages = handover.metric(stack, "w1", "microturn_worker_warm_from_pages_total")
+        rebuilt = handover.metric(stack, "w1", "microturn_worker_warm_rebuilds_total")
+        moved_back = handover.metric(stack, "w1", "microturn_worker_sessions_rebalanced_total")
     # Half moved, each onto its KV copy; one round, and none moved back.
     assert (moved, adopted, from_pages, rebuilt, moved_back) == (
         SESSIONS // 2,
