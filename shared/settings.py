@@ -53,6 +53,12 @@ BENCH_MODEL: Final = "tiny"
 LOG_KEEP_RECORDS: Final = 64
 # The weight and KV dtypes an engine runs in, by torch's names (worker/engine/engine.py maps them).
 DTYPE_NAMES: Final = ("float32", "bfloat16", "float16")
+# A rebalance's smallest gap: at a gap of 1, two workers one session apart would trade it back and
+# forth (worker/server/rebalance.py).
+REBALANCE_MIN_GAP: Final = 2
+# Heartbeats a rebalance period spans at least: a round weighs the loads the workers last published,
+# and the last round's sessions must show in its target's count before the next round counts them.
+REBALANCE_MIN_BEATS: Final = 2
 # Seconds a stopping server (gateway, or worker after its drain) waits for open connections before
 # it cuts them: a stop is bounded even when a peer never closes. uvicorn takes whole seconds.
 SHUTDOWN_GRACE_S: Final = 5
@@ -220,15 +226,14 @@ class WorkerSettings(CommonSettings, EngineSettings):
         super().__post_init__()
         if self.log_keep_records < 1:
             raise ValueError(f"log_keep_records: {self.log_keep_records} must be at least 1")
-        if self.rebalance_gap < 0 or self.rebalance_gap == 1:
-            # A gap of 1 would move a session back and forth between two workers one apart.
-            raise ValueError(f"rebalance_gap: {self.rebalance_gap} must be 0 (off) or at least 2")
-        if self.rebalance_gap and self.rebalance_period_s < 2 * self.heartbeat_s:
-            # A round weighs the loads the workers last published: a period of two beats lets the
-            # last round's sessions show in the target's count before the next round counts them.
+        if self.rebalance_gap < 0 or 0 < self.rebalance_gap < REBALANCE_MIN_GAP:
             raise ValueError(
-                f"rebalance_period_s: {self.rebalance_period_s} must be at least 2 x heartbeat_s "
-                f"({self.heartbeat_s})"
+                f"rebalance_gap: {self.rebalance_gap} must be 0 (off) or at least {REBALANCE_MIN_GAP}"
+            )
+        if self.rebalance_gap and self.rebalance_period_s < REBALANCE_MIN_BEATS * self.heartbeat_s:
+            raise ValueError(
+                f"rebalance_period_s: {self.rebalance_period_s} must be at least {REBALANCE_MIN_BEATS} x "
+                f"heartbeat_s ({self.heartbeat_s})"
             )
 
 

@@ -30,7 +30,6 @@ from worker.server.handover import migrate_all
 from worker.server.heartbeat import HEARTBEATS_PER_TTL, heartbeat_loop, model_card, worker_info
 from worker.server.kv_receiver import KVCopyAcceptor
 from worker.server.link import LinkAcceptor
-from worker.server.rebalance import DRAIN_GRACE_S as REBALANCE_DRAIN_GRACE_S
 from worker.server.rebalance import rebalance_loop
 from worker.server.service import WorkerService
 from worker.server.switchover import SwitchReport, switch_over
@@ -79,12 +78,9 @@ class WorkerRuntime:
         await mark_draining(self.redis, self.schema, self.worker_id)
         self.service.draining = True  # no new session from here on
         if self.rebalancer is not None:
-            # The loop ends at `draining`; a round in progress gets a grace to end, else is cancelled
-            # with its switches done and its other sessions READY again for the drain's own moves.
-            _done, running = await asyncio.wait([self.rebalancer], timeout=REBALANCE_DRAIN_GRACE_S)
-            if running:
-                self.rebalancer.cancel()
-                await asyncio.gather(self.rebalancer, return_exceptions=True)
+            # The loop ends at `draining`, a round in progress early (never cancelled: a switch cut
+            # short would strand its session); its other sessions are READY again for the drain.
+            await asyncio.gather(self.rebalancer, return_exceptions=True)
         # Make before break within most of the deadline; what is left goes break-before-make.
         timeout = self.settings.drain_timeout_s
         budget = timeout - min(CLASSIC_HANDOVER_RESERVE_S, timeout * CLASSIC_HANDOVER_SHARE)

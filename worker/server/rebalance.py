@@ -12,11 +12,14 @@ moves (switchover.py `Switcher`: the KV pages copied, `warm`, the switch at a tu
 `migrate` naming the target, so the gateway restores each session onto its copy). Unlike a drain,
 nothing forces a session off: one whose copy is refused, fails or is late stays here, served as
 before (MOVING back to READY). Half the difference, so two workers never move sessions back and
-forth: after a round they are at most one apart, below any gap of 2 or more. A drain lets a round
-in progress end for up to `DRAIN_GRACE_S`, then cancels it and waits for its switches (app.py), so
-every session is then either moved or READY again for the drain's own moves. (Why a grace: a copy
-the round left on the target, unswitched, stays there for a while, warm.py's `WARM_GRACE_S`, and
-the drain's copy of that session to the same target is then refused and rebuilt from the log.)
+forth: after a round they are at most one apart, below any gap of 2 or more (between two workers;
+several that weigh the same idle peer at once can overshoot it, and a jittered period makes that
+rare). A drain ends the loop and a round in progress early through `draining` and waits for it
+(app.py), never cancels it: a switch cut short would leave its session neither here nor told to
+move. Every session is then moved or READY again, for the drain's own moves. (A copy a round left
+on the target unswitched stays there for warm.py's `WARM_GRACE_S`; a drain's or the next round's
+copy of that session to the same target meanwhile is refused and falls back, counted: sessions are
+drawn at random each round, so the next round mostly moves others.)
 
 Nothing here runs on the chunk path: the registry is read once a period, off the event loop's
 per-chunk work, and a round's cost is that of its copies.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -48,13 +52,12 @@ logger = logging.getLogger(__name__)
 MOVES_PER_ROUND: Final = 8
 # How long a round's copies and switches may take; the sessions not switched by then stay here.
 ROUND_BUDGET_S: Final = 10.0
-# How long a drain lets a round in progress end before it cancels it: a round of 8 moves took
-# 0.4-0.9 s under load (docs/benchmarks.md).
-DRAIN_GRACE_S: Final = 2.0
+# A round's period is drawn from period x (1 +- PERIOD_JITTER), so the workers' rounds spread out.
+PERIOD_JITTER: Final = 0.25
 
 
 @dataclass(frozen=True)
-class Move:
+class RoundPlan:
     """Where a round sends sessions, and how many."""
 
     worker_id: str
@@ -62,7 +65,7 @@ class Move:
     count: int
 
 
-def plan_move(own: WorkerInfo, workers: Iterable[WorkerInfo], *, gap: int) -> Move | None:
+def plan_move(own: WorkerInfo, workers: Iterable[WorkerInfo], *, gap: int) -> RoundPlan | None:
     """The move a worker holding `own.sessions` should make towards the least-loaded other `ready`
     worker of its model with room (ties: the lowest id), or None below `gap` (>= 2)."""
     peers = [
@@ -80,7 +83,7 @@ def plan_move(own: WorkerInfo, workers: Iterable[WorkerInfo], *, gap: int) -> Mo
     if difference < gap:
         return None
     count = min(difference // 2, least.max_sessions - least.sessions, MOVES_PER_ROUND)
-    return Move(least.worker_id, least.url, count) if count > 0 else None
+    return RoundPlan(least.worker_id, least.url, count) if count > 0 else None
 
 
 async def rebalance_loop(
@@ -93,11 +96,13 @@ async def rebalance_loop(
     period_s: float,
     draining: asyncio.Event,
 ) -> None:
-    """Weigh a rebalance every `period_s`, and make it; ends once `draining` is set (a round in
-    progress first ends, unless the drain cancels it: app.py)."""
+    """Weigh a rebalance about every `period_s`, and make it; ends once `draining` is set (a round
+    in progress ends early, its switches done)."""
     while not draining.is_set():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(draining.wait(), period_s)
+            await asyncio.wait_for(
+                draining.wait(), period_s * random.uniform(1 - PERIOD_JITTER, 1 + PERIOD_JITTER)
+            )
             return
         try:
             workers = await read_workers(redis, schema)
@@ -115,20 +120,26 @@ async def rebalance_loop(
         if not movable:
             continue
         try:
-            await move_sessions(service, movable[-move.count :], move)
+            await move_sessions(
+                service, random.sample(movable, min(move.count, len(movable))), move, draining
+            )
         except Exception:  # a bug in a round must not end rebalancing for the worker's life
             logger.exception("rebalance: a round towards %s failed", move.worker_id)
 
 
-async def move_sessions(service: WorkerService, bindings: list[WorkerSession], move: Move) -> int:
+async def move_sessions(
+    service: WorkerService, bindings: list[WorkerSession], move: RoundPlan, draining: asyncio.Event
+) -> int:
     """Move `bindings` (READY) to `move`'s worker; the number switched. Those that could not move
-    stay here, READY again, also when a drain cancels the round."""
+    stay here, READY again; a drain (`draining`) ends the round early, its switches done."""
     switcher = Switcher(service, time.monotonic() + ROUND_BUDGET_S, copy_pages=True, why="rebalance")
     started = time.monotonic()
     try:
         for binding in bindings:
+            if draining.is_set():
+                break
             await switcher.warm(binding, move.worker_id, move.url)
-        await switcher.wait()
+        await switcher.wait(stop=draining)
     finally:
         await switcher.finish()  # every switch begun has ended; the sessions left stay
         report = switcher.report

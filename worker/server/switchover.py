@@ -204,6 +204,8 @@ class Switcher:
         target = self.targets[worker_id]
         if target is None:
             return
+        if binding.phase is not Phase.READY or self.service.sessions.get(binding.sid) is not binding:
+            return  # closed (or taken over by another socket) while the target was dialed
         self.service.sessions.start_moving(binding)
         self.waiting[binding.sid] = (binding, target, binding.turns_answered)
         self.report.placed += 1
@@ -258,10 +260,12 @@ class Switcher:
             with contextlib.suppress(websockets.WebSocketException):
                 await target.send(LinkWarm(binding.sid, binding.config))
 
-    async def wait(self) -> None:
-        """Until every copy asked for switched or fell back, or the deadline; then `finish`."""
+    async def wait(self, stop: asyncio.Event | None = None) -> None:
+        """Until every copy asked for switched or fell back, the deadline, or `stop`; then `finish`.
+        Not to be cancelled (a switch cut short would leave its session neither here nor told to
+        move): a caller that must end it early sets `stop`."""
         try:
-            while self.waiting and time.monotonic() < self.deadline:
+            while self.waiting and time.monotonic() < self.deadline and not (stop and stop.is_set()):
                 await asyncio.sleep(0.01)
         finally:
             await self.finish()

@@ -4,8 +4,9 @@ Eight sessions open on the only worker, w0 (`--rebalance-gap 2`), and stream chu
 gateways; a second worker, w1, starts while they stream, as the worker restarted last in a rolling
 restart does. What must hold: w0 moves half its sessions to w1, each by its KV copy (no rebuild
 from the log), and none back; every chunk is answered exactly once, every output equals the same
-chunks run on an engine that never moved the session, no session ends. Timings are printed, never
-asserted.
+chunks run on an engine that never moved the session, no session ends. And when w0 is drained in
+the middle of that round, the round ends, the drain moves every session left, and the same holds.
+Timings are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +76,10 @@ def reference(session: int, turns: int) -> list[tuple[int, ...]]:
         ]
 
 
-async def stream_while_w1_starts(stack: Stack) -> list[Stream]:
+async def stream_while_w1_starts(stack: Stack, *, drain_w0_mid_round: bool = False) -> list[Stream]:
+    """Stream every session on w0, start w1, stream on while w0 moves half of them there; with
+    `drain_w0_mid_round`, SIGTERM w0 once its round switched its first session (its exit code
+    asserted 0)."""
     streams = []
     for session in range(SESSIONS):
         client = await RealtimeClient.connect(stack.realtime_url(session % 2))
@@ -86,12 +91,23 @@ async def stream_while_w1_starts(stack: Stack) -> list[Stream]:
     await asyncio.sleep(1.0)  # every session has history on w0 before w1 exists
     started = time.monotonic()
     await asyncio.to_thread(stack.start_worker, "w1")
-    await await_until(
-        lambda: handover.metric(stack, "w0", "microturn_worker_sessions_rebalanced_total") >= SESSIONS // 2,
-        60,
-        "w0 moving half its sessions to w1",
-    )
-    print(f"[rebalance] half the sessions moved {time.monotonic() - started:.2f} s after w1's start")
+    w0 = stack.workers["w0"]
+    if drain_w0_mid_round:
+        await await_until(
+            lambda: "rebalance: session" in w0.log_path.read_text(errors="replace"), 60, "w0's first switch"
+        )
+        w0.popen.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(w0.popen.wait, 60)
+        assert code == 0, w0.log_path.read_text(errors="replace")[-3000:]
+    else:
+        await await_until(
+            lambda: (
+                handover.metric(stack, "w0", "microturn_worker_sessions_rebalanced_total") >= SESSIONS // 2
+            ),
+            60,
+            "w0 moving half its sessions to w1",
+        )
+    print(f"[rebalance] moves done {time.monotonic() - started:.2f} s after w1's start")
     await asyncio.sleep(2.0)  # both workers serve; a second round would move sessions again now
     stop.set()
     await senders
@@ -137,6 +153,35 @@ def test_a_worker_moves_half_its_sessions_to_a_new_peer_by_copy_and_no_turn_is_l
         0,
     )
     assert MOVED_LINE.findall(log) == [(str(SESSIONS // 2), str(SESSIONS // 2), "w1")], log[-3000:]
+    assert_exactly_once(streams)
+
+
+def test_a_drain_during_a_round_ends_it_and_every_session_still_moves_exactly_once(
+    servers: Servers, tmp_path: Path
+) -> None:
+    prefix = f"rb{random.randrange(10**9)}"
+    with running_stack(
+        servers.redis("redis"),
+        prefix,
+        tmp_path,
+        workers=1,
+        gateways=2,
+        worker_flags=[*WORKER_FLAGS, *REBALANCE],
+        gateway_flags=GATEWAY_FLAGS,
+    ) as stack:
+        streams = asyncio.run(stream_while_w1_starts(stack, drain_w0_mid_round=True))
+        log = stack.workers["w0"].log_path.read_text(errors="replace")
+    # The round ended (its line says how many of the sessions it took it moved), then the drain
+    # moved every session left: none stayed on w0, none was lost, repeated or changed.
+    (moved, taken, target), *_ = MOVED_LINE.findall(log)
+    drain = handover.switch_report(log)
+    print(f"[rebalance] the round moved {moved} of {taken}, then the drain {drain}")
+    assert target == "w1" and int(moved) + drain.switched + drain.left == SESSIONS, log[-3000:]
+    assert_exactly_once(streams)
+
+
+def assert_exactly_once(streams: list[Stream]) -> None:
+    """Every chunk answered once, its output the uninterrupted engine's, no session ended."""
     for s in streams:
         assert s.closed is None and not [e for e in s.errors if e.fatal], (s.session, s.errors)
         assert all(len(s.dones.get(seq, [])) == 1 for seq in range(1, s.sent + 1)), s.session  # exactly once

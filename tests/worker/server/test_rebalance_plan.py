@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shared.store.registry import WorkerInfo
 from shared.store.schema import STATE_DRAINING
-from worker.server.rebalance import MOVES_PER_ROUND, Move, plan_move
+from worker.server.rebalance import MOVES_PER_ROUND, RoundPlan, plan_move
 
 
 def worker(
@@ -16,7 +16,7 @@ def worker(
 def test_half_the_difference_goes_to_the_least_loaded_peer() -> None:
     own = worker("w0", 12)
     pool = [own, worker("w1", 6), worker("w2", 2), worker("w3", 2)]
-    assert plan_move(own, pool, gap=2) == Move("w2", "ws://w2", 5)  # ties: the lowest id
+    assert plan_move(own, pool, gap=2) == RoundPlan("w2", "ws://w2", 5)  # ties: the lowest id
 
 
 def test_after_a_move_the_two_are_at_most_one_apart_so_nothing_moves_back() -> None:
@@ -37,7 +37,7 @@ def test_after_a_move_the_two_are_at_most_one_apart_so_nothing_moves_back() -> N
 def test_below_the_gap_nothing_moves() -> None:
     own = worker("w0", 5)
     assert plan_move(own, [own, worker("w1", 2)], gap=4) is None
-    assert plan_move(own, [own, worker("w1", 1)], gap=4) == Move("w1", "ws://w1", 2)
+    assert plan_move(own, [own, worker("w1", 1)], gap=4) == RoundPlan("w1", "ws://w1", 2)
 
 
 def test_only_ready_peers_of_the_same_model_with_room_are_targets() -> None:
@@ -49,6 +49,6 @@ def test_only_ready_peers_of_the_same_model_with_room_are_targets() -> None:
         worker("w3", 4, max_sessions=4),
     ]
     assert plan_move(own, [own, *others], gap=2) is None
-    assert plan_move(own, [own, *others, worker("w4", 17, max_sessions=18)], gap=2) == Move(
+    assert plan_move(own, [own, *others, worker("w4", 17, max_sessions=18)], gap=2) == RoundPlan(
         "w4", "ws://w4", 1
     )
