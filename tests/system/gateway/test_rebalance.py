@@ -12,10 +12,12 @@ Timings are printed, never asserted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -124,19 +126,25 @@ async def stream_while_w1_starts(stack: Stack, *, drain_w0_mid_round: bool = Fal
     return streams
 
 
-def test_a_worker_moves_half_its_sessions_to_a_new_peer_by_copy_and_no_turn_is_lost(
-    servers: Servers, tmp_path: Path
-) -> None:
-    prefix = f"rb{random.randrange(10**9)}"
+@contextlib.contextmanager
+def one_worker_stack(servers: Servers, tmp_path: Path) -> Iterator[Stack]:
+    """w0 alone (rebalancing) and two gateways; the tests start w1."""
     with running_stack(
         servers.redis("redis"),
-        prefix,
+        f"rb{random.randrange(10**9)}",
         tmp_path,
         workers=1,
         gateways=2,
         worker_flags=[*WORKER_FLAGS, *REBALANCE],
         gateway_flags=GATEWAY_FLAGS,
     ) as stack:
+        yield stack
+
+
+def test_a_worker_moves_half_its_sessions_to_a_new_peer_by_copy_and_no_turn_is_lost(
+    servers: Servers, tmp_path: Path
+) -> None:
+    with one_worker_stack(servers, tmp_path) as stack:
         streams = asyncio.run(stream_while_w1_starts(stack))
         log = stack.workers["w0"].log_path.read_text(errors="replace")
         moved = handover.metric(stack, "w0", "microturn_worker_sessions_rebalanced_total")
@@ -159,16 +167,7 @@ def test_a_worker_moves_half_its_sessions_to_a_new_peer_by_copy_and_no_turn_is_l
 def test_a_drain_during_a_round_ends_it_and_every_session_still_moves_exactly_once(
     servers: Servers, tmp_path: Path
 ) -> None:
-    prefix = f"rb{random.randrange(10**9)}"
-    with running_stack(
-        servers.redis("redis"),
-        prefix,
-        tmp_path,
-        workers=1,
-        gateways=2,
-        worker_flags=[*WORKER_FLAGS, *REBALANCE],
-        gateway_flags=GATEWAY_FLAGS,
-    ) as stack:
+    with one_worker_stack(servers, tmp_path) as stack:
         streams = asyncio.run(stream_while_w1_starts(stack, drain_w0_mid_round=True))
         log = stack.workers["w0"].log_path.read_text(errors="replace")
     # The round ended (its line says how many of the sessions it took it moved), then the drain
