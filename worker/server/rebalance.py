@@ -14,12 +14,13 @@ nothing forces a session off: one whose copy is refused, fails or is late stays 
 before (MOVING back to READY). Half the difference, so two workers never move sessions back and
 forth: after a round they are at most one apart, below any gap of 2 or more (between two workers;
 several that weigh the same idle peer at once can overshoot it, and a jittered period makes that
-rare). A drain ends the loop and a round in progress early through `draining` and waits for it
-(app.py), never cancels it: a switch cut short would leave its session neither here nor told to
-move. Every session is then moved or READY again, for the drain's own moves. (A copy a round left
-on the target unswitched stays there for warm.py's `WARM_GRACE_S`; a drain's or the next round's
-copy of that session to the same target meanwhile is refused and falls back, counted: sessions are
-drawn at random each round, so the next round mostly moves others.)
+rare). A drain ends the loop through `draining`; a round in progress asks for no more copies, lets
+those asked switch for up to `DRAIN_GRACE_S`, and the drain waits for it (app.py), never cancels
+it: a switch cut short would leave its session neither here nor told to move. Every session is then
+moved or READY again, for the drain's own moves. (A copy a round left on the target unswitched
+stays there for warm.py's `WARM_GRACE_S`; a drain's or the next round's copy of that session to the
+same target meanwhile is refused and falls back to a rebuild, counted: hence the grace, and
+sessions drawn at random each round, so the next round mostly moves others.)
 
 Nothing here runs on the chunk path: the registry is read once a period, off the event loop's
 per-chunk work, and a round's cost is that of its copies.
@@ -52,6 +53,10 @@ logger = logging.getLogger(__name__)
 MOVES_PER_ROUND: Final = 8
 # How long a round's copies and switches may take; the sessions not switched by then stay here.
 ROUND_BUDGET_S: Final = 10.0
+# How long a round's copies already asked for may still switch once a drain began (the drain waits):
+# one left unswitched leaves its copy on the target, where the drain's own copy of that session is
+# then refused and rebuilt from the log. A round of 8 moves took 0.4-0.9 s under load.
+DRAIN_GRACE_S: Final = 3.0
 # A round's period is drawn from period x (1 +- PERIOD_JITTER), so the workers' rounds spread out.
 PERIOD_JITTER: Final = 0.25
 
@@ -139,7 +144,7 @@ async def move_sessions(
             if draining.is_set():
                 break
             await switcher.warm(binding, move.worker_id, move.url)
-        await switcher.wait(stop=draining)
+        await switcher.wait(stop=draining, grace_s=DRAIN_GRACE_S)
     finally:
         await switcher.finish()  # every switch begun has ended; the sessions left stay
         report = switcher.report

@@ -260,12 +260,16 @@ class Switcher:
             with contextlib.suppress(websockets.WebSocketException):
                 await target.send(LinkWarm(binding.sid, binding.config))
 
-    async def wait(self, stop: asyncio.Event | None = None) -> None:
-        """Until every copy asked for switched or fell back, the deadline, or `stop`; then `finish`.
-        Not to be cancelled (a switch cut short would leave its session neither here nor told to
-        move): a caller that must end it early sets `stop`."""
+    async def wait(self, stop: asyncio.Event | None = None, grace_s: float = 0.0) -> None:
+        """Until every copy asked for switched or fell back, or the deadline, which `stop` brings
+        forward to `grace_s` from when it is set; then `finish`. Not to be cancelled (a switch cut
+        short would leave its session neither here nor told to move): a caller that must end it
+        early sets `stop`."""
         try:
-            while self.waiting and time.monotonic() < self.deadline and not (stop and stop.is_set()):
+            while self.waiting and time.monotonic() < self.deadline:
+                if stop is not None and stop.is_set():
+                    self.deadline = min(self.deadline, time.monotonic() + grace_s)
+                    stop = None
                 await asyncio.sleep(0.01)
         finally:
             await self.finish()
