@@ -57,8 +57,9 @@ ROUND_BUDGET_S: Final = 10.0
 # one left unswitched leaves its copy on the target, where the drain's own copy of that session is
 # then refused and rebuilt from the log. A round of 8 moves took 0.4-0.9 s under load.
 DRAIN_GRACE_S: Final = 3.0
-# A round's period is drawn from period x (1 +- PERIOD_JITTER), so the workers' rounds spread out.
-PERIOD_JITTER: Final = 0.25
+# A round's period is drawn from period x [1, 1 + PERIOD_JITTER], so the workers' rounds spread out
+# and none comes sooner than the period settings.py checked against the heartbeat.
+PERIOD_JITTER: Final = 0.5
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,7 @@ async def rebalance_loop(
     in progress ends early, its switches done)."""
     while not draining.is_set():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(
-                draining.wait(), period_s * random.uniform(1 - PERIOD_JITTER, 1 + PERIOD_JITTER)
-            )
+            await asyncio.wait_for(draining.wait(), period_s * random.uniform(1.0, 1.0 + PERIOD_JITTER))
             return
         try:
             workers = await read_workers(redis, schema)
