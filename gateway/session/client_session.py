@@ -335,8 +335,11 @@ class ClientSession:
             await self._auth.admit_resume(effect.sid, effect.created_ms, effect.granted, at)
             machine.admitted()
         elif isinstance(effect, ReleaseAuth):
-            if self._auth is not None:
-                await self._auth.release()
+            try:
+                if self._auth is not None:
+                    await self._auth.release()
+            finally:  # a session closed meanwhile is told so even when the release failed
+                machine.auth_released()
         elif isinstance(effect, EndOnWorker):
             try:
                 await self._s.pool.link(effect.worker.url, effect.worker.worker_id).send(

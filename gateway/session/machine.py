@@ -159,6 +159,8 @@ class SessionMachine:
         self._bound = False
         self._flow: AnyFlow | None = None  # the one flow in progress (flows.py)
         self._close_deferred = False  # `session.close` while restoring: served once the restore ends
+        # The worker closed the session of a keyed socket: `session.closed` waits for the slot's release.
+        self._closing: CloseReason | None = None
         self._warning: SessionExpiring | None = None  # the credential's deadline, once armed
         self._expiry: Expire | None = None
         # Rewinds and cancels not through to the worker yet, in order with the chunks (edits.py).
@@ -517,8 +519,22 @@ class SessionMachine:
         self._out += [CancelTimer(Timer.CLOSE), CancelTimer(Timer.REQUEST), CancelTimer(Timer.BACKOFF)]
         self.life.end_session()
         self.unbind()
+        if self.guard is not None:
+            # The credential's slot goes back first, `session.closed` once it has (`auth_released`):
+            # a client that then opens another session with the same key, on any socket, finds the
+            # slot free rather than held until this socket's close.
+            self._closing = reason
+            self._out.append(ReleaseAuth())
+            return
         self._to_client(SessionClosed(reason))
         self._end(CLOSE_NORMAL)
+
+    def auth_released(self) -> None:
+        """A `ReleaseAuth` was performed: a session closed while it ran is told so now."""
+        reason, self._closing = self._closing, None
+        if reason is not None:
+            self._to_client(SessionClosed(reason))
+            self._end(CLOSE_NORMAL)
 
     def link_lost(self) -> None:
         """The link to the session's worker broke; the pool already dropped the binding."""
@@ -598,6 +614,7 @@ class SessionMachine:
         self.life.end_socket()
         self._flow = None
         self._close_deferred = False
+        self._closing = None  # nobody left to tell
         self._out += [CancelTimer(t) for t in Timer]
         if self.guard is not None:
             self._out.append(ReleaseAuth())

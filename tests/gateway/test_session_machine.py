@@ -514,6 +514,20 @@ def test_a_refused_credential_leaves_the_socket_idle_and_releases_its_slot() -> 
     assert ReleaseAuth() in actions and m.life.phase is Phase.IDLE and not m.busy
 
 
+def test_a_keyed_session_the_worker_closed_is_told_so_once_its_slot_is_back() -> None:
+    m = opened(machine(FakeGuard()))
+    m.worker_frame(LinkClosed(SID, "closed"), 0.0)
+    actions = m.actions()
+    # The slot's release first: a client that opens again on hearing `session.closed` finds it free.
+    assert ReleaseAuth() in actions and not of(actions, SendClient) and not of(actions, CloseSocket)
+    m.auth_released()
+    actions = m.actions()
+    assert [a.message for a in of(actions, SendClient)] == [SessionClosed("closed")]  # type: ignore[attr-defined]
+    assert of(actions, CloseSocket) == [CloseSocket(CLOSE_NORMAL)] and m.life.phase is Phase.GONE
+    m.auth_released()  # another release (the socket's own) tells nothing twice
+    assert m.actions() == []
+
+
 def test_a_spent_token_budget_expires_the_session_at_its_done() -> None:
     m = opened(machine(FakeGuard(on_done=lambda tokens: Expire("budget spent") if tokens >= 3 else None)))
     m.receive(chunk(1), 0.0)
