@@ -3,7 +3,8 @@
 Why: placement spreads sessions as they open and nothing else moves them. After a rolling restart
 the worker restarted last holds none of the open sessions (each drain sent its sessions to the
 others), and with long sessions the pool stays lopsided for as long as they live: one worker serves
-twice its share while another idles (docs/failover.md, "What a rolling restart leaves behind").
+twice its share while another idles (docs/failover.md, "What a rolling restart leaves behind, and
+the rebalance").
 
 With `--rebalance-gap N` (0, the default, is off), every `--rebalance-period-s` a worker reads the
 registry; when it holds at least N sessions more than the least-loaded `ready` worker of its model,
