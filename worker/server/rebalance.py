@@ -144,9 +144,9 @@ async def move_sessions(
             if draining.is_set():
                 break
             await switcher.warm(binding, move.worker_id, move.url)
-        await switcher.wait(stop=draining, grace_s=DRAIN_GRACE_S)
     finally:
-        await switcher.finish()  # every switch begun has ended; the sessions left stay
+        # Whatever stopped the loop: the copies asked for switch or fall back, every switch begun ends.
+        await switcher.wait(stop=draining, grace_s=DRAIN_GRACE_S)
         report = switcher.report
         for sid in report.fell_back:
             left = service.sessions.get(sid)

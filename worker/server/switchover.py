@@ -186,7 +186,6 @@ class Switcher:
         # Switches run as tasks of their own, never cancelled: one cut short would leave a session
         # neither here nor told to move.
         self.switches: list[asyncio.Task[None]] = []
-        self.finished = False
 
     async def warm(self, binding: WorkerSession, worker_id: str, url: str) -> None:
         if worker_id not in self.targets:
@@ -262,7 +261,7 @@ class Switcher:
 
     async def wait(self, stop: asyncio.Event | None = None, grace_s: float = 0.0) -> None:
         """Until every copy asked for switched or fell back, or the deadline, which `stop` brings
-        forward to `grace_s` from when it is set; then `finish`. Not to be cancelled (a switch cut
+        forward to `grace_s` from when it is set; then `_finish`. Not to be cancelled (a switch cut
         short would leave its session neither here nor told to move): a caller that must end it
         early sets `stop`."""
         try:
@@ -272,14 +271,11 @@ class Switcher:
                     stop = None
                 await asyncio.sleep(0.01)
         finally:
-            await self.finish()
+            await self._finish()
 
-    async def finish(self) -> None:
+    async def _finish(self) -> None:
         """Stop the copies, let every switch begun end, and move the sessions still waiting to
-        `report.fell_back`; once (a second call does nothing)."""
-        if self.finished:
-            return
-        self.finished = True
+        `report.fell_back`."""
         for task in (*self.readers, *self.copiers):
             task.cancel()
         await asyncio.gather(*(s.close() for s in self.senders), return_exceptions=True)
@@ -287,7 +283,6 @@ class Switcher:
         self.report.fell_back += sorted(self.waiting)
         for sid, (_binding, target, _answered) in self.waiting.items():
             self.report.targets[sid] = target.worker_id
-        self.waiting.clear()
         # The targets keep unadopted copies a grace period after this link closes (warm.py).
         clients = [t for t in self.targets.values() if t is not None]
         await asyncio.gather(*(t.close() for t in clients), return_exceptions=True)
