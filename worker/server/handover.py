@@ -33,7 +33,6 @@ from worker.server.service import WorkerService
 
 logger = logging.getLogger(__name__)
 
-FLUSH_RETRY_S: Final = 0.1
 SEND_WAIT_S: Final = 5.0
 
 
@@ -75,8 +74,7 @@ async def migrate_all(service: WorkerService, targets: Mapping[str, str] | None 
     await asyncio.gather(
         *(asyncio.wrap_future(service.engine.close_session_async(b.sid, "closed")) for b in bindings)
     )
-    while not await service.sessions.flush():
-        await asyncio.sleep(FLUSH_RETRY_S)  # Redis is down: nothing can be handed over before it is back
+    await service.sessions.flush_durably()
     for binding in bindings:
         migrate = service.sessions.release(binding, (targets or {}).get(binding.sid))
         link = links.get(binding.sid)

@@ -21,10 +21,11 @@ outputs are kept only in the replay buffer, for an `attach` to send again.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 from shared.protocol.key_limits import AuthLimits
 from shared.protocol.link import LinkDone, LinkMigrate, ToGateway
@@ -34,6 +35,9 @@ from worker.server.lifecycle import SERVED, IllegalTransition, Phase, SessionLif
 from worker.server.restore import REPLAY_DONES, RestorePlan
 from worker.server.token_log import TokenLogWriter
 from worker.tokenizer.incremental import TextTail
+
+# While Redis refuses a flush, `flush_durably` asks again this often.
+DURABLE_RETRY_S: Final = 0.05
 
 
 class LinkPeer(Protocol):
@@ -207,6 +211,12 @@ class WorkerSessions:
         """Make every log's queued turns durable; False when Redis refused (they stay queued).
         True means every turn logged before the call is durable (token_log.py `flush`)."""
         return await self._log.flush()
+
+    async def flush_durably(self) -> None:
+        """`flush` until Redis takes it: a drain's switch or handover must not name a target before
+        every turn it answered here is durable, so while Redis is down it waits for it to be back."""
+        while not await self.flush():
+            await asyncio.sleep(DURABLE_RETRY_S)
 
     def close(self, sid: str) -> WorkerSession | None:
         """The live session `sid` is over here (closed, expired, failed to open): CLOSED; its

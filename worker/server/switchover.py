@@ -62,7 +62,6 @@ logger = logging.getLogger(__name__)
 # of 0.1 s still held a loaded drain's switches 100-130 ms (docs/benchmarks.md, "The switch's wait").
 IN_FLIGHT_POLL_S: Final = 0.002
 SWITCH_WAIT_S: Final = 0.03
-FLUSH_RETRY_S: Final = 0.05
 CONNECT_TIMEOUT_S: Final = 2.0
 # While no worker has room for the next session, placement is asked again this often (`_place`).
 PLACE_RETRY_S: Final = 0.2
@@ -343,8 +342,7 @@ async def _switch(
     # nor logged here (sessions.py `log_turn`), so it re-runs on the target. The engine's close
     # comes after `migrate`: it waits for this worker's step, which the client need not.
     link = service.sessions.hand_over(binding)
-    while not await service.sessions.flush():
-        await asyncio.sleep(FLUSH_RETRY_S)  # Redis is down: the switch waits for the log to be durable
+    await service.sessions.flush_durably()
     migrate = service.sessions.release(binding, target)
     if link is not None:
         link.send(migrate)
