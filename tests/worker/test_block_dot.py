@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from worker.model.block_dot import GROUP, UNAVAILABLE_REASON, block_dot_available
+from worker.model.block_dot import (
+    GROUP,
+    KERNELS,
+    TILE,
+    UNAVAILABLE_REASON,
+    block_dot_available,
+    block_dot_vnni,
+)
 from worker.model.linear_q4q8 import Q4Q8Linear
 from worker.model.linear_q8q8 import Q8Q8Linear
 from worker.model.presets import smollm2_gguf_path
@@ -125,6 +132,24 @@ def test_a_row_is_the_same_alone_batched_and_on_any_thread_count(kind: gguf.GGML
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(batched, alone) and torch.equal(batched, pieces) and torch.equal(batched, two_threads)
+
+
+@pytest.mark.skipif(not block_dot_vnni(), reason="this CPU has no AVX-512 VNNI (or no block kernels)")
+@pytest.mark.parametrize("out", [16, 24, 200])  # pairs of tiles, and a last odd tile on the AVX2 path
+def test_the_vnni_path_gives_the_avx2_paths_bits(out: int) -> None:
+    """A worker's tokens must not depend on its CPU's instruction set: a session copied between two
+    workers, one with AVX-512 VNNI, continues as it would have on either."""
+    assert KERNELS is not None
+    linear = Q4Q8Linear.from_stored(_stored(Q.Q4_1, out, 576, seed=out), None)
+    padded = linear.packed.shape[0] * TILE
+    for rows in (3, 4, 8, 9, 17):
+        x = _with_outliers(torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)))
+        for threads in (1, 2):
+            y = {vnni: torch.empty(rows, padded) for vnni in (False, True)}
+            for vnni, into in y.items():
+                args = (linear.packed.data_ptr(), linear.scales.data_ptr(), padded, into.data_ptr(), threads)
+                KERNELS.q4_linear(x.data_ptr(), rows, 576, *args, vnni)
+            assert torch.equal(y[False], y[True]), (rows, threads)
 
 
 @needs_kernel

@@ -2,7 +2,9 @@
  * 32 on each call, in one int8 level, two in a group with an outlier (`quantise_rows`; llama.cpp's
  * Q8_1/Q8_0 are one everywhere): y = x @ W.T with
  * - `q4_linear`: W in groups of 32 four-bit values, w = d * q + m (q in 0..15, as GGUF's Q4_0 and
- *   Q4_1 store them: Q4_0's m is -8 d), AVX2 `vpmaddubsw` on the nibbles;
+ *   Q4_1 store them: Q4_0's m is -8 d), AVX2 `vpmaddubsw` on the nibbles, or from 3 rows on a CPU
+ *   with AVX-512 VNNI `vpdpbusd` on two tiles at once (the same bits, ~1.7x at a micro-turn's 16
+ *   rows on Zen 5: docs/benchmarks.md, "AVX-512 VNNI for the appends");
  * - `q8_linear`: W in groups of 32 int8 values, w = d * q (GGUF's Q8_0), `vpmaddubsw` on |q| and the
  *   activations with q's sign.
  * One float scale product per group and level after the integer sums.
@@ -15,7 +17,7 @@
  * - a row of y depends on its row of x alone: the activations' scales are per row and group, and
  *   every output is summed in one fixed order (groups in order, 8 float lanes, the integer sums
  *   exact), whatever the row count, the tiling or the thread count;
- * - threads split the output columns only, in tiles of 8 columns.
+ * - threads split the output columns only, in tiles of 8 columns (pairs of tiles on the VNNI path).
  *
  * Weight layouts (`pack` in worker/model/linear_q4q8.py and linear_q8q8.py): tiles of 8 output rows.
  * q4: per tile and group 128 bytes of nibbles, as 4 vectors j of 8 rows x 4 stored bytes (bytes
@@ -40,6 +42,11 @@
 /* Activation rows computed together against one tile's unpacked weights (2, 3 and 4 measured: 4 the
  * fastest at 33 rows, docs/benchmarks.md). */
 #define ROW_BLOCK 4
+/* The AVX-512 VNNI path from this many activation rows: below it the AVX2 path reads the weights
+ * faster (one stream a tile; a decode step's one or two rows are bound by that read, docs/benchmarks.md). */
+#define VNNI_MIN_ROWS 3
+/* Rows computed together on that path (4, 6 and 8 measured: 8 the fastest from 8 rows on). */
+#define VNNI_ROW_BLOCK 8
 
 #ifdef BLOCK_DOT_X86
 /* Quantises one group of 32 values to int8: d = max |v| / 127, q = round(v / d). Returns d; adds
@@ -110,9 +117,9 @@ static void quantise_rows(const float *x, int64_t rows, int64_t cols, int8_t *q,
 __attribute__((target("avx2,fma,f16c"))) static void q4_product(const int8_t *q, const float *scale,
                                                                 const float *scaled_sum, int64_t rows,
                                                                 int64_t groups, const uint8_t *packed,
-                                                                const uint16_t *scales, int64_t out_features,
-                                                                float *y, int threads) {
-    const int64_t tiles = out_features / TILE;
+                                                                const uint16_t *scales, int64_t columns,
+                                                                int64_t out_features, float *y, int threads) {
+    const int64_t tiles = columns / TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
         const __m256i low = _mm256_set1_epi8(0x0F);
@@ -155,6 +162,81 @@ __attribute__((target("avx2,fma,f16c"))) static void q4_product(const int8_t *q,
             }
             for (int b = 0; b < block; b++) {
                 _mm256_storeu_ps(y + (r + b) * out_features + t * TILE, _mm256_add_ps(acc[b], acc_offset[b]));
+            }
+        }
+    }
+}
+
+/* The same products on AVX-512 with VNNI, two tiles (16 output rows) to a register: `vpdpbusd` sums
+ * four nibble x int8 products into each int32 lane, the exact integers `vpmaddubsw`, `vpaddw` and
+ * `vpmaddwd` reach above (no int16 sum there overflows). The float part is the AVX2 path's
+ * operations lane for lane, in the same order, so the outputs are equal bit for bit (a worker's tokens
+ * do not depend on which of the two its CPU runs; tests/worker/test_block_dot.py). A last odd tile
+ * goes through the AVX2 path. */
+
+/* Groups ahead of the one multiplied that the two tiles' weights are fetched for (8: ~8% at 16 rows here,
+ * docs/benchmarks.md; the hardware's own prefetch follows one stream better than two). */
+#define PREFETCH 8
+#define CHUNK512(k) _mm512_broadcastd_epi32(_mm_loadu_si32(chunk + (k)))
+
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) static void q4_product_vnni(
+    const int8_t *q, const float *scale, const float *scaled_sum, int64_t rows, int64_t groups,
+    const uint8_t *packed, const uint16_t *scales, int64_t pairs, int64_t out_features, float *y, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        const uint8_t *tile_a = packed + 2 * p * groups * 128;
+        const uint8_t *tile_b = tile_a + groups * 128;
+        const uint16_t *scales_a = scales + 2 * p * groups * 2 * TILE;
+        const uint16_t *scales_b = scales_a + groups * 2 * TILE;
+        for (int64_t r = 0; r < rows; r += VNNI_ROW_BLOCK) {
+            const int block = rows - r < VNNI_ROW_BLOCK ? (int)(rows - r) : VNNI_ROW_BLOCK;
+            __m512 acc[VNNI_ROW_BLOCK], acc_offset[VNNI_ROW_BLOCK];
+            for (int b = 0; b < VNNI_ROW_BLOCK; b++) {
+                acc[b] = _mm512_setzero_ps();
+                acc_offset[b] = _mm512_setzero_ps();
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                __m512i w[8];
+                _mm_prefetch((const char *)(tile_a + (g + PREFETCH) * 128), _MM_HINT_T0);
+                _mm_prefetch((const char *)(tile_a + (g + PREFETCH) * 128 + 64), _MM_HINT_T0);
+                _mm_prefetch((const char *)(tile_b + (g + PREFETCH) * 128), _MM_HINT_T0);
+                _mm_prefetch((const char *)(tile_b + (g + PREFETCH) * 128 + 64), _MM_HINT_T0);
+                for (int j = 0; j < 4; j++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(tile_a + g * 128 + j * 32));
+                    const __m256i b = _mm256_loadu_si256((const __m256i *)(tile_b + g * 128 + j * 32));
+                    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+                    w[j] = _mm512_and_si512(v, low);
+                    w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
+                const __m128i d_a = _mm_loadu_si128((const __m128i *)(scales_a + g * 2 * TILE));
+                const __m128i d_b = _mm_loadu_si128((const __m128i *)(scales_b + g * 2 * TILE));
+                const __m128i m_a = _mm_loadu_si128((const __m128i *)(scales_a + g * 2 * TILE + TILE));
+                const __m128i m_b = _mm_loadu_si128((const __m128i *)(scales_b + g * 2 * TILE + TILE));
+                const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(d_a), d_b, 1));
+                const __m512 m = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(m_a), m_b, 1));
+                for (int b = 0; b < block; b++) {
+                    const int64_t at = (r + b) * groups + g;
+                    for (int level = 0; level < 2; level++) {
+                        if (level == 1 && scale[2 * at + 1] == 0.0f) {
+                            break;
+                        }
+                        const int8_t *chunk = q + (2 * at + level) * GROUP;
+                        /* two chains, so each vpdpbusd waits on the one before it half as often */
+                        __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], CHUNK512(0));
+                        __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], CHUNK512(4));
+                        for (int k = 2; k < 8; k += 2) {
+                            even = _mm512_dpbusd_epi32(even, w[k], CHUNK512(4 * k));
+                            odd = _mm512_dpbusd_epi32(odd, w[k + 1], CHUNK512(4 * k + 4));
+                        }
+                        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+                        acc[b] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(scale[2 * at + level])), acc[b]);
+                    }
+                    acc_offset[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(scaled_sum[at]), acc_offset[b]);
+                }
+            }
+            for (int b = 0; b < block; b++) {
+                _mm512_storeu_ps(y + (r + b) * out_features + 2 * p * TILE, _mm512_add_ps(acc[b], acc_offset[b]));
             }
         }
     }
@@ -217,20 +299,39 @@ static int cpu_supported(void) {
 #endif
 }
 
+static int vnni_supported(void) {
+#ifdef BLOCK_DOT_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
 static PyObject *supported(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return PyBool_FromLong(cpu_supported());
 }
 
-/* Quantise x, then multiply: `bits` 4 (q4_product) or 8 (q8_product). Addresses as ints: the caller
- * owns contiguous tensors, x [rows, cols] float32 and y [rows, out_features] float32. */
+static PyObject *vnni(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(vnni_supported());
+}
+
+/* Quantise x, then multiply: `bits` 4 (q4_product, or q4_product_vnni where the CPU has it) or 8
+ * (q8_product). Addresses as ints: the caller owns contiguous tensors, x [rows, cols] float32 and
+ * y [rows, out_features] float32. An optional last argument false keeps q4 on the AVX2 path (the two
+ * give the same bits; tests compare them). */
 static PyObject *multiply(int bits, PyObject *args) {
     Py_ssize_t x_at, packed_at, scales_at, y_at;
     long long rows, cols, out_features;
     int threads;
-    if (!PyArg_ParseTuple(args, "nLLnnLni", &x_at, &rows, &cols, &packed_at, &scales_at, &out_features, &y_at,
-                          &threads)) {
+    int allow_vnni = 1;
+    if (!PyArg_ParseTuple(args, "nLLnnLni|p", &x_at, &rows, &cols, &packed_at, &scales_at, &out_features, &y_at,
+                          &threads, &allow_vnni)) {
         return NULL;
     }
     if (!cpu_supported()) {
@@ -256,8 +357,18 @@ static PyObject *multiply(int bits, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS;
     quantise_rows((const float *)x_at, rows, cols, q, scale, scaled_sum);
     if (bits == 4) {
-        q4_product(q, scale, scaled_sum, rows, groups, (const uint8_t *)packed_at, (const uint16_t *)scales_at,
-                   out_features, (float *)y_at, threads);
+        const int use_vnni = allow_vnni && rows >= VNNI_MIN_ROWS && vnni_supported();
+        const int64_t pairs = use_vnni ? out_features / (2 * TILE) : 0;
+        if (pairs > 0) {
+            q4_product_vnni(q, scale, scaled_sum, rows, groups, (const uint8_t *)packed_at,
+                            (const uint16_t *)scales_at, pairs, out_features, (float *)y_at, threads);
+        }
+        const int64_t done = 2 * pairs; /* tiles; the rest (all of them without VNNI) on AVX2 */
+        if (done * TILE < out_features) {
+            q4_product(q, scale, scaled_sum, rows, groups, (const uint8_t *)packed_at + done * groups * 128,
+                       (const uint16_t *)scales_at + done * groups * 2 * TILE, out_features - done * TILE, out_features,
+                       (float *)y_at + done * TILE, threads);
+        }
     } else {
         q8_product(q, scale, rows, groups, (const uint8_t *)packed_at, (const uint16_t *)scales_at, out_features,
                    (float *)y_at, threads);
@@ -282,6 +393,7 @@ static PyObject *q8_linear(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"supported", supported, METH_NOARGS, "Whether this CPU runs the kernels (AVX2, FMA and F16C)."},
+    {"vnni", vnni, METH_NOARGS, "Whether q4_linear takes its AVX-512 VNNI path here (from 3 rows)."},
     {"q4_linear", q4_linear, METH_VARARGS, "y = x @ W.T, W packed q4 blocks (linear_q4q8.py); addresses as ints."},
     {"q8_linear", q8_linear, METH_VARARGS, "y = x @ W.T, W packed q8 blocks (linear_q8q8.py); addresses as ints."},
     {NULL, NULL, 0, NULL},

@@ -34,6 +34,11 @@ def block_dot_available() -> bool:
     return KERNELS is not None
 
 
+def block_dot_vnni() -> bool:
+    """Whether the q4 kernel takes its AVX-512 VNNI path here (from 3 activation rows; the same bits)."""
+    return KERNELS is not None and bool(KERNELS.vnni())
+
+
 def pad_to_tiles(*per_row: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
     """Tensors whose first axis is the matrix's rows, completed with zero rows to whole tiles; and
     the tile count."""

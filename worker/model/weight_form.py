@@ -55,7 +55,7 @@ import gguf
 import torch
 
 from shared.settings import WEIGHT_FORMS
-from worker.model.block_dot import UNAVAILABLE_REASON, block_dot_available
+from worker.model.block_dot import UNAVAILABLE_REASON, block_dot_available, block_dot_vnni
 from worker.model.embedding import Embedding, FloatEmbedding, StoredEmbedding
 from worker.model.linear import FloatLinear, Linear
 from worker.model.linear_int4 import INT4_STORED_TYPES, Int4Linear
@@ -153,7 +153,8 @@ class WeightForm:
                 return "int8 (Q8_0 groups, q8 x q8 integer dot products, AVX2)"
             return f"int8 (int8 rows, torch._int_mm: {UNAVAILABLE_REASON})"
         if block_dot_available():
-            return "int4 (q4 x q8 integer dot products, AVX2; 8-bit matrices q8 x q8)"
+            isa = "AVX2, AVX-512 VNNI from 3 rows" if block_dot_vnni() else "AVX2"
+            return f"int4 (q4 x q8 integer dot products, {isa}; 8-bit matrices q8 x q8)"
         return f"int4 (torch's packed int4 kernel: {UNAVAILABLE_REASON})"
 
     def embedding(self, source: Source) -> Embedding:
