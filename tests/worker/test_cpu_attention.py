@@ -177,6 +177,39 @@ def test_long_rows_read_in_blocks_keep_the_same_bits_and_dense_attentions_number
     assert torch.allclose(whole.double(), dense(q[0], k[0], v[0]), atol=2e-6)
 
 
+class Avx2Attention(CpuAttention):
+    """The kernel held to its AVX2 path where the CPU has AVX-512."""
+
+    WIDE = False
+
+
+@pytest.mark.skipif(KERNEL is None or not KERNEL.wide(), reason="this CPU has no AVX-512 (or no kernel)")
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 32), (4, 1, 96), (16, 1, 64), (6, 2, 128)]
+)
+def test_the_avx512_path_gives_the_avx2_paths_bits(heads: int, kv_heads: int, dim: int) -> None:
+    """A session's tokens must not depend on its worker's CPU: one copied between a worker with AVX-512
+    and one without continues as it would have on either. Rows past a key block (64), odd groups (score_one)
+    and dims that are not a multiple of 64 (the wide values' 32-dim pass)."""
+    q, k, v = histories([70, 300, 5], heads, kv_heads, dim, seed=heads)
+    tables = scattered_tables(3, 20, 64)
+    steps = [[(0, 17), (1, 100), (2, 1)], [(0, 1), (1, 150), (2, 3)], [(0, 52), (1, 50), (2, 1)]]
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outputs = [
+                feed(
+                    make(backend, heads=heads, kv_heads=kv_heads, dim=dim, page=16), tables, steps, (q, k, v)
+                )
+                for backend in (Avx2Attention, CpuAttention)
+            ]
+        finally:
+            torch.set_num_threads(before)
+        for row, (narrow, wide) in enumerate(zip(*outputs, strict=True)):
+            assert torch.equal(narrow, wide), (row, threads)
+
+
 @needs_kernel
 def test_a_nan_key_costs_no_query_its_independence_from_its_chunking() -> None:
     """A key with a NaN (a broken checkpoint) scores NaN for every query; the softmax's max skips it

@@ -15,6 +15,8 @@ check holds it to them within self_check.py's tolerance, as any other backend.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
@@ -27,6 +29,10 @@ KERNEL, UNAVAILABLE_REASON = load_extension("worker.attention._cpu_kernel", need
 class CpuAttention(AttentionBackend):
     name = "cpu"
     kv_layout = "head_major"
+
+    # The kernel's AVX-512 path where the CPU has it (the same bits as its AVX2 path; a test turns it off
+    # to compare the two).
+    WIDE: ClassVar[bool] = True
 
     # The step's row metadata, int32 and contiguous, kept alive while the layers pass their addresses.
     _rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -85,6 +91,7 @@ class CpuAttention(AttentionBackend):
             self.kv_pool.page_size,
             out.data_ptr(),
             torch.get_num_threads(),
+            self.WIDE,
         )
         return out
 

@@ -249,6 +249,101 @@ AVX2 static inline __attribute__((always_inline)) void weigh_rows(const float *c
     }
 }
 
+/* The same arithmetic on AVX-512 (a CPU with AVX-512F, chosen at run time: `wide`), every float lane
+ * computing what the AVX2 code's lane computes, in the same order, so a query's output is the same
+ * bits on either (a session copied between two workers continues as it would have on either;
+ * tests/worker/test_cpu_attention.py). ~1.6x on a micro-turn's append on Zen 5 (docs/benchmarks.md,
+ * "AVX-512 VNNI for the appends"). Not inlined into `attend` (a function cannot inline code built for
+ * an instruction set it is not built for): one call per block and pair of heads. */
+#define WIDE __attribute__((target("avx512f,avx512dq,avx2,fma"), noinline))
+
+/* score_pair's scores: a register holds head a's 8 lanes of a key's dot product in its low half and
+ * head b's in its high half (the key row broadcast to both, the two queries side by side), so one FMA
+ * does the two of score_pair's. The tree then sums each half's lanes exactly as sum8x8 does: the
+ * in-lane shuffles per 128 bits, the last step's halves placed by shuffle_f32x4. */
+WIDE static __m256 score_pair_wide(const float *const *key, int64_t block, int64_t end, const float *query_a,
+                                   const float *query_b, float *scores_a, float *scores_b, float scale,
+                                   __m256 limits, int64_t all_seen, __m256 largest, const int64_t dim) {
+    const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
+    const __m256 unseen = _mm256_set1_ps(-INFINITY);
+    __m512 query[MAX_DIM / 8];
+    for (int64_t c = 0; c < dim; c += 8) {
+        query[c / 8] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(query_a + c)),
+                                          _mm256_loadu_ps(query_b + c), 1);
+    }
+    /* 8 keys a pass (block and end are multiples of 8 apart), so 8 FMA chains run at once; each group
+     * of 4 is then summed and stored as one of score_pair's passes. */
+    for (int64_t first = block; first < end; first += 8) {
+        const float *const *k = key + (first - block);
+        __m512 dot[8];
+        for (int i = 0; i < 8; i++) {
+            dot[i] = _mm512_mul_ps(query[0], _mm512_broadcast_f32x8(_mm256_loadu_ps(k[i])));
+        }
+        for (int64_t c = 8; c < dim; c += 8) {
+            const __m512 q = query[c / 8];
+            for (int i = 0; i < 8; i++) {
+                dot[i] = _mm512_fmadd_ps(q, _mm512_broadcast_f32x8(_mm256_loadu_ps(k[i] + c)), dot[i]);
+            }
+        }
+        for (int half = 0; half < 2; half++) {
+            const __m512 *d = dot + 4 * half;
+            const int64_t at = first + 4 * half;
+            /* pair_sums per 128-bit lane: halves [a | b] of sum8x8's a = tree(v0..v3), b = tree(v4..v7) */
+            const __m512 p01 = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+            const __m512 p23 = _mm512_add_ps(_mm512_shuffle_ps(d[2], d[3], 0x88), _mm512_shuffle_ps(d[2], d[3], 0xDD));
+            const __m512 p = _mm512_add_ps(_mm512_shuffle_ps(p01, p23, 0x88), _mm512_shuffle_ps(p01, p23, 0xDD));
+            /* [a.lo + a.hi, b.lo + b.hi], sum8x8's last step */
+            const __m512 even = _mm512_shuffle_f32x4(p, p, _MM_SHUFFLE(2, 0, 2, 0));
+            const __m512 odd = _mm512_shuffle_f32x4(p, p, _MM_SHUFFLE(3, 1, 3, 1));
+            const __m256 score = _mm256_mul_ps(_mm512_castps512_ps256(_mm512_add_ps(even, odd)), _mm256_set1_ps(scale));
+            _mm_storeu_ps(scores_a + at, _mm256_castps256_ps128(score));
+            _mm_storeu_ps(scores_b + at, _mm256_extractf128_ps(score, 1));
+            if (at + 4 <= all_seen) {
+                largest = _mm256_max_ps(score, largest);
+            } else {
+                const __m256 seen =
+                    _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)at), lane_index), limits, _CMP_LT_OQ);
+                largest = _mm256_max_ps(_mm256_blendv_ps(unseen, score, seen), largest);
+            }
+        }
+    }
+    return largest;
+}
+
+/* weigh_rows with 16 dims a register, 64 dims a pass where they are there (8 FMA chains for two heads,
+ * as weigh_rows' 8 of 8 dims), else 32: each output lane's FMAs are weigh_rows', in position order. */
+WIDE static void weigh_rows_wide(const float *const *row, int64_t rows, const float *weights_a,
+                                 const float *weights_b, float *sums_a, float *sums_b, const int64_t heads,
+                                 const int64_t dim) {
+    for (int64_t part = 0; part < dim;) {
+        const int vectors = part + 64 <= dim ? 4 : 2; /* dim is a multiple of 32 */
+        __m512 a[4], b[4];
+        for (int c = 0; c < vectors; c++) {
+            a[c] = _mm512_loadu_ps(sums_a + part + 16 * c);
+            b[c] = heads == 2 ? _mm512_loadu_ps(sums_b + part + 16 * c) : a[c];
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            const float *value = row[i] + part;
+            const __m512 wa = _mm512_set1_ps(weights_a[i]);
+            const __m512 wb = _mm512_set1_ps(weights_b[i]);
+            for (int c = 0; c < vectors; c++) {
+                const __m512 v = _mm512_loadu_ps(value + 16 * c);
+                a[c] = _mm512_fmadd_ps(wa, v, a[c]);
+                if (heads == 2) {
+                    b[c] = _mm512_fmadd_ps(wb, v, b[c]);
+                }
+            }
+        }
+        for (int c = 0; c < vectors; c++) {
+            _mm512_storeu_ps(sums_a + part + 16 * c, a[c]);
+            if (heads == 2) {
+                _mm512_storeu_ps(sums_b + part + 16 * c, b[c]);
+            }
+        }
+        part += 16 * vectors;
+    }
+}
+
 /* A job: queries j0 .. j0 + count - 1 of row `row` (tokens first_token + j0 ...) against KV head `h`,
  * for the head's `group` query heads each. The job walks the row's keys, then its values, a block of
  * KEY_BLOCK positions at a time, and runs every query of the job over a block before the next, so a
@@ -261,7 +356,7 @@ AVX2 static inline __attribute__((always_inline)) void weigh_rows(const float *c
  * group x dim. `dim` is a literal at the hot call site, so the loops over it unroll. */
 AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int64_t row, int64_t j0, int64_t count,
                                                               int64_t h, float *scores, float *sums,
-                                                              const int64_t dim, const int64_t group) {
+                                                              const int64_t dim, const int64_t group, int wide) {
     const int64_t chunks = dim / 8;
     const int64_t first_token = s->qo_indptr[row];
     const int64_t q_len = s->qo_indptr[row + 1] - first_token;
@@ -320,10 +415,16 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
              * softmax's stride. */
             const int64_t end = ((block_end < visible_b ? block_end : visible_b) + 7) & ~(int64_t)7;
             const __m256 limits = _mm256_setr_m128(_mm_set1_ps((float)visible_a), _mm_set1_ps((float)visible_b));
-            largest_lanes[first_head / 2] =
-                score_pair(slot, block, end, head_query[first_head], head_query[second_head],
-                           scores + first_head * stride, scores + second_head * stride, scale, limits, visible_a,
-                           largest_lanes[first_head / 2], dim);
+            float *scores_a = scores + first_head * stride, *scores_b = scores + second_head * stride;
+            if (wide) {
+                largest_lanes[first_head / 2] =
+                    score_pair_wide(slot, block, end, head_query[first_head], head_query[second_head], scores_a,
+                                    scores_b, scale, limits, visible_a, largest_lanes[first_head / 2], dim);
+            } else {
+                largest_lanes[first_head / 2] =
+                    score_pair(slot, block, end, head_query[first_head], head_query[second_head], scores_a, scores_b,
+                               scale, limits, visible_a, largest_lanes[first_head / 2], dim);
+            }
         }
     }
 
@@ -370,7 +471,11 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
             for (int64_t g = 0; g < group; g += 2) {
                 const int64_t qg = q * group + g;
                 const float *weights = scores + qg * stride + block;
-                if (g + 1 < group) {
+                if (wide) {
+                    const int64_t heads = g + 1 < group ? 2 : 1;
+                    weigh_rows_wide(slot, rows_seen, weights, weights + (heads - 1) * stride, sums + qg * dim,
+                                    sums + (qg + heads - 1) * dim, heads, dim);
+                } else if (g + 1 < group) {
                     weigh_rows(slot, rows_seen, weights, weights + stride, sums + qg * dim, sums + (qg + 1) * dim, 2,
                                dim);
                 } else {
@@ -423,7 +528,7 @@ static int32_t *thread_jobs(int64_t runs) {
 }
 
 /* Returns 0, or -1 where a buffer could not be allocated (the jobs' outputs unwritten). */
-AVX2 static int attend_step(const Step *s, int64_t longest, int threads) {
+AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wide) {
     /* The new keys and values first: a row's later queries read its earlier ones. */
     for (int64_t row = 0; row < s->rows; row++) {
         const int64_t first_token = s->qo_indptr[row];
@@ -483,9 +588,9 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads) {
             const int64_t q_len = s->qo_indptr[row + 1] - s->qo_indptr[row];
             const int64_t count = q_len - j0 < per_job ? q_len - j0 : per_job;
             if (s->dim == 64) { /* the models served here: the dot products' loops unrolled */
-                attend(s, row, j0, count, h, scores, sums, 64, group);
+                attend(s, row, j0, count, h, scores, sums, 64, group, wide);
             } else {
-                attend(s, row, j0, count, h, scores, sums, s->dim, group);
+                attend(s, row, j0, count, h, scores, sums, s->dim, group, wide);
             }
         }
     }
@@ -506,6 +611,21 @@ static PyObject *supported(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return PyBool_FromLong(cpu_supported());
+}
+
+static int wide_supported(void) {
+#ifdef CPU_KERNEL_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+#else
+    return 0;
+#endif
+}
+
+static PyObject *wide(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(wide_supported());
 }
 
 /* Checks every row's metadata against the pool before anything is written: a bad page index would
@@ -539,17 +659,19 @@ static int64_t check_rows(const Step *s, int64_t tokens) {
 }
 
 /* attend(q, q_stride, k, k_stride, v, v_stride, tokens, keys, values, pool_slots, qo_indptr, kv_lens,
- * page_indptr, pages, rows, heads, kv_heads, dim, page_size, out, threads): addresses as ints, float32
- * and int32 tensors the caller owns (layouts above). */
+ * page_indptr, pages, rows, heads, kv_heads, dim, page_size, out, threads[, wide]): addresses as ints,
+ * float32 and int32 tensors the caller owns (layouts above); `wide` false keeps the AVX2 path where the
+ * CPU has AVX-512 (the same bits: tests compare them). */
 static PyObject *attend_layer(PyObject *self, PyObject *args) {
     (void)self;
     Step s;
     Py_ssize_t q, k, v, keys, values, qo, kv_lens, page_indptr, pages, out;
     Py_ssize_t q_stride, k_stride, v_stride, tokens, pool_slots, rows, heads, kv_heads, dim, page_size;
     int threads;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnni", &q, &q_stride, &k, &k_stride, &v, &v_stride, &tokens,
+    int allow_wide = 1;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnni|p", &q, &q_stride, &k, &k_stride, &v, &v_stride, &tokens,
                           &keys, &values, &pool_slots, &qo, &kv_lens, &page_indptr, &pages, &rows, &heads,
-                          &kv_heads, &dim, &page_size, &out, &threads)) {
+                          &kv_heads, &dim, &page_size, &out, &threads, &allow_wide)) {
         return NULL;
     }
     if (!cpu_supported()) {
@@ -574,7 +696,7 @@ static PyObject *attend_layer(PyObject *self, PyObject *args) {
 #ifdef CPU_KERNEL_X86
     int status;
     Py_BEGIN_ALLOW_THREADS;
-    status = attend_step(&s, longest, threads);
+    status = attend_step(&s, longest, threads, allow_wide && wide_supported());
     Py_END_ALLOW_THREADS;
     if (status < 0) {
         return PyErr_NoMemory();
@@ -585,6 +707,7 @@ static PyObject *attend_layer(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"supported", supported, METH_NOARGS, "Whether this CPU runs the kernel (AVX2 and FMA)."},
+    {"wide", wide, METH_NOARGS, "Whether attend takes its AVX-512 path here (the same bits as AVX2's)."},
     {"attend", attend_layer, METH_VARARGS,
      "Write a step's new K and V into the pool, then attend (cpu_kernel.c's header); addresses as ints."},
     {NULL, NULL, 0, NULL},
