@@ -28,13 +28,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shared.settings import WEIGHT_FORMS, EngineSettings
+from shared.settings import OWN_CORES_SINGLE_THREAD_MAX_TOKENS, WEIGHT_FORMS, EngineSettings
 from worker.openmp import GOMP_SPINCOUNT, choose_spin
 
 logger = logging.getLogger(__name__)
 
 PEERS = ("llamacpp",)
-PEER_SINGLE_THREAD_MAX_TOKENS = 0
 INSTALL_HINT = "pip install 'microturn[peer]' (or: pip install llama-cpp-python; it builds llama.cpp)"
 _VOCAB_SPAN = 5000  # token ids drawn from [100, 5100): ordinary tokens of SmolLM2's vocabulary
 
@@ -165,7 +164,7 @@ class PeerWorkload:
     # step on the `threads` threads, as llama.cpp runs every op. The worker's default (256: small
     # steps on one thread) is for a machine shared with the gateway and other workers; the peer
     # comparison is two engines each with the machine's 2 threads to itself.
-    single_thread_max_tokens: int = PEER_SINGLE_THREAD_MAX_TOKENS
+    single_thread_max_tokens: int = OWN_CORES_SINGLE_THREAD_MAX_TOKENS
     # llama.cpp's OpenMP spin: the operator's `GOMP_SPINCOUNT` as it was before microturn chose its own.
     peer_spin: str | None = None
 
@@ -247,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-single-thread-max-tokens",
         type=int,
-        default=PEER_SINGLE_THREAD_MAX_TOKENS,
+        default=OWN_CORES_SINGLE_THREAD_MAX_TOKENS,
         help="microturn's steps of at most this many tokens run on one thread (0, here the default: "
         f"every step on all; the worker's default is {EngineSettings.cpu_single_thread_max_tokens})",
     )

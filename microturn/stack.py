@@ -169,6 +169,7 @@ class Stack:
         argv += ["--advertise-url", f"ws://127.0.0.1:{port}"]
         if options.kv_tokens:
             argv += ["--kv-tokens", str(options.kv_tokens)]
+        argv += ["--cpu-single-thread-max-tokens", str(options.cpu_single_thread_max_tokens)]
         argv += options.worker_args
         self._spawn("worker", argv, _WORKER_STOP_TIMEOUT_S)
         logger.info("loading %s on %s (ready once the weights are loaded)", options.model, device)

@@ -94,6 +94,12 @@ class CommonSettings(RedisSettings):
     session_grace_s: float = field(default=30.0, metadata={"help": "session keys live this long past idle"})
 
 
+# `cpu_single_thread_max_tokens` for a worker with the machine's cores to itself: every step on every
+# thread (and libgomp's own spin, worker/openmp.py). `microturn up`'s one worker and the peer
+# benchmark's engine run so; the worker's own default (256) is for cores shared with other workers.
+OWN_CORES_SINGLE_THREAD_MAX_TOKENS: Final = 0
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """The engine's model and limits: the worker's, and `microturn chat`'s, so both run alike.
@@ -309,6 +315,14 @@ class UpSettings:
     port: int = field(default=GatewaySettings.port, metadata={"help": "the gateway's port (demo page at /)"})
     worker_port: int = field(default=WorkerSettings.port, metadata={"help": "the worker's port (loopback)"})
     kv_tokens: int | None = field(default=None, metadata={"help": "the worker's KV capacity in tokens"})
+    cpu_single_thread_max_tokens: int = field(
+        default=OWN_CORES_SINGLE_THREAD_MAX_TOKENS,
+        metadata={
+            "help": "the worker's single-thread rule on the CPU (its --cpu-single-thread-max-tokens): 0, "
+            "every step on every core, as the stack's one engine has the machine's cores (a micro-turn's "
+            'append and its reply run on both; docs/benchmarks.md, "AVX-512 VNNI for the appends")'
+        },
+    )
     auth: str | None = field(
         default=None,
         metadata={

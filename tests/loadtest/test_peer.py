@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from loadtest import peer
+from shared.settings import OWN_CORES_SINGLE_THREAD_MAX_TOKENS
 
 
 def test_without_llama_cpp_python_the_peer_bench_skips_and_says_how_to_install(
@@ -33,7 +34,7 @@ def test_the_peer_bench_times_both_engines_on_every_turn(capsys: pytest.CaptureF
         == 0
     )
     report = json.loads(capsys.readouterr().out)
-    assert report["cpu_single_thread_max_tokens"] == peer.PEER_SINGLE_THREAD_MAX_TOKENS
+    assert report["cpu_single_thread_max_tokens"] == OWN_CORES_SINGLE_THREAD_MAX_TOKENS
     assert set(report["turn_median_ms"]) == {"microturn", "llamacpp"}
     assert all(ms > 0 for ms in report["turn_median_ms"].values())
     assert report["greedy_agreement"].endswith("/4")

@@ -81,6 +81,14 @@ def test_up_flags_come_from_its_settings_with_the_same_precedence() -> None:
         None,
         None,
     )
+    # The stack's one worker has the machine's cores: every step on every thread, unless told otherwise.
+    assert defaults.cpu_single_thread_max_tokens == 0 < WorkerSettings().cpu_single_thread_max_tokens
+    assert (
+        from_sources(
+            UpSettings, None, {"MT_CPU_SINGLE_THREAD_MAX_TOKENS": "256"}
+        ).cpu_single_thread_max_tokens
+        == 256
+    )
     with pytest.raises(SystemExit):
         parse_settings(UpSettings, ["--device", "tpu"], "microturn up")
     with pytest.raises(ValueError, match="auth"):
