@@ -18,10 +18,9 @@ several that weigh the same idle peer at once can overshoot it, and a jittered p
 rare). A drain ends the loop through `draining`; a round in progress asks for no more copies, lets
 those asked switch for up to `DRAIN_GRACE_S`, and the drain waits for it (app.py), never cancels
 it: a switch cut short would leave its session neither here nor told to move. Every session is then
-moved or READY again, for the drain's own moves. (A copy a round left on the target unswitched
-stays there for warm.py's `WARM_GRACE_S`; a drain's or the next round's copy of that session to the
-same target meanwhile is refused and falls back to a rebuild, counted: hence the grace, and
-sessions drawn at random each round, so the next round mostly moves others.)
+moved or READY again, for the drain's own moves, and a copy a round left unswitched on its target is
+withdrawn there at the round's end (switchover.py `stays`, warm.py `withdraw`), so a drain's or the
+next round's copy of that session to the same target is not refused as already there.
 
 Nothing here runs on the chunk path: the registry is read once a period, off the event loop's
 per-chunk work, and a round's cost is that of its copies.
@@ -137,7 +136,9 @@ async def move_sessions(
 ) -> int:
     """Move `bindings` (READY) to `move`'s worker; the number switched. Those that could not move
     stay here, READY again; a drain (`draining`) ends the round early, its switches done."""
-    switcher = Switcher(service, time.monotonic() + ROUND_BUDGET_S, copy_pages=True, why="rebalance")
+    switcher = Switcher(
+        service, time.monotonic() + ROUND_BUDGET_S, copy_pages=True, why="rebalance", stays=True
+    )
     started = time.monotonic()
     try:
         for binding in bindings:

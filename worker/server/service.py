@@ -295,6 +295,9 @@ class WorkerService:
         self._open(link, frame, plan.history, finished_seq=plan.finished_seq, log=log, plan=plan)
 
     def _close(self, link: LinkPeer, sid: str) -> None:
+        if self.warm.withdraw(link, sid):
+            link.send(LinkClosed(sid, "closed"))
+            return
         binding = self.sessions.close(sid)
         if binding is None:
             link.send(LinkClosed(sid, "closed"))
@@ -316,7 +319,9 @@ class WorkerService:
             self.loop.call_soon_threadsafe(self._engine_closed, sid, reason)
 
     def _engine_closed(self, sid: str, reason: str) -> None:
-        if reason == WARM_DISCARDED or self.sessions.copy(sid) is not None:
+        if reason == WARM_DISCARDED:
+            return  # a copy whose entry went first (warm.py `_end`): a newer copy of `sid` may be here
+        if self.sessions.copy(sid) is not None:
             self.warm.forgotten(sid)  # a copy, never a live session here: no log, no keys
             return
         binding = self.sessions.close(sid)

@@ -41,7 +41,7 @@ import websockets
 from redis.asyncio import Redis
 
 from shared.errors import CapacityExhausted, MicroturnError
-from shared.protocol.link import LinkWarm, LinkWarmed
+from shared.protocol.link import LinkClose, LinkWarm, LinkWarmed
 from shared.protocol.link_client import LinkClient
 from shared.store.placement import Placement, place_session
 from shared.store.schema import KeySchema
@@ -165,13 +165,19 @@ class Switcher:
     """The copies asked for, and the switch of each once its copy is warm: a drain's (above) or a
     rebalance's (rebalance.py). `why` names it in the log. Sessions whose copy or switch did not
     happen by the deadline end in `report.fell_back`, still MOVING unless closed meanwhile: the
-    caller decides what becomes of them (the classic handover, or staying here)."""
+    caller decides what becomes of them. A drain hands them over (the classic handover, naming the
+    target whose copy is warm: `report.targets`); with `stays` (a rebalance) they stay here, and
+    the finish withdraws their copies on the targets (`LinkClose` on the link that asked: warm.py
+    `withdraw`), which no restore will take over."""
 
-    def __init__(self, service: WorkerService, deadline: float, *, copy_pages: bool, why: str) -> None:
+    def __init__(
+        self, service: WorkerService, deadline: float, *, copy_pages: bool, why: str, stays: bool = False
+    ) -> None:
         self.service = service
         self.deadline = deadline
         self.copy_pages = copy_pages
         self.why = why
+        self.stays = stays
         # worker id -> the sessions waiting for a KV copy stream to it, in placement order
         self.copies: dict[str, asyncio.Queue[WorkerSession]] = {}
         self.senders: list[KVSender] = []
@@ -282,7 +288,13 @@ class Switcher:
         self.report.fell_back += sorted(self.waiting)
         for sid, (_binding, target, _answered) in self.waiting.items():
             self.report.targets[sid] = target.worker_id
-        # The targets keep unadopted copies a grace period after this link closes (warm.py).
+        if self.stays:
+            for sid, worker_id in self.report.targets.items():
+                asked = self.targets.get(worker_id)
+                if asked is not None:
+                    with contextlib.suppress(websockets.WebSocketException):
+                        await asked.send(LinkClose(sid))
+        # The targets keep other unadopted copies a grace period after this link closes (warm.py).
         clients = [t for t in self.targets.values() if t is not None]
         await asyncio.gather(*(t.close() for t in clients), return_exceptions=True)
 

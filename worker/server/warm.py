@@ -16,8 +16,9 @@ log and deletes no key. When the draining worker sent its KV pages first
 (worker/server/kv_receiver.py) the copy already holds the KV up to the copy's point and answers
 `warmed` at once (the switch's restore prefills the turns logged after that point); otherwise (a
 fallback, counted by the draining worker) it is rebuilt from the log first, as above. It ends when
-it is adopted, when the engine discards it (a restore it does not match), or `WARM_GRACE_S` after
-the link that asked for it closed without a restore taking it over.
+it is adopted, when the engine discards it (a restore it does not match), when the worker that
+asked for it closes it on the same link (`withdraw`: it keeps the session), or `WARM_GRACE_S` after
+that link closed without a restore taking it over.
 """
 
 from __future__ import annotations
@@ -105,8 +106,21 @@ class WarmCopies:
             if copy.asked_by is link:
                 self.service.loop.call_later(WARM_GRACE_S, self.discard, copy)
 
+    def withdraw(self, link: LinkPeer, sid: str) -> bool:
+        """The worker that asked on `link` for the copy of `sid` keeps the session (a rebalance's move
+        that did not switch, rebalance.py): the copy ends now, not `WARM_GRACE_S` after the link
+        closes, so a later copy of that session here is not refused as already here. False: `link`
+        asked for no copy of `sid`, which is left as it is."""
+        copy = self.service.sessions.copy(sid)
+        if copy is None or copy.asked_by is not link:
+            return False
+        logger.info("discarding the warm copy of session %s: its worker keeps the session", sid)
+        self._end(copy)
+        return True
+
     def forgotten(self, sid: str) -> None:
-        """The engine ended the copy (its idle timeout, or a discard): nothing else to do."""
+        """The engine ended the copy on its own (its idle timeout): nothing else to do. (A discard
+        drops the copy before it closes its engine session, `_end`; the service ignores that close.)"""
         self.service.sessions.drop_copy(sid)
 
     async def _warm(self, copy: WorkerSession, frame: LinkWarm) -> None:
@@ -184,7 +198,11 @@ class WarmCopies:
 
     def discard(self, copy: WorkerSession) -> None:
         """End `copy` here (engine session included) unless a restore took it over meanwhile."""
-        if not self.service.sessions.drop_copy(copy.sid, copy):
+        if self.service.sessions.copy(copy.sid) is not copy:
             return  # adopted meanwhile, or asked for again
         logger.info("discarding the warm copy of session %s: no restore took it over", copy.sid)
+        self._end(copy)
+
+    def _end(self, copy: WorkerSession) -> None:
+        self.service.sessions.drop_copy(copy.sid, copy)
         self.service.engine.close_session_async(copy.sid, WARM_DISCARDED)

@@ -26,6 +26,8 @@ from shared.protocol.link import (
     LinkOpened,
     LinkRestore,
     LinkRewind,
+    LinkWarm,
+    LinkWarmed,
     ToGateway,
 )
 from shared.protocol.messages import InputChunk, OpenConfig, SessionRewind
@@ -224,3 +226,45 @@ def test_a_drain_hands_each_attached_session_over_with_its_durable_seq(
         assert refused.sid == "late" and link.frames == []  # nothing for d1
 
     run(engine, redis_url, body)
+
+
+def test_a_copy_the_asking_worker_withdraws_ends_and_the_session_can_be_copied_here_again(
+    engine: Engine, redis_url: str
+) -> None:
+    """A rebalance whose move did not switch keeps its session and closes its copy on the link that
+    asked for it (switchover.py `stays`): the copy ends at once, so the next move of that session here
+    is not refused as already here; a close from any other link leaves the copy alone."""
+
+    async def main(owner_engine: Engine) -> None:
+        client = resilient_redis(redis_url)
+        schema, loop = KeySchema(f"t{uuid.uuid4().hex[:10]}"), asyncio.get_running_loop()
+        owner = WorkerService(owner_engine, WorkerSettings(), client, schema, loop, worker_id="w-owner")
+        target = WorkerService(engine, WorkerSettings(), client, schema, loop, worker_id="w-target")
+        try:
+            gateway = RecordingLink()
+            owner.dispatch(gateway, LinkOpen("moved", CONFIG, history=(1, 2, 3)))
+            await gateway.next(LinkOpened)
+            owner.dispatch(gateway, chunk("moved", 1, (4, 5)))
+            await gateway.next(LinkDone)
+            assert await owner.sessions.flush()
+            asked, other, again = RecordingLink(), RecordingLink(), RecordingLink()
+            target.dispatch(asked, LinkWarm("moved", CONFIG))
+            first = await asked.next(LinkWarmed)
+            target.dispatch(other, LinkClose("moved"))
+            assert await other.next(LinkClosed) == LinkClosed("moved", "closed")
+            assert target.sessions.copy("moved") is not None
+            target.dispatch(asked, LinkClose("moved"))
+            assert await asked.next(LinkClosed) == LinkClosed("moved", "closed")
+            assert target.sessions.copy("moved") is None
+            # Asked again at once: the first copy's engine close, still on its way, takes nothing.
+            target.dispatch(again, LinkWarm("moved", CONFIG))
+            warmed = await again.next(LinkWarmed)
+            assert warmed == first  # the same log read again: the same tokens, the same seq
+            assert target.sessions.copy("moved") is not None
+            owner.dispatch(gateway, chunk("moved", 2, (6,)))  # still served where it was
+            assert isinstance(await gateway.next(LinkDone), LinkDone)
+        finally:
+            await client.aclose()
+
+    with Engine.load("tiny", kv_tokens=4096, page_size=16) as owner_engine:
+        asyncio.run(asyncio.wait_for(main(owner_engine), 60))
