@@ -141,6 +141,8 @@ class WarmCopies:
             length = copy.length
             result: TurnResult | None = None
             if not copy.kv_imported:  # rebuilt from the log, in the background share
+                if service.sessions.copy(sid) is not copy:
+                    return  # adopted, discarded or withdrawn while the log was read: build nothing
                 result = await self._build(sid, copy_config, plan, extend=False)
                 length = result.length
             # A rebuilt copy took long: the old worker streamed the session on meanwhile. Catch up
@@ -152,6 +154,8 @@ class WarmCopies:
                 latest = await self._plan(sid, rules)
                 if len(latest.history) - result.length <= CATCH_UP_TOKENS:
                     break
+                if service.sessions.copy(sid) is not copy:
+                    return
                 plan = latest
                 result = await self._build(sid, copy_config, plan, extend=True)
                 length = result.length
@@ -186,6 +190,9 @@ class WarmCopies:
         return plan_restore(sid, log, (), None, rules=rules)
 
     async def _build(self, sid: str, config: OpenConfig, plan: RestorePlan, *, extend: bool) -> TurnResult:
+        """The engine's copy built (or extended) to `plan`. Called only while the copy is current, in
+        the same event-loop turn as that check: a discard or withdrawal after it queues its engine
+        close behind this build, so no engine session outlives its copy's entry."""
         future = self.service.engine.warm_async(
             sid,
             config=config,
