@@ -165,10 +165,10 @@ class Switcher:
     """The copies asked for, and the switch of each once its copy is warm: a drain's (above) or a
     rebalance's (rebalance.py). `why` names it in the log. Sessions whose copy or switch did not
     happen by the deadline end in `report.fell_back`, still MOVING unless closed meanwhile: the
-    caller decides what becomes of them. A drain hands them over (the classic handover, naming the
-    target whose copy is warm: `report.targets`); with `stays` (a rebalance) they stay here, and
-    the finish withdraws their copies on the targets (`LinkClose` on the link that asked: warm.py
-    `withdraw`), which no restore will take over."""
+    caller decides what becomes of them: a drain hands them over (the classic handover, naming the
+    target whose copy is warm: `report.targets`). With `stays` (a rebalance) the finish decides:
+    they stay here, READY again, and their copies on the targets are withdrawn (`LinkClose` on the
+    link that asked: warm.py `withdraw`), as no restore will take them over."""
 
     def __init__(
         self, service: WorkerService, deadline: float, *, copy_pages: bool, why: str, stays: bool = False
@@ -280,7 +280,7 @@ class Switcher:
 
     async def _finish(self) -> None:
         """Stop the copies, let every switch begun end, and move the sessions still waiting to
-        `report.fell_back`."""
+        `report.fell_back` (with `stays`: READY again, their copies withdrawn)."""
         for task in (*self.readers, *self.copiers):
             task.cancel()
         await asyncio.gather(*(s.close() for s in self.senders), return_exceptions=True)
@@ -289,6 +289,10 @@ class Switcher:
         for sid, (_binding, target, _answered) in self.waiting.items():
             self.report.targets[sid] = target.worker_id
         if self.stays:
+            for sid in self.report.fell_back:
+                left = self.service.sessions.get(sid)
+                if left is not None and left.phase is Phase.MOVING:
+                    self.service.sessions.stay(left)
             for sid, worker_id in self.report.targets.items():
                 asked = self.targets.get(worker_id)
                 if asked is not None:

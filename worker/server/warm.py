@@ -114,8 +114,8 @@ class WarmCopies:
         copy = self.service.sessions.copy(sid)
         if copy is None or copy.asked_by is not link:
             return False
-        logger.info("discarding the warm copy of session %s: its worker keeps the session", sid)
         self._end(copy)
+        logger.info("discarded the warm copy of session %s: its worker keeps the session", sid)
         return True
 
     def forgotten(self, sid: str) -> None:
@@ -161,8 +161,7 @@ class WarmCopies:
                 length = result.length
         except (redis.RedisError, ValueError, MicroturnError) as exc:
             logger.warning("could not warm a copy of session %s: %s", sid, exc)
-            if service.sessions.drop_copy(sid, copy):  # the engine's copy goes too, quietly
-                service.engine.close_session_async(sid, WARM_DISCARDED)
+            self._end(copy)  # the engine's copy goes too, quietly
             error = exc if isinstance(exc, MicroturnError) else WorkerUnavailable(f"no copy: {exc}")
             link.send(link_error_from(sid, error, fatal=True))
             return
@@ -205,11 +204,13 @@ class WarmCopies:
 
     def discard(self, copy: WorkerSession) -> None:
         """End `copy` here (engine session included) unless a restore took it over meanwhile."""
-        if self.service.sessions.copy(copy.sid) is not copy:
-            return  # adopted meanwhile, or asked for again
-        logger.info("discarding the warm copy of session %s: no restore took it over", copy.sid)
-        self._end(copy)
+        if self._end(copy):  # else adopted meanwhile, or asked for again
+            logger.info("discarded the warm copy of session %s: no restore took it over", copy.sid)
 
-    def _end(self, copy: WorkerSession) -> None:
-        self.service.sessions.drop_copy(copy.sid, copy)
+    def _end(self, copy: WorkerSession) -> bool:
+        """`copy` ends, its entry first, then its engine session (whose close the service ignores);
+        False: it is no longer this sid's copy here, and nothing is done."""
+        if not self.service.sessions.drop_copy(copy.sid, copy):
+            return False
         self.service.engine.close_session_async(copy.sid, WARM_DISCARDED)
+        return True
