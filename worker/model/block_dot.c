@@ -49,20 +49,50 @@
 #define VNNI_ROW_BLOCK 8
 
 #ifdef BLOCK_DOT_X86
-/* Quantises one group of 32 values to int8: d = max |v| / 127, q = round(v / d). Returns d; adds
- * sum q to *sum. */
-static float quantise_group(const float *v, int8_t *q, int *sum) {
-    float amax = 0.0f;
-    for (int i = 0; i < GROUP; i++) {
-        const float a = fabsf(v[i]);
-        amax = a > amax ? a : amax;
+/* One group of 32 values in four registers. */
+typedef struct {
+    __m256 v[4];
+} Group;
+
+/* Quantises one group to int8: d = max |v| / 127, q = v / d rounded to nearest even (the value
+ * nearbyintf gives). Returns d; adds sum q to *sum; stores q as the group's 32 bytes in order, the
+ * largest |v| in *largest and, where `levels` is not NULL, q as floats (what the second level
+ * subtracts). The max is exact in any order; a NaN value is skipped by it, as a scalar
+ * `a > amax ? a : amax` skips it. */
+__attribute__((target("avx2,fma,f16c"))) static float quantise_group(const Group *group, int8_t *q, int *sum,
+                                                                     float *largest_out, Group *levels) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        amax = _mm256_max_ps(_mm256_andnot_ps(sign, group->v[i]), amax);
     }
-    const float d = amax / 127.0f;
-    const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
-    for (int i = 0; i < GROUP; i++) {
-        const int t = (int)nearbyintf(v[i] * inverse);
-        q[i] = (int8_t)t;
-        *sum += t;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, amax);
+    float largest = 0.0f;
+    for (int i = 0; i < 8; i++) {
+        largest = lanes[i] > largest ? lanes[i] : largest;
+    }
+    *largest_out = largest;
+    const float d = largest / 127.0f;
+    const __m256 inverse = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    __m256i t[4];
+    __m256i total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        const __m256 rounded = _mm256_round_ps(_mm256_mul_ps(group->v[i], inverse),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t[i] = _mm256_cvtps_epi32(rounded);
+        total = _mm256_add_epi32(total, t[i]);
+        if (levels) {
+            levels->v[i] = rounded;
+        }
+    }
+    /* packs interleave the 128-bit halves; the permutation puts the 32 bytes back in order */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(t[0], t[1]), _mm256_packs_epi32(t[2], t[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    int32_t parts[8];
+    _mm256_storeu_si256((__m256i *)parts, total);
+    for (int i = 0; i < 8; i++) {
+        *sum += parts[i];
     }
     return d;
 }
@@ -78,31 +108,46 @@ static float quantise_group(const float *v, int8_t *q, int *sum) {
  * largest instead of 8. One level everywhere (llama.cpp's Q8_1) lost SmolLM2's answer to "What is
  * the capital of France?" on top of the 4-bit weights (docs/benchmarks.md); a second level
  * everywhere kept it and cost ~1.6x in products; past the ratio only, ~1.0x. The choice reads the
- * row's own values only, so rows stay independent.
+ * row's own values only, in one fixed order (the sum of |v| in 8 lanes of 4 values, then the lanes
+ * in order), so rows stay independent and a row's levels do not depend on the batch.
  * q [G][2][32] int8 (hi, then lo), scale [G][2] (d_hi, d_lo: 0 where there is no second level),
- * scaled sum [G] (d_hi sum q_hi + d_lo sum q_lo: the offsets' term of q4). */
-static void quantise_rows(const float *x, int64_t rows, int64_t cols, int8_t *q, float *scale, float *scaled_sum) {
+ * scaled sum [G] (d_hi sum q_hi + d_lo sum q_lo: the offsets' term of q4).
+ * Vectorised: done once per call on the calling thread before the products, the scalar form was
+ * ~15% of a 16-row product on Zen 3 (nearbyintf a libm call per value). */
+__attribute__((target("avx2,fma,f16c"))) static void quantise_rows(const float *x, int64_t rows, int64_t cols,
+                                                                   int8_t *q, float *scale, float *scaled_sum) {
     const int64_t groups = cols / GROUP;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t g = 0; g < groups; g++) {
             const int64_t at = r * groups + g;
             const float *v = x + r * cols + g * GROUP;
             int8_t *hi = q + at * 2 * GROUP;
+            Group group, levels;
+            __m256 magnitude = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                group.v[i] = _mm256_loadu_ps(v + 8 * i);
+                magnitude = _mm256_add_ps(magnitude, _mm256_andnot_ps(sign, group.v[i]));
+            }
             int hi_sum = 0, lo_sum = 0;
-            const float d_hi = quantise_group(v, hi, &hi_sum);
-            float magnitude = 0.0f, amax = 0.0f;
-            for (int i = 0; i < GROUP; i++) {
-                const float a = fabsf(v[i]);
-                magnitude += a;
-                amax = a > amax ? a : amax;
+            float largest, unused;
+            const float d_hi = quantise_group(&group, hi, &hi_sum, &largest, &levels);
+            float lanes[8];
+            _mm256_storeu_ps(lanes, magnitude);
+            float total = 0.0f;
+            for (int i = 0; i < 8; i++) {
+                total += lanes[i];
             }
             float d_lo = 0.0f; /* 0: no second level (the products skip it) */
-            if (amax * GROUP > OUTLIER_RATIO * magnitude) {
-                float rest[GROUP];
-                for (int i = 0; i < GROUP; i++) {
-                    rest[i] = v[i] - d_hi * (float)hi[i];
+            if (largest * GROUP > OUTLIER_RATIO * total) {
+                /* what the first level left: v - d_hi q_hi, a product then a difference (the file is
+                 * built with -ffp-contract=off, so never one fused multiply-add) */
+                Group rest;
+                const __m256 step = _mm256_set1_ps(d_hi);
+                for (int i = 0; i < 4; i++) {
+                    rest.v[i] = _mm256_sub_ps(group.v[i], _mm256_mul_ps(step, levels.v[i]));
                 }
-                d_lo = quantise_group(rest, hi + GROUP, &lo_sum);
+                d_lo = quantise_group(&rest, hi + GROUP, &lo_sum, &unused, NULL);
             }
             scale[2 * at] = d_hi;
             scale[2 * at + 1] = d_lo;
