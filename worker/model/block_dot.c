@@ -103,6 +103,10 @@ __attribute__((target("avx2,fma,f16c"))) static float quantise_group(const Group
  * layers' input groups past 8, 19% of the down projection's, 31% of the output projection's. */
 #define OUTLIER_RATIO 8.0f
 
+/* Rows from which the quantisation is split between the threads (each row is its own: the same
+ * values on any thread): below it a parallel region's fork and join cost more than a row's ~1 us. */
+#define QUANTISE_PARALLEL_ROWS 4
+
 /* Row r's groups: x ~ d_hi q_hi, and in a group past OUTLIER_RATIO + d_lo q_lo, q_lo quantising
  * what q_hi left (at most d_hi / 2 a value), so its values keep ~15 bits against the group's
  * largest instead of 8. One level everywhere (llama.cpp's Q8_1) lost SmolLM2's answer to "What is
@@ -112,13 +116,15 @@ __attribute__((target("avx2,fma,f16c"))) static float quantise_group(const Group
  * in order), so rows stay independent and a row's levels do not depend on the batch.
  * q [G][2][32] int8 (hi, then lo), scale [G][2] (d_hi, d_lo: 0 where there is no second level),
  * scaled sum [G] (d_hi sum q_hi + d_lo sum q_lo: the offsets' term of q4).
- * Vectorised: done once per call on the calling thread before the products, the scalar form was
- * ~15% of a 16-row product on Zen 3 (nearbyintf a libm call per value). */
+ * Vectorised, and split by rows between the threads from QUANTISE_PARALLEL_ROWS: the scalar form on
+ * the calling thread was ~15% of a 16-row product on Zen 3 (nearbyintf a libm call a value). */
 __attribute__((target("avx2,fma,f16c"))) static void quantise_rows(const float *x, int64_t rows, int64_t cols,
-                                                                   int8_t *q, float *scale, float *scaled_sum) {
+                                                                   int8_t *q, float *scale, float *scaled_sum,
+                                                                   int threads) {
     const int64_t groups = cols / GROUP;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= QUANTISE_PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
+        const __m256 sign = _mm256_set1_ps(-0.0f);
         for (int64_t g = 0; g < groups; g++) {
             const int64_t at = r * groups + g;
             const float *v = x + r * cols + g * GROUP;
@@ -400,7 +406,7 @@ static PyObject *multiply(int bits, PyObject *args) {
         return PyErr_NoMemory();
     }
     Py_BEGIN_ALLOW_THREADS;
-    quantise_rows((const float *)x_at, rows, cols, q, scale, scaled_sum);
+    quantise_rows((const float *)x_at, rows, cols, q, scale, scaled_sum, threads);
     if (bits == 4) {
         const int use_vnni = allow_vnni && rows >= VNNI_MIN_ROWS && vnni_supported();
         const int64_t pairs = use_vnni ? out_features / (2 * TILE) : 0;
