@@ -78,8 +78,11 @@ __attribute__((target("avx2,fma,f16c"))) static float quantise_group(const Group
     __m256i t[4];
     __m256i total = _mm256_setzero_si256();
     for (int i = 0; i < 4; i++) {
-        const __m256 rounded = _mm256_round_ps(_mm256_mul_ps(group->v[i], inverse),
-                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(group->v[i], inverse),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        /* a NaN (a broken checkpoint's activation, or an infinity times 0) becomes 0, as the scalar
+         * form's int8 of it was, not the -128 the saturating packs would make of it */
+        const __m256 rounded = _mm256_and_ps(scaled, _mm256_cmp_ps(scaled, scaled, _CMP_ORD_Q));
         t[i] = _mm256_cvtps_epi32(rounded);
         total = _mm256_add_epi32(total, t[i]);
         if (levels) {
