@@ -153,6 +153,20 @@ def test_the_vnni_path_gives_the_avx2_paths_bits(out: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q8_0])
+def test_a_nan_activation_is_read_as_zero(kind: gguf.GGMLQuantizationType) -> None:
+    # A broken checkpoint's NaN is quantised as a 0 (not as the packs' saturated -128, nor as a sum of
+    # |v| that loses its group's outlier level): the output, every row, is the one with a 0 there.
+    stored = _stored(kind, 24, 128, seed=5)
+    linear = Q4Q8Linear.from_stored(stored, None) if kind == Q.Q4_1 else Q8Q8Linear.from_stored(stored, None)
+    x = _with_outliers(torch.randn(3, 128, generator=torch.Generator().manual_seed(5)))
+    zeroed, broken = x.clone(), x.clone()
+    zeroed[1, 5] = 0.0
+    broken[1, 5] = float("nan")
+    assert torch.equal(linear(broken), linear(zeroed))
+
+
+@needs_kernel
 def test_zero_rows_and_no_rows() -> None:
     linear = Q4Q8Linear.from_stored(_stored(Q.Q4_0, 16, 64, seed=7), None)
     assert torch.equal(linear(torch.zeros(2, 64)), torch.zeros(2, 16))  # a zero group's scale is 0, not 0/0

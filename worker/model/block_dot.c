@@ -57,8 +57,7 @@ typedef struct {
 /* Quantises one group to int8: d = max |v| / 127, q = v / d rounded to nearest even (the value
  * nearbyintf gives). Returns d; adds sum q to *sum; stores q as the group's 32 bytes in order, the
  * largest |v| in *largest and, where `levels` is not NULL, q as floats (what the second level
- * subtracts). The max is exact in any order; a NaN value is skipped by it, as a scalar
- * `a > amax ? a : amax` skips it. */
+ * subtracts). The max is exact in any order. */
 __attribute__((target("avx2,fma,f16c"))) static float quantise_group(const Group *group, int8_t *q, int *sum,
                                                                      float *largest_out, Group *levels) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -80,8 +79,8 @@ __attribute__((target("avx2,fma,f16c"))) static float quantise_group(const Group
     for (int i = 0; i < 4; i++) {
         const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(group->v[i], inverse),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        /* a NaN (a broken checkpoint's activation, or an infinity times 0) becomes 0, as the scalar
-         * form's int8 of it was, not the -128 the saturating packs would make of it */
+        /* an infinity times 0 (a group holding an infinity has d = inf) gives NaN: it becomes 0, not
+         * the -128 the saturating packs would make of it */
         const __m256 rounded = _mm256_and_ps(scaled, _mm256_cmp_ps(scaled, scaled, _CMP_ORD_Q));
         t[i] = _mm256_cvtps_epi32(rounded);
         total = _mm256_add_epi32(total, t[i]);
@@ -135,7 +134,10 @@ __attribute__((target("avx2,fma,f16c"))) static void quantise_rows(const float *
             Group group, levels;
             __m256 magnitude = _mm256_setzero_ps();
             for (int i = 0; i < 4; i++) {
-                group.v[i] = _mm256_loadu_ps(v + 8 * i);
+                /* a NaN (a broken checkpoint's activation) is read as 0: its row comes out as with a 0
+                 * there, its group's scales and outlier level included */
+                const __m256 loaded = _mm256_loadu_ps(v + 8 * i);
+                group.v[i] = _mm256_and_ps(loaded, _mm256_cmp_ps(loaded, loaded, _CMP_ORD_Q));
                 magnitude = _mm256_add_ps(magnitude, _mm256_andnot_ps(sign, group.v[i]));
             }
             int hi_sum = 0, lo_sum = 0;
