@@ -28,7 +28,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
