@@ -52,7 +52,7 @@ class Sequences:
     chat: list[list[int]]
 
 
-class _Model:
+class FormModel:
     """One weight form of the model with a paged KV pool of its own: feed tokens, get logits."""
 
     def __init__(self, model: str, form: str, max_tokens: int) -> None:
@@ -106,14 +106,14 @@ class _Model:
         return produced
 
 
-def _chat_ids(model: _Model) -> list[list[int]]:
+def _chat_ids(model: FormModel) -> list[list[int]]:
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError("the chat workload needs the model's tokenizer")
     return [tokenizer.encode(tokenizer.chat_prompt(text)) for text in CHAT_PROMPTS]
 
 
-def greedy(model: _Model, peer: PeerWorkload, chat: list[list[int]], chat_tokens: int) -> Sequences:
+def greedy(model: FormModel, peer: PeerWorkload, chat: list[list[int]], chat_tokens: int) -> Sequences:
     model.reset()
     pending: list[int] = []
     peer_out = []
@@ -174,10 +174,10 @@ def _difference(logprobs: torch.Tensor, reference: torch.Tensor) -> dict[str, fl
 def run(model: str, forms: Sequence[str], llamacpp: bool, chat_tokens: int) -> dict[str, Any]:
     peer = PeerWorkload(model=model)
     max_tokens = peer.prompt_tokens + peer.turns * (peer.chunk + peer.outputs) + _PAGE
-    reference_model = _Model(model, "float", max_tokens)
+    reference_model = FormModel(model, "float", max_tokens)
     chat = _chat_ids(reference_model)
 
-    def whole(engine: _Model) -> Any:
+    def whole(engine: FormModel) -> Any:
         def logits_of(tokens: Sequence[int]) -> torch.Tensor:
             engine.reset()
             return engine.feed(tokens, every=True)
@@ -193,7 +193,7 @@ def run(model: str, forms: Sequence[str], llamacpp: bool, chat_tokens: int) -> d
         "forms": {},
     }
     for form in forms:
-        engine = _Model(model, form, max_tokens)
+        engine = FormModel(model, form, max_tokens)
         outputs = greedy(engine, peer, chat, chat_tokens)
         result["forms"][form] = {
             "peer_agreement": _agreement(outputs.peer, reference.peer),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from loadtest.weight_quality import FormModel
 from shared.settings import EngineSettings, parse_settings
 from worker.engine import Engine
 from worker.engine.config import EngineConfig
@@ -187,11 +188,36 @@ def test_smollm2_as_int4_holds_at_most_twice_the_files_tensor_bytes(gguf_path: P
     assert loaded.weights.num_bytes() <= 2 * tensor_bytes  # point 6 of #32
     tokenizer = loaded.tokenizer
     assert tokenizer is not None
-    # With SmolLM2's own system prompt too: one int8 level of activations (llama.cpp's) on top of
-    # the 4-bit weights answered that one with "L'Étoile, la Marseillaise, ..." (block_dot.c).
     with Engine.load("smollm2-135m", kv_tokens=1024, weights="int4") as engine:
-        for system in (None, "You are a helpful AI assistant named SmolLM, trained by Hugging Face"):
-            sid = engine.open_session()
-            prompt = tokenizer.encode(tokenizer.chat_prompt("What is the capital of France?", system))
-            reply = engine.run_turn(sid, tokens=prompt, max_output_tokens=12, timeout=300).text or ""
-            assert "Paris" in reply, (system, reply)
+        sid = engine.open_session()
+        prompt = tokenizer.encode(tokenizer.chat_prompt("What is the capital of France?"))
+        reply = engine.run_turn(sid, tokens=prompt, max_output_tokens=12, timeout=300).text or ""
+        assert "Paris" in reply, reply
+
+
+@pytest.mark.slow
+def test_smollm2_as_int4_gives_the_float_paths_reply_nearly_its_logprobs(gguf_path: Path) -> None:
+    """With SmolLM2's own system prompt the float path answers "The capital of France is Paris." by a
+    margin of 0.08 logits over "L'Étoile, ..." at the first token, less than the quantised forms'
+    noise: rounding differences of 1e-7 (torch's norm or the native one) move int4's margin by as
+    much, and its greedy answer with them (docs/benchmarks.md, "The decoder's row ops in C"). So the
+    check is the quality measure's (loadtest/weight_quality.py): along the float path's reply, each
+    token's logprob under int4 within 0.35 of the float path's (measured 0.16 with the native row
+    ops, 0.05 with torch's, both at that first token, at most 0.03 after it; a margin of +-0.4 at a
+    two-way tie moves a logprob by up to ~0.26)."""
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    reference = FormModel("smollm2-135m", "float", 128)
+    tokenizer = reference.tokenizer
+    assert tokenizer is not None
+    prompt = tokenizer.encode(tokenizer.chat_prompt("What is the capital of France?", system))
+    reply = reference.generate(prompt, 10)
+    assert "Paris" in tokenizer.decode(reply)
+    rows = range(len(prompt) - 1, len(prompt) + len(reply) - 1)
+
+    def logprobs(model: FormModel) -> torch.Tensor:
+        model.reset()
+        logits = model.feed([*prompt, *reply], every=True)[list(rows)].double()
+        return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(reply).unsqueeze(1)).squeeze(1)
+
+    difference = (logprobs(FormModel("smollm2-135m", "int4", 128)) - logprobs(reference)).abs()
+    assert float(difference.max()) <= 0.35, difference
