@@ -21,9 +21,9 @@ COPY worker worker
 COPY gateway gateway
 COPY loadtest loadtest
 COPY microturn microturn
-# gcc builds the CPU kernels (worker/model/block_dot.c for `--weights int4`, worker/attention/cpu_kernel.c
-# for attention) during the install and leaves with the layer; without it the worker falls back to
-# torch's slower kernels.
+# gcc builds the CPU kernels (worker/model/block_dot.c for `--weights int4`, row_ops.c for the ops
+# between its matrices, worker/attention/cpu_kernel.c for attention) during the install and leaves
+# with the layer; without it the worker falls back to torch's slower kernels.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install ".${EXTRAS:+[$EXTRAS]}" \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*

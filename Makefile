@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install up test lint typecheck pytest bench chromium node-deps clean image image-gpu compose-smoke
 
-$(STAMP): pyproject.toml worker/model/block_dot.c worker/attention/cpu_kernel.c
+$(STAMP): pyproject.toml worker/model/block_dot.c worker/model/row_ops.c worker/attention/cpu_kernel.c
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: the machine carries this CPU build; an unpinned resolve would pull CUDA wheels.

@@ -12,7 +12,8 @@ forward, logits of the row, argmax), as the engine runs a decode step. Printed, 
   the same for an append of `--append` tokens (a micro-turn's chunk) after the context;
 - the parts on 1 thread, each timed alone on the same weights and KV: the layer matrices (every
   layer's linears at one row), the output projection, attention (plan and every layer's KV write
-  and attend), the elementwise ops (embedding, norms, RoPE, SiLU, residual adds), and what is left
+  and attend), the elementwise ops (embedding, and the model's row ops: norms, RoPE, SiLU, residual
+  adds, worker/model/row_ops.py), and what is left
   of the step (Python between ops, sampling's argmax, the allocator).
 
 Thread CPU time is what to compare under load (other processes take wall time, not CPU time); the
@@ -29,7 +30,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 _PAGE = 16
 _CPU = torch.device("cpu")
@@ -96,6 +96,7 @@ def run(
     result: dict[str, Any] = {
         "model": model_name,
         "weights": loaded.weights.form,
+        "row_ops": type(model.row_ops).__name__,
         "attention_backend": backend.name,
         "context": context,
     }
@@ -132,22 +133,19 @@ def run(
             attention.forward(index, query, key, key)
 
     cos, sin = model.rope.tables(position)
-    qk = torch.randn(1, config.num_heads + config.num_kv_heads, config.head_dim)
+    qkv = torch.randn(1, (config.num_heads + 2 * config.num_kv_heads) * config.head_dim)
     gate_up = torch.randn(1, 2 * config.intermediate_size)
+    ops = model.row_ops  # the model's own: torch's under `float`, the native ones for a quantised form
 
     def elementwise() -> None:
-        from worker.model.rope import apply_rotary
-
         x = loaded.weights.embed(ids[context : context + 1])
-        for layer in layers:
-            F.rms_norm(x, (config.hidden_size,), layer.input_norm, config.rms_norm_eps)
-            apply_rotary(qk, cos, sin)
-            x = x + row
-            F.rms_norm(x, (config.hidden_size,), layer.post_attention_norm, config.rms_norm_eps)
-            gate, up = gate_up.chunk(2, dim=-1)
-            F.silu(gate) * up
-            x = x + row
-        F.rms_norm(x, (config.hidden_size,), loaded.weights.final_norm, config.rms_norm_eps)
+        ops.norm(x, layers[0].input_norm)
+        for index, layer in enumerate(layers):
+            ops.rotate(qkv, cos, sin)
+            x, _ = ops.add_norm(x, row, layer.post_attention_norm)
+            ops.silu_mul(gate_up)
+            norm = loaded.weights.final_norm if index + 1 == len(layers) else layers[index + 1].input_norm
+            x, _ = ops.add_norm(x, row, norm)
 
     parts = {
         "layer_matrices": matrices,

@@ -1,5 +1,5 @@
 """The C extensions pip builds with the machine's compiler (worker/model/block_dot.c,
-worker/attention/cpu_kernel.c): import one, or say why it does not run here.
+worker/model/row_ops.c, worker/attention/cpu_kernel.c): import one, or say why it does not run here.
 
 Each is optional (a machine with no C compiler at install gets none) and answers `supported()`, its
 CPU-feature check; where either fails the caller serves through torch and names the reason.

@@ -87,7 +87,7 @@ class Engine:
         pool = runner.kv_pool
         # What this worker's KV pages mean: another worker takes them only when its own is equal.
         self.kv_format = KVFormat(
-            model=model_fingerprint(loaded.config, loaded.weights),
+            model=model_fingerprint(loaded.config, loaded.weights, type(runner.model.row_ops).__name__),
             dtype=config.dtype,
             page_size=pool.page_size,
             layout=pool.layout,

@@ -20,7 +20,8 @@ from worker.model.stored import StoredTensor
 class Embedding(ABC):
     @abstractmethod
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[tokens] ids -> [tokens, hidden] in the model's dtype, on the ids' device."""
+        """[tokens] ids -> [tokens, hidden] in the model's dtype, on the ids' device: a new tensor,
+        which the forward adds into in place (its residual stream)."""
 
     @property
     @abstractmethod

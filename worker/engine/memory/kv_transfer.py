@@ -105,11 +105,13 @@ def scatter(data: torch.Tensor, target: torch.Tensor, axis: int, pages: Sequence
         target.narrow(axis, at, length).copy_(data.narrow(0, start, length).movedim(0, axis))
 
 
-def model_fingerprint(config: ModelConfig, weights: ModelWeights) -> str:
-    """A fingerprint of the model's config and weights: equal on two workers that load the same
-    model the same way (the same weight form included: int4 and float give different KV), so
-    their KV pages mean the same."""
+def model_fingerprint(config: ModelConfig, weights: ModelWeights, row_ops: str) -> str:
+    """A fingerprint of the model's config and weights and what computes between its matrices
+    (`row_ops`, the model's RowOps class): equal on two workers that load the same model the same
+    way (the same weight form included: int4 and float give different KV; so do torch's and the
+    native row ops, in the last bits), so their KV pages mean the same."""
     digest = hashlib.sha256(repr(config).encode())
+    digest.update(row_ops.encode())
     parts: list[tuple[str, object]] = [
         ("embed", weights.embed),
         ("final_norm", weights.final_norm),

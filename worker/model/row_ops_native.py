@@ -1,0 +1,83 @@
+"""The decoder's row-wise ops as one C call each (worker/model/row_ops.c, the `_row_ops` extension
+pip builds), for the quantised forms on a CPU with AVX2 and FMA: the `RowOps` interface
+(worker/model/row_ops.py) over float32 contiguous rows.
+
+Each call hands the extension its tensors' addresses; the outputs are allocated here, the residual
+stream and the fused projection's output are written in place (the interface allows it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.model.row_ops import QKV, RowOps
+from worker.native import load_extension
+
+# OPS is None where they do not run, and UNAVAILABLE_REASON says why (empty where they run).
+OPS, UNAVAILABLE_REASON = load_extension("worker.model._row_ops", needs="AVX2 or FMA")
+
+
+def native_row_ops_available() -> bool:
+    return OPS is not None
+
+
+def _float32_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as float32 rows of contiguous values (any row stride is copied away)."""
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+
+
+@dataclass(frozen=True)
+class NativeRowOps(RowOps):
+    def __post_init__(self) -> None:
+        assert OPS is not None, "NativeRowOps is built only where the row ops run"
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        assert OPS is not None
+        x, weight = _float32_rows(x), _float32_rows(weight)
+        out = torch.empty_like(x)
+        eps = self.config.rms_norm_eps
+        OPS.add_rms_norm(x.data_ptr(), 0, weight.data_ptr(), eps, out.data_ptr(), x.shape[0], x.shape[1])
+        return out
+
+    def add_norm(
+        self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert OPS is not None
+        x, y, weight = _float32_rows(x), _float32_rows(y), _float32_rows(weight)
+        out = torch.empty_like(x)
+        OPS.add_rms_norm(
+            x.data_ptr(),
+            y.data_ptr(),
+            weight.data_ptr(),
+            self.config.rms_norm_eps,
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+        )
+        return x, out
+
+    def rotate(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> QKV:
+        assert OPS is not None
+        c = self.config
+        qkv = _float32_rows(qkv)
+        cos, signed_sin = _float32_rows(cos), _float32_rows(signed_sin)
+        OPS.rotate(
+            qkv.data_ptr(),
+            qkv.shape[0],
+            qkv.shape[1],
+            c.num_heads + c.num_kv_heads,
+            c.head_dim,
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+        )
+        return self.split(qkv)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        assert OPS is not None
+        gate_up = _float32_rows(gate_up)
+        inter = gate_up.shape[1] // 2
+        out = gate_up.new_empty(gate_up.shape[0], inter)
+        OPS.silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr())
+        return out
