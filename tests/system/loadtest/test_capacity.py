@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,11 @@ def test_metrics_deltas_and_agreement() -> None:
     assert Step(4, locust, counts, 200.0).metrics_agree
     assert not Step(4, locust, counts, 200.0).passed  # errors fail a step whatever its latency
     assert not Step(4, locust, ServerCounts.between(snap(10, 10, 1), snap(111, 110, 3)), 200.0).metrics_agree
+    # Refusals the Locust user sent again are no failure of its own; a failure no server counted is.
+    retried = replace(locust, requests=100, failures=0, chunk_failures=0)
+    assert Step(4, retried, counts, 200.0).metrics_agree
+    unseen = replace(locust, requests=103, failures=3, chunk_failures=3)
+    assert not Step(4, unseen, counts, 200.0).metrics_agree
 
 
 def test_workload_chunks() -> None:
