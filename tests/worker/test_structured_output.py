@@ -264,3 +264,16 @@ def test_a_tool_call_conversation_is_transformers_over_the_chat_template(
             {"role": "user", "content": output_content('{"temperature_c": 21}')},
         ]
     engine.close_session(sid)
+
+
+def test_prepare_builds_the_compiler_on_the_grammar_thread_and_says_when_it_is_done(engine: Engine) -> None:
+    """A worker waits for this future before it serves (worker/server/main.py): built beside its
+    first sessions, xgrammar's imports held the GIL and their first chunks waited 100-300 ms."""
+    import xgrammar as xgr
+
+    prepared = engine.grammars.prepare()
+    assert prepared is not None  # SmolLM2's 49,152 tokens are past PREPARE_MIN_VOCAB
+    compiler = prepared.result(timeout=120)
+    assert isinstance(compiler, xgr.GrammarCompiler)
+    again = engine.grammars.prepare()
+    assert again is not None and again.result(timeout=120) is compiler  # built once

@@ -126,15 +126,18 @@ class Grammars:
         self.last_compile_ms = 0.0
         self.compiles = 0
 
-    def prepare(self) -> None:
-        """Build the compiler now, on the grammar thread (a worker calls it at start): xgrammar's
-        tokenizer info holds the GIL while it is built (~0.15 s for SmolLM2's 49 152 tokens), which
-        would otherwise stall the asyncio loop and the engine thread at the first constrained chunk.
-        A vocabulary under `PREPARE_MIN_VOCAB` is left to its first grammar."""
+    def prepare(self) -> Future[object] | None:
+        """Build the compiler now, on the grammar thread (a worker calls it at start, and waits for
+        the future before it serves): importing xgrammar (which imports transformers, ~0.7 s of CPU)
+        and its tokenizer info (~0.15 s for SmolLM2's 49 152 tokens) hold the GIL, which would
+        otherwise stall the asyncio loop and the engine thread at the first constrained chunk, or,
+        left to run beside the first sessions, their first chunks. A vocabulary under
+        `PREPARE_MIN_VOCAB` is left to its first grammar (None)."""
         if self._tokenizer is None or self._tokenizer.vocab_size < PREPARE_MIN_VOCAB:
-            return
+            return None
         with self._lock:
-            self._pool_started().submit(self._ensure_compiler)
+            future: Future[object] = self._pool_started().submit(self._ensure_compiler)
+        return future
 
     def request(self, fmt: ResponseFormat) -> Future[xgr.CompiledGrammar]:
         """The grammar of `fmt`: a done future when cached, else one that resolves once compiled

@@ -80,7 +80,12 @@ def serve(settings: WorkerSettings) -> int:
     except BackendRefused as refused:  # `--attention flashinfer` failed its start-up check
         logger.error("the worker does not start: %s", refused)
         return EXIT_REFUSED
-    engine.grammars.prepare()  # structured output's tokenizer info, built before any chunk needs it
+    # Structured output's compiler, built before the worker serves: built beside the first sessions,
+    # its imports held the GIL for ~0.7 s and their first chunks waited 100-300 ms (docs/benchmarks.md,
+    # "A fresh worker's first second").
+    prepared = engine.grammars.prepare()
+    if prepared is not None and (failed := prepared.exception()) is not None:
+        logger.warning("the grammar compiler not built at start (%s): the first grammar builds it", failed)
     runtime = WorkerRuntime(settings, engine)
     config = uvicorn.Config(
         create_worker_app(runtime),
