@@ -202,9 +202,9 @@ def test_smollm2_as_int4_gives_the_float_paths_reply_nearly_its_logprobs(gguf_pa
     noise: rounding differences of 1e-7 (torch's norm or the native one) move int4's margin by as
     much, and its greedy answer with them (docs/benchmarks.md, "The decoder's row ops in C"). So the
     check is the quality measure's (loadtest/weight_quality.py): along the float path's reply, each
-    token's logprob under int4 within 0.35 of the float path's (measured 0.16 with the native row
-    ops, 0.05 with torch's, both at that first token, at most 0.03 after it; a margin of +-0.4 at a
-    two-way tie moves a logprob by up to ~0.26)."""
+    token's logprob under int4 within 0.35 of the float path's (measured 0.05-0.16 at that first
+    token across the row ops tried, at most 0.03 after it; a margin of +-0.4 at a two-way tie moves
+    a logprob by up to ~0.26)."""
     system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     reference = FormModel("smollm2-135m", "float", 128)
     tokenizer = reference.tokenizer

@@ -1,11 +1,11 @@
 /* The decoder's row-wise float ops between its matrices, for the quantised forms on the CPU
- * (worker/model/row_ops_native.py): a residual add fused with the RMS norm that follows it, the
- * rotary embedding of q and k in place, SiLU(gate) x up.
+ * (worker/model/row_ops_native.py): a residual add fused with the RMS norm that follows it, and the
+ * rotary embedding of q and k in place. (SiLU(gate) x up stays torch's: worker/model/row_ops.py.)
  *
- * Why it exists: at a decode step's one row torch spends ~10-35 us of dispatch on each of these
- * (`F.rms_norm` alone is eight ATen ops), ~1.4 ms of a ~10 ms SmolLM2 step on the Zen 4 VM and
- * ~3 of ~12.7 on the Zen 3 one (docs/benchmarks.md, "The next lever in a decode step"); here each
- * is one call.
+ * Why it exists: at a decode step's one row torch spends ~8-35 us of dispatch on each of these
+ * (`F.rms_norm` alone is eight ATen ops), ~0.9 ms of a ~10 ms SmolLM2 step on the Zen 4 VM and
+ * ~2.5 of ~12.7 on the Zen 3 one (docs/benchmarks.md, "The next lever in a decode step"); here
+ * each is one call.
  *
  * Invariants (the engine's promise: a session's tokens do not depend on its batch or its chunking,
  * nor on its worker's CPU):
@@ -15,9 +15,8 @@
  *   same bits;
  * - the rotation and the residual add give torch's bits (each product and sum rounded once, as
  *   `apply_rotary` and `x + y` do; the file is built with -ffp-contract=off); the norm's sum of
- *   squares (8 lanes, then the lanes in a fixed tree) and SiLU's exp (a Cephes-style polynomial,
- *   within ~2 ulp) are this file's own, which is why the `float` form, held to transformers' bits,
- *   keeps torch's ops.
+ *   squares (8 lanes, then the lanes in a fixed tree) is this file's own, which is why the `float`
+ *   form, held to transformers' bits, keeps torch's ops.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -68,41 +67,6 @@ __attribute__((target("avx2,fma"))) static void add_rms_norm(float *x, const flo
         for (int64_t i = 0; i < cols; i += LANES) {
             const __m256 normed = _mm256_mul_ps(_mm256_loadu_ps(row + i), scale);
             _mm256_storeu_ps(out + r * cols + i, _mm256_mul_ps(normed, _mm256_loadu_ps(weight + i)));
-        }
-    }
-}
-
-/* exp(x) for 8 floats: x = n ln2 + f (n = round(x log2 e), ln2 in two parts), e^f by Cephes' degree-6
- * polynomial, times 2^n built in the exponent's bits. x is clamped to [-87.3, 88.0], so 2^n stays a
- * normal float; a NaN stays NaN (min and max return their second operand when one is NaN). */
-__attribute__((target("avx2,fma"))) static __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
-    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
-}
-
-/* out[r] = silu(g) * u with g = gate_up[r, :inter], u = gate_up[r, inter:], silu(g) = g / (1 + exp(-g)). */
-__attribute__((target("avx2,fma"))) static void silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * 2 * inter;
-        const float *up = gate + inter;
-        for (int64_t i = 0; i < inter; i += LANES) {
-            const __m256 g = _mm256_loadu_ps(gate + i);
-            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
-            _mm256_storeu_ps(out + r * inter + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
         }
     }
 }
@@ -164,23 +128,6 @@ static PyObject *py_add_rms_norm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_ssize_t gate_up_at, out_at;
-    long long rows, inter;
-    if (!PyArg_ParseTuple(args, "nLLn", &gate_up_at, &rows, &inter, &out_at) || !check_cpu()) {
-        return NULL;
-    }
-    if (rows < 0 || inter <= 0 || inter % LANES) {
-        PyErr_Format(PyExc_ValueError, "silu_mul: bad shape rows=%lld inter=%lld", rows, inter);
-        return NULL;
-    }
-#ifdef ROW_OPS_X86
-    silu_mul((const float *)gate_up_at, rows, inter, (float *)out_at);
-#endif
-    Py_RETURN_NONE;
-}
-
 static PyObject *py_rotate(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t qkv_at, cos_at, sin_at;
@@ -205,7 +152,6 @@ static PyMethodDef methods[] = {
     {"supported", supported, METH_NOARGS, "Whether this CPU runs the row ops (AVX2 and FMA)."},
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS,
      "x += add (add 0: none), out = rms_norm(x) * weight, row by row; addresses as ints."},
-    {"silu_mul", py_silu_mul, METH_VARARGS, "out = silu(gate) * up of [rows, 2 * inter] gate_up; addresses as ints."},
     {"rotate", py_rotate, METH_VARARGS, "The rotary embedding of each row's first heads, in place; addresses as ints."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,5 +1,5 @@
-"""The decoder's row-wise ops as one C call each (worker/model/row_ops.c, the `_row_ops` extension
-pip builds), for the quantised forms on a CPU with AVX2 and FMA: the `RowOps` interface
+"""The decoder's norms and rotation as one C call each (worker/model/row_ops.c, the `_row_ops`
+extension pip builds), for the quantised forms on a CPU with AVX2 and FMA: the `RowOps` interface
 (worker/model/row_ops.py) over float32 contiguous rows.
 
 Each call hands the extension its tensors' addresses; the outputs are allocated here, the residual
@@ -73,11 +73,3 @@ class NativeRowOps(RowOps):
             signed_sin.data_ptr(),
         )
         return self.split(qkv)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        assert OPS is not None
-        gate_up = _float32_rows(gate_up)
-        inter = gate_up.shape[1] // 2
-        out = gate_up.new_empty(gate_up.shape[0], inter)
-        OPS.silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr())
-        return out
