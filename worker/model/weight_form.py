@@ -25,8 +25,8 @@
   0.029; with the block kernels (AVX2 VM: q4 x q8 layers, q8 x q8 output projection, a second
   activation level in outlier groups) 232/240 and 216/240 against llama.cpp's 88/240 and 188/240,
   and mean |logprob difference| 0.012 (at worst 0.11) against llama.cpp's 0.031 (0.27); with the
-  native row ops (2026-11-28, Zen 4 VM) 219/240 and 195/240 against llama.cpp's 66/240 and 214/240,
-  0.012 (0.13) against 0.029 (0.25), every greedy divergence at a token the float path itself
+  native row ops (2026-11-28, Zen 4 VM) 240/240 and 201/240 against llama.cpp's 66/240 and 214/240,
+  0.012 (0.10) against 0.029 (0.25), every greedy divergence at a token the float path itself
   chose by under 0.1 logits ("The decoder's row ops in C"). A float
   checkpoint stays `float` (requantising it is a choice `--weights int4` makes explicitly).
   On CUDA `auto` stays `float` (bf16 `F.linear` on tensor cores): the weight-only kernels read
