@@ -4,16 +4,19 @@ the copy did not cover. Two real tiny engines; the format check says which pages
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
 
+import numpy as np
 import pytest
+import torch
 
 from shared.errors import CapacityExhausted
 from shared.protocol.kv_copy import KVFormat
 from shared.protocol.messages import OpenConfig
 from worker.engine import Engine
-from worker.engine.memory.kv_transfer import KVExport
+from worker.engine.memory.kv_transfer import FINGERPRINT_SAMPLE, KVExport, _samples
 from worker.tokenizer.incremental import EMPTY_TAIL
 
 CONFIG = OpenConfig(stop_token_ids=(), max_output_tokens=3)
@@ -153,3 +156,16 @@ def test_a_session_parked_on_the_host_tier_is_exported_from_there(target: Engine
         moved = target.run_turn(sid, tokens=TURNS[5], seq=6, timeout=60)
         stayed = small.run_turn("parked", tokens=TURNS[5], seq=6, timeout=60)
         assert moved.tokens == stayed.tokens
+
+
+def test_read_only_stored_blocks_are_fingerprinted_without_a_warning() -> None:
+    """A GGUF's blocks are a read-only mapping: handed whole to torch, they made it warn of undefined
+    behaviour at every worker start. Only a copied sample of them reaches torch now."""
+    blocks = np.arange(3 * 50_000, dtype=np.uint8).reshape(3, 50_000)
+    blocks.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        [(name, shape, dtype, sample)] = list(_samples("w", blocks))
+    assert (name, shape, dtype) == ("w", (3, 50_000), torch.uint8)
+    step = blocks.size // FINGERPRINT_SAMPLE
+    assert torch.equal(sample, torch.from_numpy(blocks.reshape(-1)[::step][:FINGERPRINT_SAMPLE].copy()))

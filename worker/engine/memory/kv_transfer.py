@@ -119,25 +119,30 @@ def model_fingerprint(config: ModelConfig, weights: ModelWeights, row_ops: str) 
     ]
     for i, layer in enumerate(weights.layers):
         parts += [(f"{i}.{f.name}", getattr(layer, f.name)) for f in fields(layer)]
-    for name, tensor in (t for part in parts for t in _tensors(*part)):
-        flat = tensor.detach().reshape(-1)
-        step = max(flat.numel() // FINGERPRINT_SAMPLE, 1)
-        sample = flat[::step][:FINGERPRINT_SAMPLE].to("cpu", torch.float32).contiguous()
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(sample.numpy().tobytes())
+    for name, shape, dtype, sample in (t for part in parts for t in _samples(*part)):
+        digest.update(f"{name}{shape}{dtype}".encode())
+        digest.update(sample.to("cpu", torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()[:32]
 
 
-def _tensors(name: str, value: object) -> Iterator[tuple[str, torch.Tensor]]:
-    """The arrays a weight holds, named by their path: a tensor itself, or those of a weight form
+def _samples(name: str, value: object) -> Iterator[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor]]:
+    """The arrays a weight holds, named by their path, each as its shape, its dtype and up to
+    FINGERPRINT_SAMPLE of its elements, evenly strided: a tensor itself, or those of a weight form
     (worker/model/linear.py, embedding.py: dataclasses of tensors or stored GGUF blocks), its
-    class named in the path so two forms of one matrix never match."""
+    class named in the path so two forms of one matrix never match. A stored block array is sampled
+    in numpy and only the sample handed to torch: the blocks are read-only (the GGUF's mapping),
+    and torch warns at every start for a read-only array it is given."""
     if value is None:
         return
     if isinstance(value, torch.Tensor):
-        yield name, value
+        flat = value.detach().reshape(-1)
+        step = max(flat.numel() // FINGERPRINT_SAMPLE, 1)
+        yield name, tuple(value.shape), value.dtype, flat[::step][:FINGERPRINT_SAMPLE]
     elif isinstance(value, np.ndarray):
-        yield name, torch.from_numpy(value)
+        flat_array = value.reshape(-1)
+        step = max(flat_array.size // FINGERPRINT_SAMPLE, 1)
+        sample = torch.from_numpy(np.array(flat_array[::step][:FINGERPRINT_SAMPLE], copy=True))
+        yield name, tuple(value.shape), sample.dtype, sample
     elif is_dataclass(value):
         for f in fields(value):
-            yield from _tensors(f"{name}.{type(value).__name__}.{f.name}", getattr(value, f.name))
+            yield from _samples(f"{name}.{type(value).__name__}.{f.name}", getattr(value, f.name))
