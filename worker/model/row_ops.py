@@ -57,15 +57,20 @@ class RowOps(ABC):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def split(self, qkv: torch.Tensor, rotated: torch.Tensor | None = None) -> QKV:
-        """q, k, v as views: q and k of `rotated` (the first heads + kv_heads head vectors of each
-        row) where given, else of `qkv`; v always of `qkv`."""
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the fused projection's output [tokens, columns]: q and k together [tokens,
+        heads + kv_heads, head_dim] (the vectors the rotation turns), and v [tokens, kv_heads,
+        head_dim]."""
         c = self.config
         tokens = qkv.shape[0]
         q_and_k = (c.num_heads + c.num_kv_heads) * c.head_dim
-        source = qkv if rotated is None else rotated
-        qk = source.narrow(-1, 0, q_and_k).view(tokens, c.num_heads + c.num_kv_heads, c.head_dim)
+        qk = qkv.narrow(1, 0, q_and_k).view(tokens, c.num_heads + c.num_kv_heads, c.head_dim)
         v = qkv.narrow(1, q_and_k, c.num_kv_heads * c.head_dim).view(tokens, c.num_kv_heads, c.head_dim)
+        return qk, v
+
+    def heads(self, qk: torch.Tensor, v: torch.Tensor) -> QKV:
+        """q and k as views of `qk` [tokens, heads + kv_heads, head_dim], with v."""
+        c = self.config
         return qk.narrow(1, 0, c.num_heads), qk.narrow(1, c.num_heads, c.num_kv_heads), v
 
 
@@ -81,8 +86,5 @@ class TorchRowOps(RowOps):
         return x, self.norm(x, weight)
 
     def rotate(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> QKV:
-        c = self.config
-        heads = c.num_heads + c.num_kv_heads
-        qk = qkv.narrow(1, 0, heads * c.head_dim).view(qkv.shape[0], heads, c.head_dim)
-        rotated = apply_rotary(qk, cos, signed_sin)
-        return self.split(qkv, rotated.view(qkv.shape[0], -1))
+        qk, v = self.split(qkv)
+        return self.heads(apply_rotary(qk, cos, signed_sin), v)

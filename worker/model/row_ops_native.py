@@ -72,4 +72,4 @@ class NativeRowOps(RowOps):
             cos.data_ptr(),
             signed_sin.data_ptr(),
         )
-        return self.split(qkv)
+        return self.heads(*self.split(qkv))
