@@ -53,6 +53,8 @@ BENCH_MODEL: Final = "tiny"
 LOG_KEEP_RECORDS: Final = 64
 # The weight and KV dtypes an engine runs in, by torch's names (worker/engine/engine.py maps them).
 DTYPE_NAMES: Final = ("float32", "bfloat16", "float16")
+# `--kv-dtype`: what the KV pool holds (worker/attention/kv_dtype.py resolves `auto`).
+KV_DTYPES: Final = ("auto", *DTYPE_NAMES)
 # A rebalance's smallest gap: at a gap of 1, two workers one session apart would trade it back and
 # forth (worker/server/rebalance.py).
 REBALANCE_MIN_GAP: Final = 2
@@ -118,6 +120,15 @@ class EngineSettings:
             "int4 for a Q4 GGUF on the CPU, else float), float (dequantised, exact), int8 (per-row "
             "int8), int4 (GGUF Q4_0/Q4_1 as stored; on CUDA both are weight-only Triton kernels)",
             "choices": WEIGHT_FORMS,
+        },
+    )
+    kv_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "what the KV pool holds: auto (float16 on the CPU for the int4 and int8 weight forms, "
+            "else the model's dtype), float32, bfloat16 or float16 (a narrower pool than --dtype on the "
+            "CPU only)",
+            "choices": KV_DTYPES,
         },
     )
     kv_tokens: int = field(default=0, metadata={"help": "KV capacity in tokens; 0 sizes it automatically"})

@@ -38,7 +38,13 @@ def threads() -> Iterator[int]:
 
 
 def logits_by_steps(
-    model: LlamaModel, tokens: torch.Tensor, pieces: Sequence[int], pages: list[int], neighbour: bool
+    model: LlamaModel,
+    tokens: torch.Tensor,
+    pieces: Sequence[int],
+    pages: list[int],
+    *,
+    neighbour: bool,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Every position's logits, the session fed in `pieces`; with `neighbour`, each step also feeds
     3 tokens of another session on scattered pages."""
@@ -49,12 +55,16 @@ def logits_by_steps(
         page_size=PAGE,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        dtype=torch.float32,
+        dtype=kv_dtype,
         device=CPU,
         layout=TorchAttention.kv_layout,
     )
     attention = TorchAttention(
-        pool, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
+        pool,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=torch.float32,
     )
     other_pages = list(range(POOL_PAGES - 1, POOL_PAGES - 1 - 3 * len(pieces), -3))
     logits, start = [], 0
@@ -74,8 +84,20 @@ def logits_by_steps(
     return torch.cat(logits)
 
 
-@pytest.mark.parametrize("form", ["float", "int4", "int8"])
-def test_a_positions_logits_do_not_depend_on_how_its_history_was_chunked(form: str, threads: int) -> None:
+@pytest.mark.parametrize(
+    ("form", "kv_dtype"),
+    [
+        ("float", torch.float32),
+        ("int4", torch.float32),
+        ("int8", torch.float32),
+        # `--kv-dtype auto`'s pool for the quantised forms (worker/attention/kv_dtype.py)
+        ("int4", torch.float16),
+        ("int8", torch.float16),
+    ],
+)
+def test_a_positions_logits_do_not_depend_on_how_its_history_was_chunked(
+    form: str, kv_dtype: torch.dtype, threads: int
+) -> None:
     assert blas_is_row_invariant(), "MKL sums a row by the product's shape (worker/numerics.py)"
     loaded = load_model("tiny", device=CPU, dtype=torch.float32, weights=form)
     model = LlamaModel(loaded.config, loaded.weights, device=CPU, dtype=torch.float32)
@@ -83,9 +105,9 @@ def test_a_positions_logits_do_not_depend_on_how_its_history_was_chunked(form: s
     contiguous = list(range(POOL_PAGES // 2))
     scattered = [3 * i + 1 for i in range(POOL_PAGES // 3)]
     torch.set_num_threads(threads)
-    whole = logits_by_steps(model, tokens, (LENGTH,), contiguous, neighbour=False)
+    whole = logits_by_steps(model, tokens, (LENGTH,), contiguous, neighbour=False, kv_dtype=kv_dtype)
     torch.set_num_threads(1)
-    streamed = logits_by_steps(model, tokens, PIECES, scattered, neighbour=True)
+    streamed = logits_by_steps(model, tokens, PIECES, scattered, neighbour=True, kv_dtype=kv_dtype)
     assert torch.equal(whole, streamed)
 
 
@@ -136,8 +158,9 @@ def test_smollm2_under_auto_is_int4_and_streams_as_it_answers_whole() -> None:
     except FileNotFoundError as error:
         pytest.skip(str(error))
     with Engine.load("smollm2-135m", kv_tokens=1024, host_kv_tokens=0) as engine:
-        # Served quantised (int4 reads ~91 MiB a step, float ~513 MiB).
+        # Served quantised (int4 reads ~91 MiB a step, float ~513 MiB), its KV in float16.
         assert engine.weight_bytes_per_step < 2 * sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+        assert engine.kv_format.dtype == "float16"
         tokenizer = engine.tokenizer
         assert tokenizer is not None
         prompt = tokenizer.encode(tokenizer.chat_prompt("Name three rivers in Europe."))

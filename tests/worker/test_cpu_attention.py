@@ -29,6 +29,7 @@ def make(
     dim: int,
     page: int,
     pages: int = 64,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> CpuAttention | TorchAttention:
     pool = KVPool(
         num_layers=1,
@@ -36,11 +37,11 @@ def make(
         page_size=page,
         num_kv_heads=kv_heads,
         head_dim=dim,
-        dtype=torch.float32,
+        dtype=kv_dtype,
         device=CPU,
         layout=backend.kv_layout,
     )
-    return backend(pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
+    return backend(pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32)
 
 
 def feed(
@@ -84,13 +85,14 @@ def first_row(
     heads: int,
     kv_heads: int,
     page: int,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Row 0's outputs over `steps` on a fresh CPU kernel pool, on `threads` intra-op threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         dim = history[0][0].shape[2]
-        attention = make(CpuAttention, heads=heads, kv_heads=kv_heads, dim=dim, page=page)
+        attention = make(CpuAttention, heads=heads, kv_heads=kv_heads, dim=dim, page=page, kv_dtype=kv_dtype)
         return feed(attention, tables, steps, history)[0]
     finally:
         torch.set_num_threads(before)
@@ -139,13 +141,18 @@ def test_ragged_paged_steps_match_dense_attention(heads: int, kv_heads: int, dim
 
 
 @needs_kernel
-def test_a_rows_outputs_are_the_same_bits_however_its_history_was_chunked_batched_or_threaded() -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_rows_outputs_are_the_same_bits_however_its_history_was_chunked_batched_or_threaded(
+    kv_dtype: torch.dtype,
+) -> None:
     heads, kv_heads, dim, page = 9, 3, 64, 16
     q, k, v = histories([75, 75, 20], heads, kv_heads, dim, seed=1)
     tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 20))]
 
     def row_zero(steps: list[list[tuple[int, int]]], threads: int) -> torch.Tensor:
-        return first_row(steps, threads, tables, (q, k, v), heads=heads, kv_heads=kv_heads, page=page)
+        return first_row(
+            steps, threads, tables, (q, k, v), heads=heads, kv_heads=kv_heads, page=page, kv_dtype=kv_dtype
+        )
 
     whole = row_zero([[(0, 75)]], 1)
     # Micro-turns of 1, 7 and 33 tokens; beside other rows (a long prefill, decodes); on 2 threads.
@@ -177,6 +184,53 @@ def test_long_rows_read_in_blocks_keep_the_same_bits_and_dense_attentions_number
     assert torch.allclose(whole.double(), dense(q[0], k[0], v[0]), atol=2e-6)
 
 
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(CpuAttention, marks=needs_kernel, id="cpu"),
+        pytest.param(TorchAttention, id="torch"),
+    ],
+)
+def test_a_float16_pool_holds_the_rounded_keys_and_values_and_gives_the_float_pools_bits_on_them(
+    backend: type[CpuAttention] | type[TorchAttention],
+) -> None:
+    """`--kv-dtype float16` (worker/attention/kv_dtype.py): a key or value is rounded once, as it is
+    written, and read back exactly, so every output is what the float32 pool gives the rounded
+    history, bit for bit, past a key block and across pages out of order."""
+    heads, kv_heads, dim = 9, 3, 64
+    q, k, v = histories([70, 150, 3], heads, kv_heads, dim, seed=4)
+    k[1][7, 1, 3] = 1e-6  # a float16 subnormal
+    tables = scattered_tables(3, 12, 40)
+    steps = [[(0, 17), (1, 100), (2, 1)], [(0, 1), (1, 50), (2, 2)], [(0, 52)]]
+    half = make(backend, heads=heads, kv_heads=kv_heads, dim=dim, page=16, pages=40, kv_dtype=torch.float16)
+    full = make(backend, heads=heads, kv_heads=kv_heads, dim=dim, page=16, pages=40)
+    rounded = ([t.half().float() for t in k], [t.half().float() for t in v])
+    assert not torch.equal(torch.cat(k), torch.cat(rounded[0]))  # the rounding changes the history
+    outputs = zip(feed(half, tables, steps, (q, k, v)), feed(full, tables, steps, (q, *rounded)), strict=True)
+    for ours, theirs in outputs:
+        assert torch.equal(ours, theirs)
+    assert torch.equal(half.kv_pool.buffer, full.kv_pool.buffer.half())
+
+
+@needs_kernel
+def test_the_kernel_and_the_torch_reference_write_the_same_float16_bytes() -> None:
+    """A KV copy or a host-tier page means the same bytes under either CPU backend."""
+    heads, kv_heads, dim = 4, 2, 32
+    q, k, v = histories([40, 9], heads, kv_heads, dim, seed=5)
+    k[0][3, 0, 0] = 70000.0  # past float16's range: inf in both
+    v[1][2, 1, 4] = -3e-8  # below its smallest subnormal: -0 in both
+    tables = scattered_tables(2, 4, 10)
+    steps = [[(0, 33), (1, 9)], [(0, 7)]]
+    pools = []
+    for backend in (CpuAttention, TorchAttention):
+        attention = make(
+            backend, heads=heads, kv_heads=kv_heads, dim=dim, page=16, pages=10, kv_dtype=torch.float16
+        )
+        feed(attention, tables, steps, (q, k, v))
+        pools.append(attention.kv_pool.buffer.view(torch.int16))
+    assert torch.equal(pools[0], pools[1])
+
+
 class Avx2Attention(CpuAttention):
     """The kernel held to its AVX2 path where the CPU has AVX-512."""
 
@@ -194,20 +248,23 @@ def test_the_avx512_path_gives_the_avx2_paths_bits(heads: int, kv_heads: int, di
     q, k, v = histories([70, 300, 5], heads, kv_heads, dim, seed=heads)
     tables = scattered_tables(3, 20, 64)
     steps = [[(0, 17), (1, 100), (2, 1)], [(0, 1), (1, 150), (2, 3)], [(0, 52), (1, 50), (2, 1)]]
-    for threads in (1, 2):
+    for threads, kv_dtype in ((1, torch.float32), (2, torch.float32), (2, torch.float16)):
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             outputs = [
                 feed(
-                    make(backend, heads=heads, kv_heads=kv_heads, dim=dim, page=16), tables, steps, (q, k, v)
+                    make(backend, heads=heads, kv_heads=kv_heads, dim=dim, page=16, kv_dtype=kv_dtype),
+                    tables,
+                    steps,
+                    (q, k, v),
                 )
                 for backend in (Avx2Attention, CpuAttention)
             ]
         finally:
             torch.set_num_threads(before)
         for row, (narrow, wide) in enumerate(zip(*outputs, strict=True)):
-            assert torch.equal(narrow, wide), (row, threads)
+            assert torch.equal(narrow, wide), (row, threads, kv_dtype)
 
 
 @needs_kernel
@@ -234,7 +291,9 @@ def test_the_kernel_agrees_with_the_torch_reference_as_the_start_up_check_asks()
     from worker.attention.self_check import compare_with_torch
 
     for shape in ((9, 3, 64, 16), (4, 2, 32, 4), (8, 8, 128, 16)):
-        assert compare_with_torch(CpuAttention, AttentionShape(CPU, torch.float32, *shape)) is None
+        for kv_dtype in (torch.float32, torch.float16):
+            checked = AttentionShape(CPU, torch.float32, *shape, kv_dtype=kv_dtype)
+            assert compare_with_torch(CpuAttention, checked) is None
 
 
 @needs_kernel
@@ -252,6 +311,8 @@ def test_the_kernel_says_why_it_cannot_serve_a_shape() -> None:
     assert CpuAttention.unavailable(bf16) is not None
     odd_head = AttentionShape(CPU, torch.float32, 9, 3, 60, 16)
     assert CpuAttention.unavailable(odd_head) is not None
+    bf16_pool = AttentionShape(CPU, torch.float32, 9, 3, 64, 16, kv_dtype=torch.bfloat16)
+    assert "float32 or float16" in (CpuAttention.unavailable(bf16_pool) or "")
 
 
 def test_the_extension_is_built_on_an_avx2_machine() -> None:

@@ -130,6 +130,8 @@ def test_the_format_tells_other_weights_page_sizes_and_dtypes_apart(source: Engi
         assert ours.mismatch(other.kv_format) == "model"
     with Engine.load("tiny", kv_tokens=256, host_kv_tokens=0, page_size=32) as paged:
         assert paged.kv_format.model == ours.model and ours.mismatch(paged.kv_format) == "page_size"
+    with Engine.load("tiny", kv_tokens=256, host_kv_tokens=0, kv_dtype="float16") as half:
+        assert half.kv_format.model == ours.model and ours.mismatch(half.kv_format) == "dtype"
     assert (
         ours.mismatch(KVFormat(ours.model, "bfloat16", ours.page_size, ours.layout, ours.page_bytes))
         == "dtype"
@@ -169,3 +171,20 @@ def test_read_only_stored_blocks_are_fingerprinted_without_a_warning() -> None:
     assert (name, shape, dtype) == ("w", (3, 50_000), torch.uint8)
     step = blocks.size // FINGERPRINT_SAMPLE
     assert torch.equal(sample, torch.from_numpy(blocks.reshape(-1)[::step][:FINGERPRINT_SAMPLE].copy()))
+
+
+def test_float16_pages_move_between_two_float16_workers_and_answer_as_the_session_would_have() -> None:
+    """`--kv-dtype float16` (auto's choice for the quantised forms on the CPU): the copy carries the
+    pool's own half-width pages, and the session continues on the target as it would have here."""
+    with (
+        Engine.load("tiny", kv_tokens=4096, host_kv_tokens=0, kv_dtype="float16") as here,
+        Engine.load("tiny", kv_tokens=4096, host_kv_tokens=4096, kv_dtype="float16") as there,
+    ):
+        history, export = served(here, "half")
+        assert export.data.dtype == torch.float16
+        kept = import_into(there, "half", export, history=history, accepted_seq=5).result(timeout=60)
+        assert kept == len(export.tokens) >= len(history) - 1
+        there.open_session(session_id="half", config=CONFIG, history=history, accepted_seq=5, adopt=True)
+        moved = there.run_turn("half", tokens=TURNS[5], seq=6, timeout=60)
+        stayed = here.run_turn("half", tokens=TURNS[5], seq=6, timeout=60)
+        assert moved.tokens == stayed.tokens

@@ -55,11 +55,16 @@ class AttentionShape:
     """What choosing and checking a backend needs to know of the model and the pool."""
 
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's: what the queries and outputs are
     num_heads: int
     num_kv_heads: int
     head_dim: int
     page_size: int
+    kv_dtype: torch.dtype | None = None  # the KV pool's (worker/attention/kv_dtype.py); None: `dtype`
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
 
 def paged_metadata(
@@ -105,11 +110,22 @@ class AttentionBackend(ABC):
         that says why."""
         return None
 
-    def __init__(self, kv_pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """`dtype` is the model's, which the queries, outputs and arithmetic are in (None: the pool's);
+        the pool may hold its keys and values narrower (`AttentionShape.kv_dtype`)."""
         self.kv_pool = kv_pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.dtype = dtype or kv_pool.buffer.dtype
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata) -> None:

@@ -1,5 +1,6 @@
 """Paged attention for the CPU in one C call per layer (cpu_kernel.c, the `_cpu_kernel` extension pip
-builds); `auto`'s choice on a CPU with AVX2 and FMA.
+builds); `auto`'s choice on a CPU with AVX2, FMA and F16C. Its pool holds float32, or float16
+(`--kv-dtype`, worker/attention/kv_dtype.py), computed on as float32 either way.
 
 It reads the same head-major pool as the torch reference (so a KV copy or a host-tier page means the
 same bytes under either backend) straight from the rows' pages, with no gather, no padding and no
@@ -23,7 +24,7 @@ from worker.attention.base import AttentionBackend, AttentionMetadata, Attention
 from worker.native import load_extension
 
 # KERNEL is None where it does not run, and UNAVAILABLE_REASON says why (empty where it runs).
-KERNEL, UNAVAILABLE_REASON = load_extension("worker.attention._cpu_kernel", needs="AVX2 or FMA")
+KERNEL, UNAVAILABLE_REASON = load_extension("worker.attention._cpu_kernel", needs="AVX2, FMA or F16C")
 
 
 class CpuAttention(AttentionBackend):
@@ -43,6 +44,8 @@ class CpuAttention(AttentionBackend):
             return UNAVAILABLE_REASON
         if shape.device.type != "cpu" or shape.dtype != torch.float32:
             return f"it runs float32 on the CPU only, not {shape.dtype} on {shape.device.type}"
+        if shape.pool_dtype not in (torch.float32, torch.float16):
+            return f"its KV pool holds float32 or float16, not {shape.pool_dtype}"
         group = shape.num_heads // shape.num_kv_heads
         if shape.head_dim % 32 or not 32 <= shape.head_dim <= 256 or group > 16:
             return (
@@ -91,6 +94,7 @@ class CpuAttention(AttentionBackend):
             self.kv_pool.page_size,
             out.data_ptr(),
             torch.get_num_threads(),
+            keys.dtype == torch.float16,
             self.WIDE,
         )
         return out

@@ -22,7 +22,10 @@
  *
  * Layouts: q [tokens, heads, dim] and the new k, v [tokens, kv_heads, dim], each with its own token
  * stride (heads and dim contiguous); the pool per layer [kv_heads, pool_slots, dim] (page p holds
- * slots p * page_size ...); out [tokens, heads, dim] contiguous. Query head h * group + g reads KV head
+ * slots p * page_size ...), float32 or float16 (`half`: the new keys and values rounded to nearest even
+ * as they are written, each block of rows converted back to floats exactly as a job reads it, so the
+ * arithmetic and its invariants are the float pool's, on the rounded values); out [tokens, heads, dim]
+ * contiguous. Query head h * group + g reads KV head
  * h (GQA). Row r feeds tokens qo_indptr[r] .. qo_indptr[r + 1] - 1, the last kv_lens[r] - 1 positions
  * of its KV, in pages pages[page_indptr[r] ...]; its query j sees positions 0 .. kv_len - q_len + j.
  */
@@ -62,9 +65,10 @@ typedef struct {
     int64_t k_stride;
     const float *v_new;
     int64_t v_stride;
-    float *keys;
-    float *values;
+    void *keys;   /* float, or float16 where `half` */
+    void *values;
     int64_t pool_slots;
+    int half; /* the pool holds float16 (IEEE binary16): written rounded to nearest even, read exactly */
     const int32_t *qo_indptr;
     const int32_t *kv_lens;
     const int32_t *page_indptr;
@@ -78,7 +82,7 @@ typedef struct {
 } Step;
 
 #ifdef CPU_KERNEL_X86
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 AVX2 static inline float sum8(__m256 v) {
     __m128 low = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -129,10 +133,25 @@ typedef struct {
     int64_t offset; /* its slot in that page */
 } RowCursor;
 
-/* The next `count` positions' rows (`dim` floats each) of the head whose pool starts at `head`. */
-static inline void next_rows(RowCursor *at, const float *head, int64_t dim, int64_t count, const float **rows) {
+/* The next `count` positions' rows (`dim` values each) of the head whose pool starts at `head`: in
+ * place where the pool holds floats; where it holds float16, each row converted into `converted`
+ * (count x dim floats), exactly (every float16 is a float), so what follows runs the float pool's
+ * arithmetic on the same values. */
+AVX2 static inline __attribute__((always_inline)) void next_rows(RowCursor *at, const void *head, int half,
+                                                                 int64_t dim, int64_t count, float *converted,
+                                                                 const float **rows) {
     for (int64_t i = 0; i < count; i++) {
-        rows[i] = head + ((int64_t)at->pages[at->page] * at->page_size + at->offset) * dim;
+        const int64_t slot = (int64_t)at->pages[at->page] * at->page_size + at->offset;
+        if (half) {
+            const uint16_t *from = (const uint16_t *)head + slot * dim;
+            float *to = converted + i * dim;
+            for (int64_t c = 0; c < dim; c += 8) {
+                _mm256_storeu_ps(to + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from + c))));
+            }
+            rows[i] = to;
+        } else {
+            rows[i] = (const float *)head + slot * dim;
+        }
         if (++at->offset == at->page_size) {
             at->offset = 0;
             at->page++;
@@ -364,8 +383,10 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     const int64_t last_visible = first_visible + count - 1;
     const int64_t stride = (last_visible + 7) & ~(int64_t)7; /* a (query, head)'s scores in `scores` */
     const int32_t *row_pages = s->pages + s->page_indptr[row];
-    const float *head_keys = s->keys + h * s->pool_slots * dim;
-    const float *head_values = s->values + h * s->pool_slots * dim;
+    const int64_t value_bytes = s->half ? 2 : 4;
+    const void *head_keys = (const char *)s->keys + h * s->pool_slots * dim * value_bytes;
+    const void *head_values = (const char *)s->values + h * s->pool_slots * dim * value_bytes;
+    float converted[KEY_BLOCK * MAX_DIM]; /* a float16 pool's block of rows, as floats */
     const float scale = 1.0f / sqrtf((float)dim);
     static const float zeros[MAX_DIM] = {0};
     const float *slot[KEY_BLOCK]; /* the block's key (then value) rows in the pool */
@@ -395,7 +416,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
         const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
         const int64_t block_end = block + in_block;
-        next_rows(&keys, head_keys, dim, in_block, slot);
+        next_rows(&keys, head_keys, s->half, dim, in_block, converted, slot);
         for (int64_t i = in_block; i < ((in_block + 7) & ~(int64_t)7); i++) {
             slot[i] = zeros; /* the last block's rows past the row's keys, to a multiple of 8 */
         }
@@ -464,7 +485,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     RowCursor values = {row_pages, s->page_size, 0, 0};
     for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
         const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
-        next_rows(&values, head_values, dim, in_block, slot);
+        next_rows(&values, head_values, s->half, dim, in_block, converted, slot);
         for (int64_t q = 0; q < count; q++) {
             const int64_t visible = first_visible + q;
             const int64_t rows_seen = (block + in_block < visible ? block + in_block : visible) - block;
@@ -539,9 +560,20 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wid
             const int64_t slot = (int64_t)row_pages[position / s->page_size] * s->page_size + position % s->page_size;
             for (int64_t h = 0; h < s->kv_heads; h++) {
                 const size_t at = (size_t)((h * s->pool_slots + slot) * s->dim);
-                memcpy(s->keys + at, s->k_new + (first_token + j) * s->k_stride + h * s->dim, sizeof(float) * s->dim);
-                memcpy(s->values + at, s->v_new + (first_token + j) * s->v_stride + h * s->dim,
-                       sizeof(float) * s->dim);
+                const float *key = s->k_new + (first_token + j) * s->k_stride + h * s->dim;
+                const float *value = s->v_new + (first_token + j) * s->v_stride + h * s->dim;
+                if (s->half) { /* rounded to nearest even, as torch's .to(torch.float16) */
+                    uint16_t *keys = (uint16_t *)s->keys + at, *values = (uint16_t *)s->values + at;
+                    for (int64_t c = 0; c < s->dim; c += 8) {
+                        _mm_storeu_si128((__m128i *)(keys + c),
+                                         _mm256_cvtps_ph(_mm256_loadu_ps(key + c), _MM_FROUND_TO_NEAREST_INT));
+                        _mm_storeu_si128((__m128i *)(values + c),
+                                         _mm256_cvtps_ph(_mm256_loadu_ps(value + c), _MM_FROUND_TO_NEAREST_INT));
+                    }
+                } else {
+                    memcpy((float *)s->keys + at, key, sizeof(float) * s->dim);
+                    memcpy((float *)s->values + at, value, sizeof(float) * s->dim);
+                }
             }
         }
     }
@@ -601,7 +633,7 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wid
 static int cpu_supported(void) {
 #ifdef CPU_KERNEL_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
     return 0;
 #endif
@@ -659,23 +691,23 @@ static int64_t check_rows(const Step *s, int64_t tokens) {
 }
 
 /* attend(q, q_stride, k, k_stride, v, v_stride, tokens, keys, values, pool_slots, qo_indptr, kv_lens,
- * page_indptr, pages, rows, heads, kv_heads, dim, page_size, out, threads[, wide]): addresses as ints,
- * float32 and int32 tensors the caller owns (layouts above); `wide` false keeps the AVX2 path where the
- * CPU has AVX-512 (the same bits: tests compare them). */
+ * page_indptr, pages, rows, heads, kv_heads, dim, page_size, out, threads, half[, wide]): addresses as
+ * ints, float32 and int32 tensors the caller owns (layouts above), the pool float16 where `half` is
+ * true, float32 otherwise; `wide` false keeps the AVX2 path where the CPU has AVX-512 (the same bits:
+ * tests compare them). */
 static PyObject *attend_layer(PyObject *self, PyObject *args) {
     (void)self;
-    Step s;
     Py_ssize_t q, k, v, keys, values, qo, kv_lens, page_indptr, pages, out;
     Py_ssize_t q_stride, k_stride, v_stride, tokens, pool_slots, rows, heads, kv_heads, dim, page_size;
-    int threads;
+    int threads, half;
     int allow_wide = 1;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnni|p", &q, &q_stride, &k, &k_stride, &v, &v_stride, &tokens,
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnnip|p", &q, &q_stride, &k, &k_stride, &v, &v_stride, &tokens,
                           &keys, &values, &pool_slots, &qo, &kv_lens, &page_indptr, &pages, &rows, &heads,
-                          &kv_heads, &dim, &page_size, &out, &threads, &allow_wide)) {
+                          &kv_heads, &dim, &page_size, &out, &threads, &half, &allow_wide)) {
         return NULL;
     }
     if (!cpu_supported()) {
-        PyErr_SetString(PyExc_RuntimeError, "the cpu attention kernel needs AVX2 and FMA");
+        PyErr_SetString(PyExc_RuntimeError, "the cpu attention kernel needs AVX2, FMA and F16C");
         return NULL;
     }
     if (tokens < 1 || rows < 1 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_GROUP || dim < 8 ||
@@ -685,10 +717,28 @@ static PyObject *attend_layer(PyObject *self, PyObject *args) {
                      tokens, rows, heads, kv_heads, dim, page_size);
         return NULL;
     }
-    s = (Step){(const float *)q,     q_stride,  (const float *)k,     k_stride,  (const float *)v,
-               v_stride,             (float *)keys, (float *)values, pool_slots, (const int32_t *)qo,
-               (const int32_t *)kv_lens, (const int32_t *)page_indptr, (const int32_t *)pages, rows, heads,
-               kv_heads,             dim,       page_size,            (float *)out};
+    const Step s = {
+        .q = (const float *)q,
+        .q_stride = q_stride,
+        .k_new = (const float *)k,
+        .k_stride = k_stride,
+        .v_new = (const float *)v,
+        .v_stride = v_stride,
+        .keys = (void *)keys,
+        .values = (void *)values,
+        .pool_slots = pool_slots,
+        .half = half,
+        .qo_indptr = (const int32_t *)qo,
+        .kv_lens = (const int32_t *)kv_lens,
+        .page_indptr = (const int32_t *)page_indptr,
+        .pages = (const int32_t *)pages,
+        .rows = rows,
+        .heads = heads,
+        .kv_heads = kv_heads,
+        .dim = dim,
+        .page_size = page_size,
+        .out = (float *)out,
+    };
     const int64_t longest = check_rows(&s, tokens);
     if (longest < 0) {
         return NULL;
@@ -706,7 +756,7 @@ static PyObject *attend_layer(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"supported", supported, METH_NOARGS, "Whether this CPU runs the kernel (AVX2 and FMA)."},
+    {"supported", supported, METH_NOARGS, "Whether this CPU runs the kernel (AVX2, FMA and F16C)."},
     {"wide", wide, METH_NOARGS, "Whether attend takes its AVX-512 path here (the same bits as AVX2's)."},
     {"attend", attend_layer, METH_VARARGS,
      "Write a step's new K and V into the pool, then attend (cpu_kernel.c's header); addresses as ints."},

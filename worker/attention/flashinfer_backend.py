@@ -31,7 +31,7 @@ from typing import Any, Final
 
 import torch
 
-from worker.attention.base import AttentionBackend, AttentionMetadata
+from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
 from worker.attention.kv_pool import KVPool
 
 # The split-k scratch space flashinfer's documentation recommends for the prefill wrapper.
@@ -45,7 +45,23 @@ class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
     kv_layout = "nhd"
 
-    def __init__(self, kv_pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    @classmethod
+    def unavailable(cls, shape: AttentionShape) -> str | None:
+        if shape.pool_dtype != shape.dtype:
+            return f"its KV pool holds the model's dtype ({shape.dtype}), not {shape.pool_dtype}"
+        return None
+
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if dtype is not None and dtype != kv_pool.buffer.dtype:
+            raise ValueError(f"flashinfer computes in its pool's dtype ({kv_pool.buffer.dtype}), not {dtype}")
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"flashinfer's kernels take head_dim {SUPPORTED_HEAD_DIMS}, not {head_dim}")
         dtype = kv_pool.buffer.dtype

@@ -69,8 +69,10 @@ def compare_with_torch(backend: type[AttentionBackend], shape: AttentionShape) -
             (tokens, num_kv_heads, head_dim),
             (tokens, num_kv_heads, head_dim),
         )
-        # Rounded to the candidate's dtype first, so both sides see exactly the same numbers.
-        inputs.append(tuple(torch.randn(s, generator=generator).to(dtype) for s in shapes))
+        # Rounded to the candidate's dtype first (keys and values to its pool's too, where that is
+        # narrower), so both sides see exactly the same numbers.
+        q, k, v = (torch.randn(s, generator=generator).to(dtype) for s in shapes)
+        inputs.append((q, k.to(shape.pool_dtype).to(dtype), v.to(shape.pool_dtype).to(dtype)))
 
     def pool(layout: str, on: torch.device, pool_dtype: torch.dtype) -> KVPool:
         return KVPool(
@@ -84,19 +86,20 @@ def compare_with_torch(backend: type[AttentionBackend], shape: AttentionShape) -
             layout="nhd" if layout == "nhd" else "head_major",
         )
 
-    heads = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     reference_pool = pool(TorchAttention.kv_layout, torch.device("cpu"), torch.float32)
     expected = _run(
-        TorchAttention(reference_pool, **heads),
+        TorchAttention(reference_pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim),
         reference_pool,
         tables,
         steps,
         [(q.float(), k.float(), v.float()) for q, k, v in inputs],
     )
     try:
-        candidate_pool = pool(backend.kv_layout, device, dtype)
+        candidate_pool = pool(backend.kv_layout, device, shape.pool_dtype)
         got = _run(
-            backend(candidate_pool, **heads),
+            backend(
+                candidate_pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+            ),
             candidate_pool,
             tables,
             steps,

@@ -197,7 +197,7 @@ class TorchAttention(AttentionBackend):
 
     def _work(self, q_len: int, tiles: int, *, filled: bool) -> _Work:
         products = max(self.num_heads // self.num_kv_heads * q_len, MIN_ROWS)
-        like = self.kv_pool.keys(0)
+        like = torch.empty((), dtype=self.dtype, device=self.kv_pool.device)  # computed in the model's dtype
         return _Work.new(self.num_kv_heads, products, tiles, self.head_dim, like, filled=filled)
 
     def _hidden(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
@@ -206,7 +206,7 @@ class TorchAttention(AttentionBackend):
             return None
         queries = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
         hidden = torch.arange(kv_len, device=device).unsqueeze(0) > queries
-        bias = torch.zeros(hidden.shape, dtype=self.kv_pool.keys(0).dtype, device=device)
+        bias = torch.zeros(hidden.shape, dtype=self.dtype, device=device)
         return bias.masked_fill_(hidden, float("-inf")).repeat(self.num_heads // self.num_kv_heads, 1)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -214,8 +214,10 @@ class TorchAttention(AttentionBackend):
         assert plan is not None, "plan() must run before forward()"
         keys = self.kv_pool.keys(layer)  # [kv_heads, slots, dim]
         values = self.kv_pool.values(layer)
-        keys.index_copy_(1, plan.write_slots, k.transpose(0, 1))
-        values.index_copy_(1, plan.write_slots, v.transpose(0, 1))
+        # A narrower pool (float16 keys and values under float32 queries) takes them rounded to nearest
+        # even, as the cpu kernel writes them: either backend's pages are the same bytes.
+        keys.index_copy_(1, plan.write_slots, k.transpose(0, 1).to(keys.dtype))
+        values.index_copy_(1, plan.write_slots, v.transpose(0, 1).to(values.dtype))
 
         out = torch.empty_like(q)
         for row in plan.rows:
@@ -261,6 +263,7 @@ class TorchAttention(AttentionBackend):
             query.view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)
         )
         key = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)
+        key = key.to(self.dtype)  # a narrower pool's keys, exactly (no-op: a pool of the model's dtype)
         columns = kv_len
         if kv_len < MIN_COLUMNS:  # a session's first positions: padded keys, so the same kernels run
             key = torch.constant_pad_nd(key, (0, 0, 0, MIN_COLUMNS - kv_len))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.settings import ON_OFF, WEIGHT_FORMS, EngineSettings, copy_fields
+from shared.settings import KV_DTYPES, ON_OFF, WEIGHT_FORMS, EngineSettings, copy_fields
 from worker.model.presets import TINY_SEED
 
 
@@ -51,6 +51,8 @@ class EngineConfig(EngineSettings):
             )
         if self.weights not in WEIGHT_FORMS:
             raise ValueError(f"weights {self.weights!r} is not one of {', '.join(WEIGHT_FORMS)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
         if self.prefix_cache not in ON_OFF:
             raise ValueError(f"prefix_cache: {self.prefix_cache!r} is not one of {', '.join(ON_OFF)}")
         if not 0 < self.kv_memory_fraction <= 1:

@@ -16,6 +16,7 @@ import torch
 from shared.settings import EngineSettings
 from worker.attention import AttentionShape, choose_backend
 from worker.attention.base import AttentionMetadata, paged_metadata
+from worker.attention.kv_dtype import dtype_name
 from worker.attention.kv_pool import KVPool
 from worker.engine.sampling import SamplingParams, sample
 from worker.model.llama import LlamaModel
@@ -61,6 +62,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         num_pages: int,
+        kv_dtype: torch.dtype | None = None,
         page_size: int,
         attention: str,
         single_thread_max_tokens: int = EngineSettings.cpu_single_thread_max_tokens,
@@ -72,8 +74,9 @@ class ModelRunner:
         self.page_size = page_size
         self.cpu_threads = torch.get_num_threads()
         self.model = LlamaModel(config, loaded.weights, device=device, dtype=dtype)
+        kv_dtype = kv_dtype or dtype
         shape = AttentionShape(
-            device, dtype, config.num_heads, config.num_kv_heads, config.head_dim, page_size
+            device, dtype, config.num_heads, config.num_kv_heads, config.head_dim, page_size, kv_dtype
         )
         backend = choose_backend(attention, shape)
         self.attention_name = backend.name
@@ -83,7 +86,7 @@ class ModelRunner:
             page_size=page_size,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
-            dtype=dtype,
+            dtype=kv_dtype,
             device=device,
             layout=backend.kv_layout,
         )
@@ -92,6 +95,7 @@ class ModelRunner:
             num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
+            dtype=dtype,
         )
         if device.type == "cpu" and not blas_is_row_invariant():
             logger.warning(
@@ -100,9 +104,10 @@ class ModelRunner:
                 MKL_CBWR,
             )
         logger.info(
-            "KV pool: %d pages x %d tokens (%.1f MiB), attention backend %s",
+            "KV pool: %d pages x %d tokens of %s (%.1f MiB), attention backend %s",
             num_pages,
             page_size,
+            dtype_name(kv_dtype),
             self.kv_pool.num_bytes / 2**20,
             self.attention_name,
         )

@@ -64,9 +64,10 @@ def prefix_cache(config: EngineConfig, page_size: int) -> PrefixCache | None:
 
 
 def model_root(config: EngineConfig) -> bytes:
-    """The chain's root: the model's identity (weights, dtype, the random weights' seed), so a
-    page never matches under another model, on this worker or in another's published chains."""
-    identity = repr((config.model, config.dtype, config.seed))
+    """The chain's root: the model's identity (weights, their form, the dtype and the KV's, the random
+    weights' seed), so a page never matches under another model, on this worker or in another's
+    published chains."""
+    identity = repr((config.model, config.dtype, config.seed, config.weights, config.kv_dtype))
     return hashlib.blake2b(identity.encode(), digest_size=_KEY_BYTES).digest()
 
 
