@@ -2,11 +2,15 @@
 docs/benchmarks.md):
 
     python -m loadtest.attention_layers --shape tiny --rows 1 --queries 48 --context 6000
+    python -m loadtest.attention_layers --shape smollm2-135m-shape --queries 1 --context 5300 \
+        --kv-dtype float32,float16
 
 `--rows` sessions of `--context` positions each (pages scattered through the pool, as sessions
 leave them), then one step that feeds `--queries` new tokens to every row (1: a decode step; 48: a
 streamed chunk's append): the backend's plan and, for every layer of `--shape`, its KV write and
-attention, on `--threads` intra-op threads. Printed per backend: the median and the fastest of
+attention, on `--threads` intra-op threads, with the pool in each of `--kv-dtype` (float16: the KV
+of `--kv-dtype auto`'s quantised forms, worker/attention/kv_dtype.py). Printed per backend and KV
+dtype: the median and the fastest of
 `--repeats` steps in ms, and the multiply-adds a second the fastest reached (scores and weighted
 values, each query against the keys it sees). Random K, V and queries: only the numbers matter.
 """
@@ -50,7 +54,15 @@ def _step_times(
 
 
 def run(
-    shape_name: str, *, backends: list[str], rows: int, queries: int, context: int, threads: int, repeats: int
+    shape_name: str,
+    *,
+    backends: list[str],
+    rows: int,
+    queries: int,
+    context: int,
+    threads: int,
+    repeats: int,
+    kv_dtypes: tuple[str, ...] = ("float32",),
 ) -> dict[str, Any]:
     from worker.attention import AttentionShape, choose_backend
     from worker.attention.base import paged_metadata
@@ -73,29 +85,33 @@ def run(
     results: dict[str, Any] = {}
     try:
         for name in backends:
-            shape = AttentionShape(_CPU, torch.float32, heads, kv_heads, dim, _PAGE)
-            backend = choose_backend(name, shape)
-            pool = KVPool(
-                num_layers=config.num_layers,
-                num_pages=rows * pages_each,
-                page_size=_PAGE,
-                num_kv_heads=kv_heads,
-                head_dim=dim,
-                dtype=torch.float32,
-                device=_CPU,
-                layout=backend.kv_layout,
-            )
-            pool.buffer.normal_(generator=generator)  # the history's keys and values
-            attention = backend(pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
-            times = _step_times(attention, meta, (q, k, v), config.num_layers, repeats)
-            # Query j of a row sees context + j + 1 keys; scores and weighted values: 2 x dim each.
-            seen = rows * sum(context + j + 1 for j in range(queries))
-            macs = 2 * seen * heads * dim * config.num_layers
-            results[backend.name] = {
-                "median_ms": round(times[len(times) // 2], 2),
-                "fastest_ms": round(times[0], 2),
-                "gmac_per_s": round(macs / times[0] / 1e6, 1),
-            }
+            for kv_dtype_name in kv_dtypes:
+                kv_dtype = getattr(torch, kv_dtype_name)
+                shape = AttentionShape(_CPU, torch.float32, heads, kv_heads, dim, _PAGE, kv_dtype)
+                backend = choose_backend(name, shape)
+                pool = KVPool(
+                    num_layers=config.num_layers,
+                    num_pages=rows * pages_each,
+                    page_size=_PAGE,
+                    num_kv_heads=kv_heads,
+                    head_dim=dim,
+                    dtype=kv_dtype,
+                    device=_CPU,
+                    layout=backend.kv_layout,
+                )
+                pool.buffer.normal_(generator=generator)  # the history's keys and values
+                attention = backend(
+                    pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32
+                )
+                times = _step_times(attention, meta, (q, k, v), config.num_layers, repeats)
+                # Query j of a row sees context + j + 1 keys; scores and weighted values: 2 x dim each.
+                seen = rows * sum(context + j + 1 for j in range(queries))
+                macs = 2 * seen * heads * dim * config.num_layers
+                results[f"{backend.name} {kv_dtype_name}"] = {
+                    "median_ms": round(times[len(times) // 2], 2),
+                    "fastest_ms": round(times[0], 2),
+                    "gmac_per_s": round(macs / times[0] / 1e6, 1),
+                }
     finally:
         torch.set_num_threads(before)
     return {
@@ -119,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=6000, help="positions each row holds before the step")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--kv-dtype", default="float32", help="comma-separated: float32, float16")
     args = parser.parse_args(argv)
     result = run(
         args.shape,
@@ -128,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         context=args.context,
         threads=args.threads,
         repeats=args.repeats,
+        kv_dtypes=tuple(args.kv_dtype.split(",")),
     )
     print(json.dumps(result, indent=2))
 

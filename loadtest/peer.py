@@ -1,6 +1,6 @@
 """`microturn bench --peer llamacpp`: microturn's engine against llama.cpp on its own ground (#32).
 
-    microturn bench --peer llamacpp [--weights auto] [--turns 30] [--threads 2]
+    microturn bench --peer llamacpp [--weights auto] [--kv-dtype auto] [--turns 30] [--threads 2]
 
 Same GGUF, same token ids, same threads, greedy: a 512-token prompt, then micro-turns of 32 tokens
 in and 8 out. llama.cpp (through llama-cpp-python, the optional `peer` extra) keeps its state
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shared.settings import OWN_CORES_SINGLE_THREAD_MAX_TOKENS, WEIGHT_FORMS, EngineSettings
+from shared.settings import KV_DTYPES, OWN_CORES_SINGLE_THREAD_MAX_TOKENS, WEIGHT_FORMS, EngineSettings
 from worker.openmp import GOMP_SPINCOUNT, choose_spin
 
 logger = logging.getLogger(__name__)
@@ -155,6 +155,7 @@ def _serve_peer(conn: Connection, model: str, threads: int, spin: str | None) ->
 class PeerWorkload:
     model: str = "smollm2-135m"
     weights: str = "auto"
+    kv_dtype: str = "auto"  # microturn's KV pool (worker/attention/kv_dtype.py; llama.cpp's is float16)
     turns: int = 30
     prompt_tokens: int = 512
     chunk: int = 32
@@ -193,7 +194,11 @@ def run(workload: PeerWorkload) -> dict[str, Any]:
     agree = total = 0
     kv_tokens = prompt_tokens + turns * (chunk + outputs) + 64
     with Engine.load(
-        model, weights=weights, kv_tokens=kv_tokens, cpu_single_thread_max_tokens=w.single_thread_max_tokens
+        model,
+        weights=weights,
+        kv_dtype=w.kv_dtype,
+        kv_tokens=kv_tokens,
+        cpu_single_thread_max_tokens=w.single_thread_max_tokens,
     ) as engine:
         sid = engine.open_session(stop_token_ids=())
         started = time.perf_counter()
@@ -215,11 +220,13 @@ def run(workload: PeerWorkload) -> dict[str, Any]:
             agree += sum(a == b for a, b in zip(replies["microturn"], replies["llamacpp"], strict=False))
             total += outputs
         weight_form = engine._core.runner.model.weights.form
+        kv_dtype = engine.kv_format.dtype
     peer.close()
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {
         "model": model,
         "weights": weight_form,
+        "kv_dtype": kv_dtype,
         "threads": threads,
         "cpu_single_thread_max_tokens": w.single_thread_max_tokens,
         "prompt_tokens": prompt_tokens,
@@ -238,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peer", choices=PEERS, default="llamacpp")
     parser.add_argument("--model", default="smollm2-135m", help="a preset or .gguf file both engines load")
     parser.add_argument("--weights", choices=WEIGHT_FORMS, default="auto")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--chunk-tokens", type=int, default=32)
@@ -261,15 +269,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"skipped: the llama.cpp peer needs llama-cpp-python: {INSTALL_HINT}", file=sys.stderr)
         return 0
     workload = PeerWorkload(
-        args.model,
-        args.weights,
-        args.turns,
-        args.prompt_tokens,
-        args.chunk_tokens,
-        args.output_tokens,
-        args.threads,
-        args.cpu_single_thread_max_tokens,
-        peer_spin,
+        model=args.model,
+        weights=args.weights,
+        kv_dtype=args.kv_dtype,
+        turns=args.turns,
+        prompt_tokens=args.prompt_tokens,
+        chunk=args.chunk_tokens,
+        outputs=args.output_tokens,
+        threads=args.threads,
+        single_thread_max_tokens=args.cpu_single_thread_max_tokens,
+        peer_spin=peer_spin,
     )
     result = run(workload)
     print(json.dumps(result, indent=2))

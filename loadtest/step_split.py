@@ -52,10 +52,18 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 
 def run(
-    model_name: str, *, weights: str, attention_name: str, context: int, append: int, repeats: int
+    model_name: str,
+    *,
+    weights: str,
+    attention_name: str,
+    context: int,
+    append: int,
+    repeats: int,
+    kv_dtype_name: str = "auto",
 ) -> dict[str, Any]:
     from worker.attention import AttentionShape, choose_backend
     from worker.attention.base import paged_metadata
+    from worker.attention.kv_dtype import choose_kv_dtype, dtype_name
     from worker.attention.kv_pool import KVPool
     from worker.model.llama import LlamaModel
     from worker.model.loader import load_model
@@ -65,7 +73,12 @@ def run(
     config = loaded.config
     model = LlamaModel(config, loaded.weights, device=_CPU, dtype=torch.float32)
     pages = list(range(-(-(context + append) // _PAGE)))
-    shape = AttentionShape(_CPU, torch.float32, config.num_heads, config.num_kv_heads, config.head_dim, _PAGE)
+    kv_dtype = choose_kv_dtype(
+        kv_dtype_name, device=_CPU, dtype=torch.float32, weight_form=loaded.weights.form
+    )
+    shape = AttentionShape(
+        _CPU, torch.float32, config.num_heads, config.num_kv_heads, config.head_dim, _PAGE, kv_dtype
+    )
     backend = choose_backend(attention_name, shape)
     pool = KVPool(
         num_layers=config.num_layers,
@@ -73,12 +86,16 @@ def run(
         page_size=_PAGE,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        dtype=torch.float32,
+        dtype=kv_dtype,
         device=_CPU,
         layout=backend.kv_layout,
     )
     attention = backend(
-        pool, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
+        pool,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=torch.float32,
     )
     ids = torch.randint(
         0, min(5000, config.vocab_size), (context + append,), generator=torch.Generator().manual_seed(0)
@@ -98,6 +115,7 @@ def run(
         "weights": loaded.weights.form,
         "row_ops": type(model.row_ops).__name__,
         "attention_backend": backend.name,
+        "kv_dtype": dtype_name(kv_dtype),
         "context": context,
     }
     for tokens, label in ((1, "step"), (append, f"append_{append}")):
@@ -168,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--attention", default="auto", help="auto, torch or cpu (worker/attention)")
+    parser.add_argument(
+        "--kv-dtype", default="auto", help="auto, float32 or float16 (worker/attention/kv_dtype.py)"
+    )
     parser.add_argument("--context", type=int, default=560)
     parser.add_argument("--append", type=int, default=33, help="tokens of the append step timed")
     parser.add_argument("--repeats", type=int, default=40)
@@ -181,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 context=args.context,
                 append=args.append,
                 repeats=args.repeats,
+                kv_dtype_name=args.kv_dtype,
             ),
             indent=2,
         )

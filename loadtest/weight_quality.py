@@ -1,10 +1,12 @@
 """How far each weight form's tokens and logprobs are from the float path's, and llama.cpp's (#32).
 
-    python -m loadtest.weight_quality [--forms int4,int8] [--peer llamacpp] [--chat-tokens 40]
+    python -m loadtest.weight_quality [--forms int4,int8,int4:float32] [--peer llamacpp] [--chat-tokens 40]
 
 Two workloads, both greedy: the peer benchmark's (loadtest/peer.py: a 512-token prompt, then 30
 micro-turns of 32 token ids in and 8 out, each engine fed its own outputs back) and SmolLM2's chat
-prompts below (`--chat-tokens` each). For every form, and for llama.cpp when installed:
+prompts below (`--chat-tokens` each). A form's KV pool is what `--kv-dtype auto` gives it (float16
+for int4 and int8 on the CPU, worker/attention/kv_dtype.py), or the dtype after a colon (`int4:float32`).
+For every form, and for llama.cpp when installed:
 
 - greedy agreement: how many generated tokens equal the float path's, position by position (a
   continuation diverges for good after its first differing token, so these counts swing);
@@ -55,13 +57,17 @@ class Sequences:
 class FormModel:
     """One weight form of the model with a paged KV pool of its own: feed tokens, get logits."""
 
-    def __init__(self, model: str, form: str, max_tokens: int) -> None:
+    def __init__(self, model: str, form: str, max_tokens: int, kv_dtype: str = "auto") -> None:
         from worker.attention import TorchAttention
+        from worker.attention.kv_dtype import choose_kv_dtype
         from worker.attention.kv_pool import KVPool
         from worker.model.llama import LlamaModel
         from worker.model.loader import load_model
 
         loaded = load_model(model, device=_CPU, dtype=torch.float32, weights=form)
+        pool_dtype = choose_kv_dtype(
+            kv_dtype, device=_CPU, dtype=torch.float32, weight_form=loaded.weights.form
+        )
         config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model = LlamaModel(config, loaded.weights, device=_CPU, dtype=torch.float32)
@@ -72,12 +78,16 @@ class FormModel:
             page_size=_PAGE,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
-            dtype=torch.float32,
+            dtype=pool_dtype,
             device=_CPU,
             layout=TorchAttention.kv_layout,
         )
         self.attention = TorchAttention(
-            pool, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
+            pool,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=torch.float32,
         )
         self.pages = list(range(pages))
         self.length = 0
@@ -193,7 +203,8 @@ def run(model: str, forms: Sequence[str], llamacpp: bool, chat_tokens: int) -> d
         "forms": {},
     }
     for form in forms:
-        engine = FormModel(model, form, max_tokens)
+        weights, _, kv_dtype = form.partition(":")
+        engine = FormModel(model, weights, max_tokens, kv_dtype or "auto")
         outputs = greedy(engine, peer, chat, chat_tokens)
         result["forms"][form] = {
             "peer_agreement": _agreement(outputs.peer, reference.peer),
@@ -247,7 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m loadtest.weight_quality", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--forms", default="int4,int8", help="comma-separated forms to hold to float")
+    parser.add_argument(
+        "--forms", default="int4,int8", help="comma-separated forms to hold to float (FORM or FORM:KV_DTYPE)"
+    )
     parser.add_argument("--peer", choices=("llamacpp", "none"), default="llamacpp")
     parser.add_argument("--chat-tokens", type=int, default=40)
     parser.add_argument(
