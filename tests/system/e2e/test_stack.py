@@ -20,7 +20,12 @@ from tests.system.e2e.up import STOP_TIMEOUT_S, Up, gone, kill_leftovers, launch
 pytestmark = pytest.mark.slow
 
 SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-QUESTION = "What is the capital of France?"
+# A question SmolLM2 answers "The capital of France is Paris." by 1.4 logits or more at every token up to
+# "Paris", behind its default system prompt, in every form served here (int4 with a float16 or a
+# float32 KV pool, float); "What is the capital of France?" is there a near-tie (0.05-0.08 logits
+# against "L'Étoile ..."), which any numeric change may tip (docs/benchmarks.md, "The KV pool in
+# float16 for the quantised forms").
+QUESTION = "Name the capital of France."
 
 
 def pieces(text: str, words: int = 2) -> list[str]:
