@@ -9,10 +9,13 @@ from loadtest.attention_layers import run
 from worker.attention.cpu_backend import KERNEL
 
 
-def test_it_times_each_backend_asked_for() -> None:
+def test_it_times_each_backend_asked_for_over_each_kv_dtype() -> None:
     backends = ["torch", "cpu"] if KERNEL is not None else ["torch"]
-    result = run("tiny", backends=backends, rows=2, queries=3, context=40, threads=1, repeats=3)
-    assert set(result["backends"]) == set(backends)
+    kv_dtypes = ("float32", "float16")
+    result = run(
+        "tiny", backends=backends, rows=2, queries=3, context=40, threads=1, repeats=3, kv_dtypes=kv_dtypes
+    )
+    assert set(result["backends"]) == {f"{b} {kv}" for b in backends for kv in kv_dtypes}
     for figures in result["backends"].values():
         assert 0 < figures["fastest_ms"] <= figures["median_ms"]
         assert figures["gmac_per_s"] >= 0  # rounded: a slow machine's tiny step may show 0.0
