@@ -44,12 +44,17 @@ def _outputs(results: list[list[TurnResult]]) -> list[list[tuple[tuple[int, ...]
     return [[(r.tokens, r.logprobs) for r in session] for session in results]
 
 
-def test_sessions_parked_on_the_host_continue_exactly_without_recompute() -> None:
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_sessions_parked_on_the_host_continue_exactly_without_recompute(kv_dtype: str) -> None:
     # Each session holds ~6 pages; the device pool holds two of them, the host tier all six.
-    with Engine.load("tiny", kv_tokens=14 * PAGE, page_size=PAGE, host_kv_tokens=64 * PAGE) as pressed:
+    with Engine.load(
+        "tiny", kv_tokens=14 * PAGE, page_size=PAGE, host_kv_tokens=64 * PAGE, kv_dtype=kv_dtype
+    ) as pressed:
         pressured = _converse(pressed, sessions=6, turns=3, history=80)
         memory = pressed.stats().memory
-    with Engine.load("tiny", kv_tokens=256 * PAGE, page_size=PAGE, host_kv_tokens=0) as roomy:
+    with Engine.load(
+        "tiny", kv_tokens=256 * PAGE, page_size=PAGE, host_kv_tokens=0, kv_dtype=kv_dtype
+    ) as roomy:
         unpressured = _converse(roomy, sessions=6, turns=3, history=80)
     assert _outputs(pressured) == _outputs(unpressured)
     assert memory.offloads.count >= 6 and memory.restores.count >= 6
