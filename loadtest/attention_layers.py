@@ -67,6 +67,7 @@ def run(
     from worker.attention import AttentionShape, choose_backend
     from worker.attention.base import paged_metadata
     from worker.attention.kv_pool import KVPool
+    from worker.dtypes import torch_dtype
     from worker.model.presets import SHAPES
 
     config = SHAPES[shape_name]
@@ -86,7 +87,7 @@ def run(
     try:
         for name in backends:
             for kv_dtype_name in kv_dtypes:
-                kv_dtype = getattr(torch, kv_dtype_name)
+                kv_dtype = torch_dtype(kv_dtype_name)
                 shape = AttentionShape(_CPU, torch.float32, heads, kv_heads, dim, _PAGE, kv_dtype)
                 backend = choose_backend(name, shape)
                 pool = KVPool(

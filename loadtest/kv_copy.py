@@ -27,7 +27,7 @@ from typing import Final
 import torch
 
 from worker.attention.kv_pool import KVPool
-from worker.engine.engine import torch_dtype
+from worker.dtypes import torch_dtype
 from worker.engine.memory.kv_transfer import gather, staging
 from worker.engine.memory.page_copy import CopyCounter, HostKVPool, PageCopier
 

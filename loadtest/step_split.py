@@ -63,8 +63,9 @@ def run(
 ) -> dict[str, Any]:
     from worker.attention import AttentionShape, choose_backend
     from worker.attention.base import paged_metadata
-    from worker.attention.kv_dtype import choose_kv_dtype, dtype_name
+    from worker.attention.kv_dtype import choose_kv_dtype
     from worker.attention.kv_pool import KVPool
+    from worker.dtypes import dtype_name
     from worker.model.llama import LlamaModel
     from worker.model.loader import load_model
 

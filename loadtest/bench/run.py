@@ -34,7 +34,8 @@ from loadtest.bench.streaming import run_streaming
 from loadtest.bench.text_mode import run_text
 from loadtest.bench.workload import Workload
 from shared.settings import DTYPE_NAMES, copy_fields
-from worker.engine import Engine, torch_dtype
+from worker.dtypes import torch_dtype
+from worker.engine import Engine
 from worker.model.loader import load_model
 
 logger = logging.getLogger(__name__)

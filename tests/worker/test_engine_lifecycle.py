@@ -13,10 +13,10 @@ import torch
 from shared.protocol.messages import OpenConfig
 from tests.processes import REPO
 from tests.wait import wait_until
+from worker.dtypes import torch_dtype
 from worker.engine import Engine
 from worker.engine.config import EngineConfig
 from worker.engine.core import EngineCore
-from worker.engine.engine import torch_dtype
 from worker.engine.model_runner import ModelRunner
 from worker.engine.turn import Turn, TurnResult
 from worker.model.loader import load_model

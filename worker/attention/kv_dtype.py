@@ -23,7 +23,8 @@ from typing import Final
 
 import torch
 
-from shared.settings import DTYPE_NAMES, KV_DTYPES
+from shared.settings import KV_DTYPES
+from worker.dtypes import dtype_name, torch_dtype
 
 AUTO: Final = "auto"
 
@@ -38,17 +39,10 @@ def choose_kv_dtype(
     if setting == AUTO:
         compact = device.type == "cpu" and dtype == torch.float32 and weight_form != "float"
         return torch.float16 if compact else dtype
-    assert setting in DTYPE_NAMES
-    chosen = getattr(torch, setting)
-    assert isinstance(chosen, torch.dtype)
+    chosen = torch_dtype(setting)
     if device.type != "cpu" and chosen != dtype:
         raise ValueError(
             f"--kv-dtype {setting}: on {device.type} the KV pool holds the model's dtype "
-            f"({str(dtype).removeprefix('torch.')}); set --dtype instead"
+            f"({dtype_name(dtype)}); set --dtype instead"
         )
     return chosen
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.float16` -> `float16`, as the settings and the KV copy's header name it."""
-    return str(dtype).removeprefix("torch.")

@@ -2,8 +2,8 @@
 
 from worker.engine.config import EngineConfig
 from worker.engine.core import EngineStats
-from worker.engine.engine import Engine, torch_dtype
+from worker.engine.engine import Engine
 from worker.engine.session_rules import SessionRules
 from worker.engine.turn import TokenDelta, TurnResult
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "SessionRules", "TokenDelta", "TurnResult", "torch_dtype"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "SessionRules", "TokenDelta", "TurnResult"]

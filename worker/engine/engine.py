@@ -27,8 +27,8 @@ from shared.protocol.kv_copy import KVFormat
 from shared.protocol.link_codec import to_wire
 from shared.protocol.messages import OpenConfig
 from shared.protocol.response_format import ResponseFormat
-from shared.settings import DTYPE_NAMES
-from worker.attention.kv_dtype import choose_kv_dtype, dtype_name
+from worker.attention.kv_dtype import choose_kv_dtype
+from worker.dtypes import dtype_name, torch_dtype
 from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore, EngineStats
 from worker.engine.grammar import Grammars
@@ -50,15 +50,6 @@ T = TypeVar("T")
 # Text longer than this many characters per allowed token could not fit a chunk: refused before
 # tokenizing (which is the cost being bounded). The exact token count is checked on commit.
 MAX_CHARS_PER_TOKEN = 32
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of one of DTYPE_NAMES."""
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
-    dtype = getattr(torch, name)
-    assert isinstance(dtype, torch.dtype)
-    return dtype
 
 
 class Engine:

@@ -16,8 +16,8 @@ import torch
 from shared.settings import EngineSettings
 from worker.attention import AttentionShape, choose_backend
 from worker.attention.base import AttentionMetadata, paged_metadata
-from worker.attention.kv_dtype import dtype_name
 from worker.attention.kv_pool import KVPool
+from worker.dtypes import dtype_name
 from worker.engine.sampling import SamplingParams, sample
 from worker.model.llama import LlamaModel
 from worker.model.loader import LoadedModel

@@ -40,7 +40,8 @@ from shared.protocol.kv_copy import (
 )
 from shared.settings import WorkerSettings
 from shared.store.schema import KeySchema
-from worker.engine import Engine, torch_dtype
+from worker.dtypes import torch_dtype
+from worker.engine import Engine
 from worker.server.link import refused
 from worker.server.metrics import WorkerMetrics
 from worker.server.restore import plan_restore
