@@ -135,14 +135,16 @@ def _samples(name: str, value: object) -> Iterator[tuple[str, tuple[int, ...], t
     if value is None:
         return
     if isinstance(value, torch.Tensor):
-        flat = value.detach().reshape(-1)
-        step = max(flat.numel() // FINGERPRINT_SAMPLE, 1)
-        yield name, tuple(value.shape), value.dtype, flat[::step][:FINGERPRINT_SAMPLE]
+        yield name, tuple(value.shape), value.dtype, value.detach().reshape(-1)[_sampled(value.numel())]
     elif isinstance(value, np.ndarray):
-        flat_array = value.reshape(-1)
-        step = max(flat_array.size // FINGERPRINT_SAMPLE, 1)
-        sample = torch.from_numpy(np.array(flat_array[::step][:FINGERPRINT_SAMPLE], copy=True))
+        sample = torch.from_numpy(value.reshape(-1)[_sampled(value.size)].copy())
         yield name, tuple(value.shape), sample.dtype, sample
     elif is_dataclass(value):
         for f in fields(value):
             yield from _samples(f"{name}.{type(value).__name__}.{f.name}", getattr(value, f.name))
+
+
+def _sampled(count: int) -> slice:
+    """Up to FINGERPRINT_SAMPLE of `count` elements, evenly strided from the first."""
+    step = max(count // FINGERPRINT_SAMPLE, 1)
+    return slice(0, step * FINGERPRINT_SAMPLE, step)
