@@ -2,7 +2,8 @@
 
 Precedence: a command-line flag, then the `MT_<NAME>` environment variable, then the default.
 Each field's flag is `--<name-with-dashes>`; `add_arguments` and `from_sources` derive both from
-the dataclass, so a new setting is one new field.
+the dataclass, so a new setting is one new field. A value the settings refuse, from a flag or a
+variable, is a usage error naming it (`parse_settings`: exit status 2, nothing loaded yet).
 """
 
 from __future__ import annotations
@@ -386,7 +387,11 @@ def _field_type(cls: type[Any], name: str) -> type[Any]:
     return hint  # type: ignore[no-any-return]
 
 
-def _parse(kind: type[Any], raw: str, name: str) -> Any:
+def _parse(kind: type[Any], raw: str, name: str, choices: Sequence[str] | None = None) -> Any:
+    """`raw` as the field's type; a field that declares choices takes one of them (argparse checks
+    a flag's before this; an environment variable's is checked here, by the same list)."""
+    if choices is not None and raw not in choices:
+        raise ValueError(f"{name}: {raw!r} is not one of {', '.join(choices)}")
     if kind is bool:
         lowered = raw.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -431,11 +436,17 @@ def from_sources(
         if flag_value is not None:
             values[f.name] = flag_value if isinstance(flag_value, bool) else _parse(kind, flag_value, f.name)
         elif env_value is not None:
-            values[f.name] = _parse(kind, env_value, ENV_PREFIX + f.name.upper())
+            values[f.name] = _parse(kind, env_value, ENV_PREFIX + f.name.upper(), f.metadata.get("choices"))
     return cls(**values)
 
 
 def parse_settings(cls: type[S], argv: Sequence[str], prog: str, description: str | None = None) -> S:
+    """The settings of a command line and the environment; a value either gives that the settings
+    refuse (a bad `MT_` variable included) is a usage error naming it (exit status 2), not a traceback."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser, cls)
-    return from_sources(cls, parser.parse_args(list(argv)))
+    args = parser.parse_args(list(argv))
+    try:
+        return from_sources(cls, args)
+    except ValueError as exc:
+        parser.error(str(exc))

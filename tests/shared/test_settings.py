@@ -35,6 +35,26 @@ def test_bad_values_are_named() -> None:
         parse_settings(GatewaySettings, ["--no-such-flag"], "microturn gateway")
 
 
+def test_an_environment_value_outside_a_fields_choices_is_refused_as_its_flag_would_be() -> None:
+    # argparse checks a flag's choices; the same list holds for the variable, before any load.
+    with pytest.raises(ValueError, match="MT_WEIGHTS: 'int3' is not one of auto, float, int8, int4"):
+        from_sources(WorkerSettings, None, {"MT_WEIGHTS": "int3"})
+    assert from_sources(WorkerSettings, None, {"MT_WEIGHTS": "int4"}).weights == "int4"
+
+
+def test_a_bad_environment_value_is_a_usage_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, value in (("MT_KV_TOKENS", "abc"), ("MT_KV_DTYPE", "float8"), ("MT_REBALANCE_GAP", "1")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            with pytest.raises(SystemExit) as exited:
+                parse_settings(WorkerSettings, [], "microturn worker")
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "microturn worker: error:" in err and value in err and "Traceback" not in err
+
+
 def test_the_engine_runs_with_the_worker_defaults() -> None:
     from worker.engine import EngineConfig
 
@@ -91,7 +111,7 @@ def test_up_flags_come_from_its_settings_with_the_same_precedence() -> None:
     )
     with pytest.raises(SystemExit):
         parse_settings(UpSettings, ["--device", "tpu"], "microturn up")
-    with pytest.raises(ValueError, match="auth"):
+    with pytest.raises(ValueError, match="MT_AUTH: 'maybe' is not one of"):
         from_sources(UpSettings, None, {"MT_AUTH": "maybe"})
 
 
