@@ -3,6 +3,8 @@ kept exact, the flag's refusals, and SmolLM2 served as int4 within twice its fil
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -25,6 +27,7 @@ from worker.model.loader_gguf import unpermute_qk
 from worker.model.presets import smollm2_gguf_path
 from worker.model.stored import StoredTensor
 from worker.model.weight_form import int4_kernel, resolve_weight_form
+from worker.server.main import EXIT_REFUSED
 
 CPU = torch.device("cpu")
 Q = gguf.GGMLQuantizationType
@@ -119,6 +122,39 @@ def test_the_flag_refuses_a_bad_value_and_a_type_no_int4_kernel_takes() -> None:
     with pytest.raises(SystemExit):  # argparse: a usage error, before anything loads
         parse_settings(EngineSettings, ["--weights", "int3"], prog="worker")
     assert parse_settings(EngineSettings, ["--weights", "int4"], prog="worker").weights == "int4"
+
+
+def test_a_worker_given_a_form_it_cannot_serve_exits_2_saying_why_without_a_traceback() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "microturn",
+            "worker",
+            "--model",
+            "tiny",
+            "--weights",
+            "int4",
+            "--dtype",
+            "bfloat16",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == EXIT_REFUSED, done.stderr[-2000:]
+    assert "the worker does not start: --weights int4 computes around float32 activations" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_device_this_torch_cannot_run_is_refused_before_anything_loads() -> None:
+    with pytest.raises(ValueError, match="--device 'gpu': Expected one of"):
+        Engine.load("tiny", device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"--device cuda: this torch \(.*\) sees no CUDA device"):
+            Engine.load("tiny", device="cuda")
 
 
 def test_auto_serves_q4_files_as_int4_on_the_cpu_and_everything_else_as_float() -> None:

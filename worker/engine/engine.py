@@ -52,6 +52,19 @@ T = TypeVar("T")
 MAX_CHARS_PER_TOKEN = 32
 
 
+def _usable_device(name: str) -> torch.device:
+    """`--device` as torch's device, refused (ValueError, before anything loads) where this torch
+    cannot run it: a name torch does not know, or CUDA with no device (a CPU build of torch
+    otherwise fails deep in the load, naming its own libraries)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {name!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device; use cpu")
+    return device
+
+
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.config = config
@@ -104,10 +117,12 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
+        device = _usable_device(config.device)
+
         def build() -> Engine:
             loaded = load_model(
                 config.model,
-                device=torch.device(config.device),
+                device=device,
                 dtype=torch_dtype(config.dtype),
                 seed=config.seed,
                 weights=config.weights,

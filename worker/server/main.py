@@ -15,7 +15,6 @@ from typing import NoReturn
 import uvicorn
 
 from shared.settings import SHUTDOWN_GRACE_S, WorkerSettings
-from worker.attention import BackendRefused
 from worker.engine import Engine, EngineConfig
 from worker.server.app import WorkerRuntime, create_worker_app
 
@@ -77,8 +76,13 @@ def serve(settings: WorkerSettings) -> int:
     choose the OpenMP spin before this module's imports load torch: worker/openmp.py)."""
     try:
         engine = Engine.from_config(EngineConfig.from_settings(settings))
-    except BackendRefused as refused:  # `--attention flashinfer` failed its start-up check
+    except (ValueError, FileNotFoundError) as refused:
+        # What these settings cannot serve here, said once with no traceback: a value the engine
+        # refuses, a device this torch has not, a model that is not there, a weight form with no
+        # kernel for the file's types, an attention backend that failed its start-up check
+        # (BackendRefused). The traceback stays at debug level, for a refusal that is a bug.
         logger.error("the worker does not start: %s", refused)
+        logger.debug("the refusal's traceback", exc_info=True)
         return EXIT_REFUSED
     # Structured output's compiler, built before the worker serves: built beside the first sessions,
     # its imports held the GIL for ~0.7 s and their first chunks waited 100-300 ms (docs/benchmarks.md,
