@@ -16,6 +16,7 @@ import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar, Union, get_args, get_origin, get_type_hints
+from urllib.parse import urlsplit
 
 S = TypeVar("S")
 
@@ -25,6 +26,8 @@ ON_OFF = ("on", "off")
 AUTH_MODES = ON_OFF
 # standalone: one server (or a Sentinel-less primary); cluster: MT_REDIS_URL names any seed node.
 REDIS_MODES = ("standalone", "cluster")
+# The URL schemes redis-py dials, by mode (a cluster's seed is a TCP node: no unix socket).
+REDIS_URL_SCHEMES: Final = {"standalone": ("redis", "rediss", "unix"), "cluster": ("redis", "rediss")}
 UP_DEVICES = ("cpu", "cuda")
 # How a draining worker hands its sessions over (worker/server/switchover.py, docs/failover.md).
 DRAIN_HANDOVERS = ("warm", "rebuild", "log")
@@ -67,6 +70,18 @@ REBALANCE_MIN_BEATS: Final = 2
 SHUTDOWN_GRACE_S: Final = 5
 
 
+def check_redis_url(url: str, mode: str) -> None:
+    """Refuse (ValueError) a URL redis-py cannot dial in `mode`, before a process starts: redis-py
+    says so only at the first connection. The scheme alone is named, as the URL may hold a password."""
+    schemes = REDIS_URL_SCHEMES[mode]
+    scheme = urlsplit(url).scheme
+    if scheme not in schemes:
+        raise ValueError(
+            f"redis_url: {scheme + '://' if scheme else 'a URL with no scheme'} is not "
+            f"{' or '.join(s + '://' for s in schemes)} (redis_mode {mode})"
+        )
+
+
 @dataclass(frozen=True)
 class RedisSettings:
     """Which Redis a deployment keeps its state in: every command that touches it (`keys` too)."""
@@ -87,6 +102,7 @@ class RedisSettings:
     def __post_init__(self) -> None:
         if self.redis_mode not in REDIS_MODES:
             raise ValueError(f"redis_mode: {self.redis_mode!r} is not one of {', '.join(REDIS_MODES)}")
+        check_redis_url(self.redis_url, self.redis_mode)
 
 
 @dataclass(frozen=True)
@@ -362,6 +378,8 @@ class UpSettings:
             raise ValueError(f"auth: {self.auth!r} is not one of {', '.join(AUTH_MODES)}")
         if self.redis_mode not in REDIS_MODES:
             raise ValueError(f"redis_mode: {self.redis_mode!r} is not one of {', '.join(REDIS_MODES)}")
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url, self.redis_mode)
 
 
 def copy_fields(cls: type[S], source: object, **overrides: Any) -> S:

@@ -55,6 +55,21 @@ def test_a_bad_environment_value_is_a_usage_error_naming_it(
         assert "microturn worker: error:" in err and value in err and "Traceback" not in err
 
 
+def test_a_redis_url_redis_py_cannot_dial_is_refused_naming_only_its_scheme() -> None:
+    for url, mode, said in (
+        ("bogus://:secret@h:1/0", "standalone", "bogus:// is not redis:// or rediss:// or unix://"),
+        ("127.0.0.1:6379", "standalone", "a URL with no scheme"),
+        ("unix:///run/valkey.sock", "cluster", "unix:// is not redis:// or rediss://"),
+    ):
+        with pytest.raises(ValueError, match=said) as refused:
+            GatewaySettings(redis_url=url, redis_mode=mode)
+        assert "secret" not in str(refused.value)
+        with pytest.raises(ValueError, match=said):
+            UpSettings(redis_url=url, redis_mode=mode)
+    assert WorkerSettings(redis_url="unix:///run/valkey.sock").redis_url == "unix:///run/valkey.sock"
+    assert GatewaySettings(redis_url="rediss://u:p@h:1/0", redis_mode="cluster").redis_mode == "cluster"
+
+
 def test_the_engine_runs_with_the_worker_defaults() -> None:
     from worker.engine import EngineConfig
 
