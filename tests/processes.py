@@ -136,6 +136,18 @@ def microturn(kind: str, args: list[str], workdir: Path, name: str | None = None
         stop(process)
 
 
+def run_to_exit(command: str, *flags: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """`microturn COMMAND FLAGS...` run until it exits by itself (a start it refuses), its output kept."""
+    return subprocess.run(
+        [sys.executable, "-m", "microturn", command, *flags],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+    )
+
+
 def worker_args(redis_url: str, worker_id: str, *extra: str) -> list[str]:
     base = ["--model", "tiny", "--redis-url", redis_url, "--worker-id", worker_id, "--kv-tokens", "8192"]
     return [*base, *extra]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.processes import run_to_exit
 from worker.attention import (
     AUTO,
     BACKENDS,
@@ -67,14 +66,7 @@ def test_a_cpu_engine_never_imports_flashinfer_and_names_its_backend() -> None:
 
 def test_a_worker_asked_for_flashinfer_it_cannot_use_refuses_to_start_and_says_why() -> None:
     # A CPU machine without the `gpu` extra: the start-up check cannot pass.
-    done = subprocess.run(
-        [sys.executable, "-m", "microturn", "worker", "--model", "tiny", "--attention", "flashinfer"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    done = run_to_exit("worker", "--model", "tiny", "--attention", "flashinfer")
     assert done.returncode == EXIT_REFUSED, done.stderr[-2000:]
     assert "the worker does not start: --attention flashinfer cannot serve here" in done.stderr
     assert "not installed" in done.stderr

@@ -3,8 +3,6 @@ kept exact, the flag's refusals, and SmolLM2 served as int4 within twice its fil
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -14,6 +12,7 @@ import torch
 
 from loadtest.weight_quality import FormModel
 from shared.settings import EngineSettings, parse_settings
+from tests.processes import run_to_exit
 from worker.engine import Engine
 from worker.engine.config import EngineConfig
 from worker.model.block_dot import block_dot_available
@@ -125,25 +124,7 @@ def test_the_flag_refuses_a_bad_value_and_a_type_no_int4_kernel_takes() -> None:
 
 
 def test_a_worker_given_a_form_it_cannot_serve_exits_2_saying_why_without_a_traceback() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "microturn",
-            "worker",
-            "--model",
-            "tiny",
-            "--weights",
-            "int4",
-            "--dtype",
-            "bfloat16",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    done = run_to_exit("worker", "--model", "tiny", "--weights", "int4", "--dtype", "bfloat16")
     assert done.returncode == EXIT_REFUSED, done.stderr[-2000:]
     assert "the worker does not start: --weights int4 computes around float32 activations" in done.stderr
     assert "Traceback" not in done.stderr
