@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import torch
 
@@ -50,6 +50,13 @@ T = TypeVar("T")
 # Text longer than this many characters per allowed token could not fit a chunk: refused before
 # tokenizing (which is the cost being bounded). The exact token count is checked on commit.
 MAX_CHARS_PER_TOKEN = 32
+
+
+# What `EngineConfig` and `Engine.from_config` raise for settings this machine or model cannot serve
+# (a refused value, a device torch has not, a missing model, a weight form with no kernel for the
+# file's types, an attention backend that failed its check): the commands that start an engine say
+# the reason and exit 2 on these, with no traceback.
+START_REFUSALS: Final = (ValueError, FileNotFoundError)
 
 
 def _usable_device(name: str) -> torch.device:

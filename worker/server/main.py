@@ -15,7 +15,7 @@ from typing import NoReturn
 import uvicorn
 
 from shared.settings import SHUTDOWN_GRACE_S, WorkerSettings
-from worker.engine import Engine, EngineConfig
+from worker.engine import START_REFUSALS, Engine, EngineConfig
 from worker.server.app import WorkerRuntime, create_worker_app
 
 logger = logging.getLogger(__name__)
@@ -76,11 +76,8 @@ def serve(settings: WorkerSettings) -> int:
     choose the OpenMP spin before this module's imports load torch: worker/openmp.py)."""
     try:
         engine = Engine.from_config(EngineConfig.from_settings(settings))
-    except (ValueError, FileNotFoundError) as refused:
-        # What these settings cannot serve here, said once with no traceback: a value the engine
-        # refuses, a device this torch has not, a model that is not there, a weight form with no
-        # kernel for the file's types, an attention backend that failed its start-up check
-        # (BackendRefused). The traceback stays at debug level, for a refusal that is a bug.
+    except START_REFUSALS as refused:
+        # Said once, with no traceback; the traceback stays at debug level, for a refusal that is a bug.
         logger.error("the worker does not start: %s", refused)
         logger.debug("the refusal's traceback", exc_info=True)
         return EXIT_REFUSED
