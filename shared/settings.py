@@ -459,8 +459,8 @@ def from_sources(
 
 
 def parse_settings(cls: type[S], argv: Sequence[str], prog: str, description: str | None = None) -> S:
-    """The settings of a command line and the environment; a value either gives that the settings
-    refuse (a bad `MT_` variable included) is a usage error naming it (exit status 2), not a traceback."""
+    """The settings of a command line and the environment. A value the settings refuse, from a flag
+    or an `MT_` variable, is a usage error naming it (exit status 2), not a traceback."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser, cls)
     args = parser.parse_args(list(argv))
