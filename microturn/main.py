@@ -25,13 +25,13 @@ def _chat(argv: list[str]) -> int:
 
     choose_spin(shared_cores=settings.cpu_single_thread_max_tokens > 0)
     from worker.console import chat
-    from worker.engine import START_REFUSALS, Engine, EngineConfig
+    from worker.engine import EXIT_REFUSED, START_REFUSALS, Engine, EngineConfig
 
     try:
         engine = Engine.from_config(EngineConfig.from_settings(settings))
     except START_REFUSALS as refused:
         sys.stderr.write(f"microturn chat: error: {refused}\n")
-        return 2
+        return EXIT_REFUSED
     with engine:
         chat(engine, max_reply_tokens=settings.max_reply_tokens)
     return 0

@@ -19,8 +19,7 @@ from worker.attention import (
     choose_backend,
     cpu_backend,
 )
-from worker.engine import Engine
-from worker.server.main import EXIT_REFUSED
+from worker.engine import EXIT_REFUSED, Engine
 from worker.server.metrics import WorkerMetrics
 
 SHAPE = AttentionShape(

@@ -13,7 +13,7 @@ import torch
 from loadtest.weight_quality import FormModel
 from shared.settings import EngineSettings, parse_settings
 from tests.processes import run_to_exit
-from worker.engine import Engine
+from worker.engine import EXIT_REFUSED, Engine
 from worker.engine.config import EngineConfig
 from worker.model.block_dot import block_dot_available
 from worker.model.embedding import StoredEmbedding
@@ -26,7 +26,6 @@ from worker.model.loader_gguf import unpermute_qk
 from worker.model.presets import smollm2_gguf_path
 from worker.model.stored import StoredTensor
 from worker.model.weight_form import int4_kernel, resolve_weight_form
-from worker.server.main import EXIT_REFUSED
 
 CPU = torch.device("cpu")
 Q = gguf.GGMLQuantizationType

@@ -57,6 +57,8 @@ MAX_CHARS_PER_TOKEN = 32
 # file's types, an attention backend that failed its check): the commands that start an engine say
 # the reason and exit 2 on these, with no traceback.
 START_REFUSALS: Final = (ValueError, FileNotFoundError)
+# The exit status of a command that refused to start on one of these (its output says why).
+EXIT_REFUSED: Final = 2
 
 
 def _usable_device(name: str) -> torch.device:

@@ -15,13 +15,10 @@ from typing import NoReturn
 import uvicorn
 
 from shared.settings import SHUTDOWN_GRACE_S, WorkerSettings
-from worker.engine import START_REFUSALS, Engine, EngineConfig
+from worker.engine import EXIT_REFUSED, START_REFUSALS, Engine, EngineConfig
 from worker.server.app import WorkerRuntime, create_worker_app
 
 logger = logging.getLogger(__name__)
-
-# The exit status of a worker that refused to start (its log says why).
-EXIT_REFUSED = 2
 
 # What a clean stop may take after the connections are cut: the lifespan's shutdown (a last token
 # log flush, deregistering) and joining the engine thread after its current step.
