@@ -1,10 +1,16 @@
 """A command that starts an engine refuses what it cannot serve: exit 2, the reason, no traceback
-(worker/engine/engine.py, `START_REFUSALS`). The worker's own cases are with what they refuse
-(tests/worker/test_weight_forms.py, tests/worker/test_attention_selection.py)."""
+(worker/engine/engine.py, `START_REFUSALS`; a worker whose port is taken too). The worker's other
+cases are with what they refuse (tests/worker/test_weight_forms.py, test_attention_selection.py)."""
 
 from __future__ import annotations
 
-from tests.processes import run_to_exit
+import socket
+
+from redis import Redis
+
+from tests.conftest import Servers
+from tests.processes import run_to_exit, worker_args
+from worker.engine import EXIT_REFUSED
 
 
 def test_chat_with_a_model_that_is_not_there_says_so_and_exits_2() -> None:
@@ -12,3 +18,24 @@ def test_chat_with_a_model_that_is_not_there_says_so_and_exits_2() -> None:
     assert done.returncode == 2, done.stderr[-2000:]
     assert "microturn chat: error: model '/nonexistent/model.gguf' is neither a preset" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_worker_whose_port_is_taken_refuses_before_it_loads_or_registers(servers: Servers) -> None:
+    # Before, it loaded its model and registered in Redis, and only then failed to bind (exit 1):
+    # gateways could pick the entry meanwhile.
+    redis_url = servers.redis()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_to_exit(
+            "worker", *worker_args(redis_url, "w-taken", "--host", "127.0.0.1", "--port", str(port))
+        )
+    assert done.returncode == EXIT_REFUSED, done.stderr[-2000:]
+    assert (
+        f"the worker does not start: cannot listen on 127.0.0.1 port {port}: Address already in use"
+        in done.stderr
+    )
+    assert "Traceback" not in done.stderr
+    assert "model tiny ready" not in done.stderr  # refused before the model loads
+    assert Redis.from_url(redis_url).keys("*") == []  # and never registered

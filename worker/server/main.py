@@ -68,15 +68,45 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The worker's listening socket, bound now (uvicorn listens on it once the lifespan is up).
+
+    Bound before the model loads and before the lifespan registers the worker in Redis: a worker
+    whose port is taken used to load its model, register, and only then fail to bind (uvicorn's
+    exit 1), leaving a brief entry gateways could pick. The options are uvicorn's own
+    (`Config.bind_socket`): an IPv6 family for a host with a colon, SO_REUSEADDR.
+    """
+    listener = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError:
+        listener.close()
+        raise
+    listener.set_inheritable(True)
+    return listener
+
+
 def serve(settings: WorkerSettings) -> int:
     """Load the engine and serve until stopped (`microturn worker` parses the settings first, to
     choose the OpenMP spin before this module's imports load torch: worker/openmp.py)."""
+    try:
+        listener = bind_listener(settings.host, settings.port)
+    except OSError as taken:
+        logger.error(
+            "the worker does not start: cannot listen on %s port %d: %s",
+            settings.host,
+            settings.port,
+            taken.strerror,
+        )
+        return EXIT_REFUSED
     try:
         engine = Engine.from_config(EngineConfig.from_settings(settings))
     except START_REFUSALS as refused:
         # Said once, with no traceback; the traceback stays at debug level, for a refusal that is a bug.
         logger.error("the worker does not start: %s", refused)
         logger.debug("the refusal's traceback", exc_info=True)
+        listener.close()
         return EXIT_REFUSED
     # Structured output's compiler, built before the worker serves: built beside the first sessions,
     # its imports held the GIL for ~0.7 s and their first chunks waited 100-300 ms (docs/benchmarks.md,
@@ -94,7 +124,7 @@ def serve(settings: WorkerSettings) -> int:
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     try:
-        DrainingServer(config, runtime.drain, settings.drain_timeout_s).run()
+        DrainingServer(config, runtime.drain, settings.drain_timeout_s).run(sockets=[listener])
     finally:
         engine.shutdown()
     exit_stopped()
