@@ -124,14 +124,44 @@ AVX2 static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
+/* Positions ahead of the one read whose rows a job asks the memory for (one block: a block's rows
+ * are read, scored and weighed before the next block's, which gives the fetch that long). */
+#define PREFETCH_ROWS KEY_BLOCK
+
 /* Where a row's next positions live in one head's pool: a walk over its pages in position order,
- * with no division per position. */
+ * with no division per position. A second walk runs PREFETCH_ROWS ahead of it, asking for the rows
+ * it will read: a row's pages lie anywhere in the pool, and each holds a few KB, where the hardware
+ * prefetcher stops (a decode step, which reads each row once, waited on its loads for half its
+ * attention time). */
 typedef struct {
     const int32_t *pages;
     int64_t page_size;
     int64_t page;   /* the page of the next position */
     int64_t offset; /* its slot in that page */
+    int64_t ahead_page, ahead_offset; /* the next position to prefetch */
+    int64_t ahead_left;               /* positions left to prefetch */
 } RowCursor;
+
+/* Asks for the cache lines of `row_bytes` at `row` (a hint: it changes no value). */
+AVX2 static inline __attribute__((always_inline)) void prefetch_row(const char *row, int64_t row_bytes) {
+    for (int64_t line = 0; line < row_bytes; line += 64) {
+        _mm_prefetch(row + line, _MM_HINT_T0);
+    }
+}
+
+/* A cursor at position 0 of a row whose `positions` rows a job reads, with the first PREFETCH_ROWS
+ * of them asked for now. */
+AVX2 static inline __attribute__((always_inline)) RowCursor row_cursor(const int32_t *pages, int64_t page_size,
+                                                                       int64_t positions, const void *head,
+                                                                       int64_t row_bytes) {
+    const int64_t first = positions < PREFETCH_ROWS ? positions : PREFETCH_ROWS;
+    for (int64_t i = 0; i < first; i++) {
+        prefetch_row((const char *)head + ((int64_t)pages[i / page_size] * page_size + i % page_size) * row_bytes,
+                     row_bytes);
+    }
+    RowCursor at = {pages, page_size, 0, 0, first / page_size, first % page_size, positions - first};
+    return at;
+}
 
 /* The next `count` positions' rows (`dim` values each) of the head whose pool starts at `head`: in
  * place where the pool holds floats; where it holds float16, each row converted into `converted`
@@ -140,7 +170,17 @@ typedef struct {
 AVX2 static inline __attribute__((always_inline)) void next_rows(RowCursor *at, const void *head, int half,
                                                                  int64_t dim, int64_t count, float *converted,
                                                                  const float **rows) {
+    const int64_t row_bytes = dim * (half ? 2 : 4);
     for (int64_t i = 0; i < count; i++) {
+        if (at->ahead_left > 0) {
+            const int64_t ahead = (int64_t)at->pages[at->ahead_page] * at->page_size + at->ahead_offset;
+            prefetch_row((const char *)head + ahead * row_bytes, row_bytes);
+            at->ahead_left--;
+            if (++at->ahead_offset == at->page_size) {
+                at->ahead_offset = 0;
+                at->ahead_page++;
+            }
+        }
         const int64_t slot = (int64_t)at->pages[at->page] * at->page_size + at->offset;
         if (half) {
             const uint16_t *from = (const uint16_t *)head + slot * dim;
@@ -412,7 +452,8 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
      * one fixed tree (sum8x8), which sums each of them the same way whatever its neighbours. Keys past
      * the block's rows are zeros; a head's scores past its visible keys are dropped (the max skips them,
      * the softmax zeroes their terms), so a key's score is the same wherever the visible keys end. */
-    RowCursor keys = {row_pages, s->page_size, 0, 0};
+    const int64_t row_bytes = dim * value_bytes;
+    RowCursor keys = row_cursor(row_pages, s->page_size, last_visible, head_keys, row_bytes);
     for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
         const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
         const int64_t block_end = block + in_block;
@@ -482,7 +523,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     /* The weighted values, each output summed in position order (its running sum kept in `sums` between
      * blocks), two heads of a query at a time, so a value row is read once per two heads. */
     memset(sums, 0, sizeof(float) * (size_t)(count * group * dim));
-    RowCursor values = {row_pages, s->page_size, 0, 0};
+    RowCursor values = row_cursor(row_pages, s->page_size, last_visible, head_values, row_bytes);
     for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
         const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
         next_rows(&values, head_values, s->half, dim, in_block, converted, slot);
