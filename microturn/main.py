@@ -24,8 +24,9 @@ def _chat(argv: list[str]) -> int:
     from worker.openmp import choose_spin
 
     choose_spin(shared_cores=settings.cpu_single_thread_max_tokens > 0)
+    from shared.settings import EXIT_REFUSED
     from worker.console import chat
-    from worker.engine import EXIT_REFUSED, START_REFUSALS, Engine, EngineConfig
+    from worker.engine import START_REFUSALS, Engine, EngineConfig
 
     try:
         engine = Engine.from_config(EngineConfig.from_settings(settings))

@@ -65,6 +65,10 @@ REBALANCE_MIN_GAP: Final = 2
 # Heartbeats a rebalance period spans at least: a round weighs the loads the workers last published,
 # and the last round's sessions must show in its target's count before the next round counts them.
 REBALANCE_MIN_BEATS: Final = 2
+# The exit status of a command that refuses to start (a setting it cannot serve, a port it cannot
+# listen on): its output says why, once, with no traceback. A usage error's (argparse's) too, so
+# every refused start exits alike.
+EXIT_REFUSED: Final = 2
 # Seconds a stopping server (gateway, or worker after its drain) waits for open connections before
 # it cuts them: a stop is bounded even when a peer never closes. uvicorn takes whole seconds.
 SHUTDOWN_GRACE_S: Final = 5

@@ -8,9 +8,9 @@ import socket
 
 from redis import Redis
 
+from shared.settings import EXIT_REFUSED
 from tests.conftest import Servers
 from tests.processes import run_to_exit, worker_args
-from worker.engine import EXIT_REFUSED
 
 
 def test_chat_with_a_model_that_is_not_there_says_so_and_exits_2() -> None:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from shared.settings import EXIT_REFUSED
 from tests.processes import run_to_exit
 from worker.attention import (
     AUTO,
@@ -19,7 +20,7 @@ from worker.attention import (
     choose_backend,
     cpu_backend,
 )
-from worker.engine import EXIT_REFUSED, Engine
+from worker.engine import Engine
 from worker.server.metrics import WorkerMetrics
 
 SHAPE = AttentionShape(

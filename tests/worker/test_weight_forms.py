@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from loadtest.weight_quality import FormModel
-from shared.settings import EngineSettings, parse_settings
+from shared.settings import EXIT_REFUSED, EngineSettings, parse_settings
 from tests.processes import run_to_exit
-from worker.engine import EXIT_REFUSED, Engine
+from worker.engine import Engine
 from worker.engine.config import EngineConfig
 from worker.model.block_dot import block_dot_available
 from worker.model.embedding import StoredEmbedding

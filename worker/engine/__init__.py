@@ -2,12 +2,11 @@
 
 from worker.engine.config import EngineConfig
 from worker.engine.core import EngineStats
-from worker.engine.engine import EXIT_REFUSED, START_REFUSALS, Engine
+from worker.engine.engine import START_REFUSALS, Engine
 from worker.engine.session_rules import SessionRules
 from worker.engine.turn import TokenDelta, TurnResult
 
 __all__ = [
-    "EXIT_REFUSED",
     "START_REFUSALS",
     "Engine",
     "EngineConfig",

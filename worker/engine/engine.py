@@ -55,10 +55,8 @@ MAX_CHARS_PER_TOKEN = 32
 # What `EngineConfig` and `Engine.from_config` raise for settings this machine or model cannot serve
 # (a refused value, a device torch has not, a missing model, a weight form with no kernel for the
 # file's types, an attention backend that failed its check): the commands that start an engine say
-# the reason and exit 2 on these, with no traceback.
+# the reason and exit `EXIT_REFUSED` (shared/settings.py) on these, with no traceback.
 START_REFUSALS: Final = (ValueError, FileNotFoundError)
-# The exit status of a command that refused to start on one of these (its output says why).
-EXIT_REFUSED: Final = 2
 
 
 def _usable_device(name: str) -> torch.device:

@@ -14,8 +14,9 @@ from typing import NoReturn
 
 import uvicorn
 
-from shared.settings import SHUTDOWN_GRACE_S, WorkerSettings
-from worker.engine import EXIT_REFUSED, START_REFUSALS, Engine, EngineConfig
+from shared.listener import bind_listener
+from shared.settings import EXIT_REFUSED, SHUTDOWN_GRACE_S, WorkerSettings
+from worker.engine import START_REFUSALS, Engine, EngineConfig
 from worker.server.app import WorkerRuntime, create_worker_app
 
 logger = logging.getLogger(__name__)
@@ -66,25 +67,6 @@ class DrainingServer(uvicorn.Server):
             return
         # A completed drain is a clean stop: exit 0 rather than re-raise the signal.
         self.should_exit = True
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The worker's listening socket, bound now (uvicorn listens on it once the lifespan is up).
-
-    Bound before the model loads and before the lifespan registers the worker in Redis: a worker
-    whose port is taken used to load its model, register, and only then fail to bind (uvicorn's
-    exit 1), leaving a brief entry gateways could pick. The options are uvicorn's own
-    (`Config.bind_socket`): an IPv6 family for a host with a colon, SO_REUSEADDR.
-    """
-    listener = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind((host, port))
-    except OSError:
-        listener.close()
-        raise
-    listener.set_inheritable(True)
-    return listener
 
 
 def serve(settings: WorkerSettings) -> int:
