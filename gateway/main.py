@@ -19,7 +19,8 @@ from typing import Final
 import uvicorn
 
 from gateway.app import create_app
-from shared.settings import SHUTDOWN_GRACE_S, GatewaySettings, parse_settings
+from shared.listener import bind_listener
+from shared.settings import EXIT_REFUSED, SHUTDOWN_GRACE_S, GatewaySettings, parse_settings
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,18 @@ def main(argv: Sequence[str]) -> int:
     problem = tls_problem(settings)
     if problem is not None:
         logger.error("gateway not started: %s", problem)
-        return 2
+        return EXIT_REFUSED
+    try:
+        listener = bind_listener(settings.host, settings.port)
+    except OSError as taken:
+        where = f"{settings.host} port {settings.port}"
+        logger.error("gateway not started: cannot listen on %s: %s", where, taken.strerror)
+        return EXIT_REFUSED
     server = uvicorn.Server(uvicorn_config(settings))
     scheme = "https/wss" if settings.tls else "http/ws"
     logger.info("gateway listening on %s:%d (%s)", settings.host, settings.port, scheme)
-    server.run()
-    # uvicorn reports a failed start (port taken, lifespan error) by exiting the serve loop early.
+    server.run(sockets=[listener])
+    # uvicorn reports a failed start (a lifespan error: Redis unreachable) by exiting the serve loop early.
     return 0 if server.started else 1
 
 
