@@ -46,6 +46,12 @@
 #define VNNI_MIN_ROWS 3
 /* Rows computed together on that path (4, 6 and 8 measured: 8 the fastest from 8 rows on). */
 #define VNNI_ROW_BLOCK 8
+/* Groups ahead of the one multiplied that a tile's weights are fetched for, on every path: the VNNI
+ * path reads two tiles at once (8: ~8% at 16 rows on Zen 5; the hardware's own prefetch follows one
+ * stream better than two), and a decode step's one row is bound by the read on the AVX2 paths too
+ * (8: SmolLM2's 121 matrices at one row 10-16% faster on Zen 3, 16 the same; docs/benchmarks.md).
+ * A hint: it changes no value. */
+#define PREFETCH 8
 
 #ifdef BLOCK_DOT_X86
 /* One group of 32 values in four registers. */
@@ -190,6 +196,8 @@ __attribute__((target("avx2,fma,f16c"))) static void q4_product(const int8_t *q,
             }
             for (int64_t g = 0; g < groups; g++) {
                 __m256i w[8];
+                _mm_prefetch((const char *)(tile + (g + PREFETCH) * 128), _MM_HINT_T0);
+                _mm_prefetch((const char *)(tile + (g + PREFETCH) * 128 + 64), _MM_HINT_T0);
                 for (int j = 0; j < 4; j++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(tile + g * 128 + j * 32));
                     w[j] = _mm256_and_si256(v, low);
@@ -229,9 +237,6 @@ __attribute__((target("avx2,fma,f16c"))) static void q4_product(const int8_t *q,
  * do not depend on which of the two its CPU runs; tests/worker/test_block_dot.py). A last odd tile
  * goes through the AVX2 path. */
 
-/* Groups ahead of the one multiplied that the two tiles' weights are fetched for (8: ~8% at 16 rows here,
- * docs/benchmarks.md; the hardware's own prefetch follows one stream better than two). */
-#define PREFETCH 8
 #define CHUNK512(k) _mm512_broadcastd_epi32(_mm_loadu_si32(chunk + (k)))
 
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) static void q4_product_vnni(
@@ -314,6 +319,9 @@ __attribute__((target("avx2,fma,f16c"))) static void q8_product(const int8_t *q,
             }
             for (int64_t g = 0; g < groups; g++) {
                 __m256i w[8], magnitude[8];
+                for (int line = 0; line < 256; line += 64) {
+                    _mm_prefetch((const char *)(tile + (g + PREFETCH) * 256 + line), _MM_HINT_T0);
+                }
                 for (int k = 0; k < 8; k++) {
                     w[k] = _mm256_loadu_si256((const __m256i *)(tile + g * 256 + k * 32));
                     magnitude[k] = _mm256_sign_epi8(w[k], w[k]);
