@@ -21,8 +21,8 @@ def test_chat_with_a_model_that_is_not_there_says_so_and_exits_2() -> None:
 
 
 def test_a_worker_whose_port_is_taken_refuses_before_it_loads_or_registers(servers: Servers) -> None:
-    # Before, it loaded its model and registered in Redis, and only then failed to bind (exit 1):
-    # gateways could pick the entry meanwhile.
+    # Before, it loaded its model and registered in Redis, and only then failed to bind (uvicorn's
+    # exit, 3 here): gateways could pick the entry meanwhile.
     redis_url = servers.redis()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
