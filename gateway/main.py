@@ -19,7 +19,7 @@ from typing import Final
 import uvicorn
 
 from gateway.app import create_app
-from shared.listener import bind_listener
+from shared.listener import ListenRefused, bind_listener
 from shared.settings import EXIT_REFUSED, SHUTDOWN_GRACE_S, GatewaySettings, parse_settings
 
 logger = logging.getLogger(__name__)
@@ -79,9 +79,8 @@ def main(argv: Sequence[str]) -> int:
         return EXIT_REFUSED
     try:
         listener = bind_listener(settings.host, settings.port)
-    except OSError as taken:
-        where = f"{settings.host} port {settings.port}"
-        logger.error("gateway not started: cannot listen on %s: %s", where, taken.strerror)
+    except ListenRefused as refused:
+        logger.error("gateway not started: %s", refused)
         return EXIT_REFUSED
     server = uvicorn.Server(uvicorn_config(settings))
     scheme = "https/wss" if settings.tls else "http/ws"

@@ -1,13 +1,19 @@
-"""The listening socket a server (the gateway, a worker) binds before it starts anything else."""
+"""The listening socket a server (the gateway, a worker) binds before it starts anything else, and
+the refusal it starts with where it cannot."""
 
 from __future__ import annotations
 
 import socket
 
 
+class ListenRefused(Exception):
+    """The server's address cannot be bound; the message names it and the reason, for the server's
+    one-line refusal (exit `EXIT_REFUSED`, shared/settings.py)."""
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     """A server's socket, bound now: uvicorn listens on it (`Server.run(sockets=...)`) once the
-    app's lifespan is up. OSError where the address cannot be bound (a port taken).
+    app's lifespan is up. `ListenRefused` where the address cannot be bound (a port taken).
 
     Why a server binds first: a worker whose port was taken used to load its model and register in
     Redis, and only then fail to bind (uvicorn's exit), leaving a brief entry gateways could pick;
@@ -18,8 +24,8 @@ def bind_listener(host: str, port: int) -> socket.socket:
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind((host, port))
-    except OSError:
+    except OSError as exc:
         listener.close()
-        raise
+        raise ListenRefused(f"cannot listen on {host} port {port}: {exc.strerror}") from exc
     listener.set_inheritable(True)
     return listener

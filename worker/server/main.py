@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import uvicorn
 
-from shared.listener import bind_listener
+from shared.listener import ListenRefused, bind_listener
 from shared.settings import EXIT_REFUSED, SHUTDOWN_GRACE_S, WorkerSettings
 from worker.engine import START_REFUSALS, Engine, EngineConfig
 from worker.server.app import WorkerRuntime, create_worker_app
@@ -74,13 +74,8 @@ def serve(settings: WorkerSettings) -> int:
     choose the OpenMP spin before this module's imports load torch: worker/openmp.py)."""
     try:
         listener = bind_listener(settings.host, settings.port)
-    except OSError as taken:
-        logger.error(
-            "the worker does not start: cannot listen on %s port %d: %s",
-            settings.host,
-            settings.port,
-            taken.strerror,
-        )
+    except ListenRefused as refused:
+        logger.error("the worker does not start: %s", refused)
         return EXIT_REFUSED
     try:
         engine = Engine.from_config(EngineConfig.from_settings(settings))
