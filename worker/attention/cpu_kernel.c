@@ -314,7 +314,7 @@ AVX2 static inline __attribute__((always_inline)) void weigh_rows(const float *c
  * tests/worker/test_cpu_attention.py). ~1.6x on a micro-turn's append on Zen 5 (docs/benchmarks.md,
  * "AVX-512 VNNI for the appends"). Not inlined into `attend` (a function cannot inline code built for
  * an instruction set it is not built for): one call per block and pair of heads. */
-#define WIDE __attribute__((target("avx512f,avx512dq,avx2,fma"), noinline))
+#define WIDE __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"), noinline))
 
 /* score_pair's scores: a register holds head a's 8 lanes of a key's dot product in its low half and
  * head b's in its high half (the key row broadcast to both, the two queries side by side), so one FMA
@@ -369,38 +369,124 @@ WIDE static __m256 score_pair_wide(const float *const *key, int64_t block, int64
     return largest;
 }
 
-/* weigh_rows with 16 dims a register, 64 dims a pass where they are there (8 FMA chains for two heads,
- * as weigh_rows' 8 of 8 dims), else 32: each output lane's FMAs are weigh_rows', in position order. */
-WIDE static void weigh_rows_wide(const float *const *row, int64_t rows, const float *weights_a,
-                                 const float *weights_b, float *sums_a, float *sums_b, const int64_t heads,
-                                 const int64_t dim) {
+/* Heads weigh_heads_wide takes per pass of a value row: 24 accumulators and the row's 4 vectors, where
+ * two heads a pass (8 FMA chains, and a group of 3's odd head alone with 4) left the FMA units idle
+ * half the time on Zen 5. */
+#define WEIGH_HEADS 6
+
+/* Code for the wide path that its WIDE functions inline. */
+#define WIDE_INLINE __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"), always_inline)) static inline
+
+/* weigh_rows on AVX-512 for `heads` heads (at most WEIGH_HEADS) at once, each with its own weights and
+ * sums, 16 dims a register and 64 a pass where they are there (else 32): a value row's vectors serve
+ * every head from registers. Each output lane's FMAs are weigh_rows', in position order. */
+WIDE_INLINE void weigh_tile(const float *const *row, int64_t rows, const float *const *weights, float *const *sums,
+                            const int heads, const int64_t dim) {
     for (int64_t part = 0; part < dim;) {
         const int vectors = part + 64 <= dim ? 4 : 2; /* dim is a multiple of 32 */
-        __m512 a[4], b[4];
-        for (int c = 0; c < vectors; c++) {
-            a[c] = _mm512_loadu_ps(sums_a + part + 16 * c);
-            b[c] = heads == 2 ? _mm512_loadu_ps(sums_b + part + 16 * c) : a[c];
+        __m512 acc[WEIGH_HEADS][4];
+#pragma GCC unroll 16
+        for (int g = 0; g < heads; g++) {
+#pragma GCC unroll 16
+            for (int c = 0; c < vectors; c++) {
+                acc[g][c] = _mm512_loadu_ps(sums[g] + part + 16 * c);
+            }
         }
+#pragma GCC unroll 4
         for (int64_t i = 0; i < rows; i++) {
             const float *value = row[i] + part;
-            const __m512 wa = _mm512_set1_ps(weights_a[i]);
-            const __m512 wb = _mm512_set1_ps(weights_b[i]);
+            __m512 v[4];
+#pragma GCC unroll 16
             for (int c = 0; c < vectors; c++) {
-                const __m512 v = _mm512_loadu_ps(value + 16 * c);
-                a[c] = _mm512_fmadd_ps(wa, v, a[c]);
-                if (heads == 2) {
-                    b[c] = _mm512_fmadd_ps(wb, v, b[c]);
+                v[c] = _mm512_loadu_ps(value + 16 * c);
+            }
+#pragma GCC unroll 16
+            for (int g = 0; g < heads; g++) {
+                const __m512 w = _mm512_set1_ps(weights[g][i]);
+#pragma GCC unroll 16
+                for (int c = 0; c < vectors; c++) {
+                    acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
                 }
             }
         }
-        for (int c = 0; c < vectors; c++) {
-            _mm512_storeu_ps(sums_a + part + 16 * c, a[c]);
-            if (heads == 2) {
-                _mm512_storeu_ps(sums_b + part + 16 * c, b[c]);
+#pragma GCC unroll 16
+        for (int g = 0; g < heads; g++) {
+#pragma GCC unroll 16
+            for (int c = 0; c < vectors; c++) {
+                _mm512_storeu_ps(sums[g] + part + 16 * c, acc[g][c]);
             }
         }
         part += 16 * vectors;
     }
+}
+
+WIDE_INLINE void weigh_heads_dim(const float *const *row, int64_t rows, const float *const *weights,
+                                 float *const *sums, int64_t heads, const int64_t dim) {
+    for (int64_t first = 0; first < heads; first += WEIGH_HEADS) {
+        const float *const *w = weights + first;
+        float *const *s = sums + first;
+        switch (heads - first < WEIGH_HEADS ? heads - first : WEIGH_HEADS) {
+        case 1: weigh_tile(row, rows, w, s, 1, dim); break;
+        case 2: weigh_tile(row, rows, w, s, 2, dim); break;
+        case 3: weigh_tile(row, rows, w, s, 3, dim); break;
+        case 4: weigh_tile(row, rows, w, s, 4, dim); break;
+        case 5: weigh_tile(row, rows, w, s, 5, dim); break;
+        default: weigh_tile(row, rows, w, s, 6, dim); break;
+        }
+    }
+}
+
+/* The weighted values of `heads` heads that see the same `rows` rows of a block (weights[g][i], sums[g]),
+ * WEIGH_HEADS at a time. */
+WIDE static void weigh_heads_wide(const float *const *row, int64_t rows, const float *const *weights,
+                                  float *const *sums, int64_t heads, int64_t dim) {
+    if (dim == 64) {
+        weigh_heads_dim(row, rows, weights, sums, heads, 64);
+    } else {
+        weigh_heads_dim(row, rows, weights, sums, heads, dim);
+    }
+}
+
+/* exp8 on 16 lanes, every lane the same operations (floor as a rounding toward -inf, exact either way). */
+WIDE_INLINE __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447505531f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
+    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+    __m512i exponent =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(exponent));
+}
+
+/* The softmax's terms of one head (terms[t] = exp(score - largest) for t < visible, 0 past it, written
+ * to `visible` rounded up to 16: the stride leaves room) and their total, as the AVX2 code takes it:
+ * 8 lanes by position modulo 8, summed in position order, then sum8 (the zeros past `visible` add
+ * nothing to a sum of non-negative terms). */
+WIDE static float softmax_terms_wide(float *terms, int64_t visible, float largest) {
+    const __m512 top = _mm512_set1_ps(largest);
+    const __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m256 lanes_sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < visible; t += 16) {
+        __m512 term = exp16(_mm512_sub_ps(_mm512_loadu_ps(terms + t), top));
+        if (t + 16 > visible) {
+            const __mmask16 seen = _mm512_cmplt_epi32_mask(_mm512_add_epi32(_mm512_set1_epi32((int)t), lane_index),
+                                                           _mm512_set1_epi32((int)visible));
+            term = _mm512_maskz_mov_ps(seen, term);
+        }
+        _mm512_storeu_ps(terms + t, term);
+        lanes_sum = _mm256_add_ps(lanes_sum, _mm512_castps512_ps256(term));
+        lanes_sum = _mm256_add_ps(lanes_sum, _mm512_extractf32x8_ps(term, 1));
+    }
+    return sum8(lanes_sum);
 }
 
 /* A job: queries j0 .. j0 + count - 1 of row `row` (tokens first_token + j0 ...) against KV head `h`,
@@ -408,8 +494,10 @@ WIDE static void weigh_rows_wide(const float *const *row, int64_t rows, const fl
  * KEY_BLOCK positions at a time, and runs every query of the job over a block before the next, so a
  * block is read from memory once per job and from the L1 or L2 cache by its other queries (one query
  * per job read every key and value from memory: a 48-token append to a 6k history ran at a quarter of
- * the FMA units' rate). Within a block the job's query heads go two at a time (score_pair, weigh_rows),
- * so a key or value row loaded into registers serves both. Neither the blocking nor the pairing changes
+ * the FMA units' rate). Within a block the job's query heads go two at a time for the scores
+ * (score_pair) and two (weigh_rows) or six (weigh_heads_wide) at a time for the values, so a key or value
+ * row loaded into registers serves them all; where every query of the job sees the whole block, the
+ * values' heads group across queries. Neither the blocking nor the grouping changes
  * a query's arithmetic (the header's invariants): each query's scores, max, terms and sums are the same
  * operations in the same order as alone. `scores` holds count x group x stride floats, `sums` count x
  * group x dim. `dim` is a literal at the hot call site, so the loops over it unroll. */
@@ -421,7 +509,8 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     const int64_t q_len = s->qo_indptr[row + 1] - first_token;
     const int64_t first_visible = s->kv_lens[row] - q_len + j0 + 1; /* query j0's keys; query j0 + q sees q more */
     const int64_t last_visible = first_visible + count - 1;
-    const int64_t stride = (last_visible + 7) & ~(int64_t)7; /* a (query, head)'s scores in `scores` */
+    /* a (query, head)'s scores in `scores`: to a multiple of 16, what the wide path writes */
+    const int64_t stride = (last_visible + 15) & ~(int64_t)15;
     const int32_t *row_pages = s->pages + s->page_indptr[row];
     const int64_t value_bytes = s->half ? 2 : 4;
     const void *head_keys = (const char *)s->keys + h * s->pool_slots * dim * value_bytes;
@@ -504,40 +593,75 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
                 largest = lanes[i] > largest ? lanes[i] : largest;
             }
             float *terms = scores + qg * stride;
-            /* The softmax's terms; the lanes past the keys are exactly 0. */
+            if (wide) {
+                totals[qg] = softmax_terms_wide(terms, visible, largest);
+                continue;
+            }
+            /* The softmax's terms (the lanes past the keys exactly 0), summed as they are taken: 8 lanes by
+             * position modulo 8, in position order. */
             const __m256 top = _mm256_set1_ps(largest);
-            for (int64_t t = 0; t < own_stride; t += 8) {
-                _mm256_storeu_ps(terms + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(terms + t), top)));
-            }
-            for (int64_t t = visible; t < own_stride; t++) {
-                terms[t] = 0.0f;
-            }
+            const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
             __m256 lanes_sum = _mm256_setzero_ps();
             for (int64_t t = 0; t < own_stride; t += 8) {
-                lanes_sum = _mm256_add_ps(lanes_sum, _mm256_loadu_ps(terms + t));
+                __m256 term = exp8(_mm256_sub_ps(_mm256_loadu_ps(terms + t), top));
+                if (t + 8 > visible) {
+                    const __m256 seen = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)t), lane_index),
+                                                      _mm256_set1_ps((float)visible), _CMP_LT_OQ);
+                    term = _mm256_and_ps(term, seen);
+                }
+                _mm256_storeu_ps(terms + t, term);
+                lanes_sum = _mm256_add_ps(lanes_sum, term);
             }
             totals[qg] = sum8(lanes_sum);
         }
     }
 
     /* The weighted values, each output summed in position order (its running sum kept in `sums` between
-     * blocks), two heads of a query at a time, so a value row is read once per two heads. */
+     * blocks), a value row read once per two heads (six on the wide path): across the job's queries in
+     * the blocks they all see whole, a query's own heads in the block its last keys end in. */
     memset(sums, 0, sizeof(float) * (size_t)(count * group * dim));
+    /* The wide path's pointers: each head's weights from the block's first position, and its sums. */
+    const float *head_weights[QUERY_HEADS_PER_JOB];
+    float *head_sums[QUERY_HEADS_PER_JOB];
+    for (int64_t qg = 0; qg < job_heads; qg++) {
+        head_sums[qg] = sums + qg * dim;
+    }
     RowCursor values = row_cursor(row_pages, s->page_size, last_visible, head_values, row_bytes);
     for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
         const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
         next_rows(&values, head_values, s->half, dim, in_block, converted, slot);
+        for (int64_t qg = 0; qg < job_heads && wide; qg++) {
+            head_weights[qg] = scores + qg * stride + block;
+        }
+        if (block + in_block <= first_visible) { /* every head of the job sees the whole block */
+            if (wide) {
+                weigh_heads_wide(slot, in_block, head_weights, head_sums, job_heads, dim);
+                continue;
+            }
+            /* two heads at a time across the job's queries (a query's odd head paired with the next's) */
+            for (int64_t qg = 0; qg < job_heads; qg += 2) {
+                const float *weights = scores + qg * stride + block;
+                if (qg + 1 < job_heads) {
+                    weigh_rows(slot, in_block, weights, weights + stride, sums + qg * dim, sums + (qg + 1) * dim, 2, dim);
+                } else {
+                    weigh_rows(slot, in_block, weights, weights, sums + qg * dim, sums + qg * dim, 1, dim);
+                }
+            }
+            continue;
+        }
         for (int64_t q = 0; q < count; q++) {
             const int64_t visible = first_visible + q;
             const int64_t rows_seen = (block + in_block < visible ? block + in_block : visible) - block;
+            if (wide) { /* the query's heads, which see the same rows */
+                if (rows_seen > 0) {
+                    weigh_heads_wide(slot, rows_seen, head_weights + q * group, head_sums + q * group, group, dim);
+                }
+                continue;
+            }
             for (int64_t g = 0; g < group; g += 2) {
                 const int64_t qg = q * group + g;
                 const float *weights = scores + qg * stride + block;
-                if (wide) {
-                    const int64_t heads = g + 1 < group ? 2 : 1;
-                    weigh_rows_wide(slot, rows_seen, weights, weights + (heads - 1) * stride, sums + qg * dim,
-                                    sums + (qg + heads - 1) * dim, heads, dim);
-                } else if (g + 1 < group) {
+                if (g + 1 < group) {
                     weigh_rows(slot, rows_seen, weights, weights + stride, sums + qg * dim, sums + (qg + 1) * dim, 2,
                                dim);
                 } else {
@@ -636,7 +760,7 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wid
         }
     }
     const int64_t jobs = runs * s->kv_heads;
-    const size_t score_floats = (size_t)(per_job * group * ((longest + 7) & ~(int64_t)7));
+    const size_t score_floats = (size_t)(per_job * group * ((longest + 15) & ~(int64_t)15)); /* attend's stride */
     const size_t sum_floats = (size_t)(per_job * group * s->dim);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && jobs > 1)
