@@ -316,15 +316,40 @@ AVX2 static inline __attribute__((always_inline)) void weigh_rows(const float *c
  * an instruction set it is not built for): one call per block and pair of heads. */
 #define WIDE __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"), noinline))
 
+/* Code for the wide path that its WIDE functions inline. */
+#define WIDE_INLINE __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"), always_inline)) static inline
+
+/* Four keys' scores for a pair of query heads from their dot products d[0..3] (a register per key: head
+ * a's 8 lanes in its low half, head b's in its high half), stored at position `at` of each head's
+ * scores, and the running max (lanes 0-3 head a's, 4-7 head b's) over the visible ones. The tree sums
+ * each half's lanes exactly as sum8x8 does: the in-lane shuffles per 128 bits, the last step's halves
+ * placed by shuffle_f32x4. */
+WIDE_INLINE __m256 four_scores(const __m512 d[4], int64_t at, float *scores_a, float *scores_b, float scale,
+                               __m256 limits, int64_t all_seen, __m256 largest) {
+    /* pair_sums per 128-bit lane: halves [a | b] of sum8x8's a = tree(v0..v3), b = tree(v4..v7) */
+    const __m512 p01 = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    const __m512 p23 = _mm512_add_ps(_mm512_shuffle_ps(d[2], d[3], 0x88), _mm512_shuffle_ps(d[2], d[3], 0xDD));
+    const __m512 p = _mm512_add_ps(_mm512_shuffle_ps(p01, p23, 0x88), _mm512_shuffle_ps(p01, p23, 0xDD));
+    /* [a.lo + a.hi, b.lo + b.hi], sum8x8's last step */
+    const __m512 even = _mm512_shuffle_f32x4(p, p, _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 odd = _mm512_shuffle_f32x4(p, p, _MM_SHUFFLE(3, 1, 3, 1));
+    const __m256 score = _mm256_mul_ps(_mm512_castps512_ps256(_mm512_add_ps(even, odd)), _mm256_set1_ps(scale));
+    _mm_storeu_ps(scores_a + at, _mm256_castps256_ps128(score));
+    _mm_storeu_ps(scores_b + at, _mm256_extractf128_ps(score, 1));
+    if (at + 4 <= all_seen) { /* every lane visible to its head: no mask */
+        return _mm256_max_ps(score, largest);
+    }
+    const __m256 seen = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)at), _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3)),
+                                      limits, _CMP_LT_OQ);
+    return _mm256_max_ps(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), score, seen), largest);
+}
+
 /* score_pair's scores: a register holds head a's 8 lanes of a key's dot product in its low half and
  * head b's in its high half (the key row broadcast to both, the two queries side by side), so one FMA
- * does the two of score_pair's. The tree then sums each half's lanes exactly as sum8x8 does: the
- * in-lane shuffles per 128 bits, the last step's halves placed by shuffle_f32x4. */
+ * does the two of score_pair's; four_scores then sums each key's lanes. */
 WIDE static __m256 score_pair_wide(const float *const *key, int64_t block, int64_t end, const float *query_a,
                                    const float *query_b, float *scores_a, float *scores_b, float scale,
                                    __m256 limits, int64_t all_seen, __m256 largest, const int64_t dim) {
-    const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
-    const __m256 unseen = _mm256_set1_ps(-INFINITY);
     __m512 query[MAX_DIM / 8];
     for (int64_t c = 0; c < dim; c += 8) {
         query[c / 8] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(query_a + c)),
@@ -344,38 +369,53 @@ WIDE static __m256 score_pair_wide(const float *const *key, int64_t block, int64
                 dot[i] = _mm512_fmadd_ps(q, _mm512_broadcast_f32x8(_mm256_loadu_ps(k[i] + c)), dot[i]);
             }
         }
-        for (int half = 0; half < 2; half++) {
-            const __m512 *d = dot + 4 * half;
-            const int64_t at = first + 4 * half;
-            /* pair_sums per 128-bit lane: halves [a | b] of sum8x8's a = tree(v0..v3), b = tree(v4..v7) */
-            const __m512 p01 = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-            const __m512 p23 = _mm512_add_ps(_mm512_shuffle_ps(d[2], d[3], 0x88), _mm512_shuffle_ps(d[2], d[3], 0xDD));
-            const __m512 p = _mm512_add_ps(_mm512_shuffle_ps(p01, p23, 0x88), _mm512_shuffle_ps(p01, p23, 0xDD));
-            /* [a.lo + a.hi, b.lo + b.hi], sum8x8's last step */
-            const __m512 even = _mm512_shuffle_f32x4(p, p, _MM_SHUFFLE(2, 0, 2, 0));
-            const __m512 odd = _mm512_shuffle_f32x4(p, p, _MM_SHUFFLE(3, 1, 3, 1));
-            const __m256 score = _mm256_mul_ps(_mm512_castps512_ps256(_mm512_add_ps(even, odd)), _mm256_set1_ps(scale));
-            _mm_storeu_ps(scores_a + at, _mm256_castps256_ps128(score));
-            _mm_storeu_ps(scores_b + at, _mm256_extractf128_ps(score, 1));
-            if (at + 4 <= all_seen) {
-                largest = _mm256_max_ps(score, largest);
-            } else {
-                const __m256 seen =
-                    _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)at), lane_index), limits, _CMP_LT_OQ);
-                largest = _mm256_max_ps(_mm256_blendv_ps(unseen, score, seen), largest);
-            }
-        }
+        largest = four_scores(dot, first, scores_a, scores_b, scale, limits, all_seen, largest);
+        largest = four_scores(dot + 4, first + 4, scores_a, scores_b, scale, limits, all_seen, largest);
     }
     return largest;
+}
+
+/* Two pairs of query heads' scores (heads[0], heads[1] and heads[2], heads[3]), as score_pair_wide's,
+ * 4 keys a pass: a key's broadcast serves both pairs (8 FMA chains, the two pairs' queries in 16
+ * registers for dim 64). `end` is the second pair's (a later query's, so the first pair's scores past
+ * its own end are taken too: written within its stride, out of its max). */
+WIDE static void score_quad_wide(const float *const *key, int64_t block, int64_t end, const float *const *heads,
+                                 float *const *scores, float scale, const __m256 *limits, const int64_t *all_seen,
+                                 __m256 *largest, const int64_t dim) {
+    __m512 query[2][MAX_DIM / 8];
+    for (int pair = 0; pair < 2; pair++) {
+        for (int64_t c = 0; c < dim; c += 8) {
+            query[pair][c / 8] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(heads[2 * pair] + c)),
+                                                    _mm256_loadu_ps(heads[2 * pair + 1] + c), 1);
+        }
+    }
+    __m256 largest_a = largest[0], largest_b = largest[1];
+    for (int64_t first = block; first < end; first += 4) {
+        const float *const *k = key + (first - block);
+        __m512 dot_a[4], dot_b[4];
+        for (int i = 0; i < 4; i++) {
+            const __m512 row = _mm512_broadcast_f32x8(_mm256_loadu_ps(k[i]));
+            dot_a[i] = _mm512_mul_ps(query[0][0], row);
+            dot_b[i] = _mm512_mul_ps(query[1][0], row);
+        }
+        for (int64_t c = 8; c < dim; c += 8) {
+            for (int i = 0; i < 4; i++) {
+                const __m512 row = _mm512_broadcast_f32x8(_mm256_loadu_ps(k[i] + c));
+                dot_a[i] = _mm512_fmadd_ps(query[0][c / 8], row, dot_a[i]);
+                dot_b[i] = _mm512_fmadd_ps(query[1][c / 8], row, dot_b[i]);
+            }
+        }
+        largest_a = four_scores(dot_a, first, scores[0], scores[1], scale, limits[0], all_seen[0], largest_a);
+        largest_b = four_scores(dot_b, first, scores[2], scores[3], scale, limits[1], all_seen[1], largest_b);
+    }
+    largest[0] = largest_a;
+    largest[1] = largest_b;
 }
 
 /* Heads weigh_heads_wide takes per pass of a value row: 24 accumulators and the row's 4 vectors, where
  * two heads a pass (8 FMA chains, and a group of 3's odd head alone with 4) left the FMA units idle
  * half the time on Zen 5. */
 #define WEIGH_HEADS 6
-
-/* Code for the wide path that its WIDE functions inline. */
-#define WIDE_INLINE __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"), always_inline)) static inline
 
 /* weigh_rows on AVX-512 for `heads` heads (at most WEIGH_HEADS) at once, each with its own weights and
  * sums, 16 dims a register and 64 a pass where they are there (else 32): a value row's vectors serve
@@ -558,6 +598,26 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
                     score_one(slot, block, end, head_query[first_head], scores + first_head * stride, scale,
                               visible, largest_lanes[first_head / 2], dim);
                 break;
+            }
+            if (wide && first_head + 4 <= (odd_head >= 0 ? odd_head : job_heads)) { /* two pairs at once */
+                const int64_t last = head_visible[first_head + 3];
+                const int64_t end = ((block_end < last ? block_end : last) + 7) & ~(int64_t)7;
+                __m256 limits[2];
+                int64_t all_seen[2];
+                float *pair_scores[4];
+                for (int64_t i = 0; i < 4; i++) {
+                    pair_scores[i] = scores + (first_head + i) * stride;
+                }
+                for (int64_t pair = 0; pair < 2; pair++) {
+                    const int64_t a = first_head + 2 * pair;
+                    limits[pair] = _mm256_setr_m128(_mm_set1_ps((float)head_visible[a]),
+                                                    _mm_set1_ps((float)head_visible[a + 1]));
+                    all_seen[pair] = head_visible[a];
+                }
+                score_quad_wide(slot, block, end, head_query + first_head, pair_scores, scale, limits, all_seen,
+                                largest_lanes + first_head / 2, dim);
+                first_head += 2;
+                continue;
             }
             const int64_t second_head = first_head + 1;
             const int64_t visible_a = head_visible[first_head];
