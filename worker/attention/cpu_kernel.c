@@ -766,11 +766,11 @@ static float *thread_scratch(size_t floats) {
     return grown(&scratch, &capacity, sizeof(float) * floats);
 }
 
-/* The calling thread's job table for `runs` runs: run b is row [2b], from its query [2b + 1]. */
+/* The calling thread's job table for `runs` runs: run b is row [3b], its queries [3b + 1] .. [3b + 1] + [3b + 2] - 1. */
 static int32_t *thread_jobs(int64_t runs) {
     static __thread void *jobs = NULL;
     static __thread size_t capacity = 0;
-    return grown(&jobs, &capacity, sizeof(int32_t) * 2 * (size_t)runs);
+    return grown(&jobs, &capacity, sizeof(int32_t) * 3 * (size_t)runs);
 }
 
 /* Returns 0, or -1 where a buffer could not be allocated (the jobs' outputs unwritten). */
@@ -804,7 +804,8 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wid
     }
     const int64_t group = s->heads / s->kv_heads;
     const int64_t per_job = QUERY_HEADS_PER_JOB / group; /* queries of one row a job takes, at most */
-    /* A row's queries in runs of per_job. */
+    /* A row's queries in the fewest runs of at most per_job, of sizes that differ by one at most (16
+     * queries as 8 + 8, not 10 + 6: two threads share a short append's jobs evenly). */
     int64_t runs = 0;
     for (int64_t row = 0; row < s->rows; row++) {
         runs += (s->qo_indptr[row + 1] - s->qo_indptr[row] + per_job - 1) / per_job;
@@ -814,9 +815,12 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wid
         return -1;
     }
     for (int64_t row = 0, b = 0; row < s->rows; row++) {
-        for (int64_t j = 0; j < s->qo_indptr[row + 1] - s->qo_indptr[row]; j += per_job, b++) {
-            run_of[2 * b] = (int32_t)row;
-            run_of[2 * b + 1] = (int32_t)j;
+        const int64_t q_len = s->qo_indptr[row + 1] - s->qo_indptr[row];
+        const int64_t row_runs = (q_len + per_job - 1) / per_job;
+        for (int64_t r = 0; r < row_runs; r++, b++) {
+            run_of[3 * b] = (int32_t)row;
+            run_of[3 * b + 1] = (int32_t)(r * q_len / row_runs);
+            run_of[3 * b + 2] = (int32_t)((r + 1) * q_len / row_runs - r * q_len / row_runs);
         }
     }
     const int64_t jobs = runs * s->kv_heads;
@@ -840,10 +844,9 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wid
              * cache between them (a row's every head does not, past a few hundred positions). */
             const int64_t h = job / runs;
             const int64_t b = job % runs;
-            const int64_t row = run_of[2 * b];
-            const int64_t j0 = run_of[2 * b + 1];
-            const int64_t q_len = s->qo_indptr[row + 1] - s->qo_indptr[row];
-            const int64_t count = q_len - j0 < per_job ? q_len - j0 : per_job;
+            const int64_t row = run_of[3 * b];
+            const int64_t j0 = run_of[3 * b + 1];
+            const int64_t count = run_of[3 * b + 2];
             if (s->dim == 64) { /* the models served here: the dot products' loops unrolled */
                 attend(s, row, j0, count, h, scores, sums, 64, group, wide);
             } else {
