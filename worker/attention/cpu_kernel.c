@@ -106,18 +106,25 @@ AVX2 static inline __m256 sum8x8(const __m256 v[8]) {
 }
 
 /* exp for x <= 0 (Cephes' expf: 2^n times a degree-5 polynomial on the remainder, ~1 ulp). Below
- * -87.3 it returns ~1e-38 instead of the denormal: against the max term's 1 it is nothing. */
+ * EXP_LOWEST it returns ~1e-38 instead of the denormal: against the max term's 1 it is nothing. Its
+ * constants, which exp8 and the wide path's exp16 share (the same operations on 8 or 16 lanes): */
+#define EXP_LOWEST (-87.3365447505531f)
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HIGH 0.693359375f /* ln 2 in two parts, so n * ln 2 is subtracted exactly */
+#define EXP_LN2_LOW (-2.12194440e-4f)
+#define EXP_POLY_TERMS 6 /* the polynomial's coefficients, highest degree first */
+static const float EXP_POLY[EXP_POLY_TERMS] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 AVX2 static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LOWEST));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HIGH), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LOW), x);
+    __m256 y = _mm256_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < EXP_POLY_TERMS; i++) {
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_POLY[i]));
+    }
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
     y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
     __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -489,21 +496,18 @@ WIDE static void weigh_heads_wide(const float *const *row, int64_t rows, const f
 
 /* exp8 on 16 lanes, every lane the same operations (floor as a rounding toward -inf, exact either way). */
 WIDE_INLINE __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447505531f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LOWEST));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HIGH), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LOW), x);
+    __m512 y = _mm512_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < EXP_POLY_TERMS; i++) {
+        y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_POLY[i]));
+    }
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
     y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    __m512i exponent =
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(exponent));
 }
 
