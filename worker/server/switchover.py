@@ -5,8 +5,9 @@ with a gateway attached:
 
 1. *Place* it: placement (shared/store/placement.py, this worker excluded) picks and charges the
    least-loaded worker with room, so the sessions spread over every worker that has it.
-2. *Copy* it there: its KV pages go over a KV copy stream to the target (kv_sender.py,
-   `COPY_STREAMS` streams per target, each taking the next session in placement order), then this
+2. *Copy* it there: its KV pages go over a KV copy stream to the target (kv_sender.py; one stream
+   per target, taking the sessions in placement order, and a second where one alone would not be
+   done in time: `wants_second_stream`), then this
    worker sends `warm(sid, config)` on the target's link (dialed as a gateway dials it, with the
    link secret): the target catches the copy up on the turns logged since its point
    (worker/server/warm.py), or, when the pages could not be used (a format mismatch, a bad checksum,
@@ -65,12 +66,26 @@ SWITCH_WAIT_S: Final = 0.03
 CONNECT_TIMEOUT_S: Final = 2.0
 # While no worker has room for the next session, placement is asked again this often (`_place`).
 PLACE_RETRY_S: Final = 0.2
-# KV copy streams to each target, each taking the next placed session: one copy's waits (for the
-# engine threads between steps, for the target's log read) overlap the other's transfer. Not more:
-# where the bytes are what limits (a draining worker under load), concurrent copies share the rate,
-# so each ends later and none switches early; one at a time, sessions switch one after the other and
-# each switch takes load off the draining worker. Each holds one session's pages in memory at a time.
-COPY_STREAMS: Final = 2
+# KV copy streams to each target, each taking the next placed session. One at a time costs the
+# sessions still served here least: a copy's CPU (the gather, the frames, the target's import) shares
+# the cores with both engines, and two at once doubled it in the drain's first hundred ms (8 sessions
+# of 4k tokens on a 2-core VM: longest waits 34-62 ms with one stream, 52-88 with two; docs/
+# benchmarks.md, "One copy stream a target instead of two"). A second stream overlaps one copy's
+# waits (the engine threads between steps, the target's log read) with the other's transfer, ~1.4x
+# the rate, so a target gets it where its queue would not be copied in time with one: once the
+# queue, at the copies' mean time so far, would take more than SECOND_STREAM_SHARE of the time left.
+# Not more than two: where the bytes are what limits, concurrent copies share the rate, so each ends
+# later and none switches early. Each holds one session's pages in memory at a time.
+MAX_COPY_STREAMS: Final = 2
+SECOND_STREAM_SHARE: Final = 0.5
+
+
+def wants_second_stream(*, streams: int, queued: int, mean_copy_s: float, time_left_s: float) -> bool:
+    """Whether a target with `streams` copy streams and `queued` sessions waiting for one gets
+    another, its copies so far having taken `mean_copy_s` each, `time_left_s` before the deadline."""
+    if streams >= MAX_COPY_STREAMS or queued == 0:
+        return False
+    return queued * mean_copy_s > SECOND_STREAM_SHARE * time_left_s
 
 
 @dataclass
@@ -101,6 +116,18 @@ class SwitchReport:
         rate = mb / self.copy_seconds if self.copy_seconds else 0.0
         per_session = self.copy_seconds * 1000 / self.copied
         return f"{self.copied} KV copied, {mb:.1f} MB, {per_session:.1f} ms a session, {rate:.0f} MB/s"
+
+
+@dataclass
+class _CopyLane:
+    """A target's copy streams: the sessions waiting for one, how many stream, their copies' time."""
+
+    target: LinkClient
+    url: str
+    queue: asyncio.Queue[WorkerSession] = field(default_factory=asyncio.Queue)
+    streams: int = 0
+    copies: int = 0
+    seconds: float = 0.0
 
 
 async def switch_over(
@@ -178,8 +205,8 @@ class Switcher:
         self.copy_pages = copy_pages
         self.why = why
         self.stays = stays
-        # worker id -> the sessions waiting for a KV copy stream to it, in placement order
-        self.copies: dict[str, asyncio.Queue[WorkerSession]] = {}
+        # worker id -> its copy streams' queue (the sessions waiting for one, in placement order)
+        self.copies: dict[str, _CopyLane] = {}
         self.senders: list[KVSender] = []
         self.copiers: list[asyncio.Task[None]] = []
         self.report = SwitchReport()
@@ -214,33 +241,48 @@ class Switcher:
         self.waiting[binding.sid] = (binding, target, binding.turns_answered)
         self.report.placed += 1
         if self.copy_pages:  # `warm` follows the copy (kv_sender.py), one session after the other
-            queue = self.copies.get(worker_id)
-            if queue is None:
-                queue = self.copies[worker_id] = asyncio.Queue()
-                for _ in range(COPY_STREAMS):
-                    sender = KVSender(
-                        self.service.engine,
-                        worker_id,
-                        url,
-                        secret=self.service.settings.link_secret,
-                        timeout_s=CONNECT_TIMEOUT_S,
-                    )
-                    self.senders.append(sender)
-                    self.copiers.append(asyncio.create_task(self._copy(target, sender, queue)))
-            queue.put_nowait(binding)
+            lane = self.copies.get(worker_id)
+            if lane is None:
+                lane = self.copies[worker_id] = _CopyLane(target, url)
+                self._open_stream(lane)
+            lane.queue.put_nowait(binding)
             return
         # A send that fails: the reader sees the link end and gives these to the classic handover.
         with contextlib.suppress(websockets.WebSocketException):
             await target.send(LinkWarm(binding.sid, binding.config))
 
-    async def _copy(self, target: LinkClient, sender: KVSender, queue: asyncio.Queue[WorkerSession]) -> None:
-        """Copy each session's KV to `target`, then ask for its warm copy (caught up from the log)."""
+    def _open_stream(self, lane: _CopyLane) -> None:
+        """One more copy stream to `lane`'s target."""
+        sender = KVSender(
+            self.service.engine,
+            lane.target.worker_id,
+            lane.url,
+            secret=self.service.settings.link_secret,
+            timeout_s=CONNECT_TIMEOUT_S,
+        )
+        lane.streams += 1
+        self.senders.append(sender)
+        self.copiers.append(asyncio.create_task(self._copy(lane, sender)))
+
+    async def _copy(self, lane: _CopyLane, sender: KVSender) -> None:
+        """Copy each session's KV to the lane's target, then ask for its warm copy (caught up from the
+        log); after each copy, a second stream where the queue needs it (`wants_second_stream`)."""
+        target = lane.target
         while True:
-            binding = await queue.get()
+            binding = await lane.queue.get()
             entry = self.waiting.get(binding.sid)
             if entry is None or entry[1] is not target:
                 continue  # the link to the target broke meanwhile: the classic handover takes it
             outcome = await sender.send(binding.sid, binding.config)
+            lane.copies += 1
+            lane.seconds += outcome.seconds
+            if wants_second_stream(
+                streams=lane.streams,
+                queued=lane.queue.qsize(),
+                mean_copy_s=lane.seconds / lane.copies,
+                time_left_s=self.deadline - time.monotonic(),
+            ):
+                self._open_stream(lane)
             metrics = self.service.metrics
             if outcome.fallback is None:
                 self.report.copied += 1
