@@ -276,12 +276,17 @@ class Switcher:
             outcome = await sender.send(binding.sid, binding.config)
             lane.copies += 1
             lane.seconds += outcome.seconds
-            if wants_second_stream(
-                streams=lane.streams,
-                queued=lane.queue.qsize(),
-                mean_copy_s=lane.seconds / lane.copies,
-                time_left_s=self.deadline - time.monotonic(),
-            ):
+            queued, mean_s, streams = lane.queue.qsize(), lane.seconds / lane.copies, lane.streams
+            left_s = self.deadline - time.monotonic()
+            if wants_second_stream(streams=streams, queued=queued, mean_copy_s=mean_s, time_left_s=left_s):
+                logger.info(
+                    "%s: a second KV copy stream to %s: %d sessions wait, %.0f ms a copy so far, %.1f s left",
+                    self.why,
+                    target.worker_id,
+                    queued,
+                    mean_s * 1000,
+                    left_s,
+                )
                 self._open_stream(lane)
             metrics = self.service.metrics
             if outcome.fallback is None:
