@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 PEERS = ("llamacpp",)
 INSTALL_HINT = "pip install 'microturn[peer]' (or: pip install llama-cpp-python; it builds llama.cpp)"
 _VOCAB_SPAN = 5000  # token ids drawn from [100, 5100): ordinary tokens of SmolLM2's vocabulary
+# llama.cpp's context where a caller names none: the quality prompts' (loadtest/weight_quality.py).
+DEFAULT_PEER_CONTEXT = 4096
 
 
 def workload_ids(count: int, salt: int) -> list[int]:
@@ -46,7 +48,9 @@ def workload_ids(count: int, salt: int) -> list[int]:
 class LlamaCppPeer:
     """llama.cpp with kept state: each call evaluates only the tokens it is given."""
 
-    def __init__(self, path: str, threads: int, *, logits_all: bool = False) -> None:
+    def __init__(
+        self, path: str, threads: int, *, context: int = DEFAULT_PEER_CONTEXT, logits_all: bool = False
+    ) -> None:
         from llama_cpp import Llama
 
         # `logits_all` keeps every position's logits (loadtest/weight_quality.py); off, as here, only
@@ -54,7 +58,7 @@ class LlamaCppPeer:
         # Typed as Any: llama-cpp-python is an optional extra, so mypy sees it typed or missing.
         self.runner: Any = Llama(
             model_path=path,
-            n_ctx=4096,
+            n_ctx=context,
             n_threads=threads,
             n_threads_batch=threads,
             n_batch=512,
@@ -90,13 +94,15 @@ class LlamaCppPeer:
         return self.turn([*self._pending, *tokens], outputs)
 
 
-def peer_llama(model: str, threads: int, *, logits_all: bool = False) -> LlamaCppPeer:
-    """llama.cpp on the GGUF file `model` names (a preset or a path)."""
+def peer_llama(
+    model: str, threads: int, *, context: int = DEFAULT_PEER_CONTEXT, logits_all: bool = False
+) -> LlamaCppPeer:
+    """llama.cpp on the GGUF file `model` names (a preset or a path), holding up to `context` tokens."""
     from worker.model.loader import SMOLLM2_PRESET
     from worker.model.presets import smollm2_gguf_path
 
     path = str(smollm2_gguf_path()) if model == SMOLLM2_PRESET else model
-    return LlamaCppPeer(path, threads, logits_all=logits_all)
+    return LlamaCppPeer(path, threads, context=context, logits_all=logits_all)
 
 
 class LlamaCppProcess:
@@ -110,12 +116,15 @@ class LlamaCppProcess:
     469-585 ms beside them, 2026-11-27); two engines deployed side by side run as two processes.
     """
 
-    def __init__(self, model: str, threads: int, *, spin: str | None) -> None:
-        """`spin`: llama.cpp's `GOMP_SPINCOUNT` (None: libgomp's default), whatever microturn's process
-        chose for itself (worker/openmp.py), which the child would otherwise inherit."""
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve_peer, args=(child, model, threads, spin), daemon=True)
+    def __init__(self, model: str, threads: int, *, context: int, spin: str | None) -> None:
+        """`context`: the tokens llama.cpp holds. `spin`: llama.cpp's `GOMP_SPINCOUNT` (None: libgomp's
+        default), whatever microturn's process chose for itself (worker/openmp.py), which the child
+        would otherwise inherit."""
+        spawn = multiprocessing.get_context("spawn")
+        self._conn, child = spawn.Pipe()
+        self._process = spawn.Process(
+            target=_serve_peer, args=(child, model, threads, context, spin), daemon=True
+        )
         self._process.start()
         child.close()
         ready = self._conn.recv()
@@ -132,14 +141,14 @@ class LlamaCppProcess:
         self._process.join(timeout=30)
 
 
-def _serve_peer(conn: Connection, model: str, threads: int, spin: str | None) -> None:
+def _serve_peer(conn: Connection, model: str, threads: int, context: int, spin: str | None) -> None:
     # Before llama.cpp loads libgomp, which reads it once.
     if spin is None:
         os.environ.pop(GOMP_SPINCOUNT, None)
     else:
         os.environ[GOMP_SPINCOUNT] = spin
     try:
-        peer = peer_llama(model, threads)
+        peer = peer_llama(model, threads, context=context)
     except Exception as error:  # the parent says why it could not start
         conn.send(f"{type(error).__name__}: {error}")
         return
@@ -186,13 +195,14 @@ def run(workload: PeerWorkload) -> dict[str, Any]:
     )
     prompt_tokens = w.prompt_tokens
     torch.set_num_threads(threads)
-    peer = LlamaCppProcess(model, threads, spin=w.peer_spin)
+    # Both engines hold the whole run (a long prompt measures the turns at a long history).
+    kv_tokens = prompt_tokens + turns * (chunk + outputs) + 64
+    peer = LlamaCppProcess(model, threads, context=max(kv_tokens, DEFAULT_PEER_CONTEXT), spin=w.peer_spin)
     prompt = workload_ids(prompt_tokens, 0)
     chunks = [workload_ids(chunk, turn + 1) for turn in range(turns)]
     times: dict[str, list[float]] = {"microturn": [], "llamacpp": []}
     prompt_ms: dict[str, float] = {}
     agree = total = 0
-    kv_tokens = prompt_tokens + turns * (chunk + outputs) + 64
     with Engine.load(
         model,
         weights=weights,
@@ -202,7 +212,10 @@ def run(workload: PeerWorkload) -> dict[str, Any]:
     ) as engine:
         sid = engine.open_session(stop_token_ids=())
         started = time.perf_counter()
-        engine.run_turn(sid, tokens=prompt, max_output_tokens=0, timeout=600)
+        # In chunks the engine takes (its `max_chunk_tokens`), as a client sends a long history.
+        limit = engine.config.max_chunk_tokens
+        for first in range(0, len(prompt), limit):
+            engine.run_turn(sid, tokens=prompt[first : first + limit], max_output_tokens=0, timeout=600)
         prompt_ms["microturn"] = (time.perf_counter() - started) * 1e3
         _, prompt_ms["llamacpp"] = peer.feed(prompt, 0)
         for turn, tokens in enumerate(chunks):
