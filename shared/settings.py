@@ -74,9 +74,14 @@ EXIT_REFUSED: Final = 2
 SHUTDOWN_GRACE_S: Final = 5
 
 
-def check_redis_url(url: str, mode: str) -> None:
-    """Refuse (ValueError) a URL redis-py cannot dial in `mode`, before a process starts: redis-py
-    says so only at the first connection. The scheme alone is named, as the URL may hold a password."""
+def check_redis(url: str | None, mode: str) -> None:
+    """Refuse (ValueError) a mode that is not one of REDIS_MODES, and a URL redis-py cannot dial in
+    `mode` (None: no URL given yet), before a process starts: redis-py says so only at the first
+    connection. The scheme alone is named, as the URL may hold a password."""
+    if mode not in REDIS_MODES:
+        raise ValueError(f"redis_mode: {mode!r} is not one of {', '.join(REDIS_MODES)}")
+    if url is None:
+        return
     schemes = REDIS_URL_SCHEMES[mode]
     scheme = urlsplit(url).scheme
     if scheme not in schemes:
@@ -104,9 +109,7 @@ class RedisSettings:
     key_prefix: str = field(default="mt", metadata={"help": "prefix of every Redis key"})
 
     def __post_init__(self) -> None:
-        if self.redis_mode not in REDIS_MODES:
-            raise ValueError(f"redis_mode: {self.redis_mode!r} is not one of {', '.join(REDIS_MODES)}")
-        check_redis_url(self.redis_url, self.redis_mode)
+        check_redis(self.redis_url, self.redis_mode)
 
 
 @dataclass(frozen=True)
@@ -380,10 +383,7 @@ class UpSettings:
             raise ValueError(f"device: {self.device!r} is not one of {', '.join(UP_DEVICES)}")
         if self.auth is not None and self.auth not in AUTH_MODES:
             raise ValueError(f"auth: {self.auth!r} is not one of {', '.join(AUTH_MODES)}")
-        if self.redis_mode not in REDIS_MODES:
-            raise ValueError(f"redis_mode: {self.redis_mode!r} is not one of {', '.join(REDIS_MODES)}")
-        if self.redis_url is not None:
-            check_redis_url(self.redis_url, self.redis_mode)
+        check_redis(self.redis_url, self.redis_mode)
 
 
 def copy_fields(cls: type[S], source: object, **overrides: Any) -> S:
