@@ -151,10 +151,9 @@ typedef struct {
 
 /* Asks for the cache lines of `row_bytes` at `row` (a hint: it changes no value), into the L2 cache,
  * not the L1: a block ahead is 128 lines (float16 rows) or 256 in flight, more than the L1's miss
- * buffers hold, and
- * a prefetch into the L1 waits for one to free (measured on Zen 4: a 4-row decode's attention after
- * 5,000 positions took 42-50 ms asking for the L1, 29-33 ms asking for the L2; the rows are read
- * from the L2 a block later, when the L1 has room). */
+ * buffers hold, and a prefetch into the L1 waits for one to free (measured on Zen 4: a 4-row
+ * decode's attention after 5,000 positions took 42-50 ms asking for the L1, 29-33 ms asking for the
+ * L2; the rows are read from the L2 a block later, when the L1 has room). */
 AVX2 static inline __attribute__((always_inline)) void prefetch_row(const char *row, int64_t row_bytes) {
     for (int64_t line = 0; line < row_bytes; line += 64) {
         _mm_prefetch(row + line, _MM_HINT_T1);
