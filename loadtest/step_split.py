@@ -63,9 +63,8 @@ def run(
 ) -> dict[str, Any]:
     from worker.attention import AttentionShape, choose_backend
     from worker.attention.base import paged_metadata
-    from worker.attention.kv_dtype import choose_kv_dtype
+    from worker.attention.kv_dtype import choose_kv_form
     from worker.attention.kv_pool import KVPool
-    from worker.dtypes import dtype_name
     from worker.model.llama import LlamaModel
     from worker.model.loader import load_model
 
@@ -74,11 +73,23 @@ def run(
     config = loaded.config
     model = LlamaModel(config, loaded.weights, device=_CPU, dtype=torch.float32)
     pages = list(range(-(-(context + append) // _PAGE)))
-    kv_dtype = choose_kv_dtype(
-        kv_dtype_name, device=_CPU, dtype=torch.float32, weight_form=loaded.weights.form
+    kv_form = choose_kv_form(
+        kv_dtype_name,
+        device=_CPU,
+        dtype=torch.float32,
+        weight_form=loaded.weights.form,
+        attention=attention_name,
+        page_size=_PAGE,
     )
     shape = AttentionShape(
-        _CPU, torch.float32, config.num_heads, config.num_kv_heads, config.head_dim, _PAGE, kv_dtype
+        _CPU,
+        torch.float32,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        _PAGE,
+        kv_form.dtype,
+        kv_form.int8_keys,
     )
     backend = choose_backend(attention_name, shape)
     pool = KVPool(
@@ -87,9 +98,10 @@ def run(
         page_size=_PAGE,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        dtype=kv_dtype,
+        dtype=kv_form.dtype,
         device=_CPU,
         layout=backend.kv_layout,
+        int8_keys=kv_form.int8_keys,
     )
     attention = backend(
         pool,
@@ -116,7 +128,7 @@ def run(
         "weights": loaded.weights.form,
         "row_ops": type(model.row_ops).__name__,
         "attention_backend": backend.name,
-        "kv_dtype": dtype_name(kv_dtype),
+        "kv_dtype": kv_form.name,
         "context": context,
     }
     for tokens, label in ((1, "step"), (append, f"append_{append}")):
@@ -188,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--attention", default="auto", help="auto, torch or cpu (worker/attention)")
     parser.add_argument(
-        "--kv-dtype", default="auto", help="auto, float32 or float16 (worker/attention/kv_dtype.py)"
+        "--kv-dtype",
+        default="auto",
+        help="auto, float32, float16 or int8-keys (worker/attention/kv_dtype.py)",
     )
     parser.add_argument("--context", type=int, default=560)
     parser.add_argument("--append", type=int, default=33, help="tokens of the append step timed")

@@ -4,8 +4,10 @@
 
 Two workloads, both greedy: the peer benchmark's (loadtest/peer.py: a 512-token prompt, then 30
 micro-turns of 32 token ids in and 8 out, each engine fed its own outputs back) and SmolLM2's chat
-prompts below (`--chat-tokens` each). A form's KV pool is what `--kv-dtype auto` gives it (float16
-for int4 and int8 on the CPU, worker/attention/kv_dtype.py), or the dtype after a colon (`int4:float32`).
+prompts below (`--chat-tokens` each). A form's KV pool is what `--kv-dtype auto` gives it (int8-keys
+for int4 and int8 on the CPU where the cpu attention kernel runs, else float16:
+worker/attention/kv_dtype.py), or the one after a colon (`int4:float16`, `int4:float32`). The torch
+reference attends, but on int8 keys, which only the cpu kernel reads.
 For every form, and for llama.cpp when installed:
 
 - greedy agreement: how many generated tokens equal the float path's, position by position (a
@@ -58,17 +60,27 @@ class FormModel:
     """One weight form of the model with a paged KV pool of its own: feed tokens, get logits."""
 
     def __init__(self, model: str, form: str, max_tokens: int, kv_dtype: str = "auto") -> None:
-        from worker.attention import TorchAttention
-        from worker.attention.kv_dtype import choose_kv_dtype
+        from worker.attention import AttentionShape, choose_backend
+        from worker.attention.kv_dtype import choose_kv_form
         from worker.attention.kv_pool import KVPool
         from worker.model.llama import LlamaModel
         from worker.model.loader import load_model
 
         loaded = load_model(model, device=_CPU, dtype=torch.float32, weights=form)
-        pool_dtype = choose_kv_dtype(
-            kv_dtype, device=_CPU, dtype=torch.float32, weight_form=loaded.weights.form
-        )
+        kv_form = choose_kv_form(kv_dtype, device=_CPU, dtype=torch.float32, weight_form=loaded.weights.form)
         config = loaded.config
+        # The torch reference, but where the keys are int8: only the cpu kernel reads that form.
+        shape = AttentionShape(
+            _CPU,
+            torch.float32,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            _PAGE,
+            kv_form.dtype,
+            kv_form.int8_keys,
+        )
+        backend = choose_backend("cpu" if kv_form.int8_keys else "torch", shape)
         self.tokenizer = loaded.tokenizer
         self.model = LlamaModel(config, loaded.weights, device=_CPU, dtype=torch.float32)
         pages = -(-max_tokens // _PAGE)
@@ -78,11 +90,12 @@ class FormModel:
             page_size=_PAGE,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
-            dtype=pool_dtype,
+            dtype=kv_form.dtype,
             device=_CPU,
-            layout=TorchAttention.kv_layout,
+            layout=backend.kv_layout,
+            int8_keys=kv_form.int8_keys,
         )
-        self.attention = TorchAttention(
+        self.attention = backend(
             pool,
             num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads,

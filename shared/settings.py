@@ -57,8 +57,10 @@ BENCH_MODEL: Final = "tiny"
 LOG_KEEP_RECORDS: Final = 64
 # The weight and KV dtypes an engine runs in, by torch's names (worker/engine/engine.py maps them).
 DTYPE_NAMES: Final = ("float32", "bfloat16", "float16")
+# `--kv-dtype`'s form of int8 keys beside float16 values (worker/attention/int8_keys.py).
+KV_INT8_KEYS: Final = "int8-keys"
 # `--kv-dtype`: what the KV pool holds (worker/attention/kv_dtype.py resolves `auto`).
-KV_DTYPES: Final = ("auto", *DTYPE_NAMES)
+KV_DTYPES: Final = ("auto", *DTYPE_NAMES, KV_INT8_KEYS)
 # A rebalance's smallest gap: at a gap of 1, two workers one session apart would trade it back and
 # forth (worker/server/rebalance.py).
 REBALANCE_MIN_GAP: Final = 2
@@ -149,9 +151,10 @@ class EngineSettings:
     kv_dtype: str = field(
         default="auto",
         metadata={
-            "help": "what the KV pool holds: auto (float16 on the CPU for the int4 and int8 weight forms, "
-            "else the model's dtype), float32, bfloat16 or float16 (a narrower pool than --dtype on the "
-            "CPU only)",
+            "help": "what the KV pool holds: auto (on the CPU for the int4 and int8 weight forms "
+            "int8-keys where the cpu attention kernel serves, else float16; else the model's dtype), "
+            "float32, bfloat16 or float16 (a narrower pool than --dtype on the CPU only), int8-keys "
+            "(float16 values, int8 keys scored in integers: the cpu attention kernel's form)",
             "choices": KV_DTYPES,
         },
     )

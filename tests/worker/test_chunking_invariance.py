@@ -13,6 +13,7 @@ import torch
 
 from worker.attention import TorchAttention
 from worker.attention.base import paged_metadata
+from worker.attention.cpu_backend import KERNEL, UNAVAILABLE_REASON, CpuAttention
 from worker.attention.kv_pool import KVPool
 from worker.engine import Engine
 from worker.model.llama import LlamaModel
@@ -45,21 +46,25 @@ def logits_by_steps(
     *,
     neighbour: bool,
     kv_dtype: torch.dtype = torch.float32,
+    int8_keys: bool = False,
 ) -> torch.Tensor:
     """Every position's logits, the session fed in `pieces`; with `neighbour`, each step also feeds
-    3 tokens of another session on scattered pages."""
+    3 tokens of another session on scattered pages. The torch reference attends, or the cpu kernel
+    on `int8_keys` (its form alone)."""
     config = model.config
+    backend = CpuAttention if int8_keys else TorchAttention
     pool = KVPool(
         num_layers=config.num_layers,
         num_pages=POOL_PAGES,
         page_size=PAGE,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        dtype=kv_dtype,
+        dtype=torch.float16 if int8_keys else kv_dtype,
         device=CPU,
-        layout=TorchAttention.kv_layout,
+        layout=backend.kv_layout,
+        int8_keys=int8_keys,
     )
-    attention = TorchAttention(
+    attention = backend(
         pool,
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
@@ -111,6 +116,27 @@ def test_a_positions_logits_do_not_depend_on_how_its_history_was_chunked(
     assert torch.equal(whole, streamed)
 
 
+@pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
+@pytest.mark.parametrize("form", ["int4", "int8"])
+def test_int8_keys_keep_a_positions_logits_independent_of_its_chunking(form: str, threads: int) -> None:
+    """`--kv-dtype int8-keys` (`auto`'s pool for the quantised forms where the cpu kernel runs): the
+    keys and queries rounded to int8 row by row, the scores integers, so the promise holds as on the
+    float pools."""
+    loaded = load_model("tiny", device=CPU, dtype=torch.float32, weights=form)
+    model = LlamaModel(loaded.config, loaded.weights, device=CPU, dtype=torch.float32)
+    tokens = torch.randint(0, loaded.config.vocab_size, (LENGTH,), generator=torch.Generator().manual_seed(0))
+    contiguous = list(range(POOL_PAGES // 2))
+    scattered = [3 * i + 1 for i in range(POOL_PAGES // 3)]
+    torch.set_num_threads(threads)
+    whole = logits_by_steps(model, tokens, (LENGTH,), contiguous, neighbour=False, int8_keys=True)
+    torch.set_num_threads(1)
+    streamed = logits_by_steps(model, tokens, PIECES, scattered, neighbour=True, int8_keys=True)
+    assert torch.equal(whole, streamed)
+    float16 = logits_by_steps(model, tokens, (LENGTH,), contiguous, neighbour=False, kv_dtype=torch.float16)
+    assert not torch.equal(whole, float16)  # the keys were rounded to int8: not float16's numbers
+    assert (whole.argmax(-1) == float16.argmax(-1)).float().mean() > 0.9  # but close to them
+
+
 def test_one_token_rows_sharing_a_steps_buffers_are_the_same_as_alone() -> None:
     """Decode rows of as many KV tiles share the step's attention buffers (worker/attention/
     torch_backend.py): a longer row's keys and values past a shorter one's end must not leak."""
@@ -158,9 +184,10 @@ def test_smollm2_under_auto_is_int4_and_streams_as_it_answers_whole() -> None:
     except FileNotFoundError as error:
         pytest.skip(str(error))
     with Engine.load("smollm2-135m", kv_tokens=1024, host_kv_tokens=0) as engine:
-        # Served quantised (int4 reads ~91 MiB a step, float ~513 MiB), its KV in float16.
+        # Served quantised (int4 reads ~91 MiB a step, float ~513 MiB), its keys in int8 where the cpu
+        # attention kernel runs (else float16), its values in float16.
         assert engine.weight_bytes_per_step < 2 * sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
-        assert engine.kv_format.dtype == "float16"
+        assert engine.kv_format.dtype == ("int8-keys" if KERNEL is not None else "float16")
         tokenizer = engine.tokenizer
         assert tokenizer is not None
         prompt = tokenizer.encode(tokenizer.chat_prompt("Name three rivers in Europe."))

@@ -14,6 +14,7 @@ import torch
 from worker.attention import AttentionShape, TorchAttention
 from worker.attention.base import paged_metadata
 from worker.attention.cpu_backend import KERNEL, UNAVAILABLE_REASON, CpuAttention
+from worker.attention.int8_keys import read_page, round_rows, through_int8
 from worker.attention.kv_pool import KVPool
 
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
@@ -30,6 +31,7 @@ def make(
     page: int,
     pages: int = 64,
     kv_dtype: torch.dtype = torch.float32,
+    int8_keys: bool = False,
 ) -> CpuAttention | TorchAttention:
     pool = KVPool(
         num_layers=1,
@@ -37,9 +39,10 @@ def make(
         page_size=page,
         num_kv_heads=kv_heads,
         head_dim=dim,
-        dtype=kv_dtype,
+        dtype=torch.float16 if int8_keys else kv_dtype,
         device=CPU,
         layout=backend.kv_layout,
+        int8_keys=int8_keys,
     )
     return backend(pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32)
 
@@ -86,13 +89,23 @@ def first_row(
     kv_heads: int,
     page: int,
     kv_dtype: torch.dtype = torch.float32,
+    int8_keys: bool = False,
+    backend: type[CpuAttention] | None = None,
 ) -> torch.Tensor:
     """Row 0's outputs over `steps` on a fresh CPU kernel pool, on `threads` intra-op threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         dim = history[0][0].shape[2]
-        attention = make(CpuAttention, heads=heads, kv_heads=kv_heads, dim=dim, page=page, kv_dtype=kv_dtype)
+        attention = make(
+            backend or CpuAttention,
+            heads=heads,
+            kv_heads=kv_heads,
+            dim=dim,
+            page=page,
+            kv_dtype=kv_dtype,
+            int8_keys=int8_keys,
+        )
         return feed(attention, tables, steps, history)[0]
     finally:
         torch.set_num_threads(before)
@@ -141,9 +154,11 @@ def test_ragged_paged_steps_match_dense_attention(heads: int, kv_heads: int, dim
 
 
 @needs_kernel
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("kv_dtype", "int8_keys"), [(torch.float32, False), (torch.float16, False), (torch.float16, True)]
+)
 def test_a_rows_outputs_are_the_same_bits_however_its_history_was_chunked_batched_or_threaded(
-    kv_dtype: torch.dtype,
+    kv_dtype: torch.dtype, int8_keys: bool
 ) -> None:
     heads, kv_heads, dim, page = 9, 3, 64, 16
     q, k, v = histories([75, 75, 20], heads, kv_heads, dim, seed=1)
@@ -151,7 +166,15 @@ def test_a_rows_outputs_are_the_same_bits_however_its_history_was_chunked_batche
 
     def row_zero(steps: list[list[tuple[int, int]]], threads: int) -> torch.Tensor:
         return first_row(
-            steps, threads, tables, (q, k, v), heads=heads, kv_heads=kv_heads, page=page, kv_dtype=kv_dtype
+            steps,
+            threads,
+            tables,
+            (q, k, v),
+            heads=heads,
+            kv_heads=kv_heads,
+            page=page,
+            kv_dtype=kv_dtype,
+            int8_keys=int8_keys,
         )
 
     whole = row_zero([[(0, 75)]], 1)
@@ -248,13 +271,27 @@ def test_the_avx512_path_gives_the_avx2_paths_bits(heads: int, kv_heads: int, di
     q, k, v = histories([70, 300, 5], heads, kv_heads, dim, seed=heads)
     tables = scattered_tables(3, 20, 64)
     steps = [[(0, 17), (1, 100), (2, 1)], [(0, 1), (1, 150), (2, 3)], [(0, 52), (1, 50), (2, 1)]]
-    for threads, kv_dtype in ((1, torch.float32), (2, torch.float32), (2, torch.float16)):
+    forms = (
+        (1, torch.float32, False),
+        (2, torch.float32, False),
+        (2, torch.float16, False),
+        (2, torch.float16, True),
+    )
+    for threads, kv_dtype, int8_keys in forms:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             outputs = [
                 feed(
-                    make(backend, heads=heads, kv_heads=kv_heads, dim=dim, page=16, kv_dtype=kv_dtype),
+                    make(
+                        backend,
+                        heads=heads,
+                        kv_heads=kv_heads,
+                        dim=dim,
+                        page=16,
+                        kv_dtype=kv_dtype,
+                        int8_keys=int8_keys,
+                    ),
                     tables,
                     steps,
                     (q, k, v),
@@ -264,7 +301,7 @@ def test_the_avx512_path_gives_the_avx2_paths_bits(heads: int, kv_heads: int, di
         finally:
             torch.set_num_threads(before)
         for row, (narrow, wide) in enumerate(zip(*outputs, strict=True)):
-            assert torch.equal(narrow, wide), (row, threads, kv_dtype)
+            assert torch.equal(narrow, wide), (row, threads, kv_dtype, int8_keys)
 
 
 @needs_kernel
@@ -294,6 +331,10 @@ def test_the_kernel_agrees_with_the_torch_reference_as_the_start_up_check_asks()
         for kv_dtype in (torch.float32, torch.float16):
             checked = AttentionShape(CPU, torch.float32, *shape, kv_dtype=kv_dtype)
             assert compare_with_torch(CpuAttention, checked) is None
+    for shape in ((9, 3, 64, 16), (4, 2, 32, 32), (8, 1, 128, 16)):
+        int8_keys = AttentionShape(CPU, torch.float32, *shape, kv_dtype=torch.float16, int8_keys=True)
+        assert compare_with_torch(CpuAttention, int8_keys) is None
+        assert compare_with_torch(Avx2Attention, int8_keys) is None
 
 
 @needs_kernel
@@ -313,6 +354,8 @@ def test_the_kernel_says_why_it_cannot_serve_a_shape() -> None:
     assert CpuAttention.unavailable(odd_head) is not None
     bf16_pool = AttentionShape(CPU, torch.float32, 9, 3, 64, 16, kv_dtype=torch.bfloat16)
     assert "float32 or float16" in (CpuAttention.unavailable(bf16_pool) or "")
+    int8_keys_in_pages_of_8 = AttentionShape(CPU, torch.float32, 9, 3, 64, 8, torch.float16, int8_keys=True)
+    assert "multiple of 16" in (CpuAttention.unavailable(int8_keys_in_pages_of_8) or "")
 
 
 def test_the_extension_is_built_on_an_avx2_machine() -> None:
@@ -323,3 +366,82 @@ def test_the_extension_is_built_on_an_avx2_machine() -> None:
         pytest.skip("not an x86 CPU with AVX2 and FMA")
     assert KERNEL is not None, UNAVAILABLE_REASON
     assert CpuAttention.unavailable(AttentionShape(CPU, torch.float32, 9, 3, 64, 16)) is None
+
+
+@needs_kernel
+def test_int8_keys_are_stored_as_the_reference_rounds_them_and_attend_as_dense_attention_on_them() -> None:
+    """`--kv-dtype int8-keys` (worker/attention/int8_keys.py): each key row written once as int8 and a
+    scale, in the documented page layout, the same bytes as `round_rows`; every output dense
+    attention's numbers on the int8 rows of the keys and the queries (the values float16), past a key
+    block, across pages out of order, a zero key row and one past float16's range among them."""
+    heads, kv_heads, dim, page = 9, 3, 64, 16
+    q, k, v = histories([150, 40], heads, kv_heads, dim, seed=6)
+    k[0][5, 1] = 0.0  # a zero row: scale 0, every value 0
+    k[0][9, 2, 7] = 1e6  # its row's other values round to 0
+    tables = scattered_tables(2, 10, 40)
+    steps = [[(0, 70), (1, 1)], [(0, 1), (1, 39)], [(0, 79)]]
+    attention = make(
+        CpuAttention, heads=heads, kv_heads=kv_heads, dim=dim, page=page, pages=40, int8_keys=True
+    )
+    got = feed(attention, tables, steps, (q, k, v))
+    keys = attention.kv_pool.keys(0)  # [kv_heads, slots, dim] float16
+    for row, table in enumerate(tables):
+        length = len(k[row])
+        for index, pool_page in enumerate(table[: -(-length // page)]):
+            for head in range(kv_heads):
+                stored, scales = read_page(keys[head, pool_page * page : (pool_page + 1) * page], page, dim)
+                rows = k[row][index * page : (index + 1) * page, head]
+                want, want_scales = round_rows(rows)
+                assert torch.equal(stored[: len(rows)], want), (row, index, head)
+                assert torch.equal(scales[: len(rows)], want_scales), (row, index, head)
+    for row in range(2):
+        expected = dense(through_int8(q[row]), through_int8(k[row]), v[row].half().float())
+        assert torch.allclose(got[row].double(), expected, atol=2e-6), row
+
+
+@needs_kernel
+def test_int8_keys_long_rows_keep_their_bits_whatever_the_steps_and_the_kernels_path() -> None:
+    """Past many pages and a job's run of queries, and on the AVX2 path (the scores' integers from
+    vpmaddubsw, not vpdpbusd): one token at a time, beside another row on 2 threads, the same bits."""
+    heads, kv_heads, dim, page = 16, 1, 64, 32
+    q, k, v = histories([300, 300], heads, kv_heads, dim, seed=7)
+    tables = [list(range(0, 10)), list(range(10, 20))[::-1]]
+
+    def row_zero(
+        steps: list[list[tuple[int, int]]], threads: int, backend: type[CpuAttention]
+    ) -> torch.Tensor:
+        return first_row(
+            steps,
+            threads,
+            tables,
+            (q, k, v),
+            heads=heads,
+            kv_heads=kv_heads,
+            page=page,
+            int8_keys=True,
+            backend=backend,
+        )
+
+    whole = row_zero([[(0, 300)]], 1, CpuAttention)
+    assert torch.equal(whole, row_zero([[(0, 1)]] * 300, 1, CpuAttention))
+    assert torch.equal(
+        whole, row_zero([[(1, 140), (0, 129)], [(0, 2), (1, 160)], [(0, 169)]], 2, Avx2Attention)
+    )
+
+
+@needs_kernel
+def test_an_int8_keys_pool_refuses_what_the_kernel_cannot_read() -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        make(CpuAttention, heads=4, kv_heads=2, dim=32, page=8, int8_keys=True)
+    with pytest.raises(ValueError, match="head-major float16"):
+        KVPool(
+            num_layers=1,
+            num_pages=4,
+            page_size=16,
+            num_kv_heads=2,
+            head_dim=32,
+            dtype=torch.float32,
+            device=CPU,
+            layout="head_major",
+            int8_keys=True,
+        )

@@ -147,12 +147,12 @@ def test_auto_falls_back_to_torch_with_a_warning_and_flashinfer_refuses(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="worker.attention"):
-        assert decide("auto", FlashInferAttention, "it differs") is TorchAttention
+        assert decide("auto", FlashInferAttention, "it differs", SHAPE) is TorchAttention
     assert "failed its start-up check" in caplog.text and "it differs" in caplog.text
     with pytest.raises(BackendRefused, match="it differs"):
-        decide("flashinfer", FlashInferAttention, "it differs")
-    assert decide("auto", FlashInferAttention, None) is FlashInferAttention
-    assert decide("flashinfer", FlashInferAttention, None) is FlashInferAttention
+        decide("flashinfer", FlashInferAttention, "it differs", SHAPE)
+    assert decide("auto", FlashInferAttention, None, SHAPE) is FlashInferAttention
+    assert decide("flashinfer", FlashInferAttention, None, SHAPE) is FlashInferAttention
 
 
 @pytest.mark.usefixtures("broken")

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from shared.settings import EngineSettings, parse_settings
-from worker.attention.kv_dtype import choose_kv_dtype
+from worker.attention import BackendRefused
+from worker.attention.cpu_backend import KERNEL, UNAVAILABLE_REASON
+from worker.attention.kv_dtype import KVForm, choose_kv_form
 from worker.engine import Engine
 from worker.engine.config import EngineConfig
 
@@ -15,33 +17,53 @@ CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
 
 
-def test_auto_keeps_float16_kv_for_the_quantised_forms_on_the_cpu_and_the_models_dtype_elsewhere() -> None:
+def test_auto_keeps_int8_keys_for_the_quantised_forms_on_the_cpu_and_the_models_dtype_elsewhere() -> None:
+    quantised_cpu_pool = KVForm(torch.float16, int8_keys=KERNEL is not None)  # float16 where no kernel runs
     cases = [
-        (CPU, torch.float32, "int4", torch.float16),
-        (CPU, torch.float32, "int8", torch.float16),
-        (CPU, torch.float32, "float", torch.float32),  # the path held exact against transformers
-        (CPU, torch.bfloat16, "int4", torch.bfloat16),
-        (CUDA, torch.bfloat16, "int4", torch.bfloat16),
-        (CUDA, torch.float16, "float", torch.float16),
+        (CPU, torch.float32, "int4", quantised_cpu_pool),
+        (CPU, torch.float32, "int8", quantised_cpu_pool),
+        (CPU, torch.float32, "float", KVForm(torch.float32)),  # the path held exact against transformers
+        (CPU, torch.bfloat16, "int4", KVForm(torch.bfloat16)),
+        (CUDA, torch.bfloat16, "int4", KVForm(torch.bfloat16)),
+        (CUDA, torch.float16, "float", KVForm(torch.float16)),
     ]
     for device, dtype, form, want in cases:
-        assert choose_kv_dtype("auto", device=device, dtype=dtype, weight_form=form) == want, (
+        assert choose_kv_form("auto", device=device, dtype=dtype, weight_form=form) == want, (
             device,
             dtype,
             form,
         )
+    # The torch reference reads no int8 keys, nor pages the kernel cannot hold them in: float16 then.
+    assert choose_kv_form(
+        "auto", device=CPU, dtype=torch.float32, weight_form="int4", attention="torch"
+    ) == KVForm(torch.float16)
+    assert choose_kv_form("auto", device=CPU, dtype=torch.float32, weight_form="int4", page_size=8) == KVForm(
+        torch.float16
+    )
 
 
 def test_an_explicit_kv_dtype_is_kept_on_the_cpu_and_refused_on_cuda_unless_it_is_the_models() -> None:
-    assert choose_kv_dtype("float16", device=CPU, dtype=torch.float32, weight_form="float") == torch.float16
-    assert choose_kv_dtype("float32", device=CPU, dtype=torch.float32, weight_form="int4") == torch.float32
-    assert (
-        choose_kv_dtype("bfloat16", device=CUDA, dtype=torch.bfloat16, weight_form="float") == torch.bfloat16
+    assert choose_kv_form("float16", device=CPU, dtype=torch.float32, weight_form="float") == KVForm(
+        torch.float16
     )
+    assert choose_kv_form("float32", device=CPU, dtype=torch.float32, weight_form="int4") == KVForm(
+        torch.float32
+    )
+    assert choose_kv_form("bfloat16", device=CUDA, dtype=torch.bfloat16, weight_form="float") == KVForm(
+        torch.bfloat16
+    )
+    int8_keys = choose_kv_form("int8-keys", device=CPU, dtype=torch.float32, weight_form="float")
+    assert int8_keys == KVForm(torch.float16, int8_keys=True) and int8_keys.name == "int8-keys"
     with pytest.raises(ValueError, match="on cuda the KV pool holds the model's dtype"):
-        choose_kv_dtype("float16", device=CUDA, dtype=torch.bfloat16, weight_form="float")
-    with pytest.raises(ValueError, match="kv_dtype 'float8' is not one of auto, float32, bfloat16, float16"):
-        choose_kv_dtype("float8", device=CPU, dtype=torch.float32, weight_form="float")
+        choose_kv_form("float16", device=CUDA, dtype=torch.bfloat16, weight_form="float")
+    with pytest.raises(ValueError, match="int8-keys: the cpu attention kernel's form"):
+        choose_kv_form("int8-keys", device=CUDA, dtype=torch.bfloat16, weight_form="float")
+    with pytest.raises(ValueError, match="pages of 8"):
+        choose_kv_form("int8-keys", device=CPU, dtype=torch.float32, weight_form="int4", page_size=8)
+    with pytest.raises(
+        ValueError, match="kv_dtype 'float8' is not one of auto, float32, bfloat16, float16, int8-keys"
+    ):
+        choose_kv_form("float8", device=CPU, dtype=torch.float32, weight_form="float")
 
 
 def test_a_bad_kv_dtype_is_a_start_up_error() -> None:
@@ -71,3 +93,31 @@ def test_a_float16_pool_halves_the_kv_and_a_session_streams_as_it_answers_whole(
             assert engine.run_turn(whole, tokens=chunk, timeout=60).tokens == tokens
             engine.close_session(whole)
             history += [*chunk, *tokens]
+
+
+@pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
+def test_int8_keys_keep_the_pools_bytes_and_a_session_streams_as_it_answers_whole() -> None:
+    """`--kv-dtype int8-keys` through the engine: a float16 pool's bytes a page (the keys' int8 rows sit
+    in their float16 slots), named in the KV copy's header so a float16 worker takes none of its
+    pages, and a history sent in micro-turns gives the tokens it gives sent whole."""
+    with Engine.load("tiny", kv_tokens=4096, host_kv_tokens=0, kv_dtype="float16") as half:
+        half_format = half.kv_format
+    with Engine.load("tiny", kv_tokens=4096, host_kv_tokens=0, kv_dtype="int8-keys") as engine:
+        assert engine.kv_format.dtype == "int8-keys"
+        assert engine.kv_format.page_bytes == half_format.page_bytes
+        assert engine.kv_format.mismatch(half_format) == "dtype"
+        generator = torch.Generator().manual_seed(8)
+        chunks = [torch.randint(1, 500, (n,), generator=generator).tolist() for n in (1, 9, 30, 2, 70, 5)]
+        streamed = engine.open_session(stop_token_ids=(), max_output_tokens=3)
+        history: list[int] = []
+        for seq, chunk in enumerate(chunks, 1):
+            tokens = engine.run_turn(streamed, tokens=chunk, seq=seq, timeout=60).tokens
+            whole = engine.open_session(stop_token_ids=(), max_output_tokens=3, history=history)
+            assert engine.run_turn(whole, tokens=chunk, seq=1, timeout=60).tokens == tokens, seq
+            engine.close_session(whole)
+            history += chunk + list(tokens)
+
+
+def test_int8_keys_under_the_torch_reference_is_a_clear_start_up_error() -> None:
+    with pytest.raises(BackendRefused, match="int8-keys is the cpu attention kernel's form"):
+        Engine.load("tiny", kv_tokens=256, host_kv_tokens=0, kv_dtype="int8-keys", attention="torch")

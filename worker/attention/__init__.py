@@ -100,18 +100,32 @@ def _refused(asked: str, problem: str) -> BackendRefused:
     return BackendRefused(f"--attention {asked} cannot serve here: {problem}")
 
 
-def decide(asked: str, candidate: type[AttentionBackend], problem: str | None) -> type[AttentionBackend]:
+def _reference(asked: str, shape: AttentionShape, fallback_from: str | None = None) -> type[AttentionBackend]:
+    """The torch reference where it can serve `shape`; else a refusal (saying, for `auto`, what it
+    fell back from)."""
+    problem = TorchAttention.unavailable(shape)
+    if problem is not None:
+        if fallback_from is not None:
+            problem = f"{fallback_from}, and {REFERENCE} cannot serve this pool: {problem}"
+        raise _refused(asked, problem)
+    return TorchAttention
+
+
+def decide(
+    asked: str, candidate: type[AttentionBackend], problem: str | None, shape: AttentionShape
+) -> type[AttentionBackend]:
     """`candidate` if its check passed (`problem` is None); else torch under `auto`, a refusal otherwise."""
     if problem is None:
         return candidate
     if asked == AUTO:
+        fallback = _reference(asked, shape, f"{candidate.name} failed its start-up check ({problem})")
         logger.warning(
             "%s failed its start-up check, serving with the %s backend: %s",
             candidate.name,
             REFERENCE,
             problem,
         )
-        return TorchAttention
+        return fallback
     raise _refused(asked, problem)
 
 
@@ -126,16 +140,16 @@ def choose_backend(name: str, shape: AttentionShape) -> type[AttentionBackend]:
             candidate = entry.load()
             reason = candidate.unavailable(shape)
             if reason is None:
-                return decide(name, candidate, compare_with_torch(candidate, shape))
+                return decide(name, candidate, compare_with_torch(candidate, shape), shape)
             logger.info("attention backend %s passed over: %s", entry.name, reason)
-        return TorchAttention
+        return _reference(name, shape, f"no backend that accelerates {shape.device.type} serves here")
     entry = BACKENDS[name]
     if entry.name == REFERENCE:
-        return TorchAttention
+        return _reference(name, shape)
     if not entry.installed():
         raise _refused(name, f"{entry.package} is not installed ({entry.install})")
     candidate = entry.load()
     reason = candidate.unavailable(shape)
     if reason is not None:
         raise _refused(name, reason)
-    return decide(name, candidate, compare_with_torch(candidate, shape))
+    return decide(name, candidate, compare_with_torch(candidate, shape), shape)

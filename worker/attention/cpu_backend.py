@@ -1,6 +1,7 @@
 """Paged attention for the CPU in one C call per layer (cpu_kernel.c, the `_cpu_kernel` extension pip
 builds); `auto`'s choice on a CPU with AVX2, FMA and F16C. Its pool holds float32, or float16
-(`--kv-dtype`, worker/attention/kv_dtype.py), computed on as float32 either way.
+(`--kv-dtype`, worker/attention/kv_dtype.py), computed on as float32 either way, or float16 values
+beside int8 keys scored in integers (worker/attention/int8_keys.py).
 
 It reads the same head-major pool as the torch reference (so a KV copy or a host-tier page means the
 same bytes under either backend) straight from the rows' pages, with no gather, no padding and no
@@ -21,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+from worker.attention.int8_keys import PAGE_MULTIPLE
 from worker.native import load_extension
 
 # KERNEL is None where it does not run, and UNAVAILABLE_REASON says why (empty where it runs).
@@ -46,6 +48,8 @@ class CpuAttention(AttentionBackend):
             return f"it runs float32 on the CPU only, not {shape.dtype} on {shape.device.type}"
         if shape.pool_dtype not in (torch.float32, torch.float16):
             return f"its KV pool holds float32 or float16, not {shape.pool_dtype}"
+        if shape.int8_keys and (shape.pool_dtype != torch.float16 or shape.page_size % PAGE_MULTIPLE):
+            return f"its int8 keys sit in a float16 pool of pages of a multiple of {PAGE_MULTIPLE}"
         group = shape.num_heads // shape.num_kv_heads
         if shape.head_dim % 32 or not 32 <= shape.head_dim <= 256 or group > 16:
             return (
@@ -96,6 +100,7 @@ class CpuAttention(AttentionBackend):
             torch.get_num_threads(),
             keys.dtype == torch.float16,
             self.WIDE,
+            self.kv_pool.int8_keys,
         )
         return out
 

@@ -28,6 +28,18 @@
  * contiguous. Query head h * group + g reads KV head
  * h (GQA). Row r feeds tokens qo_indptr[r] .. qo_indptr[r + 1] - 1, the last kv_lens[r] - 1 positions
  * of its KV, in pages pages[page_indptr[r] ...]; its query j sees positions 0 .. kv_len - q_len + j.
+ *
+ * The int8-keys form (`int8_keys`, worker/attention/int8_keys.py; a float16 pool): the values as
+ * float16, each key row as int8 with a float32 scale (its absmax / 127, the row rounded to nearest
+ * even at 127 / absmax), written once. Its scores are integer dot products (vpdpbusd on AVX-512 VNNI,
+ * vpmaddubsw + vpmaddwd on AVX2: the same integers, exactly), each then scaled in one fixed order,
+ * so the invariants above hold on it as on the float forms; each query head is rounded to int8 the
+ * same way, per (token, head), as the job starts. A key page keeps its float16 slots' bytes (the
+ * host tier, copies and the prefix cache move pages whole, whatever they hold): for KV head h, page
+ * p's page_size x dim float16s hold the int8 keys [dim / 4][page_size][4] (key i's dims 4g .. 4g + 3
+ * at byte 4 (g page_size + i), each stored plus 128, as vpdpbusd's unsigned operand), then
+ * page_size float32 scales; the rest of the page's key bytes unused. A decode reads 72 bytes of a
+ * key of 64 dims, not 128, and 16 keys' dot products run in one register's lanes with no lane sums.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -69,6 +81,7 @@ typedef struct {
     void *values;
     int64_t pool_slots;
     int half; /* the pool holds float16 (IEEE binary16): written rounded to nearest even, read exactly */
+    int int8_keys; /* (with `half`) the keys in the int8-keys form (above), the values float16 */
     const int32_t *qo_indptr;
     const int32_t *kv_lens;
     const int32_t *page_indptr;
@@ -319,6 +332,165 @@ AVX2 static inline __attribute__((always_inline)) void weigh_rows(const float *c
     }
 }
 
+/* The int8-keys form's rounding of one row of `dim` floats (a key as it is written, a query head as a
+ * job starts) into `out`; returns its scale, absmax / 127. Each value is rint(x * (127 / absmax)),
+ * within -127 .. 127 (a NaN value, which the max skips, 0; a row of zeros all 0 with scale 0).
+ * worker/attention/int8_keys.py rounds a row the same way, to the same bytes. */
+static float round_int8_row(const float *row, int64_t dim, int8_t *out) {
+    float absmax = 0.0f;
+    for (int64_t c = 0; c < dim; c++) {
+        const float magnitude = fabsf(row[c]);
+        absmax = magnitude > absmax ? magnitude : absmax;
+    }
+    const float inverse = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+    for (int64_t c = 0; c < dim; c++) {
+        float rounded = rintf(row[c] * inverse);
+        rounded = rounded > 127.0f ? 127.0f : rounded;
+        rounded = rounded < -127.0f ? -127.0f : rounded;
+        out[c] = rounded == rounded ? (int8_t)rounded : 0;
+    }
+    return absmax / 127.0f;
+}
+
+/* Writes key `key` (dim floats) as slot `i` of the int8-keys page whose key bytes start at `page`
+ * (the layout in the header). */
+static void store_int8_key(uint8_t *page, int64_t page_size, int64_t i, const float *key, int64_t dim) {
+    int8_t rounded[MAX_DIM];
+    const float scale = round_int8_row(key, dim, rounded);
+    for (int64_t c = 0; c < dim; c++) {
+        page[((c / 4) * page_size + i) * 4 + c % 4] = (uint8_t)(rounded[c] + 128);
+    }
+    memcpy(page + page_size * dim + 4 * i, &scale, sizeof scale);
+}
+
+/* A job's query heads in the int8-keys form: each head's int8 values (as 4-byte groups, and their
+ * magnitudes for AVX2's vpmaddubsw), `offset` = -128 x their sum (vpdpbusd adds 128 x the sum with the
+ * keys' bias of 128), and `factor` = its scale / sqrt(dim): a score is (float)dot x key scale x factor. */
+typedef struct {
+    int32_t words[QUERY_HEADS_PER_JOB][MAX_DIM / 4];
+    int32_t magnitudes[QUERY_HEADS_PER_JOB][MAX_DIM / 4];
+    int32_t offset[QUERY_HEADS_PER_JOB];
+    float factor[QUERY_HEADS_PER_JOB];
+} Int8Queries;
+
+static void round_queries(const float *const *heads, int64_t count, int64_t dim, float softmax_scale,
+                          Int8Queries *out) {
+    for (int64_t qg = 0; qg < count; qg++) {
+        int8_t rounded[MAX_DIM], magnitude[MAX_DIM];
+        const float scale = round_int8_row(heads[qg], dim, rounded);
+        int32_t sum = 0;
+        for (int64_t c = 0; c < dim; c++) {
+            sum += rounded[c];
+            magnitude[c] = (int8_t)(rounded[c] < 0 ? -rounded[c] : rounded[c]);
+        }
+        memcpy(out->words[qg], rounded, (size_t)dim);
+        memcpy(out->magnitudes[qg], magnitude, (size_t)dim);
+        out->offset[qg] = -128 * sum;
+        out->factor[qg] = scale * softmax_scale;
+    }
+}
+
+/* Pages ahead of the one scored whose int8 keys a job asks the memory for (64 positions of 16-key pages,
+ * as the float walk's block). */
+#define INT8_PREFETCH_PAGES 4
+
+/* Asks for the key bytes of the row's page `index` (its int8 keys and scales) into the L2 cache. */
+AVX2 static inline __attribute__((always_inline)) void prefetch_int8_page(const uint8_t *head_keys,
+                                                                          const int32_t *row_pages, int64_t index,
+                                                                          int64_t page_size, int64_t dim) {
+    const uint8_t *page = head_keys + (int64_t)row_pages[index] * page_size * dim * 2;
+    prefetch_row((const char *)page, page_size * (dim + 4));
+}
+
+/* `n` (at most 4) query heads' scores against 8 int8 keys, slots k0 .. k0 + 7 of `page` (positions
+ * first ..): per group of 4 dims, a key's bytes unbiased, signed by the query's (vpsignb) and
+ * multiplied by its magnitudes (vpmaddubsw, no pair sum past 2 x 127 x 127, so none saturates), the
+ * pairs summed (vpmaddwd): the exact integer dot products. Stored at position `first` of each head's
+ * scores, its running max (8 lanes) over the visible ones. */
+AVX2 static inline __attribute__((always_inline)) void score_int8_eight(const uint8_t *page, int64_t page_size,
+                                                                        int64_t k0, int64_t first,
+                                                                        const Int8Queries *queries, int64_t h0,
+                                                                        float *const *scores,
+                                                                        const int64_t *visible, __m256 *largest,
+                                                                        const int n, const int64_t dim) {
+    __m256i acc[4];
+    for (int j = 0; j < n; j++) {
+        acc[j] = _mm256_setzero_si256();
+    }
+    const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < dim / 4; g++) {
+        const __m256i key = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(page + (g * page_size + k0) * 4)), bias);
+        for (int j = 0; j < n; j++) {
+            const __m256i word = _mm256_set1_epi32(queries->words[h0 + j][g]);
+            const __m256i pairs =
+                _mm256_maddubs_epi16(_mm256_set1_epi32(queries->magnitudes[h0 + j][g]), _mm256_sign_epi8(key, word));
+            acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(pairs, ones));
+        }
+    }
+    const __m256 key_scale = _mm256_loadu_ps((const float *)(page + page_size * dim) + k0);
+    for (int j = 0; j < n; j++) {
+        const __m256 score = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[j]), key_scale),
+                                           _mm256_set1_ps(queries->factor[h0 + j]));
+        _mm256_storeu_ps(scores[h0 + j] + first, score);
+        if (first + 8 <= visible[h0 + j]) {
+            largest[h0 + j] = _mm256_max_ps(score, largest[h0 + j]);
+        } else {
+            const __m256 seen = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)first),
+                                                            _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
+                                              _mm256_set1_ps((float)visible[h0 + j]), _CMP_LT_OQ);
+            largest[h0 + j] = _mm256_max_ps(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), score, seen), largest[h0 + j]);
+        }
+    }
+}
+
+/* The largest of 8 lanes (exact in any order). */
+AVX2 static inline float max8(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    float largest = lanes[0];
+    for (int i = 1; i < 8; i++) {
+        largest = lanes[i] > largest ? lanes[i] : largest;
+    }
+    return largest;
+}
+
+/* Every job head's scores against the row's first `positions` keys in the int8-keys form, a page at a
+ * time in position order (scores[qg] written to `positions` rounded up to 8), and each head's max over
+ * its visible keys into `head_largest`. */
+AVX2 static void score_int8_row(const uint8_t *head_keys, const int32_t *row_pages, int64_t page_size,
+                                int64_t positions, const Int8Queries *queries, int64_t heads,
+                                float *const *scores, const int64_t *visible, float *head_largest,
+                                const int64_t dim) {
+    __m256 largest[QUERY_HEADS_PER_JOB];
+    for (int64_t qg = 0; qg < heads; qg++) {
+        largest[qg] = _mm256_set1_ps(-INFINITY);
+    }
+    const int64_t pages = (positions + page_size - 1) / page_size;
+    for (int64_t index = 0; index < INT8_PREFETCH_PAGES && index < pages; index++) {
+        prefetch_int8_page(head_keys, row_pages, index, page_size, dim);
+    }
+    for (int64_t index = 0; index < pages; index++) {
+        if (index + INT8_PREFETCH_PAGES < pages) {
+            prefetch_int8_page(head_keys, row_pages, index + INT8_PREFETCH_PAGES, page_size, dim);
+        }
+        const uint8_t *page = head_keys + (int64_t)row_pages[index] * page_size * dim * 2;
+        for (int64_t k0 = 0; k0 < page_size && index * page_size + k0 < positions; k0 += 8) {
+            for (int64_t h0 = 0; h0 < heads; h0 += 4) {
+                const int64_t first = index * page_size + k0;
+                switch (heads - h0 < 4 ? heads - h0 : 4) {
+                case 1: score_int8_eight(page, page_size, k0, first, queries, h0, scores, visible, largest, 1, dim); break;
+                case 2: score_int8_eight(page, page_size, k0, first, queries, h0, scores, visible, largest, 2, dim); break;
+                case 3: score_int8_eight(page, page_size, k0, first, queries, h0, scores, visible, largest, 3, dim); break;
+                default: score_int8_eight(page, page_size, k0, first, queries, h0, scores, visible, largest, 4, dim); break;
+                }
+            }
+        }
+    }
+    for (int64_t qg = 0; qg < heads; qg++) {
+        head_largest[qg] = max8(largest[qg]);
+    }
+}
+
 /* The same arithmetic on AVX-512 (a CPU with AVX-512F, chosen at run time: `wide`), every float lane
  * computing what the AVX2 code's lane computes, in the same order, so a query's output is the same
  * bits on either (a session copied between two workers continues as it would have on either;
@@ -421,6 +593,93 @@ WIDE static void score_quad_wide(const float *const *key, int64_t block, int64_t
     }
     largest[0] = largest_a;
     largest[1] = largest_b;
+}
+
+/* The int8-keys scores on AVX-512 VNNI (a CPU with it, chosen at run time): score_int8_row's integers
+ * and float operations, 16 keys a register. The keys' bias of 128 makes them vpdpbusd's unsigned
+ * operand, each head's offset (-128 x its sum) starts its accumulator, so after dim / 4 vpdpbusd a
+ * lane holds the key's exact dot product, as AVX2's does; the scaling and the max are the same
+ * operations. */
+#define WIDE_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,avx2,fma,f16c"), noinline))
+#define WIDE_VNNI_INLINE \
+    __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,avx2,fma,f16c"), always_inline)) static inline
+
+/* Heads score_int8_sixteen takes at once: a key register serves 8 accumulators. */
+#define INT8_HEADS 8
+
+WIDE_VNNI_INLINE void score_int8_sixteen(const uint8_t *page, int64_t page_size, int64_t k0, int64_t first,
+                                         const Int8Queries *queries, int64_t h0, float *const *scores,
+                                         const int64_t *visible, __m512 *largest, const int n,
+                                         const int64_t dim) {
+    __m512i acc[INT8_HEADS];
+#pragma GCC unroll 8
+    for (int j = 0; j < n; j++) {
+        acc[j] = _mm512_set1_epi32(queries->offset[h0 + j]);
+    }
+#pragma GCC unroll 16
+    for (int64_t g = 0; g < dim / 4; g++) {
+        const __m512i key = _mm512_loadu_si512((const void *)(page + (g * page_size + k0) * 4));
+#pragma GCC unroll 8
+        for (int j = 0; j < n; j++) {
+            acc[j] = _mm512_dpbusd_epi32(acc[j], key, _mm512_set1_epi32(queries->words[h0 + j][g]));
+        }
+    }
+    const __m512 key_scale = _mm512_loadu_ps((const float *)(page + page_size * dim) + k0);
+    const __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#pragma GCC unroll 8
+    for (int j = 0; j < n; j++) {
+        const __m512 score = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[j]), key_scale),
+                                           _mm512_set1_ps(queries->factor[h0 + j]));
+        _mm512_storeu_ps(scores[h0 + j] + first, score);
+        if (first + 16 <= visible[h0 + j]) {
+            largest[j] = _mm512_max_ps(score, largest[j]);
+        } else {
+            const __mmask16 seen = _mm512_cmplt_epi32_mask(
+                _mm512_add_epi32(_mm512_set1_epi32((int)first), lane_index), _mm512_set1_epi32((int)visible[h0 + j]));
+            largest[j] = _mm512_mask_max_ps(largest[j], seen, score, largest[j]);
+        }
+    }
+}
+
+/* score_int8_row on AVX-512 VNNI (page_size a multiple of 16): per 16 keys, the heads INT8_HEADS at a
+ * time, so a page read from memory serves every head of the job from the L1. */
+WIDE_VNNI static void score_int8_row_wide(const uint8_t *head_keys, const int32_t *row_pages, int64_t page_size,
+                                          int64_t positions, const Int8Queries *queries, int64_t heads,
+                                          float *const *scores, const int64_t *visible, float *head_largest,
+                                          const int64_t dim) {
+    __m512 largest[QUERY_HEADS_PER_JOB];
+    for (int64_t qg = 0; qg < heads; qg++) {
+        largest[qg] = _mm512_set1_ps(-INFINITY);
+    }
+    const int64_t pages = (positions + page_size - 1) / page_size;
+    for (int64_t index = 0; index < INT8_PREFETCH_PAGES && index < pages; index++) {
+        prefetch_int8_page(head_keys, row_pages, index, page_size, dim);
+    }
+    for (int64_t index = 0; index < pages; index++) {
+        if (index + INT8_PREFETCH_PAGES < pages) {
+            prefetch_int8_page(head_keys, row_pages, index + INT8_PREFETCH_PAGES, page_size, dim);
+        }
+        const uint8_t *page = head_keys + (int64_t)row_pages[index] * page_size * dim * 2;
+        for (int64_t k0 = 0; k0 < page_size && index * page_size + k0 < positions; k0 += 16) {
+            const int64_t first = index * page_size + k0;
+            for (int64_t h0 = 0; h0 < heads; h0 += INT8_HEADS) {
+                __m512 *group_largest = largest + h0;
+                switch (heads - h0 < INT8_HEADS ? heads - h0 : INT8_HEADS) {
+                case 1: score_int8_sixteen(page, page_size, k0, first, queries, h0, scores, visible, group_largest, 1, dim); break;
+                case 2: score_int8_sixteen(page, page_size, k0, first, queries, h0, scores, visible, group_largest, 2, dim); break;
+                case 3: score_int8_sixteen(page, page_size, k0, first, queries, h0, scores, visible, group_largest, 3, dim); break;
+                case 4: score_int8_sixteen(page, page_size, k0, first, queries, h0, scores, visible, group_largest, 4, dim); break;
+                case 5: score_int8_sixteen(page, page_size, k0, first, queries, h0, scores, visible, group_largest, 5, dim); break;
+                case 6: score_int8_sixteen(page, page_size, k0, first, queries, h0, scores, visible, group_largest, 6, dim); break;
+                case 7: score_int8_sixteen(page, page_size, k0, first, queries, h0, scores, visible, group_largest, 7, dim); break;
+                default: score_int8_sixteen(page, page_size, k0, first, queries, h0, scores, visible, group_largest, 8, dim); break;
+                }
+            }
+        }
+    }
+    for (int64_t qg = 0; qg < heads; qg++) {
+        head_largest[qg] = _mm512_reduce_max_ps(largest[qg]);
+    }
 }
 
 /* Heads weigh_heads_wide takes per pass of a value row: 24 accumulators and the row's 4 vectors, where
@@ -551,7 +810,8 @@ WIDE static float softmax_terms_wide(float *terms, int64_t visible, float larges
  * group x dim. `dim` is a literal at the hot call site, so the loops over it unroll. */
 AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int64_t row, int64_t j0, int64_t count,
                                                               int64_t h, float *scores, float *sums,
-                                                              const int64_t dim, const int64_t group, int wide) {
+                                                              const int64_t dim, const int64_t group, int wide,
+                                                              int vnni) {
     const int64_t chunks = dim / 8;
     const int64_t first_token = s->qo_indptr[row];
     const int64_t q_len = s->qo_indptr[row + 1] - first_token;
@@ -590,8 +850,24 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
      * the block's rows are zeros; a head's scores past its visible keys are dropped (the max skips them,
      * the softmax zeroes their terms), so a key's score is the same wherever the visible keys end. */
     const int64_t row_bytes = dim * value_bytes;
-    RowCursor keys = row_cursor(row_pages, s->page_size, last_visible, head_keys, row_bytes);
-    for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
+    float head_largest[QUERY_HEADS_PER_JOB]; /* each head's max over its visible keys' scores */
+    if (s->int8_keys) {
+        Int8Queries queries;
+        round_queries(head_query, job_heads, dim, scale, &queries);
+        float *head_scores[QUERY_HEADS_PER_JOB];
+        for (int64_t qg = 0; qg < job_heads; qg++) {
+            head_scores[qg] = scores + qg * stride;
+        }
+        if (vnni) {
+            score_int8_row_wide((const uint8_t *)head_keys, row_pages, s->page_size, last_visible, &queries, job_heads,
+                                head_scores, head_visible, head_largest, dim);
+        } else {
+            score_int8_row((const uint8_t *)head_keys, row_pages, s->page_size, last_visible, &queries, job_heads,
+                           head_scores, head_visible, head_largest, dim);
+        }
+    }
+    RowCursor keys = row_cursor(row_pages, s->page_size, s->int8_keys ? 0 : last_visible, head_keys, row_bytes);
+    for (int64_t block = 0; block < last_visible && !s->int8_keys; block += KEY_BLOCK) {
         const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
         const int64_t block_end = block + in_block;
         next_rows(&keys, head_keys, s->half, dim, in_block, converted, slot);
@@ -647,19 +923,24 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
         }
     }
 
+    for (int64_t qg = 0; qg < job_heads && !s->int8_keys; qg++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, largest_lanes[qg / 2]);
+        float largest = -INFINITY;
+        /* A pair's first head in lanes 0-3, its second in 4-7; an odd job's last head in all 8. */
+        for (int64_t i = 4 * (qg % 2); i < (qg == odd_head ? 8 : 4 * (qg % 2) + 4); i++) {
+            largest = lanes[i] > largest ? lanes[i] : largest;
+        }
+        head_largest[qg] = largest;
+    }
+
     float totals[QUERY_HEADS_PER_JOB];
     for (int64_t q = 0; q < count; q++) {
         const int64_t visible = first_visible + q;
         const int64_t own_stride = (visible + 7) & ~(int64_t)7; /* the lanes this query wrote */
         for (int64_t g = 0; g < group; g++) {
             const int64_t qg = q * group + g;
-            float lanes[8];
-            _mm256_storeu_ps(lanes, largest_lanes[qg / 2]);
-            float largest = -INFINITY;
-            /* A pair's first head in lanes 0-3, its second in 4-7; an odd job's last head in all 8. */
-            for (int64_t i = 4 * (qg % 2); i < (qg == odd_head ? 8 : 4 * (qg % 2) + 4); i++) {
-                largest = lanes[i] > largest ? lanes[i] : largest;
-            }
+            const float largest = head_largest[qg];
             float *terms = scores + qg * stride;
             if (wide) {
                 totals[qg] = softmax_terms_wide(terms, visible, largest);
@@ -782,7 +1063,7 @@ static int32_t *thread_jobs(int64_t runs) {
 }
 
 /* Returns 0, or -1 where a buffer could not be allocated (the jobs' outputs unwritten). */
-AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wide) {
+AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wide, int vnni) {
     /* The new keys and values first: a row's later queries read its earlier ones. */
     for (int64_t row = 0; row < s->rows; row++) {
         const int64_t first_token = s->qo_indptr[row];
@@ -797,9 +1078,15 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wid
                 const float *value = s->v_new + (first_token + j) * s->v_stride + h * s->dim;
                 if (s->half) { /* rounded to nearest even, as torch's .to(torch.float16) */
                     uint16_t *keys = (uint16_t *)s->keys + at, *values = (uint16_t *)s->values + at;
+                    if (s->int8_keys) { /* the key's page, from its first slot's float16s */
+                        uint16_t *page = keys - position % s->page_size * s->dim;
+                        store_int8_key((uint8_t *)page, s->page_size, position % s->page_size, key, s->dim);
+                    }
                     for (int64_t c = 0; c < s->dim; c += 8) {
-                        _mm_storeu_si128((__m128i *)(keys + c),
-                                         _mm256_cvtps_ph(_mm256_loadu_ps(key + c), _MM_FROUND_TO_NEAREST_INT));
+                        if (!s->int8_keys) {
+                            _mm_storeu_si128((__m128i *)(keys + c),
+                                             _mm256_cvtps_ph(_mm256_loadu_ps(key + c), _MM_FROUND_TO_NEAREST_INT));
+                        }
                         _mm_storeu_si128((__m128i *)(values + c),
                                          _mm256_cvtps_ph(_mm256_loadu_ps(value + c), _MM_FROUND_TO_NEAREST_INT));
                     }
@@ -856,9 +1143,9 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wid
             const int64_t j0 = run_of[3 * b + 1];
             const int64_t count = run_of[3 * b + 2];
             if (s->dim == 64) { /* the models served here: the dot products' loops unrolled */
-                attend(s, row, j0, count, h, scores, sums, 64, group, wide);
+                attend(s, row, j0, count, h, scores, sums, 64, group, wide, vnni);
             } else {
-                attend(s, row, j0, count, h, scores, sums, s->dim, group, wide);
+                attend(s, row, j0, count, h, scores, sums, s->dim, group, wide, vnni);
             }
         }
     }
@@ -885,6 +1172,16 @@ static int wide_supported(void) {
 #ifdef CPU_KERNEL_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+#else
+    return 0;
+#endif
+}
+
+/* The int8-keys scores' AVX-512 path needs VNNI and BW beside the wide path's F and DQ. */
+static int vnni_supported(void) {
+#ifdef CPU_KERNEL_X86
+    __builtin_cpu_init();
+    return wide_supported() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 #else
     return 0;
 #endif
@@ -927,19 +1224,25 @@ static int64_t check_rows(const Step *s, int64_t tokens) {
 }
 
 /* attend(q, q_stride, k, k_stride, v, v_stride, tokens, keys, values, pool_slots, qo_indptr, kv_lens,
- * page_indptr, pages, rows, heads, kv_heads, dim, page_size, out, threads, half[, wide]): addresses as
- * ints, float32 and int32 tensors the caller owns (layouts above), the pool float16 where `half` is
- * true, float32 otherwise; `wide` false keeps the AVX2 path where the CPU has AVX-512 (the same bits:
- * tests compare them). */
+ * page_indptr, pages, rows, heads, kv_heads, dim, page_size, out, threads, half[, wide[, int8_keys]]):
+ * addresses as ints, float32 and int32 tensors the caller owns (layouts above), the pool float16 where
+ * `half` is true, float32 otherwise, its keys in the int8-keys form where `int8_keys` is (with `half`,
+ * a page_size a multiple of 16); `wide` false keeps the AVX2 path where the CPU has AVX-512 (the same
+ * bits: tests compare them). */
 static PyObject *attend_layer(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t q, k, v, keys, values, qo, kv_lens, page_indptr, pages, out;
     Py_ssize_t q_stride, k_stride, v_stride, tokens, pool_slots, rows, heads, kv_heads, dim, page_size;
     int threads, half;
-    int allow_wide = 1;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnnip|p", &q, &q_stride, &k, &k_stride, &v, &v_stride, &tokens,
+    int allow_wide = 1, int8_keys = 0;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnnip|pp", &q, &q_stride, &k, &k_stride, &v, &v_stride, &tokens,
                           &keys, &values, &pool_slots, &qo, &kv_lens, &page_indptr, &pages, &rows, &heads,
-                          &kv_heads, &dim, &page_size, &out, &threads, &half, &allow_wide)) {
+                          &kv_heads, &dim, &page_size, &out, &threads, &half, &allow_wide, &int8_keys)) {
+        return NULL;
+    }
+    if (int8_keys && (!half || page_size % 16)) {
+        PyErr_Format(PyExc_ValueError, "cpu attention: int8 keys need a float16 pool of pages of a multiple of 16 "
+                                       "(page_size=%zd)", page_size);
         return NULL;
     }
     if (!cpu_supported()) {
@@ -964,6 +1267,7 @@ static PyObject *attend_layer(PyObject *self, PyObject *args) {
         .values = (void *)values,
         .pool_slots = pool_slots,
         .half = half,
+        .int8_keys = int8_keys,
         .qo_indptr = (const int32_t *)qo,
         .kv_lens = (const int32_t *)kv_lens,
         .page_indptr = (const int32_t *)page_indptr,
@@ -982,7 +1286,7 @@ static PyObject *attend_layer(PyObject *self, PyObject *args) {
 #ifdef CPU_KERNEL_X86
     int status;
     Py_BEGIN_ALLOW_THREADS;
-    status = attend_step(&s, longest, threads, allow_wide && wide_supported());
+    status = attend_step(&s, longest, threads, allow_wide && wide_supported(), allow_wide && vnni_supported());
     Py_END_ALLOW_THREADS;
     if (status < 0) {
         return PyErr_NoMemory();

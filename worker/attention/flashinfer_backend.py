@@ -47,6 +47,8 @@ class FlashInferAttention(AttentionBackend):
 
     @classmethod
     def unavailable(cls, shape: AttentionShape) -> str | None:
+        if shape.int8_keys:
+            return "it reads keys as floats; int8-keys is the cpu attention kernel's form"
         if shape.pool_dtype != shape.dtype:
             return f"its KV pool holds the model's dtype ({shape.dtype}), not {shape.pool_dtype}"
         return None

@@ -17,6 +17,8 @@ from typing import Literal
 
 import torch
 
+from shared.settings import KV_INT8_KEYS
+from worker.attention.int8_keys import PAGE_MULTIPLE
 from worker.mapped_zeros import mapped_zeros
 
 KVLayout = Literal["nhd", "head_major"]
@@ -34,12 +36,21 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         layout: KVLayout = "nhd",
+        int8_keys: bool = False,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"the KV pool needs at least one page of one token ({num_pages} x {page_size})")
+        if int8_keys and (dtype != torch.float16 or layout != "head_major" or page_size % PAGE_MULTIPLE):
+            raise ValueError(
+                f"{KV_INT8_KEYS} keeps a head-major float16 pool of pages of a multiple of {PAGE_MULTIPLE} "
+                f"(not {dtype}, {layout}, {page_size})"
+            )
         self.num_pages = num_pages
         self.page_size = page_size
         self.layout = layout
+        # Whether the key slots hold the int8-keys form (worker/attention/int8_keys.py): what the
+        # attention backend writes and reads there; everything else moves the pages' bytes as they are.
+        self.int8_keys = int8_keys
         per_layer = (
             (num_pages, page_size, num_kv_heads, head_dim)
             if layout == "nhd"

@@ -18,6 +18,7 @@ from typing import Final
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionShape, paged_metadata
+from worker.attention.int8_keys import through_int8
 from worker.attention.kv_pool import KVPool
 from worker.attention.torch_backend import TorchAttention
 
@@ -70,11 +71,16 @@ def compare_with_torch(backend: type[AttentionBackend], shape: AttentionShape) -
             (tokens, num_kv_heads, head_dim),
         )
         # Rounded to the candidate's dtype first (keys and values to its pool's too, where that is
-        # narrower), so both sides see exactly the same numbers.
+        # narrower; the queries and keys through their int8 rows where the pool holds int8 keys, which
+        # the candidate then rounds again to the same integers), so both sides see the same numbers.
         q, k, v = (torch.randn(s, generator=generator).to(dtype) for s in shapes)
-        inputs.append((q, k.to(shape.pool_dtype).to(dtype), v.to(shape.pool_dtype).to(dtype)))
+        if shape.int8_keys:
+            q, k = through_int8(q).to(dtype), through_int8(k).to(dtype)
+        else:
+            k = k.to(shape.pool_dtype).to(dtype)
+        inputs.append((q, k, v.to(shape.pool_dtype).to(dtype)))
 
-    def pool(layout: str, on: torch.device, pool_dtype: torch.dtype) -> KVPool:
+    def pool(layout: str, on: torch.device, pool_dtype: torch.dtype, int8_keys: bool = False) -> KVPool:
         return KVPool(
             num_layers=1,
             num_pages=num_pages,
@@ -84,6 +90,7 @@ def compare_with_torch(backend: type[AttentionBackend], shape: AttentionShape) -
             dtype=pool_dtype,
             device=on,
             layout="nhd" if layout == "nhd" else "head_major",
+            int8_keys=int8_keys,
         )
 
     reference_pool = pool(TorchAttention.kv_layout, torch.device("cpu"), torch.float32)
@@ -95,7 +102,7 @@ def compare_with_torch(backend: type[AttentionBackend], shape: AttentionShape) -
         [(q.float(), k.float(), v.float()) for q, k, v in inputs],
     )
     try:
-        candidate_pool = pool(backend.kv_layout, device, shape.pool_dtype)
+        candidate_pool = pool(backend.kv_layout, device, shape.pool_dtype, shape.int8_keys)
         got = _run(
             backend(
                 candidate_pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention.base import AttentionBackend, AttentionMetadata
+from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
 from worker.numerics import MIN_COLUMNS, MIN_ROWS
 
 # Queries of a row computed together: the scores of a block are [kv_heads, group * block, kv_len].
@@ -130,6 +130,12 @@ class TorchAttention(AttentionBackend):
     kv_layout = "head_major"
 
     _plan: _Plan | None = None
+
+    @classmethod
+    def unavailable(cls, shape: AttentionShape) -> str | None:
+        if shape.int8_keys:
+            return "it reads keys as floats; int8-keys is the cpu attention kernel's form"
+        return None
 
     def plan(self, meta: AttentionMetadata) -> None:
         # Everything is decided on the host from the page tables; the slot ids go to the device

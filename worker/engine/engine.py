@@ -27,8 +27,8 @@ from shared.protocol.kv_copy import KVFormat
 from shared.protocol.link_codec import to_wire
 from shared.protocol.messages import OpenConfig
 from shared.protocol.response_format import ResponseFormat
-from worker.attention.kv_dtype import choose_kv_dtype
-from worker.dtypes import dtype_name, torch_dtype
+from worker.attention.kv_dtype import choose_kv_form
+from worker.dtypes import torch_dtype
 from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore, EngineStats
 from worker.engine.grammar import Grammars
@@ -79,15 +79,20 @@ class Engine:
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         device = torch.device(config.device)
         dtype = torch_dtype(config.dtype)
-        kv_dtype = choose_kv_dtype(
-            config.kv_dtype, device=device, dtype=dtype, weight_form=loaded.weights.form
+        kv_form = choose_kv_form(
+            config.kv_dtype,
+            device=device,
+            dtype=dtype,
+            weight_form=loaded.weights.form,
+            attention=config.attention,
+            page_size=config.page_size,
         )
         runner = ModelRunner(
             loaded,
             device=device,
             dtype=dtype,
-            kv_dtype=kv_dtype,
-            num_pages=device_pages(config, loaded.config, device, kv_dtype),
+            kv_form=kv_form,
+            num_pages=device_pages(config, loaded.config, device, kv_form.dtype),
             page_size=config.page_size,
             attention=config.attention,
             single_thread_max_tokens=config.cpu_single_thread_max_tokens,
@@ -99,14 +104,14 @@ class Engine:
             loaded.tokenizer,
             eos_token_ids=eos or loaded.config.eos_token_ids,
             host_pages=host_pages(
-                config, loaded.config, kv_dtype, pending_bytes=runner.kv_pool.pending_bytes
+                config, loaded.config, kv_form.dtype, pending_bytes=runner.kv_pool.pending_bytes
             ),
         )
         pool = runner.kv_pool
         # What this worker's KV pages mean: another worker takes them only when its own is equal.
         self.kv_format = KVFormat(
             model=model_fingerprint(loaded.config, loaded.weights, type(runner.model.row_ops).__name__),
-            dtype=dtype_name(kv_dtype),
+            dtype=kv_form.name,
             page_size=pool.page_size,
             layout=pool.layout,
             page_bytes=pool.page_bytes,

@@ -16,8 +16,8 @@ import torch
 from shared.settings import EngineSettings
 from worker.attention import AttentionShape, choose_backend
 from worker.attention.base import AttentionMetadata, paged_metadata
+from worker.attention.kv_dtype import KVForm
 from worker.attention.kv_pool import KVPool
-from worker.dtypes import dtype_name
 from worker.engine.sampling import SamplingParams, sample
 from worker.model.llama import LlamaModel
 from worker.model.loader import LoadedModel
@@ -62,7 +62,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         num_pages: int,
-        kv_dtype: torch.dtype | None = None,
+        kv_form: KVForm | None = None,
         page_size: int,
         attention: str,
         single_thread_max_tokens: int = EngineSettings.cpu_single_thread_max_tokens,
@@ -74,9 +74,16 @@ class ModelRunner:
         self.page_size = page_size
         self.cpu_threads = torch.get_num_threads()
         self.model = LlamaModel(config, loaded.weights, device=device, dtype=dtype)
-        kv_dtype = kv_dtype or dtype
+        kv_form = kv_form or KVForm(dtype)
         shape = AttentionShape(
-            device, dtype, config.num_heads, config.num_kv_heads, config.head_dim, page_size, kv_dtype
+            device,
+            dtype,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            page_size,
+            kv_form.dtype,
+            kv_form.int8_keys,
         )
         backend = choose_backend(attention, shape)
         self.attention_name = backend.name
@@ -86,9 +93,10 @@ class ModelRunner:
             page_size=page_size,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
-            dtype=kv_dtype,
+            dtype=kv_form.dtype,
             device=device,
             layout=backend.kv_layout,
+            int8_keys=kv_form.int8_keys,
         )
         self.attention = backend(
             self.kv_pool,
@@ -107,7 +115,7 @@ class ModelRunner:
             "KV pool: %d pages x %d tokens of %s (%.1f MiB), attention backend %s",
             num_pages,
             page_size,
-            dtype_name(kv_dtype),
+            kv_form.name,
             self.kv_pool.num_bytes / 2**20,
             self.attention_name,
         )
