@@ -14,7 +14,7 @@ import torch
 from worker.attention import AttentionShape, TorchAttention
 from worker.attention.base import paged_metadata
 from worker.attention.cpu_backend import KERNEL, UNAVAILABLE_REASON, CpuAttention
-from worker.attention.int8_keys import read_page, round_rows, through_int8
+from worker.attention.int8_keys import QUERY_LEVELS, read_page, round_rows, through_rounding
 from worker.attention.kv_pool import KVPool
 
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
@@ -372,7 +372,7 @@ def test_the_extension_is_built_on_an_avx2_machine() -> None:
 def test_int8_keys_are_stored_as_the_reference_rounds_them_and_attend_as_dense_attention_on_them() -> None:
     """`--kv-dtype int8-keys` (worker/attention/int8_keys.py): each key row written once as int8 and a
     scale, in the documented page layout, the same bytes as `round_rows`; every output dense
-    attention's numbers on the int8 rows of the keys and the queries (the values float16), past a key
+    attention's numbers on the keys' int8 rows and the queries' int16 ones (the values float16), past a key
     block, across pages out of order, a zero key row and one past float16's range among them."""
     heads, kv_heads, dim, page = 9, 3, 64, 16
     q, k, v = histories([150, 40], heads, kv_heads, dim, seed=6)
@@ -392,17 +392,19 @@ def test_int8_keys_are_stored_as_the_reference_rounds_them_and_attend_as_dense_a
                 stored, scales = read_page(keys[head, pool_page * page : (pool_page + 1) * page], page, dim)
                 rows = k[row][index * page : (index + 1) * page, head]
                 want, want_scales = round_rows(rows)
-                assert torch.equal(stored[: len(rows)], want), (row, index, head)
+                assert torch.equal(stored[: len(rows)].int(), want), (row, index, head)
                 assert torch.equal(scales[: len(rows)], want_scales), (row, index, head)
     for row in range(2):
-        expected = dense(through_int8(q[row]), through_int8(k[row]), v[row].half().float())
+        expected = dense(
+            through_rounding(q[row], QUERY_LEVELS), through_rounding(k[row]), v[row].half().float()
+        )
         assert torch.allclose(got[row].double(), expected, atol=2e-6), row
 
 
 @needs_kernel
 def test_int8_keys_long_rows_keep_their_bits_whatever_the_steps_and_the_kernels_path() -> None:
     """Past many pages and a job's run of queries, and on the AVX2 path (the scores' integers from
-    vpmaddubsw, not vpdpbusd): one token at a time, beside another row on 2 threads, the same bits."""
+    vpmaddwd, not vpdpwssd): one token at a time, beside another row on 2 threads, the same bits."""
     heads, kv_heads, dim, page = 16, 1, 64, 32
     q, k, v = histories([300, 300], heads, kv_heads, dim, seed=7)
     tables = [list(range(0, 10)), list(range(10, 20))[::-1]]

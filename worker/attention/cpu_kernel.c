@@ -31,15 +31,17 @@
  *
  * The int8-keys form (`int8_keys`, worker/attention/int8_keys.py; a float16 pool): the values as
  * float16, each key row as int8 with a float32 scale (its absmax / 127, the row rounded to nearest
- * even at 127 / absmax), written once. Its scores are integer dot products (vpdpbusd on AVX-512 VNNI,
- * vpmaddubsw + vpmaddwd on AVX2: the same integers, exactly), each then scaled in one fixed order,
- * so the invariants above hold on it as on the float forms; each query head is rounded to int8 the
- * same way, per (token, head), as the job starts. A key page keeps its float16 slots' bytes (the
- * host tier, copies and the prefix cache move pages whole, whatever they hold): for KV head h, page
- * p's page_size x dim float16s hold the int8 keys [dim / 4][page_size][4] (key i's dims 4g .. 4g + 3
- * at byte 4 (g page_size + i), each stored plus 128, as vpdpbusd's unsigned operand), then
- * page_size float32 scales; the rest of the page's key bytes unused. A decode reads 72 bytes of a
- * key of 64 dims, not 128, and 16 keys' dot products run in one register's lanes with no lane sums.
+ * even at 127 / absmax), written once. Each query head is rounded the same way to int16 (absmax /
+ * 32767), per (token, head), as the job starts: int8 queries cost more agreement with the float path
+ * than int8 keys (docs/benchmarks.md). Its scores are integer dot products (vpdpwssd on AVX-512
+ * VNNI, vpmaddwd + vpaddd on AVX2: the same integers, exactly), each then converted and scaled in
+ * one fixed order, so the invariants above hold on it as on the float forms. A key page keeps its
+ * float16 slots' bytes (the host tier, copies and the prefix cache move pages whole, whatever they
+ * hold): for KV head h, page p's page_size x dim float16s hold the int8 keys [dim / 2][page_size][2]
+ * (key i's dims 2g, 2g + 1 at byte 2 (g page_size + i): sign-extended, one load is a register of
+ * int16 pairs for 16 keys), then page_size float32 scales; the rest of the page's key bytes unused.
+ * A decode reads 68 bytes of a key of 64 dims, not 128, and 16 keys' dot products run in one
+ * register's lanes with no lane sums.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -332,60 +334,57 @@ AVX2 static inline __attribute__((always_inline)) void weigh_rows(const float *c
     }
 }
 
-/* The int8-keys form's rounding of one row of `dim` floats (a key as it is written, a query head as a
- * job starts) into `out`; returns its scale, absmax / 127. Each value is rint(x * (127 / absmax)),
- * within -127 .. 127 (a NaN value, which the max skips, 0; a row of zeros all 0 with scale 0).
- * worker/attention/int8_keys.py rounds a row the same way, to the same bytes. */
-static float round_int8_row(const float *row, int64_t dim, int8_t *out) {
+/* The int8-keys form's rounding of one row of `dim` floats into `out` at `top` levels (127: a key as
+ * it is written; 32767: a query head as a job starts); returns its scale, absmax / top. Each value is
+ * rint(x * (top / absmax)), within -top .. top (a NaN value, which the max skips, 0; a row of zeros
+ * all 0 with scale 0). worker/attention/int8_keys.py rounds a row the same way, to the same values. */
+static float round_row(const float *row, int64_t dim, float top, int32_t *out) {
     float absmax = 0.0f;
     for (int64_t c = 0; c < dim; c++) {
         const float magnitude = fabsf(row[c]);
         absmax = magnitude > absmax ? magnitude : absmax;
     }
-    const float inverse = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+    const float inverse = absmax > 0.0f ? top / absmax : 0.0f;
     for (int64_t c = 0; c < dim; c++) {
         float rounded = rintf(row[c] * inverse);
-        rounded = rounded > 127.0f ? 127.0f : rounded;
-        rounded = rounded < -127.0f ? -127.0f : rounded;
-        out[c] = rounded == rounded ? (int8_t)rounded : 0;
+        rounded = rounded > top ? top : rounded;
+        rounded = rounded < -top ? -top : rounded;
+        out[c] = rounded == rounded ? (int32_t)rounded : 0;
     }
-    return absmax / 127.0f;
+    return absmax / top;
 }
+
+#define KEY_LEVELS 127.0f
+#define QUERY_LEVELS 32767.0f
 
 /* Writes key `key` (dim floats) as slot `i` of the int8-keys page whose key bytes start at `page`
  * (the layout in the header). */
 static void store_int8_key(uint8_t *page, int64_t page_size, int64_t i, const float *key, int64_t dim) {
-    int8_t rounded[MAX_DIM];
-    const float scale = round_int8_row(key, dim, rounded);
+    int32_t rounded[MAX_DIM];
+    const float scale = round_row(key, dim, KEY_LEVELS, rounded);
     for (int64_t c = 0; c < dim; c++) {
-        page[((c / 4) * page_size + i) * 4 + c % 4] = (uint8_t)(rounded[c] + 128);
+        page[((c / 2) * page_size + i) * 2 + c % 2] = (uint8_t)(int8_t)rounded[c];
     }
     memcpy(page + page_size * dim + 4 * i, &scale, sizeof scale);
 }
 
-/* A job's query heads in the int8-keys form: each head's int8 values (as 4-byte groups, and their
- * magnitudes for AVX2's vpmaddubsw), `offset` = -128 x their sum (vpdpbusd adds 128 x the sum with the
- * keys' bias of 128), and `factor` = its scale / sqrt(dim): a score is (float)dot x key scale x factor. */
+/* A job's query heads for the int8 keys: each head's int16 values in pairs (dims 2g, 2g + 1 in one
+ * 32-bit word, the low one first, as a key register's pairs), and `factor` = its scale / sqrt(dim): a
+ * score is (float)dot x key scale x factor. A dot product is at most MAX_DIM x 32767 x 127 (~1.07e9)
+ * in magnitude: no int32 lane overflows. */
 typedef struct {
-    int32_t words[QUERY_HEADS_PER_JOB][MAX_DIM / 4];
-    int32_t magnitudes[QUERY_HEADS_PER_JOB][MAX_DIM / 4];
-    int32_t offset[QUERY_HEADS_PER_JOB];
+    int32_t pairs[QUERY_HEADS_PER_JOB][MAX_DIM / 2];
     float factor[QUERY_HEADS_PER_JOB];
-} Int8Queries;
+} KeyQueries;
 
 static void round_queries(const float *const *heads, int64_t count, int64_t dim, float softmax_scale,
-                          Int8Queries *out) {
+                          KeyQueries *out) {
     for (int64_t qg = 0; qg < count; qg++) {
-        int8_t rounded[MAX_DIM], magnitude[MAX_DIM];
-        const float scale = round_int8_row(heads[qg], dim, rounded);
-        int32_t sum = 0;
-        for (int64_t c = 0; c < dim; c++) {
-            sum += rounded[c];
-            magnitude[c] = (int8_t)(rounded[c] < 0 ? -rounded[c] : rounded[c]);
+        int32_t rounded[MAX_DIM];
+        const float scale = round_row(heads[qg], dim, QUERY_LEVELS, rounded);
+        for (int64_t g = 0; g < dim / 2; g++) {
+            out->pairs[qg][g] = (int32_t)(((uint32_t)(uint16_t)rounded[2 * g + 1] << 16) | (uint16_t)rounded[2 * g]);
         }
-        memcpy(out->words[qg], rounded, (size_t)dim);
-        memcpy(out->magnitudes[qg], magnitude, (size_t)dim);
-        out->offset[qg] = -128 * sum;
         out->factor[qg] = scale * softmax_scale;
     }
 }
@@ -403,13 +402,12 @@ AVX2 static inline __attribute__((always_inline)) void prefetch_int8_page(const 
 }
 
 /* `n` (at most 4) query heads' scores against 8 int8 keys, slots k0 .. k0 + 7 of `page` (positions
- * first ..): per group of 4 dims, a key's bytes unbiased, signed by the query's (vpsignb) and
- * multiplied by its magnitudes (vpmaddubsw, no pair sum past 2 x 127 x 127, so none saturates), the
- * pairs summed (vpmaddwd): the exact integer dot products. Stored at position `first` of each head's
- * scores, its running max (8 lanes) over the visible ones. */
+ * first ..): per pair of dims, the keys sign-extended to int16 and multiplied by the query's pair, the
+ * two products summed (vpmaddwd), exactly: the integer dot products. Stored at position `first` of
+ * each head's scores, its running max (8 lanes) over the visible ones. */
 AVX2 static inline __attribute__((always_inline)) void score_int8_eight(const uint8_t *page, int64_t page_size,
                                                                         int64_t k0, int64_t first,
-                                                                        const Int8Queries *queries, int64_t h0,
+                                                                        const KeyQueries *queries, int64_t h0,
                                                                         float *const *scores,
                                                                         const int64_t *visible, __m256 *largest,
                                                                         const int n, const int64_t dim) {
@@ -417,14 +415,11 @@ AVX2 static inline __attribute__((always_inline)) void score_int8_eight(const ui
     for (int j = 0; j < n; j++) {
         acc[j] = _mm256_setzero_si256();
     }
-    const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    for (int64_t g = 0; g < dim / 4; g++) {
-        const __m256i key = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(page + (g * page_size + k0) * 4)), bias);
+    for (int64_t g = 0; g < dim / 2; g++) {
+        const __m256i key =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(page + (g * page_size + k0) * 2)));
         for (int j = 0; j < n; j++) {
-            const __m256i word = _mm256_set1_epi32(queries->words[h0 + j][g]);
-            const __m256i pairs =
-                _mm256_maddubs_epi16(_mm256_set1_epi32(queries->magnitudes[h0 + j][g]), _mm256_sign_epi8(key, word));
-            acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(pairs, ones));
+            acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(key, _mm256_set1_epi32(queries->pairs[h0 + j][g])));
         }
     }
     const __m256 key_scale = _mm256_loadu_ps((const float *)(page + page_size * dim) + k0);
@@ -458,7 +453,7 @@ AVX2 static inline float max8(__m256 v) {
  * time in position order (scores[qg] written to `positions` rounded up to 8), and each head's max over
  * its visible keys into `head_largest`. */
 AVX2 static void score_int8_row(const uint8_t *head_keys, const int32_t *row_pages, int64_t page_size,
-                                int64_t positions, const Int8Queries *queries, int64_t heads,
+                                int64_t positions, const KeyQueries *queries, int64_t heads,
                                 float *const *scores, const int64_t *visible, float *head_largest,
                                 const int64_t dim) {
     __m256 largest[QUERY_HEADS_PER_JOB];
@@ -596,10 +591,9 @@ WIDE static void score_quad_wide(const float *const *key, int64_t block, int64_t
 }
 
 /* The int8-keys scores on AVX-512 VNNI (a CPU with it, chosen at run time): score_int8_row's integers
- * and float operations, 16 keys a register. The keys' bias of 128 makes them vpdpbusd's unsigned
- * operand, each head's offset (-128 x its sum) starts its accumulator, so after dim / 4 vpdpbusd a
- * lane holds the key's exact dot product, as AVX2's does; the scaling and the max are the same
- * operations. */
+ * and float operations, 16 keys a register: per pair of dims the keys sign-extended to int16 pairs and
+ * vpdpwssd adds each key's two products to its lane, so after dim / 2 of them a lane holds the key's
+ * exact dot product, as AVX2's does; the scaling and the max are the same operations. */
 #define WIDE_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,avx2,fma,f16c"), noinline))
 #define WIDE_VNNI_INLINE \
     __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,avx2,fma,f16c"), always_inline)) static inline
@@ -608,20 +602,21 @@ WIDE static void score_quad_wide(const float *const *key, int64_t block, int64_t
 #define INT8_HEADS 8
 
 WIDE_VNNI_INLINE void score_int8_sixteen(const uint8_t *page, int64_t page_size, int64_t k0, int64_t first,
-                                         const Int8Queries *queries, int64_t h0, float *const *scores,
+                                         const KeyQueries *queries, int64_t h0, float *const *scores,
                                          const int64_t *visible, __m512 *largest, const int n,
                                          const int64_t dim) {
     __m512i acc[INT8_HEADS];
 #pragma GCC unroll 8
     for (int j = 0; j < n; j++) {
-        acc[j] = _mm512_set1_epi32(queries->offset[h0 + j]);
+        acc[j] = _mm512_setzero_si512();
     }
-#pragma GCC unroll 16
-    for (int64_t g = 0; g < dim / 4; g++) {
-        const __m512i key = _mm512_loadu_si512((const void *)(page + (g * page_size + k0) * 4));
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < dim / 2; g++) {
+        const __m512i key =
+            _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(page + (g * page_size + k0) * 2)));
 #pragma GCC unroll 8
         for (int j = 0; j < n; j++) {
-            acc[j] = _mm512_dpbusd_epi32(acc[j], key, _mm512_set1_epi32(queries->words[h0 + j][g]));
+            acc[j] = _mm512_dpwssd_epi32(acc[j], key, _mm512_set1_epi32(queries->pairs[h0 + j][g]));
         }
     }
     const __m512 key_scale = _mm512_loadu_ps((const float *)(page + page_size * dim) + k0);
@@ -644,7 +639,7 @@ WIDE_VNNI_INLINE void score_int8_sixteen(const uint8_t *page, int64_t page_size,
 /* score_int8_row on AVX-512 VNNI (page_size a multiple of 16): per 16 keys, the heads INT8_HEADS at a
  * time, so a page read from memory serves every head of the job from the L1. */
 WIDE_VNNI static void score_int8_row_wide(const uint8_t *head_keys, const int32_t *row_pages, int64_t page_size,
-                                          int64_t positions, const Int8Queries *queries, int64_t heads,
+                                          int64_t positions, const KeyQueries *queries, int64_t heads,
                                           float *const *scores, const int64_t *visible, float *head_largest,
                                           const int64_t dim) {
     __m512 largest[QUERY_HEADS_PER_JOB];
@@ -852,7 +847,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     const int64_t row_bytes = dim * value_bytes;
     float head_largest[QUERY_HEADS_PER_JOB]; /* each head's max over its visible keys' scores */
     if (s->int8_keys) {
-        Int8Queries queries;
+        KeyQueries queries;
         round_queries(head_query, job_heads, dim, scale, &queries);
         float *head_scores[QUERY_HEADS_PER_JOB];
         for (int64_t qg = 0; qg < job_heads; qg++) {

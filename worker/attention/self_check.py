@@ -18,7 +18,7 @@ from typing import Final
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionShape, paged_metadata
-from worker.attention.int8_keys import through_int8
+from worker.attention.int8_keys import QUERY_LEVELS, through_rounding
 from worker.attention.kv_pool import KVPool
 from worker.attention.torch_backend import TorchAttention
 
@@ -71,11 +71,11 @@ def compare_with_torch(backend: type[AttentionBackend], shape: AttentionShape) -
             (tokens, num_kv_heads, head_dim),
         )
         # Rounded to the candidate's dtype first (keys and values to its pool's too, where that is
-        # narrower; the queries and keys through their int8 rows where the pool holds int8 keys, which
+        # narrower; the queries and keys through their integer rows where the pool holds int8 keys, which
         # the candidate then rounds again to the same integers), so both sides see the same numbers.
         q, k, v = (torch.randn(s, generator=generator).to(dtype) for s in shapes)
         if shape.int8_keys:
-            q, k = through_int8(q).to(dtype), through_int8(k).to(dtype)
+            q, k = through_rounding(q, QUERY_LEVELS).to(dtype), through_rounding(k).to(dtype)
         else:
             k = k.to(shape.pool_dtype).to(dtype)
         inputs.append((q, k, v.to(shape.pool_dtype).to(dtype)))
