@@ -3,14 +3,14 @@ docs/benchmarks.md):
 
     python -m loadtest.attention_layers --shape tiny --rows 1 --queries 48 --context 6000
     python -m loadtest.attention_layers --shape smollm2-135m-shape --queries 1 --context 5300 \
-        --kv-dtype float32,float16
+        --kv-dtype float32,float16,int8-keys
 
 `--rows` sessions of `--context` positions each (pages scattered through the pool, as sessions
 leave them), then one step that feeds `--queries` new tokens to every row (1: a decode step; 48: a
 streamed chunk's append): the backend's plan and, for every layer of `--shape`, its KV write and
-attention, on `--threads` intra-op threads, with the pool in each of `--kv-dtype` (float16: the KV
-of `--kv-dtype auto`'s quantised forms, worker/attention/kv_dtype.py). Printed per backend and KV
-dtype: the median and the fastest of
+attention, on `--threads` intra-op threads, with the pool in each of `--kv-dtype` (int8-keys: the KV
+of `--kv-dtype auto`'s quantised forms under the cpu kernel, float16 elsewhere on the CPU,
+worker/attention/kv_dtype.py). Printed per backend and KV form: the median and the fastest of
 `--repeats` steps in ms, and the multiply-adds a second the fastest reached (scores and weighted
 values, each query against the keys it sees). Random K, V and queries: only the numbers matter.
 """
@@ -66,8 +66,9 @@ def run(
 ) -> dict[str, Any]:
     from worker.attention import AttentionShape, choose_backend
     from worker.attention.base import paged_metadata
+    from worker.attention.int8_keys import pack_pages
+    from worker.attention.kv_dtype import choose_kv_form
     from worker.attention.kv_pool import KVPool
-    from worker.dtypes import torch_dtype
     from worker.model.presets import SHAPES
 
     config = SHAPES[shape_name]
@@ -87,8 +88,18 @@ def run(
     try:
         for name in backends:
             for kv_dtype_name in kv_dtypes:
-                kv_dtype = torch_dtype(kv_dtype_name)
-                shape = AttentionShape(_CPU, torch.float32, heads, kv_heads, dim, _PAGE, kv_dtype)
+                # as a quantised weight form's worker resolves the setting (`auto`: int8-keys under `cpu`)
+                form = choose_kv_form(
+                    kv_dtype_name,
+                    device=_CPU,
+                    dtype=torch.float32,
+                    weight_form="int4",
+                    attention=name,
+                    page_size=_PAGE,
+                )
+                shape = AttentionShape(
+                    _CPU, torch.float32, heads, kv_heads, dim, _PAGE, form.dtype, form.int8_keys
+                )
                 backend = choose_backend(name, shape)
                 pool = KVPool(
                     num_layers=config.num_layers,
@@ -96,11 +107,19 @@ def run(
                     page_size=_PAGE,
                     num_kv_heads=kv_heads,
                     head_dim=dim,
-                    dtype=kv_dtype,
+                    dtype=form.dtype,
                     device=_CPU,
                     layout=backend.kv_layout,
+                    int8_keys=form.int8_keys,
                 )
                 pool.buffer.normal_(generator=generator)  # the history's keys and values
+                for layer in range(
+                    config.num_layers if form.int8_keys else 0
+                ):  # keys as the kernel writes them
+                    keys = torch.randn(kv_heads, rows * pages_each, _PAGE, dim, generator=generator)
+                    pool.keys(layer).view(torch.uint8).view(kv_heads, rows * pages_each, -1).copy_(
+                        pack_pages(keys)
+                    )
                 attention = backend(
                     pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32
                 )
@@ -136,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=6000, help="positions each row holds before the step")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--kv-dtype", default="float32", help="comma-separated: float32, float16")
+    parser.add_argument("--kv-dtype", default="float32", help="comma-separated: float32, float16, int8-keys")
     args = parser.parse_args(argv)
     result = run(
         args.shape,

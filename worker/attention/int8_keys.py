@@ -60,3 +60,16 @@ def read_page(page_keys: torch.Tensor, page_size: int, head_dim: int) -> tuple[t
     keys = paired.permute(1, 0, 2).reshape(page_size, head_dim)
     scales = raw[page_size * head_dim : page_size * (head_dim + 4)].view(torch.float32)
     return keys, scales
+
+
+def pack_pages(keys: torch.Tensor) -> torch.Tensor:
+    """Key rows [..., page_size, head_dim] (float) as the kernel writes them into their pages: the key
+    slots' bytes [..., page_size * head_dim * 2] (`read_page`'s inverse; a benchmark fills a pool so)."""
+    *outer, page_size, head_dim = keys.shape
+    values, scales = round_rows(keys)
+    paired = values.to(torch.int8).view(*outer, page_size, head_dim // 2, 2).transpose(-3, -2)
+    packed = torch.zeros(*outer, page_size * head_dim * 2, dtype=torch.uint8)
+    packed[..., : page_size * head_dim] = paired.reshape(*outer, page_size * head_dim).view(torch.uint8)
+    scale_bytes = scales.contiguous().view(torch.uint8).reshape(*outer, page_size * 4)
+    packed[..., page_size * head_dim : page_size * (head_dim + 4)] = scale_bytes
+    return packed
