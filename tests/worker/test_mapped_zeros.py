@@ -124,3 +124,22 @@ def test_the_cpu_kv_pool_reads_zeros_and_becomes_resident() -> None:
     assert not pool.keys(1).any() and not pool.values(0).any()
     assert pool.resident.wait(timeout=60)
     assert resident_kib(pool.buffer.data_ptr()) >= pool.num_bytes >> 10
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="madvise's huge pages are Linux's")
+def test_a_buffer_for_scattered_reads_asks_for_huge_pages_before_any_page_is_touched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    advise = module._madvise
+    asked: list[tuple[int, int]] = []
+
+    def watch(address: int, length: int, advice: int) -> int:
+        asked.append((advice, length))
+        return advise(address, length, advice)
+
+    monkeypatch.setattr(module, "_madvise", watch)
+    host = mapped_zeros(4 * MIB, torch.float32, huge_pages=True)
+    assert asked[0] == (module.MADV_HUGEPAGE, 16 * MIB)  # the whole buffer, before it is populated
+    assert host.resident.wait(timeout=60)
+    assert not host.tensor.any()
+    assert {advice for advice, _ in asked[1:]} <= {module.MADV_POPULATE_WRITE}

@@ -60,9 +60,10 @@ class KVPool:
         # Zeros, not garbage (a backend may read a page's unwritten slots, masked). On the CPU the pool
         # is mapped as zeros and made resident in the background at idle priority, not written at
         # start: a worker restarting beside another one on the same cores no longer takes a core from
-        # its turns for seconds (worker/mapped_zeros.py). `resident` is set once it is.
+        # its turns for seconds (worker/mapped_zeros.py). `resident` is set once it is. In 2 MiB pages
+        # where the kernel gives them: a step reads its rows' pages scattered over the pool.
         if device.type == "cpu":
-            host = mapped_zeros(math.prod(shape), dtype)
+            host = mapped_zeros(math.prod(shape), dtype, huge_pages=True)
             self.buffer = host.tensor.view(shape)
             self.resident = host.resident
         else:
