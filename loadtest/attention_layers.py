@@ -64,11 +64,10 @@ def run(
     repeats: int,
     kv_dtypes: tuple[str, ...] = ("float32",),
 ) -> dict[str, Any]:
-    from worker.attention import AttentionShape, choose_backend
+    from worker.attention import AttentionShape, paged_attention
     from worker.attention.base import paged_metadata
     from worker.attention.int8_keys import pack_pages
     from worker.attention.kv_dtype import choose_kv_form
-    from worker.attention.kv_pool import KVPool
     from worker.model.presets import SHAPES
 
     config = SHAPES[shape_name]
@@ -100,34 +99,22 @@ def run(
                 shape = AttentionShape(
                     _CPU, torch.float32, heads, kv_heads, dim, _PAGE, form.dtype, form.int8_keys
                 )
-                backend = choose_backend(name, shape)
-                pool = KVPool(
-                    num_layers=config.num_layers,
-                    num_pages=rows * pages_each,
-                    page_size=_PAGE,
-                    num_kv_heads=kv_heads,
-                    head_dim=dim,
-                    dtype=form.dtype,
-                    device=_CPU,
-                    layout=backend.kv_layout,
-                    int8_keys=form.int8_keys,
+                attention = paged_attention(
+                    name, shape, num_layers=config.num_layers, num_pages=rows * pages_each
                 )
+                pool = attention.kv_pool
                 pool.buffer.normal_(generator=generator)  # the history's keys and values
-                for layer in range(
-                    config.num_layers if form.int8_keys else 0
-                ):  # keys as the kernel writes them
+                # the keys as the kernel writes them, where the pool holds int8 keys
+                for layer in range(config.num_layers if form.int8_keys else 0):
                     keys = torch.randn(kv_heads, rows * pages_each, _PAGE, dim, generator=generator)
                     pool.keys(layer).view(torch.uint8).view(kv_heads, rows * pages_each, -1).copy_(
                         pack_pages(keys)
                     )
-                attention = backend(
-                    pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32
-                )
                 times = _step_times(attention, meta, (q, k, v), config.num_layers, repeats)
                 # Query j of a row sees context + j + 1 keys; scores and weighted values: 2 x dim each.
                 seen = rows * sum(context + j + 1 for j in range(queries))
                 macs = 2 * seen * heads * dim * config.num_layers
-                results[f"{backend.name} {kv_dtype_name}"] = {
+                results[f"{attention.name} {kv_dtype_name}"] = {
                     "median_ms": round(times[len(times) // 2], 2),
                     "fastest_ms": round(times[0], 2),
                     "gmac_per_s": round(macs / times[0] / 1e6, 1),

@@ -61,10 +61,9 @@ def run(
     repeats: int,
     kv_dtype_name: str = "auto",
 ) -> dict[str, Any]:
-    from worker.attention import AttentionShape, choose_backend
+    from worker.attention import AttentionShape, paged_attention
     from worker.attention.base import paged_metadata
     from worker.attention.kv_dtype import choose_kv_form
-    from worker.attention.kv_pool import KVPool
     from worker.model.llama import LlamaModel
     from worker.model.loader import load_model
 
@@ -91,25 +90,7 @@ def run(
         kv_form.dtype,
         kv_form.int8_keys,
     )
-    backend = choose_backend(attention_name, shape)
-    pool = KVPool(
-        num_layers=config.num_layers,
-        num_pages=len(pages),
-        page_size=_PAGE,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        dtype=kv_form.dtype,
-        device=_CPU,
-        layout=backend.kv_layout,
-        int8_keys=kv_form.int8_keys,
-    )
-    attention = backend(
-        pool,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        dtype=torch.float32,
-    )
+    attention = paged_attention(attention_name, shape, num_layers=config.num_layers, num_pages=len(pages))
     ids = torch.randint(
         0, min(5000, config.vocab_size), (context + append,), generator=torch.Generator().manual_seed(0)
     )
@@ -127,7 +108,7 @@ def run(
         "model": model_name,
         "weights": loaded.weights.form,
         "row_ops": type(model.row_ops).__name__,
-        "attention_backend": backend.name,
+        "attention_backend": attention.name,
         "kv_dtype": kv_form.name,
         "context": context,
     }

@@ -60,16 +60,14 @@ class FormModel:
     """One weight form of the model with a paged KV pool of its own: feed tokens, get logits."""
 
     def __init__(self, model: str, form: str, max_tokens: int, kv_dtype: str = "auto") -> None:
-        from worker.attention import AttentionShape, choose_backend
+        from worker.attention import AttentionShape, paged_attention
         from worker.attention.kv_dtype import choose_kv_form
-        from worker.attention.kv_pool import KVPool
         from worker.model.llama import LlamaModel
         from worker.model.loader import load_model
 
         loaded = load_model(model, device=_CPU, dtype=torch.float32, weights=form)
         kv_form = choose_kv_form(kv_dtype, device=_CPU, dtype=torch.float32, weight_form=loaded.weights.form)
         config = loaded.config
-        # The torch reference, but where the keys are int8: only the cpu kernel reads that form.
         shape = AttentionShape(
             _CPU,
             torch.float32,
@@ -80,28 +78,12 @@ class FormModel:
             kv_form.dtype,
             kv_form.int8_keys,
         )
-        backend = choose_backend("cpu" if kv_form.int8_keys else "torch", shape)
         self.tokenizer = loaded.tokenizer
         self.model = LlamaModel(config, loaded.weights, device=_CPU, dtype=torch.float32)
         pages = -(-max_tokens // _PAGE)
-        pool = KVPool(
-            num_layers=config.num_layers,
-            num_pages=pages,
-            page_size=_PAGE,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=kv_form.dtype,
-            device=_CPU,
-            layout=backend.kv_layout,
-            int8_keys=kv_form.int8_keys,
-        )
-        self.attention = backend(
-            pool,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=torch.float32,
-        )
+        # The torch reference, but where the keys are int8: only the cpu kernel reads that form.
+        backend_name = "cpu" if kv_form.int8_keys else "torch"
+        self.attention = paged_attention(backend_name, shape, num_layers=config.num_layers, num_pages=pages)
         self.pages = list(range(pages))
         self.length = 0
 

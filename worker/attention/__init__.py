@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+from worker.attention.kv_pool import KVPool
 from worker.attention.self_check import compare_with_torch
 from worker.attention.torch_backend import TorchAttention
 
@@ -45,6 +46,7 @@ __all__ = [
     "TorchAttention",
     "choose_backend",
     "decide",
+    "paged_attention",
 ]
 
 logger = logging.getLogger(__name__)
@@ -153,3 +155,28 @@ def choose_backend(name: str, shape: AttentionShape) -> type[AttentionBackend]:
     if reason is not None:
         raise _refused(name, reason)
     return decide(name, candidate, compare_with_torch(candidate, shape), shape)
+
+
+def paged_attention(name: str, shape: AttentionShape, *, num_layers: int, num_pages: int) -> AttentionBackend:
+    """The backend `--attention name` chooses for `shape`, over a KV pool of its own: `num_pages` pages
+    of the shape's page size, in its KV form and the backend's layout (a model runner's, a
+    benchmark's)."""
+    backend = choose_backend(name, shape)
+    pool = KVPool(
+        num_layers=num_layers,
+        num_pages=num_pages,
+        page_size=shape.page_size,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        dtype=shape.pool_dtype,
+        device=shape.device,
+        layout=backend.kv_layout,
+        int8_keys=shape.int8_keys,
+    )
+    return backend(
+        pool,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        dtype=shape.dtype,
+    )

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.settings import EngineSettings
-from worker.attention import AttentionShape, choose_backend
+from worker.attention import AttentionShape, paged_attention
 from worker.attention.base import AttentionMetadata, paged_metadata
 from worker.attention.kv_dtype import KVForm
-from worker.attention.kv_pool import KVPool
 from worker.engine.sampling import SamplingParams, sample
 from worker.model.llama import LlamaModel
 from worker.model.loader import LoadedModel
@@ -85,26 +84,9 @@ class ModelRunner:
             kv_form.dtype,
             kv_form.int8_keys,
         )
-        backend = choose_backend(attention, shape)
-        self.attention_name = backend.name
-        self.kv_pool = KVPool(
-            num_layers=config.num_layers,
-            num_pages=num_pages,
-            page_size=page_size,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=kv_form.dtype,
-            device=device,
-            layout=backend.kv_layout,
-            int8_keys=kv_form.int8_keys,
-        )
-        self.attention = backend(
-            self.kv_pool,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=dtype,
-        )
+        self.attention = paged_attention(attention, shape, num_layers=config.num_layers, num_pages=num_pages)
+        self.attention_name = self.attention.name
+        self.kv_pool = self.attention.kv_pool
         if device.type == "cpu" and not blas_is_row_invariant():
             logger.warning(
                 "MKL sums a row differently by the step's shape (%s was not in force when it first ran): "
