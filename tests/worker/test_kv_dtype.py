@@ -3,6 +3,8 @@ the refusals a worker says before it loads anything."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -121,3 +123,29 @@ def test_int8_keys_keep_the_pools_bytes_and_a_session_streams_as_it_answers_whol
 def test_int8_keys_under_the_torch_reference_is_a_clear_start_up_error() -> None:
     with pytest.raises(BackendRefused, match="int8-keys is the cpu attention kernel's form"):
         Engine.load("tiny", kv_tokens=256, host_kv_tokens=0, kv_dtype="int8-keys", attention="torch")
+
+
+@pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
+def test_auto_falls_back_to_float16_where_the_kernel_fails_its_start_up_check(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`auto` picks int8 keys for a quantised form because the cpu kernel runs; should that kernel then
+    fail its start-up check, the torch reference serves, on float16 (an explicit int8-keys refuses)."""
+    from worker import attention
+
+    checked = attention.compare_with_torch
+
+    def broken_on_int8_keys(
+        backend: type[attention.AttentionBackend], shape: attention.AttentionShape
+    ) -> str | None:
+        return "broken on purpose" if shape.int8_keys else checked(backend, shape)
+
+    monkeypatch.setattr(attention, "compare_with_torch", broken_on_int8_keys)
+    with (
+        caplog.at_level(logging.WARNING),
+        Engine.load("tiny", weights="int8", kv_tokens=256, host_kv_tokens=0) as engine,
+    ):
+        assert engine.kv_format.dtype == "float16"
+    assert "broken on purpose" in caplog.text and "holds float16 instead" in caplog.text
+    with pytest.raises(BackendRefused, match="broken on purpose"):
+        Engine.load("tiny", weights="int8", kv_tokens=256, host_kv_tokens=0, kv_dtype="int8-keys")

@@ -27,7 +27,8 @@ from shared.protocol.kv_copy import KVFormat
 from shared.protocol.link_codec import to_wire
 from shared.protocol.messages import OpenConfig
 from shared.protocol.response_format import ResponseFormat
-from worker.attention.kv_dtype import choose_kv_form
+from worker.attention import BackendRefused
+from worker.attention.kv_dtype import AUTO, KVForm, choose_kv_form
 from worker.dtypes import torch_dtype
 from worker.engine.config import EngineConfig
 from worker.engine.core import CloseListener, EngineCore, EngineStats
@@ -87,16 +88,30 @@ class Engine:
             attention=config.attention,
             page_size=config.page_size,
         )
-        runner = ModelRunner(
-            loaded,
-            device=device,
-            dtype=dtype,
-            kv_form=kv_form,
-            num_pages=device_pages(config, loaded.config, device, kv_form.dtype),
-            page_size=config.page_size,
-            attention=config.attention,
-            single_thread_max_tokens=config.cpu_single_thread_max_tokens,
-        )
+
+        def runner_for(form: KVForm) -> ModelRunner:
+            return ModelRunner(
+                loaded,
+                device=device,
+                dtype=dtype,
+                kv_form=form,
+                num_pages=device_pages(config, loaded.config, device, form.dtype),
+                page_size=config.page_size,
+                attention=config.attention,
+                single_thread_max_tokens=config.cpu_single_thread_max_tokens,
+            )
+
+        try:
+            runner = runner_for(kv_form)
+        except BackendRefused as refused:
+            # `auto` chose int8 keys because the cpu kernel runs here; where it then fails its start-up
+            # check, only the torch reference is left, which reads float pools: float16, as before the
+            # form existed (an explicit --kv-dtype int8-keys stops the worker instead).
+            if config.kv_dtype != AUTO or not kv_form.int8_keys:
+                raise
+            logger.warning("--kv-dtype auto: %s; the KV pool holds float16 instead", refused)
+            kv_form = KVForm(torch.float16)
+            runner = runner_for(kv_form)
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer and loaded.tokenizer.eos_token_ids else ()
         self._core = EngineCore(
             config,
