@@ -2,7 +2,8 @@
 
 - `auto`: on the CPU where the weights are a quantised form (`int4`, `int8`) computing in float32,
   `int8-keys` where the `cpu` attention kernel serves (its extension built, AVX2, `--attention` auto
-  or cpu, pages of a multiple of 16), else float16; elsewhere the model's dtype. A step over a long
+  or cpu, pages of a multiple of 16; the engine takes float16 should the kernel then fail its start-up
+  check), else float16; elsewhere the model's dtype. A step over a long
   history is bound by reading that history's keys and values and scoring them (SmolLM2 keeps 46 KB
   of them a token in float32: 244 MB a step at 5,300 positions); float16 halves the read, and
   int8 keys (worker/attention/int8_keys.py) read a key in 72 bytes and score it in integers. The
