@@ -96,8 +96,8 @@ def run(
                     attention=name,
                     page_size=_PAGE,
                 )
-                shape = AttentionShape(
-                    _CPU, torch.float32, heads, kv_heads, dim, _PAGE, form.dtype, form.int8_keys
+                shape = AttentionShape.of_model(
+                    config, device=_CPU, dtype=torch.float32, page_size=_PAGE, kv_form=form
                 )
                 attention = paged_attention(
                     name, shape, num_layers=config.num_layers, num_pages=rows * pages_each

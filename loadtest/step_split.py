@@ -80,15 +80,8 @@ def run(
         attention=attention_name,
         page_size=_PAGE,
     )
-    shape = AttentionShape(
-        _CPU,
-        torch.float32,
-        config.num_heads,
-        config.num_kv_heads,
-        config.head_dim,
-        _PAGE,
-        kv_form.dtype,
-        kv_form.int8_keys,
+    shape = AttentionShape.of_model(
+        config, device=_CPU, dtype=torch.float32, page_size=_PAGE, kv_form=kv_form
     )
     attention = paged_attention(attention_name, shape, num_layers=config.num_layers, num_pages=len(pages))
     ids = torch.randint(

@@ -68,15 +68,8 @@ class FormModel:
         loaded = load_model(model, device=_CPU, dtype=torch.float32, weights=form)
         kv_form = choose_kv_form(kv_dtype, device=_CPU, dtype=torch.float32, weight_form=loaded.weights.form)
         config = loaded.config
-        shape = AttentionShape(
-            _CPU,
-            torch.float32,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            _PAGE,
-            kv_form.dtype,
-            kv_form.int8_keys,
+        shape = AttentionShape.of_model(
+            config, device=_CPU, dtype=torch.float32, page_size=_PAGE, kv_form=kv_form
         )
         self.tokenizer = loaded.tokenizer
         self.model = LlamaModel(config, loaded.weights, device=_CPU, dtype=torch.float32)

@@ -74,15 +74,8 @@ class ModelRunner:
         self.cpu_threads = torch.get_num_threads()
         self.model = LlamaModel(config, loaded.weights, device=device, dtype=dtype)
         kv_form = kv_form or KVForm(dtype)
-        shape = AttentionShape(
-            device,
-            dtype,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            page_size,
-            kv_form.dtype,
-            kv_form.int8_keys,
+        shape = AttentionShape.of_model(
+            config, device=device, dtype=dtype, page_size=page_size, kv_form=kv_form
         )
         self.attention = paged_attention(attention, shape, num_layers=config.num_layers, num_pages=num_pages)
         self.attention_name = self.attention.name
