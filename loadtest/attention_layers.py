@@ -64,7 +64,7 @@ def run(
     repeats: int,
     kv_dtypes: tuple[str, ...] = ("float32",),
 ) -> dict[str, Any]:
-    from worker.attention import AttentionShape, paged_attention
+    from worker.attention import paged_attention
     from worker.attention.base import paged_metadata
     from worker.attention.int8_keys import pack_pages
     from worker.attention.kv_dtype import choose_kv_form
@@ -96,9 +96,7 @@ def run(
                     attention=name,
                     page_size=_PAGE,
                 )
-                shape = AttentionShape.of_model(
-                    config, device=_CPU, dtype=torch.float32, page_size=_PAGE, kv_form=form
-                )
+                shape = form.attention_shape(config, device=_CPU, dtype=torch.float32, page_size=_PAGE)
                 attention = paged_attention(
                     name, shape, num_layers=config.num_layers, num_pages=rows * pages_each
                 )

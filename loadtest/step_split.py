@@ -61,7 +61,7 @@ def run(
     repeats: int,
     kv_dtype_name: str = "auto",
 ) -> dict[str, Any]:
-    from worker.attention import AttentionShape, paged_attention
+    from worker.attention import paged_attention
     from worker.attention.base import paged_metadata
     from worker.attention.kv_dtype import choose_kv_form
     from worker.model.llama import LlamaModel
@@ -80,9 +80,7 @@ def run(
         attention=attention_name,
         page_size=_PAGE,
     )
-    shape = AttentionShape.of_model(
-        config, device=_CPU, dtype=torch.float32, page_size=_PAGE, kv_form=kv_form
-    )
+    shape = kv_form.attention_shape(config, device=_CPU, dtype=torch.float32, page_size=_PAGE)
     attention = paged_attention(attention_name, shape, num_layers=config.num_layers, num_pages=len(pages))
     ids = torch.randint(
         0, min(5000, config.vocab_size), (context + append,), generator=torch.Generator().manual_seed(0)

@@ -60,7 +60,7 @@ class FormModel:
     """One weight form of the model with a paged KV pool of its own: feed tokens, get logits."""
 
     def __init__(self, model: str, form: str, max_tokens: int, kv_dtype: str = "auto") -> None:
-        from worker.attention import AttentionShape, paged_attention
+        from worker.attention import paged_attention
         from worker.attention.kv_dtype import choose_kv_form
         from worker.model.llama import LlamaModel
         from worker.model.loader import load_model
@@ -68,9 +68,7 @@ class FormModel:
         loaded = load_model(model, device=_CPU, dtype=torch.float32, weights=form)
         kv_form = choose_kv_form(kv_dtype, device=_CPU, dtype=torch.float32, weight_form=loaded.weights.form)
         config = loaded.config
-        shape = AttentionShape.of_model(
-            config, device=_CPU, dtype=torch.float32, page_size=_PAGE, kv_form=kv_form
-        )
+        shape = kv_form.attention_shape(config, device=_CPU, dtype=torch.float32, page_size=_PAGE)
         self.tokenizer = loaded.tokenizer
         self.model = LlamaModel(config, loaded.weights, device=_CPU, dtype=torch.float32)
         pages = -(-max_tokens // _PAGE)

@@ -22,15 +22,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from worker.attention.kv_pool import KVLayout, KVPool
-
-if TYPE_CHECKING:  # kv_dtype.py imports the cpu backend, which imports this module
-    from worker.attention.kv_dtype import KVForm
-    from worker.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -70,22 +66,6 @@ class AttentionShape:
     @property
     def pool_dtype(self) -> torch.dtype:
         return self.kv_dtype or self.dtype
-
-    @classmethod
-    def of_model(
-        cls, config: ModelConfig, *, device: torch.device, dtype: torch.dtype, page_size: int, kv_form: KVForm
-    ) -> AttentionShape:
-        """A model's shape over a pool of `kv_form` (worker/attention/kv_dtype.py)."""
-        return cls(
-            device,
-            dtype,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            page_size,
-            kv_form.dtype,
-            kv_form.int8_keys,
-        )
 
 
 def paged_metadata(

@@ -32,9 +32,11 @@ from typing import Final
 import torch
 
 from shared.settings import KV_DTYPES, KV_INT8_KEYS
+from worker.attention.base import AttentionShape
 from worker.attention.cpu_backend import KERNEL
 from worker.attention.int8_keys import PAGE_MULTIPLE
 from worker.dtypes import dtype_name, torch_dtype
+from worker.model.config import ModelConfig
 
 AUTO: Final = "auto"
 # The `--attention` settings under which the `cpu` kernel may serve (`auto` picks it where it runs).
@@ -53,6 +55,21 @@ class KVForm:
     def name(self) -> str:
         """As the setting and the KV copy's header spell it."""
         return KV_INT8_KEYS if self.int8_keys else dtype_name(self.dtype)
+
+    def attention_shape(
+        self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype, page_size: int
+    ) -> AttentionShape:
+        """A model's attention shape over a pool of this form."""
+        return AttentionShape(
+            device,
+            dtype,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            page_size,
+            self.dtype,
+            self.int8_keys,
+        )
 
 
 def choose_kv_form(

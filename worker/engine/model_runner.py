@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.settings import EngineSettings
-from worker.attention import AttentionShape, paged_attention
+from worker.attention import paged_attention
 from worker.attention.base import AttentionMetadata, paged_metadata
 from worker.attention.kv_dtype import KVForm
 from worker.engine.sampling import SamplingParams, sample
@@ -74,9 +74,7 @@ class ModelRunner:
         self.cpu_threads = torch.get_num_threads()
         self.model = LlamaModel(config, loaded.weights, device=device, dtype=dtype)
         kv_form = kv_form or KVForm(dtype)
-        shape = AttentionShape.of_model(
-            config, device=device, dtype=dtype, page_size=page_size, kv_form=kv_form
-        )
+        shape = kv_form.attention_shape(config, device=device, dtype=dtype, page_size=page_size)
         self.attention = paged_attention(attention, shape, num_layers=config.num_layers, num_pages=num_pages)
         self.attention_name = self.attention.name
         self.kv_pool = self.attention.kv_pool
