@@ -66,7 +66,7 @@ def run(
 ) -> dict[str, Any]:
     from worker.attention import paged_attention
     from worker.attention.base import paged_metadata
-    from worker.attention.int8_keys import pack_pages
+    from worker.attention.int8_kv import pack_pages
     from worker.attention.kv_dtype import choose_kv_form
     from worker.model.presets import SHAPES
 

@@ -57,7 +57,7 @@ BENCH_MODEL: Final = "tiny"
 LOG_KEEP_RECORDS: Final = 64
 # The weight and KV dtypes an engine runs in, by torch's names (worker/engine/engine.py maps them).
 DTYPE_NAMES: Final = ("float32", "bfloat16", "float16")
-# `--kv-dtype`'s form of int8 keys beside float16 values (worker/attention/int8_keys.py).
+# `--kv-dtype`'s form of int8 keys beside float16 values (worker/attention/int8_kv.py).
 KV_INT8_KEYS: Final = "int8-keys"
 # `--kv-dtype`: what the KV pool holds (worker/attention/kv_dtype.py resolves `auto`).
 KV_DTYPES: Final = ("auto", *DTYPE_NAMES, KV_INT8_KEYS)

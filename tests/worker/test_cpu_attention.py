@@ -14,7 +14,7 @@ import torch
 from worker.attention import AttentionShape, TorchAttention
 from worker.attention.base import paged_metadata
 from worker.attention.cpu_backend import KERNEL, UNAVAILABLE_REASON, CpuAttention
-from worker.attention.int8_keys import QUERY_LEVELS, read_page, round_rows, through_rounding
+from worker.attention.int8_kv import QUERY_LEVELS, read_page, round_rows, through_rounding
 from worker.attention.kv_pool import KVPool
 
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
@@ -370,7 +370,7 @@ def test_the_extension_is_built_on_an_avx2_machine() -> None:
 
 @needs_kernel
 def test_int8_keys_are_stored_as_the_reference_rounds_them_and_attend_as_dense_attention_on_them() -> None:
-    """`--kv-dtype int8-keys` (worker/attention/int8_keys.py): each key row written once as int8 and a
+    """`--kv-dtype int8-keys` (worker/attention/int8_kv.py): each key row written once as int8 and a
     scale, in the documented page layout, the same bytes as `round_rows`; every output dense
     attention's numbers on the keys' int8 rows and the queries' int16 ones (the values float16), past a key
     block, across pages out of order, a zero key row and one past float16's range among them."""

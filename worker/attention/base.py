@@ -61,7 +61,7 @@ class AttentionShape:
     head_dim: int
     page_size: int
     kv_dtype: torch.dtype | None = None  # the KV pool's (worker/attention/kv_dtype.py); None: `dtype`
-    int8_keys: bool = False  # its key slots hold the int8-keys form (worker/attention/int8_keys.py)
+    int8_keys: bool = False  # its key slots hold the int8-keys form (worker/attention/int8_kv.py)
 
     @property
     def pool_dtype(self) -> torch.dtype:

@@ -1,7 +1,7 @@
 """Paged attention for the CPU in one C call per layer (cpu_kernel.c, the `_cpu_kernel` extension pip
 builds); `auto`'s choice on a CPU with AVX2, FMA and F16C. Its pool holds float32, or float16
 (`--kv-dtype`, worker/attention/kv_dtype.py), computed on as float32 either way, or float16 values
-beside int8 keys scored in integers (worker/attention/int8_keys.py).
+beside int8 keys scored in integers (worker/attention/int8_kv.py).
 
 It reads the same head-major pool as the torch reference (so a KV copy or a host-tier page means the
 same bytes under either backend) straight from the rows' pages, with no gather, no padding and no
@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
-from worker.attention.int8_keys import PAGE_MULTIPLE
+from worker.attention.int8_kv import PAGE_MULTIPLE
 from worker.native import load_extension
 
 # KERNEL is None where it does not run, and UNAVAILABLE_REASON says why (empty where it runs).

@@ -29,7 +29,7 @@
  * h (GQA). Row r feeds tokens qo_indptr[r] .. qo_indptr[r + 1] - 1, the last kv_lens[r] - 1 positions
  * of its KV, in pages pages[page_indptr[r] ...]; its query j sees positions 0 .. kv_len - q_len + j.
  *
- * The int8-keys form (`int8_keys`, worker/attention/int8_keys.py; a float16 pool): the values as
+ * The int8-keys form (`int8_keys`, worker/attention/int8_kv.py; a float16 pool): the values as
  * float16, each key row as int8 with a float32 scale (its absmax / 127, the row rounded to nearest
  * even at 127 / absmax), written once. Each query head is rounded the same way to int16 (absmax /
  * 32767), per (token, head), as the job starts: int8 queries cost more agreement with the float path
@@ -337,7 +337,7 @@ AVX2 static inline __attribute__((always_inline)) void weigh_rows(const float *c
 /* The int8-keys form's rounding of one row of `dim` floats into `out` at `top` levels (127: a key as
  * it is written; 32767: a query head as a job starts); returns its scale, absmax / top. Each value is
  * rint(x * (top / absmax)), within -top .. top (a NaN value, which the max skips, 0; a row of zeros
- * all 0 with scale 0). worker/attention/int8_keys.py rounds a row the same way, to the same values. */
+ * all 0 with scale 0). worker/attention/int8_kv.py rounds a row the same way, to the same values. */
 static float round_row(const float *row, int64_t dim, float top, int32_t *out) {
     float absmax = 0.0f;
     for (int64_t c = 0; c < dim; c++) {

@@ -6,7 +6,7 @@
   check), else float16; elsewhere the model's dtype. A step over a long
   history is bound by reading that history's keys and values and scoring them (SmolLM2 keeps 46 KB
   of them a token in float32: 244 MB a step at 5,300 positions); float16 halves the read, and
-  int8 keys (worker/attention/int8_keys.py) read a key in 72 bytes and score it in integers. The
+  int8 keys (worker/attention/int8_kv.py) read a key in 72 bytes and score it in integers. The
   quantised forms already stand apart from the float path (they quantise the activations:
   worker/model/weight_form.py), and llama.cpp, the CPU peer, keeps its KV in float16 by default.
   Under `float` the pool keeps the model's dtype: that path is held exact against transformers,
@@ -34,7 +34,7 @@ import torch
 from shared.settings import KV_DTYPES, KV_INT8_KEYS
 from worker.attention.base import AttentionShape
 from worker.attention.cpu_backend import KERNEL
-from worker.attention.int8_keys import PAGE_MULTIPLE
+from worker.attention.int8_kv import PAGE_MULTIPLE
 from worker.dtypes import dtype_name, torch_dtype
 from worker.model.config import ModelConfig
 

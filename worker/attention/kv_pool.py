@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 
 from shared.settings import KV_INT8_KEYS
-from worker.attention.int8_keys import PAGE_MULTIPLE
+from worker.attention.int8_kv import PAGE_MULTIPLE
 from worker.mapped_zeros import mapped_zeros
 
 KVLayout = Literal["nhd", "head_major"]
@@ -48,7 +48,7 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.layout = layout
-        # Whether the key slots hold the int8-keys form (worker/attention/int8_keys.py): what the
+        # Whether the key slots hold the int8-keys form (worker/attention/int8_kv.py): what the
         # attention backend writes and reads there; everything else moves the pages' bytes as they are.
         self.int8_keys = int8_keys
         per_layer = (

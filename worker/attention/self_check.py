@@ -18,7 +18,7 @@ from typing import Final
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionShape, paged_metadata
-from worker.attention.int8_keys import QUERY_LEVELS, through_rounding
+from worker.attention.int8_kv import QUERY_LEVELS, through_rounding
 from worker.attention.kv_pool import KVPool
 from worker.attention.torch_backend import TorchAttention
 
