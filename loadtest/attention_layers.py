@@ -3,16 +3,16 @@ docs/benchmarks.md):
 
     python -m loadtest.attention_layers --shape tiny --rows 1 --queries 48 --context 6000
     python -m loadtest.attention_layers --shape smollm2-135m-shape --queries 1 --context 5300 \
-        --kv-dtype float32,float16,int8-keys
+        --kv-dtype float32,float16,int8-keys,int8
 
 `--rows` sessions of `--context` positions each (pages scattered through the pool, as sessions
 leave them), then one step that feeds `--queries` new tokens to every row (1: a decode step; 48: a
 streamed chunk's append): the backend's plan and, for every layer of `--shape`, its KV write and
-attention, on `--threads` intra-op threads, with the pool in each of `--kv-dtype` (int8-keys: the KV
-of `--kv-dtype auto`'s quantised forms under the cpu kernel, float16 elsewhere on the CPU,
-worker/attention/kv_dtype.py). Printed per backend and KV form: the median and the fastest of
-`--repeats` steps in ms, and the multiply-adds a second the fastest reached (scores and weighted
-values, each query against the keys it sees). Random K, V and queries: only the numbers matter.
+attention, on `--threads` intra-op threads, with the pool in each of `--kv-dtype` (`auto`: as a
+quantised weight form's worker resolves it under that backend, worker/attention/kv_dtype.py).
+Printed per backend and KV form: the median and the fastest of `--repeats` steps in ms, and the
+multiply-adds a second the fastest reached (scores and weighted values, each query against the keys
+it sees). Random K, V and queries: only the numbers matter.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,7 +67,7 @@ def run(
 ) -> dict[str, Any]:
     from worker.attention import paged_attention
     from worker.attention.base import paged_metadata
-    from worker.attention.int8_kv import pack_pages
+    from worker.attention.int8_kv import pack_pages, pack_value_pages
     from worker.attention.kv_dtype import choose_kv_form
     from worker.model.presets import SHAPES
 
@@ -87,7 +88,7 @@ def run(
     try:
         for name in backends:
             for kv_dtype_name in kv_dtypes:
-                # as a quantised weight form's worker resolves the setting (`auto`: int8-keys under `cpu`)
+                # as a quantised weight form's worker resolves the setting (`auto`: int8 under `cpu`)
                 form = choose_kv_form(
                     kv_dtype_name,
                     device=_CPU,
@@ -102,12 +103,16 @@ def run(
                 )
                 pool = attention.kv_pool
                 pool.buffer.normal_(generator=generator)  # the history's keys and values
-                # the keys as the kernel writes them, where the pool holds int8 keys
+                # the keys (and values) as the kernel writes them, where the pool holds them as int8
                 for layer in range(config.num_layers if form.int8_keys else 0):
-                    keys = torch.randn(kv_heads, rows * pages_each, _PAGE, dim, generator=generator)
-                    pool.keys(layer).view(torch.uint8).view(kv_heads, rows * pages_each, -1).copy_(
-                        pack_pages(keys)
-                    )
+                    int8_slots: list[tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = [
+                        (pool.keys(layer), pack_pages)
+                    ]
+                    if form.int8_values:
+                        int8_slots.append((pool.values(layer), pack_value_pages))
+                    for slots, pack in int8_slots:
+                        rows_of = torch.randn(kv_heads, rows * pages_each, _PAGE, dim, generator=generator)
+                        slots.view(torch.uint8).view(kv_heads, rows * pages_each, -1).copy_(pack(rows_of))
                 times = _step_times(attention, meta, (q, k, v), config.num_layers, repeats)
                 # Query j of a row sees context + j + 1 keys; scores and weighted values: 2 x dim each.
                 seen = rows * sum(context + j + 1 for j in range(queries))
@@ -140,7 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=6000, help="positions each row holds before the step")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--kv-dtype", default="float32", help="comma-separated: float32, float16, int8-keys")
+    parser.add_argument(
+        "--kv-dtype", default="float32", help="comma-separated: auto, float32, float16, int8-keys, int8"
+    )
     args = parser.parse_args(argv)
     result = run(
         args.shape,

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-dtype",
         default="auto",
-        help="auto, float32, float16 or int8-keys (worker/attention/kv_dtype.py)",
+        help="auto, float32, float16, int8-keys or int8 (worker/attention/kv_dtype.py)",
     )
     parser.add_argument("--context", type=int, default=560)
     parser.add_argument("--append", type=int, default=33, help="tokens of the append step timed")

@@ -4,10 +4,9 @@
 
 Two workloads, both greedy: the peer benchmark's (loadtest/peer.py: a 512-token prompt, then 30
 micro-turns of 32 token ids in and 8 out, each engine fed its own outputs back) and SmolLM2's chat
-prompts below (`--chat-tokens` each). A form's KV pool is what `--kv-dtype auto` gives it (int8-keys
-for int4 and int8 on the CPU where the cpu attention kernel runs, else float16:
-worker/attention/kv_dtype.py), or the one after a colon (`int4:float16`, `int4:float32`). The torch
-reference attends, but on int8 keys, which only the cpu kernel reads.
+prompts below (`--chat-tokens` each). A form's KV pool is what `--kv-dtype auto` gives it
+(worker/attention/kv_dtype.py), or the one after a colon (`int4:float16`, `int4:int8-keys`,
+`int4:int8`). The torch reference attends, but on the int8 forms, which only the cpu kernel reads.
 For every form, and for llama.cpp when installed:
 
 - greedy agreement: how many generated tokens equal the float path's, position by position (a
@@ -72,7 +71,7 @@ class FormModel:
         self.tokenizer = loaded.tokenizer
         self.model = LlamaModel(config, loaded.weights, device=_CPU, dtype=torch.float32)
         pages = -(-max_tokens // _PAGE)
-        # The torch reference, but where the keys are int8: only the cpu kernel reads that form.
+        # The torch reference, but on the int8 forms: only the cpu kernel reads them.
         backend_name = "cpu" if kv_form.int8_keys else "torch"
         self.attention = paged_attention(backend_name, shape, num_layers=config.num_layers, num_pages=pages)
         self.pages = list(range(pages))

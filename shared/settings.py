@@ -57,10 +57,12 @@ BENCH_MODEL: Final = "tiny"
 LOG_KEEP_RECORDS: Final = 64
 # The weight and KV dtypes an engine runs in, by torch's names (worker/engine/engine.py maps them).
 DTYPE_NAMES: Final = ("float32", "bfloat16", "float16")
-# `--kv-dtype`'s form of int8 keys beside float16 values (worker/attention/int8_kv.py).
+# `--kv-dtype`'s int8 forms (worker/attention/int8_kv.py): int8 keys beside float16 values, and both
+# as int8.
 KV_INT8_KEYS: Final = "int8-keys"
+KV_INT8: Final = "int8"
 # `--kv-dtype`: what the KV pool holds (worker/attention/kv_dtype.py resolves `auto`).
-KV_DTYPES: Final = ("auto", *DTYPE_NAMES, KV_INT8_KEYS)
+KV_DTYPES: Final = ("auto", *DTYPE_NAMES, KV_INT8_KEYS, KV_INT8)
 # A rebalance's smallest gap: at a gap of 1, two workers one session apart would trade it back and
 # forth (worker/server/rebalance.py).
 REBALANCE_MIN_GAP: Final = 2
@@ -152,9 +154,10 @@ class EngineSettings:
         default="auto",
         metadata={
             "help": "what the KV pool holds: auto (on the CPU for the int4 and int8 weight forms "
-            "int8-keys where the cpu attention kernel serves, else float16; else the model's dtype), "
+            "int8 where the cpu attention kernel serves, else float16; else the model's dtype), "
             "float32, bfloat16 or float16 (a narrower pool than --dtype on the CPU only), int8-keys "
-            "(float16 values, int8 keys scored in integers: the cpu attention kernel's form)",
+            "(float16 values, int8 keys scored in integers) or int8 (keys and values int8, weighed in "
+            "integers too): the cpu attention kernel's forms",
             "choices": KV_DTYPES,
         },
     )

@@ -184,10 +184,10 @@ def test_smollm2_under_auto_is_int4_and_streams_as_it_answers_whole() -> None:
     except FileNotFoundError as error:
         pytest.skip(str(error))
     with Engine.load("smollm2-135m", kv_tokens=1024, host_kv_tokens=0) as engine:
-        # Served quantised (int4 reads ~91 MiB a step, float ~513 MiB), its keys in int8 where the cpu
-        # attention kernel runs (else float16), its values in float16.
+        # Served quantised (int4 reads ~91 MiB a step, float ~513 MiB), its keys and values in int8 where
+        # the cpu attention kernel runs (else float16).
         assert engine.weight_bytes_per_step < 2 * sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
-        assert engine.kv_format.dtype == ("int8-keys" if KERNEL is not None else "float16")
+        assert engine.kv_format.dtype == ("int8" if KERNEL is not None else "float16")
         tokenizer = engine.tokenizer
         assert tokenizer is not None
         prompt = tokenizer.encode(tokenizer.chat_prompt("Name three rivers in Europe."))

@@ -14,7 +14,7 @@ import torch
 from worker.attention import AttentionShape, TorchAttention
 from worker.attention.base import paged_metadata
 from worker.attention.cpu_backend import KERNEL, UNAVAILABLE_REASON, CpuAttention
-from worker.attention.int8_kv import QUERY_LEVELS, read_page, round_rows, through_rounding
+from worker.attention.int8_kv import QUERY_LEVELS, read_page, read_value_page, round_rows, through_rounding
 from worker.attention.kv_pool import KVPool
 
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
@@ -32,6 +32,7 @@ def make(
     pages: int = 64,
     kv_dtype: torch.dtype = torch.float32,
     int8_keys: bool = False,
+    int8_values: bool = False,
 ) -> CpuAttention | TorchAttention:
     pool = KVPool(
         num_layers=1,
@@ -43,6 +44,7 @@ def make(
         device=CPU,
         layout=backend.kv_layout,
         int8_keys=int8_keys,
+        int8_values=int8_values,
     )
     return backend(pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32)
 
@@ -90,6 +92,7 @@ def first_row(
     page: int,
     kv_dtype: torch.dtype = torch.float32,
     int8_keys: bool = False,
+    int8_values: bool = False,
     backend: type[CpuAttention] | None = None,
 ) -> torch.Tensor:
     """Row 0's outputs over `steps` on a fresh CPU kernel pool, on `threads` intra-op threads."""
@@ -105,6 +108,7 @@ def first_row(
             page=page,
             kv_dtype=kv_dtype,
             int8_keys=int8_keys,
+            int8_values=int8_values,
         )
         return feed(attention, tables, steps, history)[0]
     finally:
@@ -447,3 +451,104 @@ def test_an_int8_keys_pool_refuses_what_the_kernel_cannot_read() -> None:
             layout="head_major",
             int8_keys=True,
         )
+
+
+@needs_kernel
+def test_int8_values_are_stored_as_the_reference_rounds_them_and_attend_as_dense_attention_on_them() -> None:
+    """`--kv-dtype int8`: each value row written once as int8 and a scale, in the documented page layout
+    (two positions' rows interleaved), the same bytes as `round_rows`; every output dense attention's
+    numbers on the rounded queries, keys and values, within the weights' rounding (a head's weights
+    over a block at 16 bits), past a key block, across pages out of order, a zero value row and one
+    past float16's range among them."""
+    heads, kv_heads, dim, page = 9, 3, 64, 16
+    q, k, v = histories([150, 41], heads, kv_heads, dim, seed=8)
+    v[0][5, 1] = 0.0
+    v[0][9, 2, 7] = 1e6
+    tables = scattered_tables(2, 10, 40)
+    steps = [[(0, 70), (1, 1)], [(0, 1), (1, 40)], [(0, 79)]]
+    attention = make(
+        CpuAttention,
+        heads=heads,
+        kv_heads=kv_heads,
+        dim=dim,
+        page=page,
+        pages=40,
+        int8_keys=True,
+        int8_values=True,
+    )
+    got = feed(attention, tables, steps, (q, k, v))
+    values = attention.kv_pool.values(0)
+    for row, table in enumerate(tables):
+        length = len(v[row])
+        for index, pool_page in enumerate(table[: -(-length // page)]):
+            for head in range(kv_heads):
+                stored, scales = read_value_page(
+                    values[head, pool_page * page : (pool_page + 1) * page], page, dim
+                )
+                rows = v[row][index * page : (index + 1) * page, head]
+                want, want_scales = round_rows(rows)
+                assert torch.equal(stored[: len(rows)].int(), want), (row, index, head)
+                assert torch.equal(scales[: len(rows)], want_scales), (row, index, head)
+    for row in range(2):
+        rounded_v = through_rounding(v[row])
+        expected = dense(through_rounding(q[row], QUERY_LEVELS), through_rounding(k[row]), rounded_v)
+        # A weight's level is within half a level of the head's largest weight in its block, so a query
+        # head's outputs move by a few levels' worth of its largest (at least 1): within 2e-4 of it here.
+        magnitude = expected.abs().amax(-1, keepdim=True).clamp(min=1.0)
+        error = ((got[row].double() - expected).abs() / magnitude).max().item()
+        assert error < 2e-4, (row, error)
+        assert error > 0  # the weights are rounded: not dense attention's float numbers
+        unrounded = dense(through_rounding(q[row], QUERY_LEVELS), through_rounding(k[row]), v[row])
+        assert (got[row].double() - unrounded).abs().max().item() > 1e-3  # the values are int8, not floats
+
+
+@needs_kernel
+def test_int8_values_long_rows_keep_their_bits_whatever_the_steps_and_the_kernels_path() -> None:
+    """The int8 form past many pages, key blocks and a job's run of queries, odd rows seen in a block,
+    and on the AVX2 path (vpmaddwd for vpdpwssd): one token at a time, beside another row on 2 threads,
+    the same bits as the history whole."""
+    heads, kv_heads, dim, page = 12, 2, 64, 32
+    q, k, v = histories([301, 300], heads, kv_heads, dim, seed=9)
+    tables = [list(range(0, 10)), list(range(10, 20))[::-1]]
+
+    def row_zero(
+        steps: list[list[tuple[int, int]]], threads: int, backend: type[CpuAttention]
+    ) -> torch.Tensor:
+        return first_row(
+            steps,
+            threads,
+            tables,
+            (q, k, v),
+            heads=heads,
+            kv_heads=kv_heads,
+            page=page,
+            int8_keys=True,
+            int8_values=True,
+            backend=backend,
+        )
+
+    whole = row_zero([[(0, 301)]], 1, CpuAttention)
+    assert torch.equal(whole, row_zero([[(0, 1)]] * 301, 1, CpuAttention))
+    assert torch.equal(
+        whole, row_zero([[(1, 140), (0, 129)], [(0, 3), (1, 160)], [(0, 169)]], 2, Avx2Attention)
+    )
+    assert torch.equal(whole, row_zero([[(0, 77)], [(0, 64)], [(0, 160)]], 2, CpuAttention))
+
+
+@needs_kernel
+def test_int8_values_come_with_int8_keys() -> None:
+    with pytest.raises(ValueError, match="int8 values come with int8 keys"):
+        KVPool(
+            num_layers=1,
+            num_pages=4,
+            page_size=16,
+            num_kv_heads=2,
+            head_dim=32,
+            dtype=torch.float16,
+            device=CPU,
+            layout="head_major",
+            int8_values=True,
+        )
+    assert CpuAttention.unavailable(
+        AttentionShape(CPU, torch.float32, 9, 3, 64, 16, torch.float16, False, True)
+    )

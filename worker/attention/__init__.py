@@ -172,6 +172,7 @@ def paged_attention(name: str, shape: AttentionShape, *, num_layers: int, num_pa
         device=shape.device,
         layout=backend.kv_layout,
         int8_keys=shape.int8_keys,
+        int8_values=shape.int8_values,
     )
     return backend(
         pool,

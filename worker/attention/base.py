@@ -62,6 +62,7 @@ class AttentionShape:
     page_size: int
     kv_dtype: torch.dtype | None = None  # the KV pool's (worker/attention/kv_dtype.py); None: `dtype`
     int8_keys: bool = False  # its key slots hold the int8-keys form (worker/attention/int8_kv.py)
+    int8_values: bool = False  # (with int8_keys) its value slots hold int8 values too
 
     @property
     def pool_dtype(self) -> torch.dtype:

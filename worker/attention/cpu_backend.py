@@ -50,6 +50,8 @@ class CpuAttention(AttentionBackend):
             return f"its KV pool holds float32 or float16, not {shape.pool_dtype}"
         if shape.int8_keys and (shape.pool_dtype != torch.float16 or shape.page_size % PAGE_MULTIPLE):
             return f"its int8 keys sit in a float16 pool of pages of a multiple of {PAGE_MULTIPLE}"
+        if shape.int8_values and not shape.int8_keys:
+            return "its int8 values come with int8 keys"
         group = shape.num_heads // shape.num_kv_heads
         if shape.head_dim % 32 or not 32 <= shape.head_dim <= 256 or group > 16:
             return (
@@ -101,6 +103,7 @@ class CpuAttention(AttentionBackend):
             keys.dtype == torch.float16,
             self.WIDE,
             self.kv_pool.int8_keys,
+            self.kv_pool.int8_values,
         )
         return out
 

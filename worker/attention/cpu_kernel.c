@@ -41,7 +41,9 @@
  * (key i's dims 2g, 2g + 1 at byte 2 (g page_size + i): sign-extended, one load is a register of
  * int16 pairs for 16 keys), then page_size float32 scales; the rest of the page's key bytes unused.
  * A decode reads 68 bytes of a key of 64 dims, not 128, and 16 keys' dot products run in one
- * register's lanes with no lane sums.
+ * register's lanes with no lane sums. The int8 form (`int8_values`, with the keys) holds the values so
+ * too and weighs them in integers (its layout and arithmetic above store_int8_value): a decode reads
+ * 136 bytes a position of a KV head, not 196.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -84,6 +86,7 @@ typedef struct {
     int64_t pool_slots;
     int half; /* the pool holds float16 (IEEE binary16): written rounded to nearest even, read exactly */
     int int8_keys; /* (with `half`) the keys in the int8-keys form (above), the values float16 */
+    int int8_values; /* (with `int8_keys`) the values in the int8-values form too */
     const int32_t *qo_indptr;
     const int32_t *kv_lens;
     const int32_t *page_indptr;
@@ -354,14 +357,14 @@ static float round_row(const float *row, int64_t dim, float top, int32_t *out) {
     return absmax / top;
 }
 
-#define KEY_LEVELS 127.0f
+#define ROW_LEVELS 127.0f /* a key or value row's levels */
 #define QUERY_LEVELS 32767.0f
 
 /* Writes key `key` (dim floats) as slot `i` of the int8-keys page whose key bytes start at `page`
  * (the layout in the header). */
 static void store_int8_key(uint8_t *page, int64_t page_size, int64_t i, const float *key, int64_t dim) {
     int32_t rounded[MAX_DIM];
-    const float scale = round_row(key, dim, KEY_LEVELS, rounded);
+    const float scale = round_row(key, dim, ROW_LEVELS, rounded);
     for (int64_t c = 0; c < dim; c++) {
         page[((c / 2) * page_size + i) * 2 + c % 2] = (uint8_t)(int8_t)rounded[c];
     }
@@ -447,6 +450,145 @@ AVX2 static inline float max8(__m256 v) {
         largest = lanes[i] > largest ? lanes[i] : largest;
     }
     return largest;
+}
+
+/* The int8-values form (`int8_values`, with the int8 keys): each value row as int8 with a float32
+ * scale (absmax / 127), written once like a key; a value page's float16 slots hold, for KV head h and
+ * page p, the int8 values [page_size / 2][dim][2] (positions 2i, 2i + 1 of dim c at byte 2 (i dim + c)
+ * and the next: sign-extended, one load is a register of int16 pairs, two positions of 16 dims), then
+ * page_size float32 scales. A job weighs a block's rows in integers: each head's weights over the block
+ * (softmax term x the row's scale) rounded to int16, WEIGHT_LEVELS for its largest weight there
+ * (round_weights), the integer sums of weight x value exact (vpdpwssd, or vpmaddwd + vpaddd: the same integers), then each
+ * sum added to the head's float sum once a block, as (float)sum x unit (one fused multiply-add). A
+ * block's integers depend on its rows and the head's terms only, so the header's invariants hold. The
+ * sums stay within int32: 32 pairs x 2 x 32767 x 127 is ~2.7e8. */
+#define WEIGHT_LEVELS 32767
+
+/* Writes value `value` (dim floats) as slot `i` of the int8-values page whose bytes start at `page`. */
+static void store_int8_value(uint8_t *page, int64_t page_size, int64_t i, const float *value, int64_t dim) {
+    int32_t rounded[MAX_DIM];
+    const float scale = round_row(value, dim, ROW_LEVELS, rounded);
+    for (int64_t c = 0; c < dim; c++) {
+        page[((i / 2) * dim + c) * 2 + i % 2] = (uint8_t)(int8_t)rounded[c];
+    }
+    memcpy(page + page_size * dim + 4 * i, &scale, sizeof scale);
+}
+
+/* A block's int8 value rows: where each pair of positions' bytes start, and each row's scale. */
+typedef struct {
+    const uint8_t *pair[KEY_BLOCK / 2];
+    float scale[KEY_BLOCK];
+} Int8ValueBlock;
+
+/* One head's weights over a block: rows 2p and 2p + 1's int16 levels in pairs[p] (the first in the low
+ * half, as a value register's pairs), and `unit`, a level's weight (0 where the block adds nothing). */
+typedef struct {
+    int32_t pairs[KEY_BLOCK / 2];
+    float unit;
+} Int8Weights;
+
+/* The block of `rows` positions from `block` (a multiple of KEY_BLOCK), 16 positions of one page at a
+ * time (page_size is a multiple of 16). */
+static void int8_value_block(const uint8_t *head_values, const int32_t *row_pages, int64_t page_size, int64_t dim,
+                             int64_t block, int64_t rows, Int8ValueBlock *out) {
+    for (int64_t i = 0; i < rows; i += 16) {
+        const int64_t position = block + i, offset = position % page_size;
+        const uint8_t *page = head_values + (int64_t)row_pages[position / page_size] * page_size * dim * 2;
+        for (int64_t pair = 0; pair < 8; pair++) {
+            out->pair[i / 2 + pair] = page + (offset + 2 * pair) * dim;
+        }
+        memcpy(out->scale + i, page + page_size * dim + 4 * offset, sizeof(float) * (rows - i < 16 ? rows - i : 16));
+    }
+}
+
+/* Asks for the int8 value bytes and scales of positions from .. to - 1 (within the row) into the L2. */
+AVX2 static inline __attribute__((always_inline)) void prefetch_int8_values(const uint8_t *head_values,
+                                                                            const int32_t *row_pages,
+                                                                            int64_t page_size, int64_t dim,
+                                                                            int64_t from, int64_t to) {
+    for (int64_t position = from; position < to; position += 16) {
+        const int64_t offset = position % page_size;
+        const uint8_t *page = head_values + (int64_t)row_pages[position / page_size] * page_size * dim * 2;
+        prefetch_row((const char *)(page + offset * dim), 16 * dim);
+        _mm_prefetch((const char *)(page + page_size * dim + 4 * offset), _MM_HINT_T1);
+    }
+}
+
+/* A head's weight levels over the block's first `rows` rows, from its softmax terms there (`terms`;
+ * lanes past `rows` ignored) and the rows' scales: a weight is term x scale, and its level
+ * rint(weight x (WEIGHT_LEVELS / top)) within 0 .. WEIGHT_LEVELS, `top` the head's largest weight in
+ * the block (a NaN weight, which the max skips, level 0), so a level's error is at most half of
+ * top / WEIGHT_LEVELS: relative to what the block adds at most, whatever one row's scale
+ * (round_weights_wide takes the same steps on 16 lanes). */
+AVX2 static inline __attribute__((always_inline)) void round_weights(const float *terms, const float *scales,
+                                                                     int64_t rows, Int8Weights *out) {
+    __m256 weight[KEY_BLOCK / 8];
+    __m256 largest = _mm256_setzero_ps();
+    const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const int64_t vectors = (rows + 7) / 8;
+    for (int64_t v = 0; v < vectors; v++) {
+        __m256 w = _mm256_mul_ps(_mm256_loadu_ps(terms + 8 * v), _mm256_loadu_ps(scales + 8 * v));
+        if (8 * v + 8 > rows) {
+            w = _mm256_and_ps(w, _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)(8 * v)), lane_index),
+                                               _mm256_set1_ps((float)rows), _CMP_LT_OQ));
+        }
+        weight[v] = w;
+        largest = _mm256_max_ps(w, largest); /* a NaN lane keeps `largest` */
+    }
+    const float top = max8(largest);
+    const __m256 inverse = _mm256_set1_ps(top > 0.0f ? (float)WEIGHT_LEVELS / top : 0.0f);
+    for (int64_t v = 0; v < vectors; v += 2) {
+        __m256i levels[2];
+        for (int64_t k = 0; k < 2; k++) {
+            /* nearest even (NaN: INT_MIN, so 0) */
+            const __m256i level = v + k < vectors ? _mm256_cvtps_epi32(_mm256_mul_ps(weight[v + k], inverse))
+                                                  : _mm256_setzero_si256();
+            levels[k] = _mm256_min_epi32(_mm256_max_epi32(level, _mm256_setzero_si256()),
+                                         _mm256_set1_epi32(WEIGHT_LEVELS));
+        }
+        /* 16 levels as uint16 in position order: the pairs of rows 8v .. 8v + 15 */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(levels[0], levels[1]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(out->pairs + 4 * v), packed);
+    }
+    out->unit = top / (float)WEIGHT_LEVELS;
+}
+
+/* `heads` (1 or 2) heads' weighted values over a block's `pairs` pairs of int8 rows, 32 dims a pass: a
+ * pair's 4 registers serve both heads, each lane's integer sum exact, then added to the head's float
+ * sums once (the fused multiply-add weigh_int8_tile's lanes take). */
+AVX2 static inline __attribute__((always_inline)) void weigh_int8_rows(const Int8ValueBlock *block, int64_t pairs,
+                                                                       const Int8Weights *weights_a,
+                                                                       const Int8Weights *weights_b, float *sums_a,
+                                                                       float *sums_b, const int heads,
+                                                                       const int64_t dim) {
+    for (int64_t part = 0; part < dim; part += VALUE_PART) {
+        __m256i a[4], b[4];
+        for (int c = 0; c < 4; c++) {
+            a[c] = _mm256_setzero_si256(), b[c] = _mm256_setzero_si256();
+        }
+        for (int64_t p = 0; p < pairs; p++) {
+            const uint8_t *bytes = block->pair[p] + part * 2;
+            const __m256i wa = _mm256_set1_epi32(weights_a->pairs[p]);
+            const __m256i wb = _mm256_set1_epi32(heads == 2 ? weights_b->pairs[p] : 0);
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(bytes + 16 * c)));
+                a[c] = _mm256_add_epi32(a[c], _mm256_madd_epi16(v, wa));
+                if (heads == 2) {
+                    b[c] = _mm256_add_epi32(b[c], _mm256_madd_epi16(v, wb));
+                }
+            }
+        }
+        for (int c = 0; c < 4; c++) {
+            float *sum = sums_a + part + 8 * c;
+            _mm256_storeu_ps(sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[c]), _mm256_set1_ps(weights_a->unit),
+                                                  _mm256_loadu_ps(sum)));
+            if (heads == 2) {
+                sum = sums_b + part + 8 * c;
+                _mm256_storeu_ps(sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(b[c]), _mm256_set1_ps(weights_b->unit),
+                                                      _mm256_loadu_ps(sum)));
+            }
+        }
+    }
 }
 
 /* Every job head's scores against the row's first `positions` keys in the int8-keys form, a page at a
@@ -752,6 +894,110 @@ WIDE static void weigh_heads_wide(const float *const *row, int64_t rows, const f
     }
 }
 
+/* Heads weigh_int8_tile takes per pass of a pair of rows: 16 accumulators, the pair's 4 registers and a
+ * weight's broadcast. Six, as weigh_tile's, left gcc moving accumulators between registers around
+ * vpdpwssd (which adds into its destination) and spilling them: 0.8x the appends' time with four. */
+#define INT8_WEIGH_HEADS 4
+
+/* weigh_int8_rows on AVX-512 VNNI for `heads` heads (at most INT8_WEIGH_HEADS) at once, 16 dims a
+ * register and 64 a pass where they are there (else 32): a pair's registers serve every head; each
+ * lane's integers and its one fused multiply-add are weigh_int8_rows'. */
+WIDE_VNNI_INLINE void weigh_int8_tile(const Int8ValueBlock *block, int64_t pairs, const Int8Weights *const *weights,
+                                      float *const *sums, const int heads, const int64_t dim) {
+    for (int64_t part = 0; part < dim;) {
+        const int vectors = part + 64 <= dim ? 4 : 2; /* dim is a multiple of 32 */
+        __m512i acc[INT8_WEIGH_HEADS][4];
+#pragma GCC unroll 16
+        for (int g = 0; g < heads; g++) {
+#pragma GCC unroll 16
+            for (int c = 0; c < vectors; c++) {
+                acc[g][c] = _mm512_setzero_si512();
+            }
+        }
+#pragma GCC unroll 2
+        for (int64_t p = 0; p < pairs; p++) {
+            const uint8_t *bytes = block->pair[p] + part * 2;
+            __m512i v[4];
+#pragma GCC unroll 16
+            for (int c = 0; c < vectors; c++) {
+                v[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(bytes + 32 * c)));
+            }
+#pragma GCC unroll 16
+            for (int g = 0; g < heads; g++) {
+                const __m512i w = _mm512_set1_epi32(weights[g]->pairs[p]);
+#pragma GCC unroll 16
+                for (int c = 0; c < vectors; c++) {
+                    acc[g][c] = _mm512_dpwssd_epi32(acc[g][c], v[c], w);
+                }
+            }
+        }
+#pragma GCC unroll 16
+        for (int g = 0; g < heads; g++) {
+            const __m512 unit = _mm512_set1_ps(weights[g]->unit);
+#pragma GCC unroll 16
+            for (int c = 0; c < vectors; c++) {
+                float *sum = sums[g] + part + 16 * c;
+                _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g][c]), unit, _mm512_loadu_ps(sum)));
+            }
+        }
+        part += 16 * vectors;
+    }
+}
+
+/* round_weights on 16 lanes: each lane's operations are round_weights' (the max exact in any order), so
+ * the levels are the same integers. */
+WIDE_VNNI_INLINE void round_weights_wide(const float *terms, const float *scales, int64_t rows, Int8Weights *out) {
+    __m512 weight[KEY_BLOCK / 16];
+    __m512 largest = _mm512_setzero_ps();
+    const int64_t vectors = (rows + 15) / 16;
+    for (int64_t v = 0; v < vectors; v++) {
+        const __mmask16 seen = rows - 16 * v >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (rows - 16 * v)) - 1);
+        const __m512 w = _mm512_maskz_mul_ps(seen, _mm512_loadu_ps(terms + 16 * v), _mm512_loadu_ps(scales + 16 * v));
+        weight[v] = w;
+        largest = _mm512_max_ps(w, largest); /* a NaN lane keeps `largest` */
+    }
+    const float top = _mm512_reduce_max_ps(largest);
+    const __m512 inverse = _mm512_set1_ps(top > 0.0f ? (float)WEIGHT_LEVELS / top : 0.0f);
+    for (int64_t v = 0; v < vectors; v++) {
+        const __m512i level = _mm512_cvtps_epi32(_mm512_mul_ps(weight[v], inverse)); /* NaN: INT_MIN, so 0 */
+        const __m512i clamped = _mm512_min_epi32(_mm512_max_epi32(level, _mm512_setzero_si512()),
+                                                 _mm512_set1_epi32(WEIGHT_LEVELS));
+        _mm256_storeu_si256((__m256i *)(out->pairs + 8 * v), _mm512_cvtepi32_epi16(clamped));
+    }
+    out->unit = top / (float)WEIGHT_LEVELS;
+}
+
+WIDE_VNNI_INLINE void weigh_int8_dim(const Int8ValueBlock *block, int64_t pairs, const Int8Weights *const *weights,
+                                     float *const *sums, int64_t heads, const int64_t dim) {
+    for (int64_t first = 0; first < heads; first += INT8_WEIGH_HEADS) {
+        const Int8Weights *const *w = weights + first;
+        float *const *s = sums + first;
+        switch (heads - first < INT8_WEIGH_HEADS ? heads - first : INT8_WEIGH_HEADS) {
+        case 1: weigh_int8_tile(block, pairs, w, s, 1, dim); break;
+        case 2: weigh_int8_tile(block, pairs, w, s, 2, dim); break;
+        case 3: weigh_int8_tile(block, pairs, w, s, 3, dim); break;
+        default: weigh_int8_tile(block, pairs, w, s, INT8_WEIGH_HEADS, dim); break;
+        }
+    }
+}
+
+/* The weighted int8 values of `heads` heads over the same first `rows` rows of a block, from their
+ * softmax terms there (`terms[g]`): each head's weights rounded, then INT8_WEIGH_HEADS heads at a time. */
+WIDE_VNNI static void weigh_int8_wide(const Int8ValueBlock *block, int64_t rows, const float *const *terms,
+                                      float *const *sums, int64_t heads, int64_t dim) {
+    Int8Weights weights[QUERY_HEADS_PER_JOB];
+    const Int8Weights *head_weights[QUERY_HEADS_PER_JOB];
+    for (int64_t g = 0; g < heads; g++) {
+        round_weights_wide(terms[g], block->scale, rows, &weights[g]);
+        head_weights[g] = &weights[g];
+    }
+    if (dim == 64) {
+        weigh_int8_dim(block, (rows + 1) / 2, head_weights, sums, heads, 64);
+    } else {
+        weigh_int8_dim(block, (rows + 1) / 2, head_weights, sums, heads, dim);
+    }
+}
+
 /* exp8 on 16 lanes, every lane the same operations (floor as a rounding toward -inf, exact either way). */
 WIDE_INLINE __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LOWEST));
@@ -970,8 +1216,47 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     for (int64_t qg = 0; qg < job_heads; qg++) {
         head_sums[qg] = sums + qg * dim;
     }
-    RowCursor values = row_cursor(row_pages, s->page_size, last_visible, head_values, row_bytes);
-    for (int64_t block = 0; block < last_visible; block += KEY_BLOCK) {
+    if (s->int8_values) {
+        prefetch_int8_values((const uint8_t *)head_values, row_pages, s->page_size, dim, 0,
+                             last_visible < KEY_BLOCK ? last_visible : KEY_BLOCK);
+    }
+    for (int64_t block = 0; block < last_visible && s->int8_values; block += KEY_BLOCK) {
+        const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
+        const int64_t ahead_end = last_visible - block < 2 * KEY_BLOCK ? last_visible : block + 2 * KEY_BLOCK;
+        prefetch_int8_values((const uint8_t *)head_values, row_pages, s->page_size, dim, block + in_block, ahead_end);
+        Int8ValueBlock rows;
+        int8_value_block((const uint8_t *)head_values, row_pages, s->page_size, dim, block, in_block, &rows);
+        const float *head_terms[QUERY_HEADS_PER_JOB]; /* each head's softmax terms from the block's first row */
+        for (int64_t qg = 0; qg < job_heads; qg++) {
+            head_terms[qg] = scores + qg * stride + block;
+        }
+        /* every head of the job sees the whole block (all together, once), or each query's heads their own rows */
+        const int64_t whole = block + in_block <= first_visible;
+        for (int64_t q = whole ? count - 1 : 0; q < count; q++) {
+            const int64_t visible = first_visible + q;
+            const int64_t rows_seen = whole ? in_block : (block + in_block < visible ? block + in_block : visible) - block;
+            const int64_t first = whole ? 0 : q * group, heads = whole ? job_heads : group;
+            if (rows_seen <= 0) {
+                continue;
+            }
+            if (vnni) {
+                weigh_int8_wide(&rows, rows_seen, head_terms + first, head_sums + first, heads, dim);
+                continue;
+            }
+            for (int64_t qg = first; qg < first + heads; qg += 2) {
+                const int pair = qg + 1 < first + heads;
+                Int8Weights weights[2];
+                round_weights(head_terms[qg], rows.scale, rows_seen, &weights[0]);
+                if (pair) {
+                    round_weights(head_terms[qg + 1], rows.scale, rows_seen, &weights[1]);
+                }
+                weigh_int8_rows(&rows, (rows_seen + 1) / 2, &weights[0], &weights[1], head_sums[qg],
+                                head_sums[pair ? qg + 1 : qg], pair ? 2 : 1, dim);
+            }
+        }
+    }
+    RowCursor values = row_cursor(row_pages, s->page_size, s->int8_values ? 0 : last_visible, head_values, row_bytes);
+    for (int64_t block = 0; block < last_visible && !s->int8_values; block += KEY_BLOCK) {
         const int64_t in_block = last_visible - block < KEY_BLOCK ? last_visible - block : KEY_BLOCK;
         next_rows(&values, head_values, s->half, dim, in_block, converted, slot);
         for (int64_t qg = 0; qg < job_heads && wide; qg++) {
@@ -1077,13 +1362,19 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wid
                         uint16_t *page = keys - position % s->page_size * s->dim;
                         store_int8_key((uint8_t *)page, s->page_size, position % s->page_size, key, s->dim);
                     }
+                    if (s->int8_values) {
+                        uint16_t *page = values - position % s->page_size * s->dim;
+                        store_int8_value((uint8_t *)page, s->page_size, position % s->page_size, value, s->dim);
+                    }
                     for (int64_t c = 0; c < s->dim; c += 8) {
                         if (!s->int8_keys) {
                             _mm_storeu_si128((__m128i *)(keys + c),
                                              _mm256_cvtps_ph(_mm256_loadu_ps(key + c), _MM_FROUND_TO_NEAREST_INT));
                         }
-                        _mm_storeu_si128((__m128i *)(values + c),
-                                         _mm256_cvtps_ph(_mm256_loadu_ps(value + c), _MM_FROUND_TO_NEAREST_INT));
+                        if (!s->int8_values) {
+                            _mm_storeu_si128((__m128i *)(values + c),
+                                             _mm256_cvtps_ph(_mm256_loadu_ps(value + c), _MM_FROUND_TO_NEAREST_INT));
+                        }
                     }
                 } else {
                     memcpy((float *)s->keys + at, key, sizeof(float) * s->dim);
@@ -1229,10 +1520,15 @@ static PyObject *attend_layer(PyObject *self, PyObject *args) {
     Py_ssize_t q, k, v, keys, values, qo, kv_lens, page_indptr, pages, out;
     Py_ssize_t q_stride, k_stride, v_stride, tokens, pool_slots, rows, heads, kv_heads, dim, page_size;
     int threads, half;
-    int allow_wide = 1, int8_keys = 0;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnnip|pp", &q, &q_stride, &k, &k_stride, &v, &v_stride, &tokens,
+    int allow_wide = 1, int8_keys = 0, int8_values = 0;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnnip|ppp", &q, &q_stride, &k, &k_stride, &v, &v_stride, &tokens,
                           &keys, &values, &pool_slots, &qo, &kv_lens, &page_indptr, &pages, &rows, &heads,
-                          &kv_heads, &dim, &page_size, &out, &threads, &half, &allow_wide, &int8_keys)) {
+                          &kv_heads, &dim, &page_size, &out, &threads, &half, &allow_wide, &int8_keys,
+                          &int8_values)) {
+        return NULL;
+    }
+    if (int8_values && !int8_keys) {
+        PyErr_SetString(PyExc_ValueError, "cpu attention: int8 values come with int8 keys");
         return NULL;
     }
     if (int8_keys && (!half || page_size % 16)) {
@@ -1263,6 +1559,7 @@ static PyObject *attend_layer(PyObject *self, PyObject *args) {
         .pool_slots = pool_slots,
         .half = half,
         .int8_keys = int8_keys,
+        .int8_values = int8_values,
         .qo_indptr = (const int32_t *)qo,
         .kv_lens = (const int32_t *)kv_lens,
         .page_indptr = (const int32_t *)page_indptr,

@@ -48,7 +48,7 @@ class FlashInferAttention(AttentionBackend):
     @classmethod
     def unavailable(cls, shape: AttentionShape) -> str | None:
         if shape.int8_keys:
-            return "it reads keys as floats; int8-keys is the cpu attention kernel's form"
+            return "it reads keys and values as floats; the int8 forms are the cpu attention kernel's"
         if shape.pool_dtype != shape.dtype:
             return f"its KV pool holds the model's dtype ({shape.dtype}), not {shape.pool_dtype}"
         return None

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from shared.settings import KV_INT8_KEYS
+from shared.settings import KV_INT8, KV_INT8_KEYS
 from worker.attention.int8_kv import PAGE_MULTIPLE
 from worker.mapped_zeros import mapped_zeros
 
@@ -37,6 +37,7 @@ class KVPool:
         device: torch.device,
         layout: KVLayout = "nhd",
         int8_keys: bool = False,
+        int8_values: bool = False,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"the KV pool needs at least one page of one token ({num_pages} x {page_size})")
@@ -45,12 +46,15 @@ class KVPool:
                 f"{KV_INT8_KEYS} keeps a head-major float16 pool of pages of a multiple of {PAGE_MULTIPLE} "
                 f"(not {dtype}, {layout}, {page_size})"
             )
+        if int8_values and not int8_keys:
+            raise ValueError(f"int8 values come with int8 keys ({KV_INT8})")
         self.num_pages = num_pages
         self.page_size = page_size
         self.layout = layout
         # Whether the key slots hold the int8-keys form (worker/attention/int8_kv.py): what the
         # attention backend writes and reads there; everything else moves the pages' bytes as they are.
         self.int8_keys = int8_keys
+        self.int8_values = int8_values  # the value slots too (the `int8` form)
         per_layer = (
             (num_pages, page_size, num_kv_heads, head_dim)
             if layout == "nhd"

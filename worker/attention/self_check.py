@@ -71,16 +71,24 @@ def compare_with_torch(backend: type[AttentionBackend], shape: AttentionShape) -
             (tokens, num_kv_heads, head_dim),
         )
         # Rounded to the candidate's dtype first (keys and values to its pool's too, where that is
-        # narrower; the queries and keys through their integer rows where the pool holds int8 keys, which
-        # the candidate then rounds again to the same integers), so both sides see the same numbers.
+        # narrower; the queries and keys (and values) through their integer rows where the pool holds int8
+        # keys (and values), which the candidate then rounds again to the same integers), so both sides
+        # see the same numbers; int8 values' weights are rounded too, within the tolerance.
         q, k, v = (torch.randn(s, generator=generator).to(dtype) for s in shapes)
         if shape.int8_keys:
             q, k = through_rounding(q, QUERY_LEVELS).to(dtype), through_rounding(k).to(dtype)
         else:
             k = k.to(shape.pool_dtype).to(dtype)
-        inputs.append((q, k, v.to(shape.pool_dtype).to(dtype)))
+        v = through_rounding(v).to(dtype) if shape.int8_values else v.to(shape.pool_dtype).to(dtype)
+        inputs.append((q, k, v))
 
-    def pool(layout: str, on: torch.device, pool_dtype: torch.dtype, int8_keys: bool = False) -> KVPool:
+    def pool(
+        layout: str,
+        on: torch.device,
+        pool_dtype: torch.dtype,
+        int8_keys: bool = False,
+        int8_values: bool = False,
+    ) -> KVPool:
         return KVPool(
             num_layers=1,
             num_pages=num_pages,
@@ -91,6 +99,7 @@ def compare_with_torch(backend: type[AttentionBackend], shape: AttentionShape) -
             device=on,
             layout="nhd" if layout == "nhd" else "head_major",
             int8_keys=int8_keys,
+            int8_values=int8_values,
         )
 
     reference_pool = pool(TorchAttention.kv_layout, torch.device("cpu"), torch.float32)
@@ -102,7 +111,7 @@ def compare_with_torch(backend: type[AttentionBackend], shape: AttentionShape) -
         [(q.float(), k.float(), v.float()) for q, k, v in inputs],
     )
     try:
-        candidate_pool = pool(backend.kv_layout, device, shape.pool_dtype, shape.int8_keys)
+        candidate_pool = pool(backend.kv_layout, device, shape.pool_dtype, shape.int8_keys, shape.int8_values)
         got = _run(
             backend(
                 candidate_pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype

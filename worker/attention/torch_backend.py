@@ -134,7 +134,7 @@ class TorchAttention(AttentionBackend):
     @classmethod
     def unavailable(cls, shape: AttentionShape) -> str | None:
         if shape.int8_keys:
-            return "it reads keys as floats; int8-keys is the cpu attention kernel's form"
+            return "it reads keys and values as floats; the int8 forms are the cpu attention kernel's"
         return None
 
     def plan(self, meta: AttentionMetadata) -> None:

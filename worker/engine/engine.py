@@ -104,9 +104,9 @@ class Engine:
         try:
             runner = runner_for(kv_form)
         except BackendRefused as refused:
-            # `auto` chose int8 keys because the cpu kernel runs here; where it then fails its start-up
+            # `auto` chose int8 rows because the cpu kernel runs here; where it then fails its start-up
             # check, only the torch reference is left, which reads float pools: float16, as before the
-            # form existed (an explicit --kv-dtype int8-keys stops the worker instead).
+            # int8 forms existed (an explicit --kv-dtype int8 or int8-keys stops the worker instead).
             if config.kv_dtype != AUTO or not kv_form.int8_keys:
                 raise
             logger.warning("--kv-dtype auto: %s; the KV pool holds float16 instead", refused)

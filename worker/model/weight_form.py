@@ -30,9 +30,12 @@
   chose by under 0.1 logits ("The decoder's row ops in C"); with the KV pool in float16 (`auto`'s
   for the quantised forms, worker/attention/kv_dtype.py; Zen 3 VM) 232/240 and 197/240, 0.012 (0.20),
   the pool's rounding alone moving no float-path token ("The KV pool in float16"); with int8 keys
-  (`auto`'s pool where the cpu attention kernel serves; Xeon VM, one run) 232/240 and 179/240, 0.017
-  (0.19), where float16's were 240/240 and 181/240, 0.012 (0.11), and llama.cpp's 66/240 and
-  214/240, 0.029 (0.25) ("On a Xeon VM: int8 keys"). A float
+  (Xeon VM, one run) 232/240 and 179/240, 0.017 (0.19), where float16's were 240/240 and 181/240,
+  0.012 (0.11), and llama.cpp's 66/240 and 214/240, 0.029 (0.25) ("On a Xeon VM: int8 keys"); with
+  int8 keys and values (`auto`'s pool where the cpu attention kernel serves; Zen 5 VM, one run)
+  226/240 and 176/240, 0.017 (0.17), where int8 keys' were 232/240 and 179/240, 0.017 (0.19),
+  float16's 232/240 and 197/240, 0.012 (0.20), llama.cpp's 66/240 and 214/240, 0.029 (0.25)
+  ("Int8 values"). A float
   checkpoint stays `float` (requantising it is a choice `--weights int4` makes explicitly).
   On CUDA `auto` stays `float` (bf16 `F.linear` on tensor cores): the weight-only kernels read
   4.5-5 bits a weight (Q4_0/Q4_1; Q8_0 8.5) instead of 16, but compute in float32 on CUDA cores
