@@ -406,36 +406,6 @@ def test_int8_keys_are_stored_as_the_reference_rounds_them_and_attend_as_dense_a
 
 
 @needs_kernel
-def test_int8_keys_long_rows_keep_their_bits_whatever_the_steps_and_the_kernels_path() -> None:
-    """Past many pages and a job's run of queries, and on the AVX2 path (the scores' integers from
-    vpmaddwd, not vpdpwssd): one token at a time, beside another row on 2 threads, the same bits."""
-    heads, kv_heads, dim, page = 16, 1, 64, 32
-    q, k, v = histories([300, 300], heads, kv_heads, dim, seed=7)
-    tables = [list(range(0, 10)), list(range(10, 20))[::-1]]
-
-    def row_zero(
-        steps: list[list[tuple[int, int]]], threads: int, backend: type[CpuAttention]
-    ) -> torch.Tensor:
-        return first_row(
-            steps,
-            threads,
-            tables,
-            (q, k, v),
-            heads=heads,
-            kv_heads=kv_heads,
-            page=page,
-            int8_keys=True,
-            backend=backend,
-        )
-
-    whole = row_zero([[(0, 300)]], 1, CpuAttention)
-    assert torch.equal(whole, row_zero([[(0, 1)]] * 300, 1, CpuAttention))
-    assert torch.equal(
-        whole, row_zero([[(1, 140), (0, 129)], [(0, 2), (1, 160)], [(0, 169)]], 2, Avx2Attention)
-    )
-
-
-@needs_kernel
 def test_an_int8_keys_pool_refuses_what_the_kernel_cannot_read() -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         make(CpuAttention, heads=4, kv_heads=2, dim=32, page=8, int8_keys=True)
@@ -503,10 +473,13 @@ def test_int8_values_are_stored_as_the_reference_rounds_them_and_attend_as_dense
 
 
 @needs_kernel
-def test_int8_values_long_rows_keep_their_bits_whatever_the_steps_and_the_kernels_path() -> None:
-    """The int8 form past many pages, key blocks and a job's run of queries, odd rows seen in a block,
-    and on the AVX2 path (vpmaddwd for vpdpwssd): one token at a time, beside another row on 2 threads,
-    the same bits as the history whole."""
+@pytest.mark.parametrize("int8_values", [False, True], ids=["int8-keys", "int8"])
+def test_the_int8_forms_long_rows_keep_their_bits_whatever_the_steps_and_the_kernels_path(
+    int8_values: bool,
+) -> None:
+    """Past many pages, key blocks and a job's run of queries, odd rows seen in a block, and on the
+    AVX2 path (the integers from vpmaddwd, not vpdpwssd): one token at a time, beside another row on 2
+    threads, in chunks across block boundaries, the same bits as the history whole."""
     heads, kv_heads, dim, page = 12, 2, 64, 32
     q, k, v = histories([301, 300], heads, kv_heads, dim, seed=9)
     tables = [list(range(0, 10)), list(range(10, 20))[::-1]]
@@ -523,7 +496,7 @@ def test_int8_values_long_rows_keep_their_bits_whatever_the_steps_and_the_kernel
             kv_heads=kv_heads,
             page=page,
             int8_keys=True,
-            int8_values=True,
+            int8_values=int8_values,
             backend=backend,
         )
 

@@ -42,7 +42,7 @@
  * int16 pairs for 16 keys), then page_size float32 scales; the rest of the page's key bytes unused.
  * A decode reads 68 bytes of a key of 64 dims, not 128, and 16 keys' dot products run in one
  * register's lanes with no lane sums. The int8 form (`int8_values`, with the keys) holds the values so
- * too and weighs them in integers (its layout and arithmetic above store_int8_value): a decode reads
+ * too and weighs them in integers (its layout and arithmetic above int8_value_block): a decode reads
  * 136 bytes a position of a KV head, not 196.
  */
 #define PY_SSIZE_T_CLEAN
@@ -360,13 +360,20 @@ static float round_row(const float *row, int64_t dim, float top, int32_t *out) {
 #define ROW_LEVELS 127.0f /* a key or value row's levels */
 #define QUERY_LEVELS 32767.0f
 
-/* Writes key `key` (dim floats) as slot `i` of the int8-keys page whose key bytes start at `page`
- * (the layout in the header). */
-static void store_int8_key(uint8_t *page, int64_t page_size, int64_t i, const float *key, int64_t dim) {
+/* Where an int8 page puts a row's bytes: a key page pairs a key's dims ([dim / 2][page_size][2], the
+ * header), a value page two positions' rows ([page_size / 2][dim][2], the int8-values form below). */
+typedef enum { INT8_KEY_LAYOUT, INT8_VALUE_LAYOUT } Int8Layout;
+
+/* Writes `row` (dim floats) as slot `i` of the int8 page whose bytes start at `page`: rounded at
+ * ROW_LEVELS, its bytes where `layout` puts them, its scale after the page's page_size x dim bytes. */
+static void store_int8_row(uint8_t *page, int64_t page_size, int64_t i, const float *row, int64_t dim,
+                           Int8Layout layout) {
     int32_t rounded[MAX_DIM];
-    const float scale = round_row(key, dim, ROW_LEVELS, rounded);
+    const float scale = round_row(row, dim, ROW_LEVELS, rounded);
     for (int64_t c = 0; c < dim; c++) {
-        page[((c / 2) * page_size + i) * 2 + c % 2] = (uint8_t)(int8_t)rounded[c];
+        const int64_t at = layout == INT8_KEY_LAYOUT ? ((c / 2) * page_size + i) * 2 + c % 2
+                                                     : ((i / 2) * dim + c) * 2 + i % 2;
+        page[at] = (uint8_t)(int8_t)rounded[c];
     }
     memcpy(page + page_size * dim + 4 * i, &scale, sizeof scale);
 }
@@ -458,21 +465,11 @@ AVX2 static inline float max8(__m256 v) {
  * and the next: sign-extended, one load is a register of int16 pairs, two positions of 16 dims), then
  * page_size float32 scales. A job weighs a block's rows in integers: each head's weights over the block
  * (softmax term x the row's scale) rounded to int16, WEIGHT_LEVELS for its largest weight there
- * (round_weights), the integer sums of weight x value exact (vpdpwssd, or vpmaddwd + vpaddd: the same integers), then each
- * sum added to the head's float sum once a block, as (float)sum x unit (one fused multiply-add). A
- * block's integers depend on its rows and the head's terms only, so the header's invariants hold. The
- * sums stay within int32: 32 pairs x 2 x 32767 x 127 is ~2.7e8. */
+ * (round_weights), the integer sums of weight x value exact (vpdpwssd, or vpmaddwd + vpaddd: the same
+ * integers), then each sum added to the head's float sum once a block, as (float)sum x unit (one fused
+ * multiply-add). A block's integers depend on its rows and the head's terms only, so the header's
+ * invariants hold. The sums stay within int32: 32 pairs x 2 x 32767 x 127 is ~2.7e8. */
 #define WEIGHT_LEVELS 32767
-
-/* Writes value `value` (dim floats) as slot `i` of the int8-values page whose bytes start at `page`. */
-static void store_int8_value(uint8_t *page, int64_t page_size, int64_t i, const float *value, int64_t dim) {
-    int32_t rounded[MAX_DIM];
-    const float scale = round_row(value, dim, ROW_LEVELS, rounded);
-    for (int64_t c = 0; c < dim; c++) {
-        page[((i / 2) * dim + c) * 2 + i % 2] = (uint8_t)(int8_t)rounded[c];
-    }
-    memcpy(page + page_size * dim + 4 * i, &scale, sizeof scale);
-}
 
 /* A block's int8 value rows: where each pair of positions' bytes start, and each row's scale. */
 typedef struct {
@@ -1360,11 +1357,13 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wid
                     uint16_t *keys = (uint16_t *)s->keys + at, *values = (uint16_t *)s->values + at;
                     if (s->int8_keys) { /* the key's page, from its first slot's float16s */
                         uint16_t *page = keys - position % s->page_size * s->dim;
-                        store_int8_key((uint8_t *)page, s->page_size, position % s->page_size, key, s->dim);
+                        store_int8_row((uint8_t *)page, s->page_size, position % s->page_size, key, s->dim,
+                                       INT8_KEY_LAYOUT);
                     }
                     if (s->int8_values) {
                         uint16_t *page = values - position % s->page_size * s->dim;
-                        store_int8_value((uint8_t *)page, s->page_size, position % s->page_size, value, s->dim);
+                        store_int8_row((uint8_t *)page, s->page_size, position % s->page_size, value, s->dim,
+                                       INT8_VALUE_LAYOUT);
                     }
                     for (int64_t c = 0; c < s->dim; c += 8) {
                         if (!s->int8_keys) {
