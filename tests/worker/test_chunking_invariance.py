@@ -11,9 +11,10 @@ import gguf
 import pytest
 import torch
 
+from tests.worker.cpu_kernel import needs_cpu_kernel
 from worker.attention import TorchAttention
 from worker.attention.base import paged_metadata
-from worker.attention.cpu_backend import KERNEL, UNAVAILABLE_REASON, CpuAttention
+from worker.attention.cpu_backend import KERNEL, CpuAttention
 from worker.attention.kv_pool import KVPool
 from worker.engine import Engine
 from worker.model.llama import LlamaModel
@@ -116,7 +117,7 @@ def test_a_positions_logits_do_not_depend_on_how_its_history_was_chunked(
     assert torch.equal(whole, streamed)
 
 
-@pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
+@needs_cpu_kernel
 @pytest.mark.parametrize("form", ["int4", "int8"])
 def test_int8_keys_keep_a_positions_logits_independent_of_its_chunking(form: str, threads: int) -> None:
     """`--kv-dtype int8-keys` (`auto`'s pool for the quantised forms where the cpu kernel runs): the

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.worker.cpu_kernel import needs_cpu_kernel
 from worker.attention import AttentionShape, TorchAttention
 from worker.attention.base import paged_metadata
 from worker.attention.cpu_backend import KERNEL, UNAVAILABLE_REASON, CpuAttention
 from worker.attention.int8_kv import QUERY_LEVELS, read_page, read_value_page, round_rows, through_rounding
 from worker.attention.kv_pool import KVPool
-
-needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
 
 CPU = torch.device("cpu")
 
@@ -141,7 +140,7 @@ def scattered_tables(rows: int, pages_each: int, pool_pages: int) -> list[list[i
     return [[pool_pages - 1 - rows * j - i for j in range(pages_each)] for i in range(rows)]
 
 
-@needs_kernel
+@needs_cpu_kernel
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "page"), [(9, 3, 64, 16), (4, 2, 32, 3), (8, 8, 128, 5)]
 )
@@ -157,7 +156,7 @@ def test_ragged_paged_steps_match_dense_attention(heads: int, kv_heads: int, dim
         assert torch.allclose(got[row].double(), dense(q[row], k[row], v[row]), atol=2e-6), row
 
 
-@needs_kernel
+@needs_cpu_kernel
 @pytest.mark.parametrize(
     ("kv_dtype", "int8_keys"), [(torch.float32, False), (torch.float16, False), (torch.float16, True)]
 )
@@ -189,7 +188,7 @@ def test_a_rows_outputs_are_the_same_bits_however_its_history_was_chunked_batche
     assert torch.equal(whole, batched)
 
 
-@needs_kernel
+@needs_cpu_kernel
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 2), (5, 5)])
 def test_long_rows_read_in_blocks_keep_the_same_bits_and_dense_attentions_numbers(
     heads: int, kv_heads: int
@@ -214,7 +213,7 @@ def test_long_rows_read_in_blocks_keep_the_same_bits_and_dense_attentions_number
 @pytest.mark.parametrize(
     "backend",
     [
-        pytest.param(CpuAttention, marks=needs_kernel, id="cpu"),
+        pytest.param(CpuAttention, marks=needs_cpu_kernel, id="cpu"),
         pytest.param(TorchAttention, id="torch"),
     ],
 )
@@ -239,7 +238,7 @@ def test_a_float16_pool_holds_the_rounded_keys_and_values_and_gives_the_float_po
     assert torch.equal(half.kv_pool.buffer, full.kv_pool.buffer.half())
 
 
-@needs_kernel
+@needs_cpu_kernel
 def test_the_kernel_and_the_torch_reference_write_the_same_float16_bytes() -> None:
     """A KV copy or a host-tier page means the same bytes under either CPU backend."""
     heads, kv_heads, dim = 4, 2, 32
@@ -308,7 +307,7 @@ def test_the_avx512_path_gives_the_avx2_paths_bits(heads: int, kv_heads: int, di
             assert torch.equal(narrow, wide), (row, threads, kv_dtype, int8_keys)
 
 
-@needs_kernel
+@needs_cpu_kernel
 def test_a_nan_key_costs_no_query_its_independence_from_its_chunking() -> None:
     """A key with a NaN (a broken checkpoint) scores NaN for every query; the softmax's max skips it
     (it must not replace a lane's running max, whose earlier scores would then be lost differently as
@@ -327,7 +326,7 @@ def test_a_nan_key_costs_no_query_its_independence_from_its_chunking() -> None:
     assert torch.equal(whole, row_zero([[(0, 1)]] * 40))
 
 
-@needs_kernel
+@needs_cpu_kernel
 def test_the_kernel_agrees_with_the_torch_reference_as_the_start_up_check_asks() -> None:
     from worker.attention.self_check import compare_with_torch
 
@@ -341,7 +340,7 @@ def test_the_kernel_agrees_with_the_torch_reference_as_the_start_up_check_asks()
         assert compare_with_torch(Avx2Attention, int8_keys) is None
 
 
-@needs_kernel
+@needs_cpu_kernel
 def test_a_page_outside_the_pool_is_refused_before_anything_is_written() -> None:
     attention = make(CpuAttention, heads=4, kv_heads=2, dim=32, page=4, pages=8)
     before = attention.kv_pool.buffer.clone()
@@ -372,7 +371,7 @@ def test_the_extension_is_built_on_an_avx2_machine() -> None:
     assert CpuAttention.unavailable(AttentionShape(CPU, torch.float32, 9, 3, 64, 16)) is None
 
 
-@needs_kernel
+@needs_cpu_kernel
 def test_int8_keys_are_stored_as_the_reference_rounds_them_and_attend_as_dense_attention_on_them() -> None:
     """`--kv-dtype int8-keys` (worker/attention/int8_kv.py): each key row written once as int8 and a
     scale, in the documented page layout, the same bytes as `round_rows`; every output dense
@@ -405,7 +404,7 @@ def test_int8_keys_are_stored_as_the_reference_rounds_them_and_attend_as_dense_a
         assert torch.allclose(got[row].double(), expected, atol=2e-6), row
 
 
-@needs_kernel
+@needs_cpu_kernel
 def test_an_int8_keys_pool_refuses_what_the_kernel_cannot_read() -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         make(CpuAttention, heads=4, kv_heads=2, dim=32, page=8, int8_keys=True)
@@ -423,7 +422,7 @@ def test_an_int8_keys_pool_refuses_what_the_kernel_cannot_read() -> None:
         )
 
 
-@needs_kernel
+@needs_cpu_kernel
 def test_int8_values_are_stored_as_the_reference_rounds_them_and_attend_as_dense_attention_on_them() -> None:
     """`--kv-dtype int8`: each value row written once as int8 and a scale, in the documented page layout
     (two positions' rows interleaved), the same bytes as `round_rows`; every output dense attention's
@@ -472,7 +471,7 @@ def test_int8_values_are_stored_as_the_reference_rounds_them_and_attend_as_dense
         assert (got[row].double() - unrounded).abs().max().item() > 1e-3  # the values are int8, not floats
 
 
-@needs_kernel
+@needs_cpu_kernel
 @pytest.mark.parametrize("int8_values", [False, True], ids=["int8-keys", "int8"])
 def test_the_int8_forms_long_rows_keep_their_bits_whatever_the_steps_and_the_kernels_path(
     int8_values: bool,
@@ -508,7 +507,7 @@ def test_the_int8_forms_long_rows_keep_their_bits_whatever_the_steps_and_the_ker
     assert torch.equal(whole, row_zero([[(0, 77)], [(0, 64)], [(0, 160)]], 2, CpuAttention))
 
 
-@needs_kernel
+@needs_cpu_kernel
 def test_int8_values_come_with_int8_keys() -> None:
     with pytest.raises(ValueError, match="int8 values come with int8 keys"):
         KVPool(

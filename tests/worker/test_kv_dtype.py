@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from shared.settings import EngineSettings, parse_settings
+from tests.worker.cpu_kernel import needs_cpu_kernel
 from worker.attention import BackendRefused
-from worker.attention.cpu_backend import KERNEL, UNAVAILABLE_REASON
+from worker.attention.cpu_backend import KERNEL
 from worker.attention.kv_dtype import KVForm, choose_kv_form
 from worker.engine import Engine
 from worker.engine.config import EngineConfig
@@ -104,7 +105,7 @@ def test_a_float16_pool_halves_the_kv_and_a_session_streams_as_it_answers_whole(
             history += [*chunk, *tokens]
 
 
-@pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
+@needs_cpu_kernel
 @pytest.mark.parametrize("form", ["int8-keys", "int8"])
 def test_the_int8_forms_keep_the_pools_bytes_and_a_session_streams_as_it_answers_whole(form: str) -> None:
     """`--kv-dtype int8-keys` and `int8` through the engine: a float16 pool's bytes a page (the int8 rows
@@ -138,7 +139,7 @@ def test_an_int8_form_under_the_torch_reference_is_a_clear_start_up_error(form: 
         Engine.load("tiny", kv_tokens=256, host_kv_tokens=0, kv_dtype=form, attention="torch")
 
 
-@pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel: {UNAVAILABLE_REASON}")
+@needs_cpu_kernel
 def test_auto_falls_back_to_float16_where_the_kernel_fails_its_start_up_check(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
