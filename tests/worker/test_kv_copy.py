@@ -15,6 +15,7 @@ import torch
 from shared.errors import CapacityExhausted
 from shared.protocol.kv_copy import KVFormat
 from shared.protocol.messages import OpenConfig
+from tests.worker.cpu_kernel import needs_cpu_kernel
 from worker.engine import Engine
 from worker.engine.memory.kv_transfer import FINGERPRINT_SAMPLE, KVExport, _samples
 from worker.tokenizer.incremental import EMPTY_TAIL
@@ -173,12 +174,22 @@ def test_read_only_stored_blocks_are_fingerprinted_without_a_warning() -> None:
     assert torch.equal(sample, torch.from_numpy(blocks.reshape(-1)[::step][:FINGERPRINT_SAMPLE].copy()))
 
 
-def test_float16_pages_move_between_two_float16_workers_and_answer_as_the_session_would_have() -> None:
-    """`--kv-dtype float16` (auto's choice for the quantised forms on the CPU): the copy carries the
-    pool's own half-width pages, and the session continues on the target as it would have here."""
+@pytest.mark.parametrize(
+    "kv_dtype",
+    [
+        "float16",
+        pytest.param("int8-keys", marks=needs_cpu_kernel),
+        pytest.param("int8", marks=needs_cpu_kernel),  # auto's pool for the quantised forms on the cpu kernel
+    ],
+)
+def test_half_width_pages_move_between_two_workers_of_their_form_and_answer_as_the_session_would_have(
+    kv_dtype: str,
+) -> None:
+    """A float16 pool, or an int8 form in its float16 slots: the copy carries the pool's own pages, and
+    the session continues on the target as it would have here."""
     with (
-        Engine.load("tiny", kv_tokens=4096, host_kv_tokens=0, kv_dtype="float16") as here,
-        Engine.load("tiny", kv_tokens=4096, host_kv_tokens=4096, kv_dtype="float16") as there,
+        Engine.load("tiny", kv_tokens=4096, host_kv_tokens=0, kv_dtype=kv_dtype) as here,
+        Engine.load("tiny", kv_tokens=4096, host_kv_tokens=4096, kv_dtype=kv_dtype) as there,
     ):
         history, export = served(here, "half")
         assert export.data.dtype == torch.float16
