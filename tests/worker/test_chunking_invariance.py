@@ -48,10 +48,11 @@ def logits_by_steps(
     neighbour: bool,
     kv_dtype: torch.dtype = torch.float32,
     int8_keys: bool = False,
+    int8_values: bool = False,
 ) -> torch.Tensor:
     """Every position's logits, the session fed in `pieces`; with `neighbour`, each step also feeds
     3 tokens of another session on scattered pages. The torch reference attends, or the cpu kernel
-    on `int8_keys` (its form alone)."""
+    on `int8_keys` (and `int8_values`: the int8 forms are its alone)."""
     config = model.config
     backend = CpuAttention if int8_keys else TorchAttention
     pool = KVPool(
@@ -64,6 +65,7 @@ def logits_by_steps(
         device=CPU,
         layout=backend.kv_layout,
         int8_keys=int8_keys,
+        int8_values=int8_values,
     )
     attention = backend(
         pool,
@@ -118,23 +120,27 @@ def test_a_positions_logits_do_not_depend_on_how_its_history_was_chunked(
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("int8_values", [False, True], ids=["int8-keys", "int8"])
 @pytest.mark.parametrize("form", ["int4", "int8"])
-def test_int8_keys_keep_a_positions_logits_independent_of_its_chunking(form: str, threads: int) -> None:
-    """`--kv-dtype int8-keys` (`auto`'s pool for the quantised forms where the cpu kernel runs): the
-    keys and queries rounded to int8 row by row, the scores integers, so the promise holds as on the
-    float pools."""
+def test_the_int8_forms_keep_a_positions_logits_independent_of_its_chunking(
+    form: str, int8_values: bool, threads: int
+) -> None:
+    """`--kv-dtype int8-keys` and `int8` (`auto`'s pool for the quantised forms where the cpu kernel
+    runs): the keys (and values) rounded to int8 row by row, the queries to int16, the scores (and the
+    weighted values, a block at a time) integers, so the promise holds as on the float pools."""
     loaded = load_model("tiny", device=CPU, dtype=torch.float32, weights=form)
     model = LlamaModel(loaded.config, loaded.weights, device=CPU, dtype=torch.float32)
     tokens = torch.randint(0, loaded.config.vocab_size, (LENGTH,), generator=torch.Generator().manual_seed(0))
     contiguous = list(range(POOL_PAGES // 2))
     scattered = [3 * i + 1 for i in range(POOL_PAGES // 3)]
     torch.set_num_threads(threads)
-    whole = logits_by_steps(model, tokens, (LENGTH,), contiguous, neighbour=False, int8_keys=True)
+    int8 = {"int8_keys": True, "int8_values": int8_values}
+    whole = logits_by_steps(model, tokens, (LENGTH,), contiguous, neighbour=False, **int8)
     torch.set_num_threads(1)
-    streamed = logits_by_steps(model, tokens, PIECES, scattered, neighbour=True, int8_keys=True)
+    streamed = logits_by_steps(model, tokens, PIECES, scattered, neighbour=True, **int8)
     assert torch.equal(whole, streamed)
     float16 = logits_by_steps(model, tokens, (LENGTH,), contiguous, neighbour=False, kv_dtype=torch.float16)
-    assert not torch.equal(whole, float16)  # the keys were rounded to int8: not float16's numbers
+    assert not torch.equal(whole, float16)  # the rows were rounded to int8: not float16's numbers
     assert (whole.argmax(-1) == float16.argmax(-1)).float().mean() > 0.9  # but close to them
 
 
