@@ -103,16 +103,17 @@ def run(
                 )
                 pool = attention.kv_pool
                 pool.buffer.normal_(generator=generator)  # the history's keys and values
+
+                def fill(slots: torch.Tensor, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                    """One layer's key or value slots as the kernel writes random int8 rows there."""
+                    random_rows = torch.randn(kv_heads, rows * pages_each, _PAGE, dim, generator=generator)
+                    slots.view(torch.uint8).view(kv_heads, rows * pages_each, -1).copy_(pack(random_rows))
+
                 # the keys (and values) as the kernel writes them, where the pool holds them as int8
                 for layer in range(config.num_layers if form.int8_keys else 0):
-                    int8_slots: list[tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = [
-                        (pool.keys(layer), pack_pages)
-                    ]
+                    fill(pool.keys(layer), pack_pages)
                     if form.int8_values:
-                        int8_slots.append((pool.values(layer), pack_value_pages))
-                    for slots, pack in int8_slots:
-                        rows_of = torch.randn(kv_heads, rows * pages_each, _PAGE, dim, generator=generator)
-                        slots.view(torch.uint8).view(kv_heads, rows * pages_each, -1).copy_(pack(rows_of))
+                        fill(pool.values(layer), pack_value_pages)
                 times = _step_times(attention, meta, (q, k, v), config.num_layers, repeats)
                 # Query j of a row sees context + j + 1 keys; scores and weighted values: 2 x dim each.
                 seen = rows * sum(context + j + 1 for j in range(queries))

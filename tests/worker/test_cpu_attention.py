@@ -405,21 +405,29 @@ def test_int8_keys_are_stored_as_the_reference_rounds_them_and_attend_as_dense_a
 
 
 @needs_cpu_kernel
-def test_an_int8_keys_pool_refuses_what_the_kernel_cannot_read() -> None:
+def test_an_int8_pool_refuses_what_the_kernel_cannot_read() -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         make(CpuAttention, heads=4, kv_heads=2, dim=32, page=8, int8_keys=True)
-    with pytest.raises(ValueError, match="head-major float16"):
-        KVPool(
-            num_layers=1,
-            num_pages=4,
-            page_size=16,
-            num_kv_heads=2,
-            head_dim=32,
-            dtype=torch.float32,
-            device=CPU,
-            layout="head_major",
-            int8_keys=True,
-        )
+    refused = [
+        (torch.float32, {"int8_keys": True}, "head-major float16"),
+        (torch.float16, {"int8_values": True}, "int8 values come with int8 keys"),
+    ]
+    for dtype, form, reason in refused:
+        with pytest.raises(ValueError, match=reason):
+            KVPool(
+                num_layers=1,
+                num_pages=4,
+                page_size=16,
+                num_kv_heads=2,
+                head_dim=32,
+                dtype=dtype,
+                device=CPU,
+                layout="head_major",
+                **form,
+            )
+    assert CpuAttention.unavailable(
+        AttentionShape(CPU, torch.float32, 9, 3, 64, 16, torch.float16, False, True)
+    )
 
 
 @needs_cpu_kernel
@@ -505,22 +513,3 @@ def test_the_int8_forms_long_rows_keep_their_bits_whatever_the_steps_and_the_ker
         whole, row_zero([[(1, 140), (0, 129)], [(0, 3), (1, 160)], [(0, 169)]], 2, Avx2Attention)
     )
     assert torch.equal(whole, row_zero([[(0, 77)], [(0, 64)], [(0, 160)]], 2, CpuAttention))
-
-
-@needs_cpu_kernel
-def test_int8_values_come_with_int8_keys() -> None:
-    with pytest.raises(ValueError, match="int8 values come with int8 keys"):
-        KVPool(
-            num_layers=1,
-            num_pages=4,
-            page_size=16,
-            num_kv_heads=2,
-            head_dim=32,
-            dtype=torch.float16,
-            device=CPU,
-            layout="head_major",
-            int8_values=True,
-        )
-    assert CpuAttention.unavailable(
-        AttentionShape(CPU, torch.float32, 9, 3, 64, 16, torch.float16, False, True)
-    )
