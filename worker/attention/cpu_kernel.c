@@ -383,7 +383,7 @@ static void store_int8_row(uint8_t *page, int64_t page_size, int64_t i, const fl
  * score is (float)dot x key scale x factor. A dot product is at most MAX_DIM x 32767 x 127 (~1.07e9)
  * in magnitude: no int32 lane overflows. */
 typedef struct {
-    int32_t pairs[QUERY_HEADS_PER_JOB][MAX_DIM / 2];
+    int32_t pairs[MAX_DIM / 2][QUERY_HEADS_PER_JOB];
     float factor[QUERY_HEADS_PER_JOB];
 } KeyQueries;
 
@@ -393,7 +393,7 @@ static void round_queries(const float *const *heads, int64_t count, int64_t dim,
         int32_t rounded[MAX_DIM];
         const float scale = round_row(heads[qg], dim, QUERY_LEVELS, rounded);
         for (int64_t g = 0; g < dim / 2; g++) {
-            out->pairs[qg][g] = (int32_t)(((uint32_t)(uint16_t)rounded[2 * g + 1] << 16) | (uint16_t)rounded[2 * g]);
+            out->pairs[g][qg] = (int32_t)(((uint32_t)(uint16_t)rounded[2 * g + 1] << 16) | (uint16_t)rounded[2 * g]);
         }
         out->factor[qg] = scale * softmax_scale;
     }
@@ -422,14 +422,17 @@ AVX2 static inline __attribute__((always_inline)) void score_int8_eight(const ui
                                                                         const int64_t *visible, __m256 *largest,
                                                                         const int n, const int64_t dim) {
     __m256i acc[4];
+#pragma GCC unroll 4
     for (int j = 0; j < n; j++) {
         acc[j] = _mm256_setzero_si256();
     }
+#pragma GCC unroll 4
     for (int64_t g = 0; g < dim / 2; g++) {
         const __m256i key =
             _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(page + (g * page_size + k0) * 2)));
+#pragma GCC unroll 4
         for (int j = 0; j < n; j++) {
-            acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(key, _mm256_set1_epi32(queries->pairs[h0 + j][g])));
+            acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(key, _mm256_set1_epi32(queries->pairs[g][h0 + j])));
         }
     }
     const __m256 key_scale = _mm256_loadu_ps((const float *)(page + page_size * dim) + k0);
@@ -511,6 +514,19 @@ AVX2 static inline __attribute__((always_inline)) void prefetch_int8_values(cons
     }
 }
 
+/* The block's first `pairs` pairs of rows sign-extended to int16 (pair p's 2 dim values at
+ * out + 2 p dim, in the page's order), once a block: every pair of heads weighing it on the AVX2 path
+ * then loads them as they are, where extending them per pair of heads took as many instructions as
+ * the multiplies (2 KB a pair of 64-dim rows; the block's 8 KB stay in the L1). */
+AVX2 static void extend_int8_values(const Int8ValueBlock *block, int64_t pairs, int64_t dim, int16_t *out) {
+    for (int64_t p = 0; p < pairs; p++) {
+        for (int64_t c = 0; c < 2 * dim; c += 16) {
+            _mm256_storeu_si256((__m256i *)(out + 2 * p * dim + c),
+                                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block->pair[p] + c))));
+        }
+    }
+}
+
 /* A head's weight levels over the block's first `rows` rows, from its softmax terms there (`terms`;
  * lanes past `rows` ignored) and the rows' scales: a weight is term x scale, and its level
  * rint(weight x (WEIGHT_LEVELS / top)) within 0 .. WEIGHT_LEVELS, `top` the head's largest weight in
@@ -550,38 +566,38 @@ AVX2 static inline __attribute__((always_inline)) void round_weights(const float
     out->unit = top / (float)WEIGHT_LEVELS;
 }
 
-/* `heads` (1 or 2) heads' weighted values over a block's `pairs` pairs of int8 rows, 32 dims a pass: a
- * pair's 4 registers serve both heads, each lane's integer sum exact, then added to the head's float
- * sums once (the fused multiply-add weigh_int8_tile's lanes take). */
-AVX2 static inline __attribute__((always_inline)) void weigh_int8_rows(const Int8ValueBlock *block, int64_t pairs,
-                                                                       const Int8Weights *weights_a,
-                                                                       const Int8Weights *weights_b, float *sums_a,
-                                                                       float *sums_b, const int heads,
+/* Heads of an int8 value block weighed together on the AVX2 path: a pair's 4 registers (32 dims) loaded
+ * once serve both, in 8 accumulators (3 heads in 12 measured slower on Zen 3: 16 registers in all). */
+#define AVX2_INT8_WEIGH_HEADS 2
+
+/* `heads` (at most AVX2_INT8_WEIGH_HEADS) heads' weighted values over a block's `pairs` pairs of rows,
+ * as int16 (extend_int8_values), 32 dims a pass: each lane's integer sum exact, then added to the
+ * head's float sums once (the fused multiply-add weigh_int8_tile's lanes take). */
+AVX2 static inline __attribute__((always_inline)) void weigh_int8_rows(const int16_t *extended, int64_t pairs,
+                                                                       const Int8Weights *weights,
+                                                                       float *const *sums, const int heads,
                                                                        const int64_t dim) {
     for (int64_t part = 0; part < dim; part += VALUE_PART) {
-        __m256i a[4], b[4];
-        for (int c = 0; c < 4; c++) {
-            a[c] = _mm256_setzero_si256(), b[c] = _mm256_setzero_si256();
-        }
-        for (int64_t p = 0; p < pairs; p++) {
-            const uint8_t *bytes = block->pair[p] + part * 2;
-            const __m256i wa = _mm256_set1_epi32(weights_a->pairs[p]);
-            const __m256i wb = _mm256_set1_epi32(heads == 2 ? weights_b->pairs[p] : 0);
+        __m256i acc[AVX2_INT8_WEIGH_HEADS][4];
+        for (int j = 0; j < heads; j++) {
             for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(bytes + 16 * c)));
-                a[c] = _mm256_add_epi32(a[c], _mm256_madd_epi16(v, wa));
-                if (heads == 2) {
-                    b[c] = _mm256_add_epi32(b[c], _mm256_madd_epi16(v, wb));
+                acc[j][c] = _mm256_setzero_si256();
+            }
+        }
+#pragma GCC unroll 2
+        for (int64_t p = 0; p < pairs; p++) {
+            const int16_t *pair_values = extended + p * dim * 2 + part * 2;
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(pair_values + 16 * c));
+                for (int j = 0; j < heads; j++) {
+                    acc[j][c] = _mm256_add_epi32(acc[j][c], _mm256_madd_epi16(v, _mm256_set1_epi32(weights[j].pairs[p])));
                 }
             }
         }
-        for (int c = 0; c < 4; c++) {
-            float *sum = sums_a + part + 8 * c;
-            _mm256_storeu_ps(sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[c]), _mm256_set1_ps(weights_a->unit),
-                                                  _mm256_loadu_ps(sum)));
-            if (heads == 2) {
-                sum = sums_b + part + 8 * c;
-                _mm256_storeu_ps(sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(b[c]), _mm256_set1_ps(weights_b->unit),
+        for (int j = 0; j < heads; j++) {
+            for (int c = 0; c < 4; c++) {
+                float *sum = sums[j] + part + 8 * c;
+                _mm256_storeu_ps(sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][c]), _mm256_set1_ps(weights[j].unit),
                                                       _mm256_loadu_ps(sum)));
             }
         }
@@ -755,7 +771,7 @@ WIDE_VNNI_INLINE void score_int8_sixteen(const uint8_t *page, int64_t page_size,
             _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(page + (g * page_size + k0) * 2)));
 #pragma GCC unroll 8
         for (int j = 0; j < n; j++) {
-            acc[j] = _mm512_dpwssd_epi32(acc[j], key, _mm512_set1_epi32(queries->pairs[h0 + j][g]));
+            acc[j] = _mm512_dpwssd_epi32(acc[j], key, _mm512_set1_epi32(queries->pairs[g][h0 + j]));
         }
     }
     const __m512 key_scale = _mm512_loadu_ps((const float *)(page + page_size * dim) + k0);
@@ -1061,7 +1077,14 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     const int64_t value_bytes = s->half ? 2 : 4;
     const void *head_keys = (const char *)s->keys + h * s->pool_slots * dim * value_bytes;
     const void *head_values = (const char *)s->values + h * s->pool_slots * dim * value_bytes;
-    float converted[KEY_BLOCK * MAX_DIM]; /* a float16 pool's block of rows, as floats */
+    /* A block of rows as the job reads them: a float16 pool's as floats, or an int8 value block's as
+     * int16 on the AVX2 path (never both in one job: a pool holds its values in one form). */
+    union {
+        float converted[KEY_BLOCK * MAX_DIM];
+        int16_t extended[KEY_BLOCK * MAX_DIM];
+    } block_rows;
+    float *const converted = block_rows.converted;
+    int16_t *const extended = block_rows.extended;
     const float scale = 1.0f / sqrtf((float)dim);
     static const float zeros[MAX_DIM] = {0};
     const float *slot[KEY_BLOCK]; /* the block's key (then value) rows in the pool */
@@ -1223,6 +1246,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
         prefetch_int8_values((const uint8_t *)head_values, row_pages, s->page_size, dim, block + in_block, ahead_end);
         Int8ValueBlock rows;
         int8_value_block((const uint8_t *)head_values, row_pages, s->page_size, dim, block, in_block, &rows);
+        int64_t extended_pairs = 0; /* the block's pairs in `extended` so far (the AVX2 path's) */
         const float *head_terms[QUERY_HEADS_PER_JOB]; /* each head's softmax terms from the block's first row */
         for (int64_t qg = 0; qg < job_heads; qg++) {
             head_terms[qg] = scores + qg * stride + block;
@@ -1240,15 +1264,23 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
                 weigh_int8_wide(&rows, rows_seen, head_terms + first, head_sums + first, heads, dim);
                 continue;
             }
-            for (int64_t qg = first; qg < first + heads; qg += 2) {
-                const int pair = qg + 1 < first + heads;
-                Int8Weights weights[2];
-                round_weights(head_terms[qg], rows.scale, rows_seen, &weights[0]);
-                if (pair) {
-                    round_weights(head_terms[qg + 1], rows.scale, rows_seen, &weights[1]);
+            if (extended_pairs < (rows_seen + 1) / 2) { /* the rows this query sees, the first time */
+                extend_int8_values(&rows, (rows_seen + 1) / 2, dim, extended);
+                extended_pairs = (rows_seen + 1) / 2;
+            }
+            for (int64_t qg = first; qg < first + heads; qg += AVX2_INT8_WEIGH_HEADS) {
+                const int n = first + heads - qg < AVX2_INT8_WEIGH_HEADS ? (int)(first + heads - qg)
+                                                                         : AVX2_INT8_WEIGH_HEADS;
+                Int8Weights weights[AVX2_INT8_WEIGH_HEADS];
+                for (int j = 0; j < n; j++) {
+                    round_weights(head_terms[qg + j], rows.scale, rows_seen, &weights[j]);
                 }
-                weigh_int8_rows(&rows, (rows_seen + 1) / 2, &weights[0], &weights[1], head_sums[qg],
-                                head_sums[pair ? qg + 1 : qg], pair ? 2 : 1, dim);
+                const int64_t pairs = (rows_seen + 1) / 2;
+                if (n == AVX2_INT8_WEIGH_HEADS) {
+                    weigh_int8_rows(extended, pairs, weights, head_sums + qg, AVX2_INT8_WEIGH_HEADS, dim);
+                } else {
+                    weigh_int8_rows(extended, pairs, weights, head_sums + qg, 1, dim);
+                }
             }
         }
     }
