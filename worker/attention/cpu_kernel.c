@@ -517,7 +517,7 @@ AVX2 static inline __attribute__((always_inline)) void prefetch_int8_values(cons
 /* The block's first `pairs` pairs of rows sign-extended to int16 (pair p's 2 dim values at
  * out + 2 p dim, in the page's order), once a block: every pair of heads weighing it on the AVX2 path
  * then loads them as they are, where extending them per pair of heads took as many instructions as
- * the multiplies (2 KB a pair of 64-dim rows; the block's 8 KB stay in the L1). */
+ * the multiplies (256 bytes a pair of 64-dim rows, 8 KB a block: it stays in the L1). */
 AVX2 static void extend_int8_values(const Int8ValueBlock *block, int64_t pairs, int64_t dim, int16_t *out) {
     for (int64_t p = 0; p < pairs; p++) {
         for (int64_t c = 0; c < 2 * dim; c += 16) {
