@@ -569,6 +569,7 @@ AVX2 static inline __attribute__((always_inline)) void round_weights(const float
 /* Heads of an int8 value block weighed together on the AVX2 path: a pair's 4 registers (32 dims) loaded
  * once serve both, in 8 accumulators (3 heads in 12 measured slower on Zen 3: 16 registers in all). */
 #define AVX2_INT8_WEIGH_HEADS 2
+_Static_assert(AVX2_INT8_WEIGH_HEADS == 2, "attend's call sites instantiate weigh_int8_rows for 1 and 2 heads");
 
 /* `heads` (at most AVX2_INT8_WEIGH_HEADS) heads' weighted values over a block's `pairs` pairs of rows,
  * as int16 (extend_int8_values), 32 dims a pass: each lane's integer sum exact, then added to the
@@ -1276,8 +1277,8 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
                     round_weights(head_terms[qg + j], rows.scale, rows_seen, &weights[j]);
                 }
                 const int64_t pairs = (rows_seen + 1) / 2;
-                if (n == AVX2_INT8_WEIGH_HEADS) {
-                    weigh_int8_rows(extended, pairs, weights, head_sums + qg, AVX2_INT8_WEIGH_HEADS, dim);
+                if (n == 2) { /* a literal head count at each call, so the loops over heads unroll */
+                    weigh_int8_rows(extended, pairs, weights, head_sums + qg, 2, dim);
                 } else {
                     weigh_int8_rows(extended, pairs, weights, head_sums + qg, 1, dim);
                 }
