@@ -379,7 +379,8 @@ static void store_int8_row(uint8_t *page, int64_t page_size, int64_t i, const fl
 }
 
 /* A job's query heads for the int8 keys: each head's int16 values in pairs (dims 2g, 2g + 1 in one
- * 32-bit word, the low one first, as a key register's pairs), and `factor` = its scale / sqrt(dim): a
+ * 32-bit word, the low one first, as a key register's pairs), stored pair by pair, so the heads that
+ * share a key register read one run of words (`pairs[g][head]`), and `factor` = its scale / sqrt(dim): a
  * score is (float)dot x key scale x factor. A dot product is at most MAX_DIM x 32767 x 127 (~1.07e9)
  * in magnitude: no int32 lane overflows. */
 typedef struct {
