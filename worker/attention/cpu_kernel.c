@@ -515,12 +515,14 @@ AVX2 static inline __attribute__((always_inline)) void prefetch_int8_values(cons
     }
 }
 
-/* The block's first `pairs` pairs of rows sign-extended to int16 (pair p's 2 dim values at
- * out + 2 p dim, in the page's order), once a block: every pair of heads weighing it on the AVX2 path
- * then loads them as they are, where extending them per pair of heads took as many instructions as
- * the multiplies (256 bytes a pair of 64-dim rows, 8 KB a block: it stays in the L1). */
-AVX2 static void extend_int8_values(const Int8ValueBlock *block, int64_t pairs, int64_t dim, int16_t *out) {
-    for (int64_t p = 0; p < pairs; p++) {
+/* The block's pairs of rows `from` .. `to` - 1 sign-extended to int16 (pair p's 2 dim values at
+ * out + 2 p dim, in the page's order; a pair's bytes hold both its rows, so a pair is extended whole
+ * even where a query sees only its first row), once a block: every pair of heads weighing it on the
+ * AVX2 path then loads them as they are, where extending them per pair of heads took as many
+ * instructions as the multiplies (256 bytes a pair of 64-dim rows, 8 KB a block: it stays in the L1). */
+AVX2 static void extend_int8_values(const Int8ValueBlock *block, int64_t from, int64_t to, int64_t dim,
+                                    int16_t *out) {
+    for (int64_t p = from; p < to; p++) {
         for (int64_t c = 0; c < 2 * dim; c += 16) {
             _mm256_storeu_si256((__m256i *)(out + 2 * p * dim + c),
                                 _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block->pair[p] + c))));
@@ -1266,8 +1268,8 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
                 weigh_int8_wide(&rows, rows_seen, head_terms + first, head_sums + first, heads, dim);
                 continue;
             }
-            if (extended_pairs < (rows_seen + 1) / 2) { /* the rows this query sees, the first time */
-                extend_int8_values(&rows, (rows_seen + 1) / 2, dim, extended);
+            if (extended_pairs < (rows_seen + 1) / 2) { /* the pairs no earlier query of the job saw */
+                extend_int8_values(&rows, extended_pairs, (rows_seen + 1) / 2, dim, extended);
                 extended_pairs = (rows_seen + 1) / 2;
             }
             for (int64_t qg = first; qg < first + heads; qg += AVX2_INT8_WEIGH_HEADS) {
