@@ -15,8 +15,9 @@ A row is rounded at `levels` (ROW_LEVELS for a key or value as it is written, QU
 query head as a job starts) with scale = absmax / levels, each value rint(x * (levels / absmax))
 within -levels .. levels: `round_rows` here is the kernel's `round_row`, to the same values. The
 queries keep 16 bits: rounded to 8 they cost more agreement with the float path than the keys do
-(docs/benchmarks.md). A head's weights over a block of KEY_BLOCK value rows (softmax term x the row's
-scale) are rounded to WEIGHT_LEVELS below the block's largest value scale. The integers are exact,
+(docs/benchmarks.md). A head's weights over a block of 64 value rows (softmax term x the row's
+scale) are rounded to int16, 32767 levels below the head's largest weight in the block (the kernel's
+`round_weights`; the tests bound what it moves). The integers are exact,
 so a session streamed in micro-turns gets the same bits as its history sent whole, as on the float
 forms; against the float path the outputs carry the rounding (point 3 of #32 measures what it costs,
 beside llama.cpp).
@@ -38,8 +39,6 @@ PAGE_MULTIPLE: Final = 16
 # The levels either side of zero a key or value row, and a query head, are rounded to.
 ROW_LEVELS: Final = 127
 QUERY_LEVELS: Final = 32767
-# The levels a head's weight over a block of value rows is rounded to (0 .. WEIGHT_LEVELS).
-WEIGHT_LEVELS: Final = 32767
 
 
 def round_rows(rows: torch.Tensor, levels: int = ROW_LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
