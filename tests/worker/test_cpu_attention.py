@@ -193,8 +193,9 @@ def test_a_rows_outputs_are_the_same_bits_however_its_history_was_chunked_batche
 def test_long_rows_read_in_blocks_keep_the_same_bits_and_dense_attentions_numbers(
     heads: int, kv_heads: int
 ) -> None:
-    """Past a block of keys (64 positions) and a job's run of queries (32 query heads), a query's
-    output is still its own: the same bits as one token at a time, and dense attention's numbers."""
+    """Past a block of keys (64 positions) and a job's run of queries (96 query heads, or 32 where a
+    lone append's jobs would not split evenly on 2 threads), a query's output is still its own: the
+    same bits as one token at a time, and dense attention's numbers."""
     dim, page = 64, 16
     q, k, v = histories([300, 300], heads, kv_heads, dim, seed=2)
     tables = [list(range(0, 19)), list(range(19, 38))[::-1]]
@@ -205,8 +206,10 @@ def test_long_rows_read_in_blocks_keep_the_same_bits_and_dense_attentions_number
     whole = row_zero([[(0, 300)]], 1)
     one_by_one = row_zero([[(0, 1)]] * 300, 1)
     chunked_beside_another = row_zero([[(1, 140), (0, 129)], [(0, 2), (1, 160)], [(0, 169)]], 2)
+    lone_append = row_zero([[(0, 284)], [(0, 16)]], 2)
     assert torch.equal(whole, one_by_one)
     assert torch.equal(whole, chunked_beside_another)
+    assert torch.equal(whole, lone_append)
     assert torch.allclose(whole.double(), dense(q[0], k[0], v[0]), atol=2e-6)
 
 

@@ -70,9 +70,18 @@
 /* Positions a job reads per block (a multiple of 8): 64 keys of 64 floats are 16 KB, half an L1 cache,
  * which leaves room for the queries, scores and sums beside them (128 measured a few % slower). */
 #define KEY_BLOCK 64
-/* Query heads one job serves (a row's queries times the group; at least MAX_GROUP, one query): enough
- * queries to reuse a block many times, few enough that a short append still splits across threads. */
-#define QUERY_HEADS_PER_JOB 32
+/* Query heads one job serves at most (a row's queries times the group; at least MAX_GROUP, one query):
+ * a job reads its row's history once for all of them, so the more heads a job takes, the fewer times
+ * the history is read. Where the rows are read as floats (a float32 or float16 pool: 128-256 bytes a
+ * 64-dim row) 96 heads, a `tiny` chunk of 48 tokens in one job (0.89-0.95x the time of 32 with the
+ * history in memory, SmolLM2 over a float16 pool 0.90x; Xeon VM; the scores' scratch grows to 3x).
+ * Where they are int8 (68 bytes) 32: 96 there was 0.95-1.09x, the history no longer outweighing the
+ * larger scratch (docs/benchmarks.md, "The Xeon VM again: float jobs of 96 heads"). */
+#define INT8_QUERY_HEADS_PER_JOB 32
+#define FLOAT_QUERY_HEADS_PER_JOB 96
+#define MAX_QUERY_HEADS_PER_JOB FLOAT_QUERY_HEADS_PER_JOB
+_Static_assert(INT8_QUERY_HEADS_PER_JOB >= MAX_GROUP && FLOAT_QUERY_HEADS_PER_JOB >= INT8_QUERY_HEADS_PER_JOB,
+               "a job holds one query of the largest group, and the float forms' jobs at least the int8 forms'");
 
 typedef struct {
     const float *q;
@@ -384,8 +393,8 @@ static void store_int8_row(uint8_t *page, int64_t page_size, int64_t i, const fl
  * score is (float)dot x key scale x factor. A dot product is at most MAX_DIM x 32767 x 127 (~1.07e9)
  * in magnitude: no int32 lane overflows. */
 typedef struct {
-    int32_t pairs[MAX_DIM / 2][QUERY_HEADS_PER_JOB];
-    float factor[QUERY_HEADS_PER_JOB];
+    int32_t pairs[MAX_DIM / 2][INT8_QUERY_HEADS_PER_JOB];
+    float factor[INT8_QUERY_HEADS_PER_JOB];
 } KeyQueries;
 
 static void round_queries(const float *const *heads, int64_t count, int64_t dim, float softmax_scale,
@@ -615,7 +624,7 @@ AVX2 static void score_int8_row(const uint8_t *head_keys, const int32_t *row_pag
                                 int64_t positions, const KeyQueries *queries, int64_t heads,
                                 float *const *scores, const int64_t *visible, float *head_largest,
                                 const int64_t dim) {
-    __m256 largest[QUERY_HEADS_PER_JOB];
+    __m256 largest[INT8_QUERY_HEADS_PER_JOB];
     for (int64_t qg = 0; qg < heads; qg++) {
         largest[qg] = _mm256_set1_ps(-INFINITY);
     }
@@ -801,7 +810,7 @@ WIDE_VNNI static void score_int8_row_wide(const uint8_t *head_keys, const int32_
                                           int64_t positions, const KeyQueries *queries, int64_t heads,
                                           float *const *scores, const int64_t *visible, float *head_largest,
                                           const int64_t dim) {
-    __m512 largest[QUERY_HEADS_PER_JOB];
+    __m512 largest[INT8_QUERY_HEADS_PER_JOB];
     for (int64_t qg = 0; qg < heads; qg++) {
         largest[qg] = _mm512_set1_ps(-INFINITY);
     }
@@ -1002,8 +1011,8 @@ WIDE_VNNI_INLINE void weigh_int8_dim(const Int8ValueBlock *block, int64_t pairs,
  * softmax terms there (`terms[g]`): each head's weights rounded, then INT8_WEIGH_HEADS heads at a time. */
 WIDE_VNNI static void weigh_int8_wide(const Int8ValueBlock *block, int64_t rows, const float *const *terms,
                                       float *const *sums, int64_t heads, int64_t dim) {
-    Int8Weights weights[QUERY_HEADS_PER_JOB];
-    const Int8Weights *head_weights[QUERY_HEADS_PER_JOB];
+    Int8Weights weights[INT8_QUERY_HEADS_PER_JOB];
+    const Int8Weights *head_weights[INT8_QUERY_HEADS_PER_JOB];
     for (int64_t g = 0; g < heads; g++) {
         round_weights_wide(terms[g], block->scale, rows, &weights[g]);
         head_weights[g] = &weights[g];
@@ -1097,14 +1106,14 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
     const int64_t job_heads = count * group;
     /* An odd job's last head is scored alone (score_one), its max in all 8 lanes; -1 where none. */
     const int64_t odd_head = job_heads % 2 ? job_heads - 1 : -1;
-    const float *head_query[QUERY_HEADS_PER_JOB];
-    int64_t head_visible[QUERY_HEADS_PER_JOB];
+    const float *head_query[MAX_QUERY_HEADS_PER_JOB];
+    int64_t head_visible[MAX_QUERY_HEADS_PER_JOB];
     for (int64_t qg = 0; qg < job_heads; qg++) {
         head_query[qg] = s->q + (first_token + j0 + qg / group) * s->q_stride + (h * group + qg % group) * dim;
         head_visible[qg] = first_visible + qg / group;
     }
     /* The running max of each pair of heads' scores: lanes 0-3 the pair's first head, 4-7 its second. */
-    __m256 largest_lanes[QUERY_HEADS_PER_JOB / 2];
+    __m256 largest_lanes[MAX_QUERY_HEADS_PER_JOB / 2];
     for (int64_t pair = 0; pair < (job_heads + 1) / 2; pair++) {
         largest_lanes[pair] = _mm256_set1_ps(-INFINITY);
     }
@@ -1115,11 +1124,11 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
      * the block's rows are zeros; a head's scores past its visible keys are dropped (the max skips them,
      * the softmax zeroes their terms), so a key's score is the same wherever the visible keys end. */
     const int64_t row_bytes = dim * value_bytes;
-    float head_largest[QUERY_HEADS_PER_JOB]; /* each head's max over its visible keys' scores */
+    float head_largest[MAX_QUERY_HEADS_PER_JOB]; /* each head's max over its visible keys' scores */
     if (s->int8_keys) {
         KeyQueries queries;
         round_queries(head_query, job_heads, dim, scale, &queries);
-        float *head_scores[QUERY_HEADS_PER_JOB];
+        float *head_scores[MAX_QUERY_HEADS_PER_JOB];
         for (int64_t qg = 0; qg < job_heads; qg++) {
             head_scores[qg] = scores + qg * stride;
         }
@@ -1199,7 +1208,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
         head_largest[qg] = largest;
     }
 
-    float totals[QUERY_HEADS_PER_JOB];
+    float totals[MAX_QUERY_HEADS_PER_JOB];
     for (int64_t q = 0; q < count; q++) {
         const int64_t visible = first_visible + q;
         const int64_t own_stride = (visible + 7) & ~(int64_t)7; /* the lanes this query wrote */
@@ -1235,8 +1244,8 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
      * the blocks they all see whole, a query's own heads in the block its last keys end in. */
     memset(sums, 0, sizeof(float) * (size_t)(count * group * dim));
     /* The wide path's pointers: each head's weights from the block's first position, and its sums. */
-    const float *head_weights[QUERY_HEADS_PER_JOB];
-    float *head_sums[QUERY_HEADS_PER_JOB];
+    const float *head_weights[MAX_QUERY_HEADS_PER_JOB];
+    float *head_sums[MAX_QUERY_HEADS_PER_JOB];
     for (int64_t qg = 0; qg < job_heads; qg++) {
         head_sums[qg] = sums + qg * dim;
     }
@@ -1251,7 +1260,7 @@ AVX2 static inline __attribute__((always_inline)) void attend(const Step *s, int
         Int8ValueBlock rows;
         int8_value_block((const uint8_t *)head_values, row_pages, s->page_size, dim, block, in_block, &rows);
         int64_t extended_pairs = 0; /* the block's pairs in `extended` so far (the AVX2 path's) */
-        const float *head_terms[QUERY_HEADS_PER_JOB]; /* each head's softmax terms from the block's first row */
+        const float *head_terms[MAX_QUERY_HEADS_PER_JOB]; /* each head's softmax terms from the block's first row */
         for (int64_t qg = 0; qg < job_heads; qg++) {
             head_terms[qg] = scores + qg * stride + block;
         }
@@ -1358,7 +1367,7 @@ static void *grown(void **buffer, size_t *capacity, size_t bytes) {
  * the calling thread's job table: a layer call allocates nothing once the longest row has been seen.
  * A job's scores outgrow malloc's mmap threshold past a few thousand positions, and a fresh mapping
  * per layer call cost a page fault per 4 KB, as much as the arithmetic. The scratch grows to the
- * longest row seen, so it is bounded by the model's context: QUERY_HEADS_PER_JOB x (context + dim)
+ * longest row seen, so it is bounded by the model's context: MAX_QUERY_HEADS_PER_JOB x (context + dim)
  * floats per thread; the job table by the step's tokens. A thread that exits leaves both behind (no
  * destructor): the engine's thread and OpenMP's pool live as long as the process, so only a process
  * that builds engines over and over (the tests) leaves one set per engine. */
@@ -1373,6 +1382,25 @@ static int32_t *thread_jobs(int64_t runs) {
     static __thread void *jobs = NULL;
     static __thread size_t capacity = 0;
     return grown(&jobs, &capacity, sizeof(int32_t) * 3 * (size_t)runs);
+}
+
+/* The queries of one row a job takes at most: the heads of the pool's form (above), or the int8 forms'
+ * where the float form's jobs would not split evenly across the threads, the busiest thread's share
+ * more than 1.25x the mean (one row's append over SmolLM2's 3 KV heads, 3 jobs on 2 threads: 1.16x the
+ * time of 6 smaller ones). Which queries share a job changes no bit (the header's invariants). */
+static int64_t queries_per_job(const Step *s, int threads) {
+    const int64_t group = s->heads / s->kv_heads;
+    const int64_t fewer = INT8_QUERY_HEADS_PER_JOB / group;
+    if (s->int8_keys) {
+        return fewer;
+    }
+    const int64_t more = FLOAT_QUERY_HEADS_PER_JOB / group;
+    int64_t runs = 0;
+    for (int64_t row = 0; row < s->rows; row++) {
+        runs += (s->qo_indptr[row + 1] - s->qo_indptr[row] + more - 1) / more;
+    }
+    const int64_t jobs = runs * s->kv_heads, busiest = (jobs + threads - 1) / threads;
+    return 4 * busiest * threads <= 5 * jobs ? more : fewer;
 }
 
 /* Returns 0, or -1 where a buffer could not be allocated (the jobs' outputs unwritten). */
@@ -1419,7 +1447,7 @@ AVX2 static int attend_step(const Step *s, int64_t longest, int threads, int wid
         }
     }
     const int64_t group = s->heads / s->kv_heads;
-    const int64_t per_job = QUERY_HEADS_PER_JOB / group; /* queries of one row a job takes, at most */
+    const int64_t per_job = queries_per_job(s, threads); /* queries of one row a job takes, at most */
     /* A row's queries in the fewest runs of at most per_job, of sizes that differ by one at most (16
      * queries as 8 + 8, not 10 + 6: two threads share a short append's jobs evenly). */
     int64_t runs = 0;
