@@ -1384,8 +1384,8 @@ static int32_t *thread_jobs(int64_t runs) {
     return grown(&jobs, &capacity, sizeof(int32_t) * 3 * (size_t)runs);
 }
 
-/* The queries of one row a job takes at most: the heads of the pool's form (above), or the int8 forms'
- * where the float form's jobs would not split evenly across the threads, the busiest thread's share
+/* The queries of one row a job takes at most: the heads of the pool's form (above), or the int8 forms' 32
+ * heads where the float forms' 96 would not split evenly across the threads, the busiest thread's share
  * more than 1.25x the mean (one row's append over SmolLM2's 3 KV heads, 3 jobs on 2 threads: 1.16x the
  * time of 6 smaller ones). Which queries share a job changes no bit (the header's invariants). */
 static int64_t queries_per_job(const Step *s, int threads) {
