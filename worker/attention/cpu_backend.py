@@ -23,6 +23,7 @@ import torch
 
 from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
 from worker.attention.int8_kv import PAGE_MULTIPLE
+from worker.attention.kv_pool import KVPool
 from worker.native import load_extension
 
 # KERNEL is None where it does not run, and UNAVAILABLE_REASON says why (empty where it runs).
@@ -37,8 +38,10 @@ class CpuAttention(AttentionBackend):
     # to compare the two).
     WIDE: ClassVar[bool] = True
 
-    # The step's row metadata, int32 and contiguous, kept alive while the layers pass their addresses.
+    # The step's row metadata, int32 and contiguous, kept alive while the layers pass their addresses
+    # (`_row_args`: those addresses and the row count, as every layer's call passes them).
     _rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _row_args: tuple[int, int, int, int, int] | None = None
 
     @classmethod
     def unavailable(cls, shape: AttentionShape) -> str | None:
@@ -60,52 +63,81 @@ class CpuAttention(AttentionBackend):
             )
         return None
 
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            kv_pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+        )
+        # Each layer's pool addresses, fixed with the pool: asked of torch once, not on every layer call.
+        layers = kv_pool.buffer.shape[0]
+        self._layer_pools = tuple(
+            (kv_pool.keys(i).data_ptr(), kv_pool.values(i).data_ptr()) for i in range(layers)
+        )
+
     def plan(self, meta: AttentionMetadata) -> None:
-        self._rows = (
+        rows = (
             meta.qo_indptr.to(torch.int32).contiguous(),
             torch.tensor(meta.kv_lens, dtype=torch.int32),
             meta.kv_page_indptr.to(torch.int32).contiguous(),
             meta.kv_page_indices.to(torch.int32).contiguous(),
         )
+        self._rows = rows
+        self._row_args = (
+            rows[0].data_ptr(),
+            rows[1].data_ptr(),
+            rows[2].data_ptr(),
+            rows[3].data_ptr(),
+            len(meta.kv_lens),
+        )
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        assert KERNEL is not None, "CpuAttention is chosen only where its kernel runs"
-        rows = self._rows
-        assert rows is not None, "plan() must run before forward()"
-        qo_indptr, kv_lens, page_indptr, pages = rows
         q, k, v = _heads_contiguous(q), _heads_contiguous(k), _heads_contiguous(v)
         tokens = q.shape[0]
-        keys = self.kv_pool.keys(layer)  # [kv_heads, slots, dim], contiguous per layer
-        values = self.kv_pool.values(layer)
         out = q.new_empty(tokens, self.num_heads, self.head_dim)
-        KERNEL.attend(
-            q.data_ptr(),
-            q.stride(0),
-            k.data_ptr(),
-            k.stride(0),
-            v.data_ptr(),
-            v.stride(0),
+        self.attend_at(
+            layer,
+            (q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)),
             tokens,
-            keys.data_ptr(),
-            values.data_ptr(),
-            keys.shape[1],
-            qo_indptr.data_ptr(),
-            kv_lens.data_ptr(),
-            page_indptr.data_ptr(),
-            pages.data_ptr(),
-            len(kv_lens),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    def attend_at(
+        self, layer: int, qkv: tuple[int, int, int, int, int, int], tokens: int, out_at: int, threads: int
+    ) -> None:
+        """forward by address: `qkv` is q's, k's and v's address and token stride (in floats), each
+        token's heads contiguous, float32; out [tokens, heads, head_dim] float32 contiguous."""
+        assert KERNEL is not None, "CpuAttention is chosen only where its kernel runs"
+        row_args = self._row_args
+        assert row_args is not None, "plan() must run before forward()"
+        keys, values = self._layer_pools[layer]
+        pool = self.kv_pool
+        KERNEL.attend(
+            *qkv,
+            tokens,
+            keys,
+            values,
+            pool.num_pages * pool.page_size,
+            *row_args,
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            self.kv_pool.page_size,
-            out.data_ptr(),
-            torch.get_num_threads(),
-            keys.dtype == torch.float16,
+            pool.page_size,
+            out_at,
+            threads,
+            pool.buffer.dtype == torch.float16,
             self.WIDE,
-            self.kv_pool.int8_keys,
-            self.kv_pool.int8_values,
+            pool.int8_keys,
+            pool.int8_values,
         )
-        return out
 
 
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -79,20 +79,21 @@ class BlockDotLinear(Linear):
         source = x if float32 and x.is_contiguous() else x.float().contiguous()
         tokens, cols = source.shape
         y = torch.empty(tokens, self._padded, dtype=torch.float32)
-        self._kernel(
-            source.data_ptr(),
-            tokens,
-            cols,
-            self._packed_at,
-            self._scales_at,
-            self._padded,
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
+        self.multiply(source.data_ptr(), tokens, cols, y.data_ptr(), torch.get_num_threads())
         out = y if self._padded == self.rows else y[:, : self.rows]
         if not float32:
             out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+    def multiply(self, x_at: int, tokens: int, cols: int, y_at: int, threads: int) -> None:
+        """y = x @ W.T (no bias) by address, the caller's tensors: x [tokens, cols] float32 contiguous, y
+        [tokens, padded_features] float32 contiguous (the tiles' zero rows give zero columns)."""
+        self._kernel(x_at, tokens, cols, self._packed_at, self._scales_at, self._padded, y_at, threads)
+
+    @property
+    def padded_features(self) -> int:
+        """The output columns the tiles hold: out_features, to a multiple of TILE."""
+        return self._padded
 
     @property
     def num_bytes(self) -> int:

@@ -49,12 +49,14 @@ class RowOps(ABC):
         columns]; cos and signed_sin are the rows' tables (rope.py's `tables`). `qkv` may be
         written in place: q, k and v may be views of it."""
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """silu(gate) * up of the fused projection's output [tokens, 2 * intermediate] (gate first):
         torch's in both implementations. A C form (a Cephes-style exp, within 2.0 float32 eps where
         torch's is within 1.4) saved ~0.1 ms a SmolLM2 step and left int4 further from the float
         path than torch's SiLU did (docs/benchmarks.md, "The decoder's row ops in C")."""
         gate, up = gate_up.chunk(2, dim=-1)
+        if out is not None:  # the same products, into the caller's tensor
+            return torch.mul(F.silu(gate), up, out=out)
         return F.silu(gate) * up
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,42 +34,38 @@ class NativeRowOps(RowOps):
         assert OPS is not None, "NativeRowOps is built only where the row ops run"
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        assert OPS is not None
         x, weight = _float32_rows(x), _float32_rows(weight)
         out = torch.empty_like(x)
-        eps = self.config.rms_norm_eps
-        OPS.add_rms_norm(x.data_ptr(), 0, weight.data_ptr(), eps, out.data_ptr(), x.shape[0], x.shape[1])
+        self.add_norm_at(x.data_ptr(), 0, weight.data_ptr(), out.data_ptr(), rows=x.shape[0], cols=x.shape[1])
         return out
 
     def add_norm(
         self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert OPS is not None
         x, y, weight = _float32_rows(x), _float32_rows(y), _float32_rows(weight)
         out = torch.empty_like(x)
-        OPS.add_rms_norm(
-            x.data_ptr(),
-            y.data_ptr(),
-            weight.data_ptr(),
-            self.config.rms_norm_eps,
-            out.data_ptr(),
-            x.shape[0],
-            x.shape[1],
+        self.add_norm_at(
+            x.data_ptr(), y.data_ptr(), weight.data_ptr(), out.data_ptr(), rows=x.shape[0], cols=x.shape[1]
         )
         return x, out
 
     def rotate(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> QKV:
-        assert OPS is not None
-        c = self.config
         qkv = _float32_rows(qkv)
         cos, signed_sin = _float32_rows(cos), _float32_rows(signed_sin)
-        OPS.rotate(
-            qkv.data_ptr(),
-            qkv.shape[0],
-            qkv.shape[1],
-            c.num_heads + c.num_kv_heads,
-            c.head_dim,
-            cos.data_ptr(),
-            signed_sin.data_ptr(),
-        )
+        self.rotate_at(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], cos.data_ptr(), signed_sin.data_ptr())
         return self.heads(*self.split(qkv))
+
+    def add_norm_at(
+        self, x_at: int, add_at: int, weight_at: int, out_at: int, *, rows: int, cols: int
+    ) -> None:
+        """add_norm by address, the caller's float32 contiguous [rows, cols] tensors: x += add (none
+        where add_at is 0), out = rms_norm(x) * weight."""
+        assert OPS is not None
+        OPS.add_rms_norm(x_at, add_at, weight_at, self.config.rms_norm_eps, out_at, rows, cols)
+
+    def rotate_at(self, qkv_at: int, rows: int, row_stride: int, cos_at: int, sin_at: int) -> None:
+        """rotate by address, in place: rows of the fused projection `row_stride` floats apart, the
+        tables [rows, head_dim] float32 contiguous."""
+        assert OPS is not None
+        c = self.config
+        OPS.rotate(qkv_at, rows, row_stride, c.num_heads + c.num_kv_heads, c.head_dim, cos_at, sin_at)
