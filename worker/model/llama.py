@@ -14,7 +14,9 @@ import logging
 import torch
 
 from worker.attention.base import AttentionBackend
+from worker.attention.cpu_backend import CpuAttention
 from worker.model.config import ModelConfig
+from worker.model.native_forward import NativeForward
 from worker.model.rope import RotaryEmbedding
 from worker.model.row_ops import RowOps, TorchRowOps
 from worker.model.row_ops_native import UNAVAILABLE_REASON, NativeRowOps, native_row_ops_available
@@ -33,12 +35,26 @@ class LlamaModel:
         self.dtype = dtype
         self.rope = RotaryEmbedding(config, dtype=dtype, device=device)
         self.row_ops = choose_row_ops(config, weights.form, device=device, dtype=dtype)
+        # Every layer's kernels called by address where all of them run natively (native_forward.py).
+        self.native = NativeForward.build(config, weights, self.row_ops)
+        if self.native is not None:
+            logger.info("forward: each layer's kernels by address (worker/model/native_forward.py)")
 
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
         """Final-normed hidden states [tokens, hidden]; writes every layer's KV for these tokens."""
+        if self.native is not None and isinstance(attention, CpuAttention):
+            return self.native.forward(input_ids, positions, self.rope, attention)
+        return self.forward_op_by_op(input_ids, positions, attention)
+
+    @torch.inference_mode()
+    def forward_op_by_op(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
+        """`forward` through each op's tensor interface: every form and backend's path, and the native
+        one's reference (the same kernels in the same order, so the same bits)."""
         ops = self.row_ops
         layers = self.weights.layers
         tokens = input_ids.shape[0]
