@@ -4,10 +4,10 @@ kernels, worker/model/block_dot.py; the native row ops, row_ops_native.py; the `
 worker/attention/cpu_backend.py).
 
 Why: a SmolLM2 decode step is ~9 kernel calls a layer, 30 layers, and each call through its tensor
-wrapper (views, allocations, dtype and stride checks, `data_ptr`s) cost 5-19 us of host time: ~3.5 ms
-a step, ~40% of a short-context decode on 2 threads (docs/benchmarks.md, "The decoder layer by
-address"). Here a forward allocates its buffers once, takes every address once, and each layer is
-the kernels' calls with ints.
+wrapper (views, allocations, dtype and stride checks, `data_ptr`s) cost 5-19 us of host time. Here a
+forward allocates its buffers once, takes every address once, and each layer is the kernels' calls
+with ints: a decode step 0.75-0.89x the op-by-op one's time, ~2 ms less (Xeon VM, docs/benchmarks.md,
+"The decoder layer by address").
 
 The promise holds by construction: the same kernels on the same inputs in the same order as
 `LlamaModel.forward_op_by_op`, so the same bits (tests/worker/test_native_forward.py compares the two).
