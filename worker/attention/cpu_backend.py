@@ -17,13 +17,13 @@ check holds it to them within self_check.py's tolerance, as any other backend.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import ClassVar
 
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
 from worker.attention.int8_kv import PAGE_MULTIPLE
-from worker.attention.kv_pool import KVPool
 from worker.native import load_extension
 
 # KERNEL is None where it does not run, and UNAVAILABLE_REASON says why (empty where it runs).
@@ -63,22 +63,13 @@ class CpuAttention(AttentionBackend):
             )
         return None
 
-    def __init__(
-        self,
-        kv_pool: KVPool,
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            kv_pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
-        )
-        # Each layer's pool addresses, fixed with the pool: asked of torch once, not on every layer call.
-        layers = kv_pool.buffer.shape[0]
-        self._layer_pools = tuple(
-            (kv_pool.keys(i).data_ptr(), kv_pool.values(i).data_ptr()) for i in range(layers)
+    @cached_property
+    def _layer_pools(self) -> tuple[tuple[int, int], ...]:
+        """Each layer's key and value addresses, fixed with the pool: asked of torch once, not on every
+        layer call."""
+        pool = self.kv_pool
+        return tuple(
+            (pool.keys(i).data_ptr(), pool.values(i).data_ptr()) for i in range(pool.buffer.shape[0])
         )
 
     def plan(self, meta: AttentionMetadata) -> None:
